@@ -1,0 +1,105 @@
+"""Expert capacity and the token-drop policy.
+
+Legend: T tokens, K slots per token, P = T·K (token, slot) pairs, E experts, G capacity groups.
+A pair is ``p = t·K + k``. The capacity is a cap on the pairs an expert keeps, never a size that
+anything is padded to.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+DROP_POLICIES = ("probs", "position")
+
+
+def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float | None) -> int | None:
+    """``C = ceil(capacity_factor · T · K / E)``; ``None`` means dropless.
+
+    ``T`` is the number of tokens of one capacity group (the tokens of one rank), so every rank
+    computes the same C from values it knows. A C of T or more never drops: a token picks an
+    expert at most once.
+    """
+    if capacity_factor is None:
+        return None
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be > 0 or None, got {capacity_factor}")
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    """Which pairs are kept and in which order they are packed.
+
+    order_P: (P,) int64 pair indices: kept pairs first, sorted by expert (ties by pair index),
+        then the dropped pairs. Sorting by expert also sorts by destination rank, since rank r
+        holds experts ``[r·L, (r+1)·L)``.
+    kept_TK: (T, K) bool.
+    kept_per_expert_E: (E,) int64 pairs each expert keeps.
+    routed_per_expert_E: (E,) int64 pairs routed to each expert before the cap.
+    capacity: C, or None (dropless).
+    """
+
+    order_P: torch.Tensor
+    kept_TK: torch.Tensor
+    kept_per_expert_E: torch.Tensor
+    routed_per_expert_E: torch.Tensor
+    capacity: int | None
+
+
+def _count(index: torch.Tensor, num_bins: int, values: torch.Tensor | None = None) -> torch.Tensor:
+    # scatter_add instead of torch.bincount: bincount reads the maximum on the host (a sync on CUDA).
+    ones = torch.ones_like(index) if values is None else values.to(torch.int64)
+    return torch.zeros(num_bins, dtype=torch.int64, device=index.device).scatter_add_(0, index, ones)
+
+
+def plan_routing(
+    experts_TK: torch.Tensor,
+    priority_TK: torch.Tensor,
+    num_experts: int,
+    capacity: int | None,
+    drop_policy: str = "probs",
+    capacity_groups: int = 1,
+) -> RoutingPlan:
+    """Apply the capacity and sort the pairs by expert. No host synchronisation.
+
+    Args:
+        experts_TK: (T, K) int64 chosen experts.
+        priority_TK: (T, K) fp32 router score of each pair.
+        capacity: C per expert and capacity group, or None.
+        drop_policy: ``"probs"`` keeps each expert's C highest-priority pairs (equal priorities:
+            the earlier token wins); ``"position"`` keeps its C earliest tokens.
+        capacity_groups: G; the T tokens are G equal contiguous groups (one per data-parallel
+            shard) and the cap applies within each. One process with G = N on the concatenated
+            batch drops exactly what N ranks drop on their shards.
+    """
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
+    T, K = experts_TK.shape
+    expert_P = experts_TK.reshape(-1)
+    routed_E = _count(expert_P, num_experts)
+    if capacity is None:
+        kept_P = torch.ones_like(expert_P, dtype=torch.bool)
+    else:
+        if T % capacity_groups:
+            raise ValueError(f"{T} tokens do not split into capacity_groups={capacity_groups} equal groups")
+        pair_P = torch.arange(T * K, device=expert_P.device)
+        group_P = pair_P // (K * (T // capacity_groups))
+        segment_P = group_P * num_experts + expert_P
+        if drop_policy == "probs":
+            # stable sort: equal priorities keep pair order, so the earlier token wins the tie
+            by_priority = torch.argsort(-priority_TK.reshape(-1), stable=True)
+        else:
+            by_priority = pair_P
+        ranked = by_priority[torch.argsort(segment_P[by_priority], stable=True)]
+        seg_sorted = segment_P[ranked]
+        seg_sizes = _count(seg_sorted, capacity_groups * num_experts)
+        seg_starts = torch.cumsum(seg_sizes, 0) - seg_sizes
+        rank_in_seg = pair_P - seg_starts[seg_sorted]
+        kept_P = torch.empty_like(expert_P, dtype=torch.bool)
+        kept_P[ranked] = rank_in_seg < capacity
+    # kept pairs sorted by expert, dropped pairs (key E) last; stable keeps pair order within
+    sort_key_P = torch.where(kept_P, expert_P, num_experts)
+    order_P = torch.argsort(sort_key_P, stable=True)
+    kept_E = _count(expert_P, num_experts, kept_P)
+    return RoutingPlan(order_P, kept_P.view(T, K), kept_E, routed_E, capacity)

@@ -1,0 +1,51 @@
+"""The routed experts: one MLP per expert, weights stacked, run as grouped matmuls.
+
+Legend: R packed rows (sorted by expert), D model dim, F expert hidden dim, L experts held here.
+"""
+
+import torch
+import torch.nn as nn
+
+from moe.kernels import grouped_mm, row_tile_size
+from moe.mlp import ACTIVATIONS
+
+
+class GroupedExperts(nn.Module):
+    """L expert MLPs over packed rows.
+
+    Weights: ``w1_LDH`` (L, D, 2F) for SwiGLU (``[gate | up]`` along the last dim, one GEMM of
+    width 2F) or (L, D, F) for GELU; ``w2_LFD`` (L, F, D). Under autocast the rows and weights
+    run in the autocast dtype (the grouped GEMM takes bf16/fp16 operands, fp32 accumulation).
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, activation: str = "swiglu", *, device=None, dtype=None):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        self.activation = activation
+        self.num_experts = num_experts
+        width = 2 * hidden_dim if activation == "swiglu" else hidden_dim
+        self.w1_LDH = nn.Parameter(torch.empty(num_experts, dim, width, device=device, dtype=dtype))
+        self.w2_LFD = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        nn.init.normal_(self.w1_LDH, std=std)
+        nn.init.normal_(self.w2_LFD, std=std)
+
+    def compute_dtype(self, x_RD: torch.Tensor) -> torch.dtype:
+        if torch.is_autocast_enabled(x_RD.device.type):
+            return torch.get_autocast_dtype(x_RD.device.type)
+        return x_RD.dtype
+
+    def row_tile_size(self, dtype: torch.dtype) -> int:
+        """BLOCK_M of the first (largest) grouped GEMM: the tile the tile-utilization stat counts."""
+        return row_tile_size(self.w1_LDH.shape[1], self.w1_LDH.shape[2], dtype)
+
+    def forward(self, x_RD: torch.Tensor, offsets_L: torch.Tensor) -> torch.Tensor:
+        """x_RD (R, D) rows sorted by expert; offsets_L (L,) int32 cumulative ends. Returns (R, D)
+        in the compute dtype; rows past ``offsets_L[-1]`` come back zero."""
+        dtype = self.compute_dtype(x_RD)
+        x_RD = x_RD.to(dtype)
+        h_RF = grouped_mm(x_RD, self.w1_LDH.to(dtype), offsets_L, activation=self.activation)
+        return grouped_mm(h_RF, self.w2_LFD.to(dtype), offsets_L)

@@ -1,0 +1,24 @@
+"""Router losses. Legend: T tokens, E experts, K slots per token."""
+
+import torch
+
+
+def load_balancing_loss(routed_E: torch.Tensor, prob_sum_E: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    """Switch Transformer loss ``E · Σ_e f_e · P_e``.
+
+    ``f_e = routed_e / (T·K)``: the fraction of (token, slot) pairs routed to e (before the
+    capacity drops anything; no gradient). ``P_e = prob_sum_e / T``: the mean router probability
+    of e (the gradient flows through it). Equals 1 for perfectly uniform routing.
+    The inputs are sums, so they can be summed over ranks before the loss is formed.
+    """
+    num_experts = routed_E.numel()
+    f_E = routed_E.to(torch.float32) / (num_tokens * top_k)
+    p_E = prob_sum_E / num_tokens
+    return num_experts * torch.sum(f_E * p_E)
+
+
+def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    """ST-MoE z-loss ``mean_t logsumexp(logits_t)²``: keeps router logits small."""
+    if logits_TE.shape[0] == 0:
+        return logits_TE.sum()
+    return torch.logsumexp(logits_TE.float(), dim=-1).square().mean()

@@ -1,0 +1,110 @@
+"""Top-k router, computed in fp32.
+
+Legend: T tokens, D model dim, E experts, K experts per token.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class RouterOutput:
+    """What the router decided for T tokens. Every tensor is fp32 except the indices.
+
+    logits_TE: raw router logits (the z-loss reads them).
+    scores_TE: softmax probabilities, or sigmoid scores.
+    experts_TK: (T, K) int64 chosen experts, distinct per token.
+    priority_TK: (T, K) unbiased score of each chosen expert; the ``probs`` drop policy keeps
+        an expert's highest-priority pairs.
+    weights_TK: (T, K) combine weights: the priorities, renormalised over K when asked.
+    """
+
+    logits_TE: torch.Tensor
+    scores_TE: torch.Tensor
+    experts_TK: torch.Tensor
+    priority_TK: torch.Tensor
+    weights_TK: torch.Tensor
+
+
+class Router(nn.Module):
+    """``logits = x @ Wrᵀ`` in fp32 (autocast off), scores, top-k.
+
+    Args:
+        dim: D. num_experts: E. top_k: K.
+        score_func: ``"softmax"`` (probabilities over E) or ``"sigmoid"`` (independent scores,
+            DeepSeek-V3 style).
+        renormalize: divide the K chosen scores by their sum, so the combine weights sum to 1.
+        expert_bias: keep a per-expert bias (a buffer, not a parameter) that is added to the
+            scores for the top-k *selection only*; the combine weights and the losses never see it.
+            It is moved by :meth:`update_expert_bias` (aux-loss-free load balancing).
+        bias_update_rate: step size of that rule.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        score_func: str = "softmax",
+        renormalize: bool = True,
+        expert_bias: bool = False,
+        bias_update_rate: float = 1e-3,
+        device=None,
+    ):
+        super().__init__()
+        if score_func not in SCORE_FUNCS:
+            raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+        if bias_update_rate < 0:
+            raise ValueError(f"bias_update_rate must be >= 0, got {bias_update_rate}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.score_func = score_func
+        self.renormalize = renormalize
+        self.bias_update_rate = bias_update_rate
+        # The router stays fp32 whatever the model's dtype: top-k on bf16 logits flips
+        # near-ties and the softmax of bf16 logits loses the small probabilities.
+        self.weight = nn.Parameter(torch.empty(num_experts, dim, device=device, dtype=torch.float32))
+        if expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        nn.init.normal_(self.weight, std=std)
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+
+    def forward(self, x_TD: torch.Tensor) -> RouterOutput:
+        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+            logits_TE = F.linear(x_TD.float(), self.weight.float())
+        if self.score_func == "softmax":
+            scores_TE = logits_TE.softmax(dim=-1)
+        else:
+            scores_TE = logits_TE.sigmoid()
+        select_TE = scores_TE if self.expert_bias is None else scores_TE + self.expert_bias
+        experts_TK = select_TE.topk(self.top_k, dim=-1, sorted=True).indices
+        priority_TK = scores_TE.gather(1, experts_TK)
+        weights_TK = priority_TK
+        if self.renormalize:
+            weights_TK = priority_TK / priority_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        return RouterOutput(logits_TE, scores_TE, experts_TK, priority_TK, weights_TK)
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert_E: torch.Tensor) -> None:
+        """Aux-loss-free balancing rule (DeepSeek-V3): ``b_e += rate · sign(mean load − load_e)``.
+
+        Call it once per optimizer step, outside autograd, with the tokens routed to each
+        expert over the whole batch (the global count under data/expert parallelism, so every
+        rank applies the same update). Overloaded experts become less likely to be chosen.
+        """
+        if self.expert_bias is None:
+            raise RuntimeError("update_expert_bias needs a router built with expert_bias=True")
+        load_E = tokens_per_expert_E.to(self.expert_bias.device, torch.float32)
+        self.expert_bias += self.bias_update_rate * torch.sign(load_E.mean() - load_E)
