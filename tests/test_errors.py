@@ -1,0 +1,61 @@
+"""Bad construction and bad input raise one clear error naming the argument."""
+
+import pytest
+import torch
+
+from moe import MoELayer
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(top_k=5), "top_k=5 must be <= num_experts=4"),
+        (dict(dim=0), "dim must be a positive int"),
+        (dict(hidden_dim=-3), "hidden_dim must be a positive int"),
+        (dict(num_experts=0, top_k=1), "num_experts must be a positive int"),
+        (dict(top_k=0), "top_k must be a positive int"),
+        (dict(capacity_factor=0.0), "capacity_factor must be > 0"),
+        (dict(capacity_factor=-1.0), "capacity_factor must be > 0"),
+        (dict(drop_policy="random"), "drop_policy"),
+        (dict(activation="relu"), "activation"),
+        (dict(score_func="tanh"), "score_func"),
+        (dict(num_shared_experts=-1), "num_shared_experts"),
+        (dict(aux_loss_coef=-0.1), "aux_loss_coef"),
+        (dict(capacity_groups=0), "capacity_groups"),
+    ],
+)
+def test_bad_construction(kwargs, match):
+    args = dict(dim=8, hidden_dim=16, num_experts=4, top_k=2)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        MoELayer(**args)
+
+
+def test_wrong_last_dim():
+    with pytest.raises(ValueError, match="last dim = dim = 8"):
+        MoELayer(8, 16, 4)(torch.randn(3, 7))
+
+
+def test_non_floating_input():
+    with pytest.raises(TypeError, match="floating-point"):
+        MoELayer(8, 16, 4)(torch.ones(3, 8, dtype=torch.long))
+
+
+def test_nan_input_with_check_finite():
+    x = torch.randn(3, 8)
+    x[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        MoELayer(8, 16, 4, check_finite=True)(x)
+
+
+def test_tokens_not_divisible_by_capacity_groups():
+    with pytest.raises(ValueError, match="capacity_groups=2"):
+        MoELayer(8, 16, 4, capacity_factor=1.0, capacity_groups=2)(torch.randn(3, 8))
+
+
+def test_experts_not_divisible_by_ep_size():
+    class FakeDispatcher:
+        ep_size, ep_rank = 3, 0
+
+    with pytest.raises(ValueError, match="num_experts=4 must be divisible by the expert-parallel size 3"):
+        MoELayer(8, 16, 4, dispatcher=FakeDispatcher())
