@@ -1,0 +1,51 @@
+"""Causal self-attention block: fused QKV projection, RoPE, GQA, FlashAttention, output projection.
+
+Shape legend: B batch, S sequence, D model dim, H query heads, Hkv key/value heads, Hd head dim.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attention.flash_attn import flash_attention
+from attention.rope import apply_rope, rope_cos_sin
+
+
+class Attention(nn.Module):
+    """Multi-head causal self-attention with grouped key/value heads.
+
+    ``n_kv_heads`` defaults to ``n_heads`` (plain MHA); 1 gives MQA. ``head_dim`` defaults to
+    ``dim // n_heads``. On CUDA tensors the Triton FlashAttention kernel runs; elsewhere
+    ``scaled_dot_product_attention`` (same math, same masking).
+    """
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None,
+                 head_dim: int | None = None, rope_theta: float = 10000.0, bias: bool = False):
+        super().__init__()
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        head_dim = dim // n_heads if head_dim is None else head_dim
+        if n_kv_heads <= 0 or n_heads % n_kv_heads:
+            raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
+        if head_dim <= 0 or head_dim % 2:
+            raise ValueError(f"head_dim must be positive and even, got {head_dim}")
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.rope_theta = rope_theta
+        self.qkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * head_dim, bias=bias)
+        self.out = nn.Linear(n_heads * head_dim, dim, bias=bias)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        """x_BSD: (B, S, D) -> (B, S, D), causal."""
+        B, S, _ = x_BSD.shape
+        H, Hkv, Hd = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv_BSND = self.qkv(x_BSD).view(B, S, H + 2 * Hkv, Hd)
+        q_BSHD, k_BSHD, v_BSHD = qkv_BSND.split((H, Hkv, Hkv), dim=2)
+        cos_SF, sin_SF = rope_cos_sin(S, Hd, self.rope_theta, device=x_BSD.device)
+        q_BSHD = apply_rope(q_BSHD, cos_SF, sin_SF)
+        k_BSHD = apply_rope(k_BSHD, cos_SF, sin_SF)
+        # (B, S, H, Hd) memory viewed as (B, H, S, Hd): the kernel takes strides, no copy.
+        q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSHD, v_BSHD))
+        if x_BSD.is_cuda:
+            o_BHSD = flash_attention(q, k, v, causal=True)
+        else:
+            o_BHSD = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)
+        return self.out(o_BHSD.transpose(1, 2).reshape(B, S, H * Hd))
