@@ -1,12 +1,14 @@
-"""Grouped matmul over packed rows; the Triton kernels replace the reference on CUDA."""
+"""Grouped matmul over packed rows: Triton kernels on CUDA, the PyTorch reference elsewhere."""
 
+from moe.kernels.grouped_mm import grouped_mm, grouped_mm_triton
+from moe.kernels.grouped_mm_fwd import DEFAULT_BLOCK_M, row_tile_size
 from moe.kernels.reference import apply_activation, grouped_mm_reference
 
-grouped_mm = grouped_mm_reference
-
-
-def row_tile_size(K: int, N: int, dtype) -> int:
-    """Row tile (BLOCK_M) of the grouped GEMM for these shapes; 128 until the Triton kernel lands."""
-    return 128
-
-__all__ = ["apply_activation", "grouped_mm", "grouped_mm_reference", "row_tile_size"]
+__all__ = [
+    "DEFAULT_BLOCK_M",
+    "apply_activation",
+    "grouped_mm",
+    "grouped_mm_reference",
+    "grouped_mm_triton",
+    "row_tile_size",
+]

@@ -1,0 +1,76 @@
+"""Triton backward of the grouped matmul's fused activation: ``dz = d act(z) / dz · dh``.
+
+Legend: M rows, N pre-activation width (2F for SwiGLU), F = N/2.
+
+The forward epilogue saves the pre-activation ``z_MN``; this one elementwise pass turns the
+output gradient ``dh`` into ``dz_MN``, which both dgrad and wgrad then read. Math in fp32:
+SwiGLU ``h = silu(g)·u``: ``dg = dh·u·σ(g)(1 + g(1 − σ(g)))``, ``du = dh·silu(g)``;
+tanh-GELU: ``d/dz [0.5 z (1 + tanh s)] = 0.5(1 + tanh s) + 0.5 z (1 − tanh² s) s'``,
+``s = c(z + 0.044715 z³)``, ``s' = c(1 + 3·0.044715 z²)``.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from moe.kernels.grouped_mm_fwd import ACTIVATIONS
+
+
+@triton.jit
+def _activation_bwd_kernel(
+    z_ptr, dh_ptr, dz_ptr, M, F,
+    stride_zm, stride_dhm, stride_dzm,
+    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = (rows[:, None] < M) & (cols[None, :] < F)
+    rows64 = tl.cast(rows, tl.int64)
+    z_ptrs = z_ptr + rows64[:, None] * stride_zm + cols[None, :]
+    dz_ptrs = dz_ptr + rows64[:, None] * stride_dzm + cols[None, :]
+    dh = tl.load(dh_ptr + rows64[:, None] * stride_dhm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 1:
+        up = tl.load(z_ptrs + F, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(z)
+        d_gate = dh * up * sig * (1.0 + z * (1.0 - sig))
+        d_up = dh * z * sig
+        tl.store(dz_ptrs, d_gate.to(dz_ptr.dtype.element_ty), mask=mask)
+        tl.store(dz_ptrs + F, d_up.to(dz_ptr.dtype.element_ty), mask=mask)
+    else:
+        s = 0.7978845608028654 * (z + 0.044715 * z * z * z)
+        t = 2.0 * tl.sigmoid(2.0 * s) - 1.0
+        ds = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * z * z)
+        dz = dh * (0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * ds)
+        tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
+
+
+def activation_backward(z_MN: torch.Tensor, dh: torch.Tensor, activation: str) -> torch.Tensor:
+    """Gradient w.r.t. the pre-activation.
+
+    Args:
+        z_MN: (M, N) saved pre-activation, row-major.
+        dh: (M, N/2) for ``"swiglu"``, (M, N) for ``"gelu"``; row-major, any float dtype.
+        activation: ``"swiglu"`` or ``"gelu"``.
+
+    Returns:
+        dz_MN: (M, N) in z's dtype.
+    """
+    if activation not in ("swiglu", "gelu"):
+        raise ValueError(f"activation must be 'swiglu' or 'gelu', got {activation!r}")
+    M, N = z_MN.shape
+    f = N // 2 if activation == "swiglu" else N
+    if dh.shape != (M, f):
+        raise ValueError(f"dh must have shape {(M, f)} for {activation}, got {tuple(dh.shape)}")
+    if z_MN.stride(1) != 1 or dh.stride(1) != 1:
+        raise ValueError(f"z_MN and dh must be row-major, got strides {z_MN.stride()}, {dh.stride()}")
+    dz = torch.empty_like(z_MN)
+    if dz.numel() == 0:
+        return dz
+    block_m, block_f = 32, 128
+    grid = (triton.cdiv(M, block_m), triton.cdiv(f, block_f))
+    _activation_bwd_kernel[grid](
+        z_MN, dh, dz, M, f, z_MN.stride(0), dh.stride(0), dz.stride(0),
+        ACT=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_F=block_f, num_warps=4,
+    )
+    return dz

@@ -1,0 +1,87 @@
+"""Differentiable grouped matmul over packed rows, Triton on CUDA, PyTorch reference on CPU.
+
+Legend: M packed rows (sorted by group), K input width, N weight output width, G groups,
+F = N/2 for SwiGLU.
+
+``y = act(x[rows of g] @ w[g])`` with group g holding rows ``offsets[g-1]:offsets[g]``.
+Forward: one persistent Triton launch (activation fused into its epilogue, pre-activation
+saved when a gradient is needed). Backward: the activation's elementwise backward (one Triton
+pass, ``dz``), then dgrad ``dx = dz @ w[g]ᵀ`` (the forward kernel on ``w`` with swapped strides)
+and wgrad ``dw[g] = x_gᵀ @ dz_g`` (its own kernel, reduction over the group's rows).
+
+Host syncs: none. Group sizes are only read by the kernels on the device; the kernels'
+grids depend on shapes and the SM count alone. Rows at or past ``offsets[-1]`` are zero in
+``y`` and ``dx`` and contribute nothing to ``dw``.
+"""
+
+import torch
+
+from moe.kernels.activation_bwd import activation_backward
+from moe.kernels.grouped_mm_fwd import grouped_mm_forward
+from moe.kernels.grouped_mm_wgrad import grouped_mm_wgrad
+from moe.kernels.reference import grouped_mm_reference
+
+BACKENDS = ("auto", "triton", "reference")
+
+
+class GroupedMMFn(torch.autograd.Function):
+    """Autograd wrapper: Triton forward, Triton activation-backward + dgrad + wgrad."""
+
+    @staticmethod
+    def forward(ctx, x_MK, w_GKN, offsets_G, activation):
+        needs_grad = x_MK.requires_grad or w_GKN.requires_grad
+        y, z = grouped_mm_forward(x_MK, w_GKN, offsets_G, activation, save_preact=needs_grad)
+        ctx.activation = activation
+        ctx.save_for_backward(x_MK, w_GKN, offsets_G, z)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_MK, w_GKN, offsets_G, z = ctx.saved_tensors
+        dy = dy.contiguous()
+        dz = activation_backward(z, dy, ctx.activation) if ctx.activation is not None else dy
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx, _ = grouped_mm_forward(dz, w_GKN.transpose(1, 2), offsets_G, record_tile=False)
+        if ctx.needs_input_grad[1]:
+            dw = grouped_mm_wgrad(x_MK, dz, offsets_G)
+        return dx, dw, None, None
+
+
+def grouped_mm_triton(
+    x_MK: torch.Tensor,
+    w_GKN: torch.Tensor,
+    offsets_G: torch.Tensor,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """The Triton path, differentiable in x and w (on CPU only under ``TRITON_INTERPRET=1``)."""
+    return GroupedMMFn.apply(x_MK, w_GKN, offsets_G, activation)
+
+
+def grouped_mm(
+    x_MK: torch.Tensor,
+    w_GKN: torch.Tensor,
+    offsets_G: torch.Tensor,
+    activation: str | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``y[rows of g] = act(x[rows of g] @ w[g])``, differentiable in x and w.
+
+    Args:
+        x_MK: (M, K) bf16/fp16 (fp32 works, slower) packed rows sorted by group, row-major.
+        w_GKN: (G, K, N) same dtype; for ``"swiglu"`` N = 2F holds ``[gate | up]``.
+        offsets_G: (G,) int32/int64 cumulative end offsets on x's device, non-decreasing,
+            ``offsets[-1] <= M``; empty groups allowed.
+        activation: None, ``"swiglu"`` (output width F, ``silu(gate) * up`` in fp32) or
+            ``"gelu"`` (tanh approximation).
+        backend: ``"auto"`` (Triton on CUDA, reference elsewhere), ``"triton"`` or ``"reference"``.
+
+    Returns:
+        y: (M, N or F) in x's dtype; rows at or past ``offsets[-1]`` are zero, and so are
+        those rows of the input gradient.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference" or (backend == "auto" and not x_MK.is_cuda):
+        return grouped_mm_reference(x_MK, w_GKN, offsets_G, activation)
+    return grouped_mm_triton(x_MK, w_GKN, offsets_G, activation)

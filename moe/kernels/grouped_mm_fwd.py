@@ -1,0 +1,296 @@
+"""Persistent Triton grouped matmul over packed rows: the forward pass and the input gradient.
+
+``out[rows of g] = act(a[rows of g] @ b[g])`` where the rows of ``a`` are sorted by group and
+group g holds rows ``offsets[g-1]:offsets[g]``. The same kernel computes the forward
+(``a = x_MK``, ``b[g] = w[g]``, ``(K, N)``) and dgrad (``a = dy_MN``, ``b[g] = w[g]ᵀ``, read
+through swapped strides, no copy).
+
+Legend: M packed rows, K reduction width, N output width, G groups, F = N/2 for SwiGLU.
+
+Scheduling: ``grid = #SMs`` programs; each walks the work list ``(group, m-tile, n-tile)`` with
+a stride of the grid size. The list is never materialised: every program scans the G group
+offsets on the device, counting tiles per group, so the launch path reads no group size on the
+host (no host sync). After the G groups comes one more pseudo-group, the rows
+``offsets[-1]:M``, whose tiles store zeros: padding rows are zero in the output without a host
+read of ``offsets[-1]``. Within a group the tiles are swizzled in bands of ``GROUP_M`` m-tiles
+so that a wave of programs shares a few rows of ``a`` and a few column strips of ``b[g]`` in L2.
+
+Activation epilogue (fused, in fp32, on the accumulator): ``"swiglu"`` keeps two accumulators,
+gate columns ``n`` and up columns ``F + n`` of the same output tile, and stores
+``silu(gate) * up``; ``"gelu"`` stores tanh-GELU. With ``save_preact`` the pre-activation
+``z = a @ b[g]`` (width N) is stored too, for the backward.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ACTIVATIONS = {None: 0, "swiglu": 1, "gelu": 2}
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Row tile reported before any launch / without autotune (the default config's BLOCK_M).
+DEFAULT_BLOCK_M = 128
+
+# Interpreter: one small config (autotune with several configs fails there) so that the
+# K loop and the tile walk both iterate on test sizes <= 128.
+_INTERPRET_CONFIG = triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2})
+
+
+def _configs():
+    if INTERPRET:
+        return [_INTERPRET_CONFIG]
+    return [
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=8),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=3, num_warps=8),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),
+    ]
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """SwiGLU holds two accumulators: drop the tile whose pair would not fit in registers."""
+    if kwargs.get("ACT", 0) != 1:
+        return configs
+    kept = [c for c in configs if c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_M"] <= 128 * 128]
+    return kept or configs
+
+
+@triton.jit
+def _gelu_tanh(v):
+    inner = 0.7978845608028654 * (v + 0.044715 * v * v * v)
+    # tanh(u) = 2 * sigmoid(2u) - 1, exact and stable for fp32.
+    return 0.5 * v * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
+
+
+@triton.jit
+def _tile_dot(a_ptrs, b_ptrs, a_step, b_step, k_tiles, K, offs_k, acc,
+              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc += a_tile @ b_tile over the reduction dimension, K-masked only when K is ragged."""
+    for kt in range(0, k_tiles):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - kt * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += a_step
+        b_ptrs += b_step
+    return acc
+
+
+@triton.jit
+def _tile_dot_pair(a_ptrs, b_ptrs, b_up_ptrs, a_step, b_step, k_tiles, K, offs_k, acc, acc_up,
+                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """SwiGLU: one pass over the rows of ``a`` feeds both the gate and the up accumulator."""
+    for kt in range(0, k_tiles):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+            b_up = tl.load(b_up_ptrs)
+        else:
+            k_left = K - kt * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            b_up = tl.load(b_up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+        a_ptrs += a_step
+        b_ptrs += b_step
+        b_up_ptrs += b_step
+    return acc, acc_up
+
+
+@triton.autotune(configs=_configs(), key=["N", "K", "ACT"], prune_configs_by={"early_config_prune": _prune_configs})
+@triton.heuristics({
+    "EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
+    "EVEN_N": lambda args: args["N"] % args["BLOCK_N"] == 0,
+})
+@triton.jit
+def _grouped_mm_kernel(
+    a_ptr, b_ptr, offsets_ptr, y_ptr, z_ptr,
+    M, N, K, G,
+    stride_am, stride_ak,
+    stride_bg, stride_bk, stride_bn,
+    stride_ym, stride_zm,
+    NUM_PROGRAMS: tl.constexpr,
+    ACT: tl.constexpr, SAVE_Z: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """One persistent program; N is the number of output columns (F for SwiGLU)."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+
+    tile = pid
+    tiles_before = 0
+    row_start = 0
+    for g in range(0, G + 1):
+        if g < G:
+            row_end = tl.load(offsets_ptr + g).to(tl.int32)
+        else:
+            row_end = M
+        rows = row_end - row_start
+        m_tiles = tl.cdiv(rows, BLOCK_M)
+        group_tiles = m_tiles * n_tiles
+        while tile < tiles_before + group_tiles:
+            # Swizzle: bands of GROUP_M m-tiles, m fastest inside a band.
+            local = tile - tiles_before
+            band_size = GROUP_M * n_tiles
+            band = local // band_size
+            first_m = band * GROUP_M
+            band_m = tl.minimum(m_tiles - first_m, GROUP_M)
+            tile_m = first_m + (local % band_size) % band_m
+            tile_n = (local % band_size) // band_m
+
+            local_m = tile_m * BLOCK_M + offs_m
+            cols = tile_n * BLOCK_N + offs_n
+            row_ok = local_m < rows
+            col_ok = cols < N
+            y_base = y_ptr + tl.cast(row_start, tl.int64) * stride_ym
+            y_ptrs = y_base + local_m[:, None] * stride_ym + cols[None, :]
+            out_mask = row_ok[:, None] & col_ok[None, :]
+            if g == G:
+                # Padding rows past offsets[-1]: zeros, nothing to multiply.
+                tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty), mask=out_mask)
+            else:
+                # Rows past the group's end are clamped (not masked): they read valid rows,
+                # their results are never stored, and the loads stay unmasked along M.
+                a_rows = tl.minimum(local_m, rows - 1)
+                if EVEN_N:
+                    b_cols = cols
+                else:
+                    b_cols = tl.where(col_ok, cols, 0)
+                a_base = a_ptr + tl.cast(row_start, tl.int64) * stride_am
+                a_ptrs = a_base + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+                b_base = b_ptr + tl.cast(g, tl.int64) * stride_bg
+                b_ptrs = b_base + offs_k[:, None] * stride_bk + b_cols[None, :] * stride_bn
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                if ACT == 1:
+                    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    acc, acc_up = _tile_dot_pair(a_ptrs, b_ptrs, b_ptrs + N * stride_bn, BLOCK_K * stride_ak,
+                                                 BLOCK_K * stride_bk, k_tiles, K, offs_k, acc, acc_up,
+                                                 BLOCK_K, EVEN_K, DOT_PRECISION)
+                else:
+                    acc = _tile_dot(a_ptrs, b_ptrs, BLOCK_K * stride_ak, BLOCK_K * stride_bk, k_tiles, K,
+                                    offs_k, acc, BLOCK_K, EVEN_K, DOT_PRECISION)
+                z_base = z_ptr + tl.cast(row_start, tl.int64) * stride_zm
+                z_ptrs = z_base + local_m[:, None] * stride_zm + cols[None, :]
+                if ACT == 1:
+                    if SAVE_Z:
+                        tl.store(z_ptrs, acc.to(z_ptr.dtype.element_ty), mask=out_mask)
+                        tl.store(z_ptrs + N, acc_up.to(z_ptr.dtype.element_ty), mask=out_mask)
+                    out = acc * tl.sigmoid(acc) * acc_up
+                elif ACT == 2:
+                    if SAVE_Z:
+                        tl.store(z_ptrs, acc.to(z_ptr.dtype.element_ty), mask=out_mask)
+                    out = _gelu_tanh(acc)
+                else:
+                    out = acc
+                tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tile += NUM_PROGRAMS
+        tiles_before += group_tiles
+        row_start = row_end
+
+
+_ran_block_m: dict[tuple[int, int, torch.dtype], int] = {}
+_num_sms: dict[int, int] = {}
+
+
+def _num_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 3  # interpreter: a few programs, so that each one walks several tiles
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _num_sms:
+        _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _num_sms[index]
+
+
+def row_tile_size(K: int, N: int, dtype: torch.dtype) -> int:
+    """BLOCK_M the forward kernel ran with for a weight of shape (G, K, N) in ``dtype``.
+
+    This is the autotuned choice once a forward with these shapes has run (for SwiGLU pass the
+    weight's N = 2F), and ``DEFAULT_BLOCK_M`` (128) before that, on CPU, or with the reference.
+    """
+    return _ran_block_m.get((int(K), int(N), dtype), DEFAULT_BLOCK_M)
+
+
+def _check_operands(a_MK: torch.Tensor, b_GKN: torch.Tensor, offsets_G: torch.Tensor) -> None:
+    if a_MK.dim() != 2:
+        raise ValueError(f"a_MK must be 2-D (M, K), got shape {tuple(a_MK.shape)}")
+    if b_GKN.dim() != 3:
+        raise ValueError(f"b_GKN must be 3-D (G, K, N), got shape {tuple(b_GKN.shape)}")
+    if a_MK.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"a_MK dtype must be bf16, fp16 or fp32, got {a_MK.dtype}")
+    if b_GKN.dtype != a_MK.dtype:
+        raise ValueError(f"b_GKN dtype {b_GKN.dtype} differs from a_MK dtype {a_MK.dtype}")
+    if a_MK.shape[1] != b_GKN.shape[1]:
+        raise ValueError(f"a_MK has K={a_MK.shape[1]} but b_GKN has K={b_GKN.shape[1]}")
+    if offsets_G.dim() != 1 or offsets_G.shape[0] != b_GKN.shape[0]:
+        raise ValueError(f"offsets_G must have shape ({b_GKN.shape[0]},), got {tuple(offsets_G.shape)}")
+    if offsets_G.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"offsets_G must be int32 or int64, got {offsets_G.dtype}")
+    if not (a_MK.device == b_GKN.device == offsets_G.device):
+        raise ValueError(f"a_MK, b_GKN, offsets_G on different devices: "
+                         f"{a_MK.device}, {b_GKN.device}, {offsets_G.device}")
+    if a_MK.stride(1) != 1:
+        raise ValueError(f"a_MK must be row-major (stride(1) == 1), got strides {a_MK.stride()}")
+
+
+def grouped_mm_forward(
+    a_MK: torch.Tensor,
+    b_GKN: torch.Tensor,
+    offsets_G: torch.Tensor,
+    activation: str | None = None,
+    save_preact: bool = False,
+    record_tile: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the persistent grouped matmul: ``y = act(a[rows of g] @ b[g])``.
+
+    Args:
+        a_MK: (M, K) bf16/fp16/fp32, row-major, rows sorted by group.
+        b_GKN: (G, K, N) same dtype, any strides (dgrad passes ``w.transpose(1, 2)``).
+        offsets_G: (G,) int32/int64 cumulative end offsets on a's device, non-decreasing,
+            ``offsets[-1] <= M`` (not checked: that would need a host sync).
+        activation: None, ``"swiglu"`` (N even, output N/2 = silu(gate) * up) or ``"gelu"``.
+        save_preact: also return the pre-activation ``z`` (M, N) (None without activation).
+        record_tile: remember the BLOCK_M the kernel ran with, for ``row_tile_size``.
+
+    Returns:
+        ``(y, z)``: y (M, N or N/2) in a's dtype, rows at or past ``offsets[-1]`` zero; z or None.
+    """
+    _check_operands(a_MK, b_GKN, offsets_G)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be None, 'swiglu' or 'gelu', got {activation!r}")
+    M, K = a_MK.shape
+    G, _, N = b_GKN.shape
+    if activation == "swiglu" and N % 2:
+        raise ValueError(f"swiglu needs an even N ([gate | up]), got N={N}")
+    n_out = N // 2 if activation == "swiglu" else N
+    y = a_MK.new_empty(M, n_out)
+    save_z = save_preact and activation is not None
+    z = a_MK.new_empty(M, N) if save_z else None
+    if M == 0 or n_out == 0:
+        return y, z
+    num_programs = _num_programs(a_MK.device)
+    _grouped_mm_kernel[(num_programs,)](
+        a_MK, b_GKN, offsets_G, y, z if save_z else y,
+        M, n_out, K, G,
+        a_MK.stride(0), a_MK.stride(1),
+        b_GKN.stride(0), b_GKN.stride(1), b_GKN.stride(2),
+        y.stride(0), z.stride(0) if save_z else 0,
+        NUM_PROGRAMS=num_programs,
+        ACT=ACTIVATIONS[activation], SAVE_Z=save_z,
+        DOT_PRECISION="ieee" if a_MK.dtype == torch.float32 else "tf32",
+    )
+    if record_tile:
+        _ran_block_m[(K, N, a_MK.dtype)] = _grouped_mm_kernel.best_config.kwargs["BLOCK_M"]
+    return y, z

@@ -1,0 +1,119 @@
+"""Triton weight gradient of the grouped matmul: ``dw[g] = x_gᵀ @ dy_g``.
+
+Legend: M packed rows (sorted by group), K input width, N output width, G groups.
+
+The reduction runs over the rows of group g, whose count differs per group and is read on the
+device: one program per ``(group, k-tile, n-tile)`` of ``dw`` loops over its group's rows in
+chunks of ``BLOCK_M``, masked to the group's ``[start, end)`` (rows are not aligned to the
+chunk). The grid, ``G * k_tiles * n_tiles``, depends only on shapes, so no host sync. A program
+of an empty group runs no iteration and stores zeros. Programs are ordered group-major, the
+tiles of one group swizzled in bands of ``GROUP_K`` k-tiles, so that the programs resident at
+one time share the group's rows of x and dy in L2.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from moe.kernels.grouped_mm_fwd import INTERPRET
+
+_INTERPRET_CONFIG = triton.Config({"BLOCK_K": 32, "BLOCK_N": 32, "BLOCK_M": 16, "GROUP_K": 2})
+
+
+def _configs():
+    if INTERPRET:
+        return [_INTERPRET_CONFIG]
+    return [
+        triton.Config({"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_M": 64, "GROUP_K": 8}, num_stages=4, num_warps=8),
+        triton.Config({"BLOCK_K": 128, "BLOCK_N": 256, "BLOCK_M": 64, "GROUP_K": 8}, num_stages=3, num_warps=8),
+        triton.Config({"BLOCK_K": 64, "BLOCK_N": 128, "BLOCK_M": 64, "GROUP_K": 8}, num_stages=4, num_warps=4),
+        triton.Config({"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_M": 32, "GROUP_K": 8}, num_stages=5, num_warps=8),
+    ]
+
+
+@triton.autotune(configs=_configs(), key=["N", "K"])
+@triton.jit
+def _grouped_mm_wgrad_kernel(
+    x_ptr, dy_ptr, offsets_ptr, dw_ptr,
+    N, K,
+    stride_xm, stride_dym,
+    stride_dwg, stride_dwk,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    group_size = k_tiles * n_tiles
+    g = pid // group_size
+    local = pid % group_size
+    band_size = GROUP_K * n_tiles
+    first_k = (local // band_size) * GROUP_K
+    band_k = tl.minimum(k_tiles - first_k, GROUP_K)
+    tile_k = first_k + (local % band_size) % band_k
+    tile_n = (local % band_size) // band_k
+
+    row_end = tl.load(offsets_ptr + g).to(tl.int32)
+    row_start = tl.load(offsets_ptr + g - 1, mask=g > 0, other=0).to(tl.int32)
+    rows = row_end - row_start
+
+    offs_k = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    # Columns past K or N are clamped (their results are masked at the store), keeping the
+    # loads unmasked along the contiguous dimension.
+    load_k = tl.where(offs_k < K, offs_k, 0)
+    load_n = tl.where(offs_n < N, offs_n, 0)
+    x_ptrs = x_ptr + tl.cast(row_start, tl.int64) * stride_xm + offs_m[None, :] * stride_xm + load_k[:, None]
+    dy_ptrs = dy_ptr + tl.cast(row_start, tl.int64) * stride_dym + offs_m[:, None] * stride_dym + load_n[None, :]
+
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for mt in range(0, tl.cdiv(rows, BLOCK_M)):
+        row_ok = offs_m < rows - mt * BLOCK_M
+        xt = tl.load(x_ptrs, mask=row_ok[None, :], other=0.0)
+        dy = tl.load(dy_ptrs, mask=row_ok[:, None], other=0.0)
+        acc = tl.dot(xt, dy, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_M * stride_xm
+        dy_ptrs += BLOCK_M * stride_dym
+
+    dw_ptrs = dw_ptr + tl.cast(g, tl.int64) * stride_dwg + offs_k[:, None] * stride_dwk + offs_n[None, :]
+    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=(offs_k[:, None] < K) & (offs_n[None, :] < N))
+
+
+def grouped_mm_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_G: torch.Tensor) -> torch.Tensor:
+    """``dw[g] = x[rows of g]ᵀ @ dy[rows of g]``; empty groups give zeros.
+
+    Args:
+        x_MK: (M, K) bf16/fp16/fp32, row-major, rows sorted by group.
+        dy_MN: (M, N) same dtype, row-major.
+        offsets_G: (G,) int32/int64 cumulative end offsets on x's device (rows at or past
+            ``offsets[-1]`` are ignored).
+
+    Returns:
+        dw_GKN: (G, K, N) contiguous, x's dtype, accumulated in fp32.
+    """
+    if x_MK.dim() != 2 or dy_MN.dim() != 2 or x_MK.shape[0] != dy_MN.shape[0]:
+        raise ValueError(f"x_MK (M, K) and dy_MN (M, N) must share M, got {tuple(x_MK.shape)} and "
+                         f"{tuple(dy_MN.shape)}")
+    if x_MK.dtype != dy_MN.dtype or x_MK.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x_MK and dy_MN must share a bf16/fp16/fp32 dtype, got {x_MK.dtype}, {dy_MN.dtype}")
+    if x_MK.stride(1) != 1 or dy_MN.stride(1) != 1:
+        raise ValueError(f"x_MK and dy_MN must be row-major, got strides {x_MK.stride()}, {dy_MN.stride()}")
+    if offsets_G.dim() != 1 or offsets_G.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"offsets_G must be a 1-D int32/int64 tensor, got {offsets_G.dtype} {tuple(offsets_G.shape)}")
+    if not (x_MK.device == dy_MN.device == offsets_G.device):
+        raise ValueError(f"x_MK, dy_MN, offsets_G on different devices: {x_MK.device}, {dy_MN.device}, "
+                         f"{offsets_G.device}")
+    K, N, G = x_MK.shape[1], dy_MN.shape[1], offsets_G.shape[0]
+    dw = x_MK.new_empty(G, K, N)
+    if dw.numel() == 0:
+        return dw
+    grid = lambda meta: (G * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    _grouped_mm_wgrad_kernel[grid](
+        x_MK, dy_MN, offsets_G, dw,
+        N, K,
+        x_MK.stride(0), dy_MN.stride(0),
+        dw.stride(0), dw.stride(1),
+        DOT_PRECISION="ieee" if x_MK.dtype == torch.float32 else "tf32",
+    )
+    return dw

@@ -1,0 +1,158 @@
+"""Triton grouped matmul (forward, activation backward, dgrad, wgrad) against the reference.
+
+On CPU the Triton kernels run through the interpreter (conftest sets TRITON_INTERPRET=1) at
+small sizes in fp32/fp16; on a GPU the same checks run compiled in bf16 at larger sizes.
+Every check compares with the float64 reference on fresh random inputs, by relative
+Frobenius error, and requires padding rows (at or past offsets[-1]) to be exactly zero in the
+output and the input gradient.
+"""
+
+import pytest
+import torch
+
+from moe.kernels import DEFAULT_BLOCK_M, grouped_mm, grouped_mm_reference, grouped_mm_triton, row_tile_size
+from moe.kernels.grouped_mm_fwd import _grouped_mm_kernel
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Relative Frobenius error allowed against the float64 reference, per operand dtype.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+
+ACTIVATIONS = [None, "swiglu", "gelu"]
+
+
+def _offsets(sizes, device, dtype=torch.int64):
+    return torch.tensor(sizes, device=device).cumsum(0).to(dtype)
+
+
+def _rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite values"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _check(sizes, padding, K, N, activation, dtype, device=DEVICE, offsets_dtype=torch.int64):
+    """Forward and both gradients of the Triton path against the float64 reference."""
+    G = len(sizes)
+    M = sum(sizes) + padding
+    offsets = _offsets(sizes, device, offsets_dtype)
+    x = torch.randn(M, K, device=device).to(dtype)
+    w = (torch.randn(G, K, N, device=device) / K**0.5).to(dtype)
+    n_out = N // 2 if activation == "swiglu" else N
+    dy = torch.randn(M, n_out, device=device).to(dtype)  # padding rows of dy are not zero
+
+    x_ref = x.detach().double().requires_grad_()
+    w_ref = w.detach().double().requires_grad_()
+    y_ref = grouped_mm_reference(x_ref, w_ref, offsets, activation)
+    if y_ref.requires_grad:  # the reference builds no graph when every group is empty
+        y_ref.backward(dy.double())
+
+    x.requires_grad_()
+    w.requires_grad_()
+    y = grouped_mm_triton(x, w, offsets, activation)
+    y.backward(dy)
+
+    tol = TOLERANCE[dtype]
+    end = sum(sizes)
+    assert y.shape == (M, n_out) and y.dtype == dtype
+    assert (y[end:] == 0).all(), "padding rows of y must be zero"
+    assert (x.grad[end:] == 0).all(), "padding rows of dx must be zero"
+    if y_ref.requires_grad:
+        assert _rel_err(y[:end], y_ref[:end]) < tol
+        assert _rel_err(x.grad[:end], x_ref.grad[:end]) < tol
+    for g, size in enumerate(sizes):
+        if size == 0:
+            assert (w.grad[g] == 0).all(), f"empty group {g} must get dw = 0"
+        else:
+            assert _rel_err(w.grad[g], w_ref.grad[g]) < tol, f"dw of group {g}"
+
+
+# Group layouts: random sizes with 0 and 1, one group holding every row, all groups empty.
+CPU_CASES = {
+    "mixed": ([5, 0, 1, 37, 0, 20], 7),
+    "one_group": ([0, 70, 0], 0),
+    "all_empty": ([0, 0], 5),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("case", list(CPU_CASES))
+def test_interpreter_matches_reference(case, activation, dtype):
+    sizes, padding = CPU_CASES[case]
+    # K=40, N=2*27: not multiples of the interpreter's 16/32 blocks (ragged K and N paths).
+    _check(sizes, padding, K=40, N=54, activation=activation, dtype=dtype)
+
+
+def test_interpreter_block_multiples_int32_offsets():
+    # K and N multiples of the blocks (the unmasked K/N paths), int32 offsets.
+    _check([33, 0, 64, 1], 3, K=64, N=128, activation="swiglu", dtype=torch.float16,
+           offsets_dtype=torch.int32)
+
+
+def test_row_tile_size_reports_the_launched_config():
+    assert row_tile_size(12345, 678, torch.float16) == DEFAULT_BLOCK_M
+    x = torch.randn(50, 24, device=DEVICE).to(torch.float16)
+    w = torch.randn(3, 24, 34, device=DEVICE).to(torch.float16)
+    grouped_mm_triton(x, w, _offsets([10, 0, 40], DEVICE), "swiglu")
+    assert row_tile_size(24, 34, torch.float16) == _grouped_mm_kernel.best_config.kwargs["BLOCK_M"]
+
+
+def test_auto_backend_on_cpu_is_the_reference():
+    x = torch.randn(20, 8)
+    w = torch.randn(2, 8, 6)
+    offsets = _offsets([7, 10], "cpu")
+    torch.testing.assert_close(grouped_mm(x, w, offsets, "gelu"), grouped_mm_reference(x, w, offsets, "gelu"),
+                               rtol=0, atol=0)
+
+
+def test_launcher_rejects_bad_arguments():
+    x = torch.randn(10, 8, device=DEVICE).to(torch.float16)
+    w = torch.randn(2, 8, 6, device=DEVICE).to(torch.float16)
+    offsets = _offsets([4, 6], DEVICE)
+    with pytest.raises(ValueError, match="dtype"):
+        grouped_mm_triton(x.float(), w, offsets)
+    with pytest.raises(ValueError, match="offsets_G"):
+        grouped_mm_triton(x, w, offsets[:1])
+    with pytest.raises(ValueError, match="swiglu"):
+        grouped_mm_triton(x, w[:, :, :5], offsets, "swiglu")
+    with pytest.raises(ValueError, match="backend"):
+        grouped_mm(x, w, offsets, backend="cuda")
+
+
+GPU_CASES = {
+    "mixed": ([300, 0, 1, 1200, 0, 77, 513, 2], 129),
+    "one_group": ([0, 2500, 0], 0),
+    "many_small": ([0, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 0, 1] * 4, 31),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_gpu_bf16_matches_reference(case, activation):
+    sizes, padding = GPU_CASES[case]
+    # K=520, N=2*300: not multiples of 64/128.
+    _check(sizes, padding, K=520, N=600, activation=activation, dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_block_multiples_int32_offsets():
+    _check([700, 0, 1, 1347], 64, K=1024, N=1536, activation="swiglu", dtype=torch.bfloat16,
+           offsets_dtype=torch.int32)
+
+
+@pytest.mark.gpu
+def test_gpu_no_host_sync():
+    sizes, padding = GPU_CASES["mixed"]
+    offsets = _offsets(sizes, "cuda", torch.int32)
+    x = torch.randn(sum(sizes) + padding, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(len(sizes), 256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(x.shape[0], 256, device="cuda", dtype=torch.bfloat16)
+    grouped_mm(x, w, offsets, "swiglu").backward(dy)  # compile and autotune first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grouped_mm(x, w, offsets, "swiglu").backward(dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
