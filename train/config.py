@@ -1,0 +1,344 @@
+"""Training configuration: nested dataclasses <-> YAML <-> ``--section.key=value`` overrides.
+
+Precedence: command line > YAML file > dataclass defaults. Every value is type-checked against
+its field's annotation (``int``, ``float``, ``bool``, ``str``, ``X | None``, ``list[X]``), and an
+unknown section or key raises :class:`ConfigError` naming ``section.key``. All of this happens
+before any process group starts, so a typo fails fast on every rank with the same message.
+"""
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override that names an unknown key or holds a wrongly typed value."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256
+    dim: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: = n_heads (no GQA)
+    head_dim: int | None = None  # None: dim // n_heads
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    dense_hidden_dim: int = 512  # hidden width of the dense MLP in non-MoE blocks
+    init_std: float = 0.02
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 8
+    top_k: int = 2
+    hidden_dim: int = 256
+    every_n_layers: int = 1  # block i is an MoE block when (i + 1) % every_n_layers == 0
+    capacity_factor: float | None = None  # None: dropless
+    drop_policy: str = "probs"
+    activation: str = "swiglu"
+    score_func: str = "softmax"
+    renormalize: bool = True
+    num_shared_experts: int = 0
+    shared_hidden_dim: int | None = None
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    expert_bias: bool = False
+    bias_update_rate: float = 1e-3
+
+
+@dataclass
+class ParallelConfig:
+    ep: int = 1  # expert-parallel size; data parallel over the whole world, edp = world // ep
+    device: str = "auto"  # auto (cuda if available) | cpu | cuda
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # stdlib (bytes of Python's own sources) | tokens (memmap) | text
+    path: str | None = None  # the token or text file
+    token_dtype: str = "uint16"  # uint16 | uint32, for source=tokens
+    max_bytes: int = 8_000_000  # stdlib corpus size cap
+    val_fraction: float = 0.05
+    seq_len: int = 128
+    batch_size: int = 8  # sequences per rank and micro-batch
+    val_batches: int = 4  # micro-batches per rank in one validation pass
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    expert_lr_mult: float = 1.0
+    expert_weight_decay: float | None = None  # None: = weight_decay
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0: no clipping
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    grad_accum: int = 1
+    seed: int = 0
+    precision: str = "auto"  # auto (bf16 autocast on cuda, fp32 on cpu) | bf16 | fp32
+    eval_every: int = 50  # 0: validate only at the start and the end
+
+
+@dataclass
+class LogConfig:
+    every: int = 10
+    dir: str = "runs"
+    run_name: str | None = None  # None: the config file's stem
+    project: str = "moe-ep"
+    wandb_mode: str | None = None  # online | offline | disabled; None: online iff WANDB_API_KEY is set
+    heatmap_every: int = 50
+    progress: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None  # None: <log.dir>/<run_name>/checkpoints
+    every: int = 0  # 0: never during the run
+    keep: int = 2  # newest checkpoints kept, 0: all
+    save_final: bool = False
+    resume: str = "auto"  # auto (latest in dir if any) | none | a checkpoint directory
+    stop_after: int = 0  # >0: exit after this many steps (simulates an interruption)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+CHOICES = {
+    "moe.drop_policy": ("probs", "position"),
+    "moe.activation": ("swiglu", "gelu"),
+    "moe.score_func": ("softmax", "sigmoid"),
+    "parallel.device": ("auto", "cpu", "cuda"),
+    "data.source": ("stdlib", "tokens", "text"),
+    "data.token_dtype": ("uint16", "uint32"),
+    "train.precision": ("auto", "bf16", "fp32"),
+    "log.wandb_mode": ("online", "offline", "disabled", None),
+}
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value, tp, key: str):
+    """``value`` checked (and losslessly converted) against annotation ``tp``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _coerce(value, inner[0], key)
+    if origin is list:
+        (elem,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise ConfigError(f"{key}: unsupported annotation {tp}")
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+def _field_types(section) -> dict:
+    hints = typing.get_type_hints(type(section))
+    return {f.name: hints[f.name] for f in dataclasses.fields(section)}
+
+
+def _set(cfg: Config, dotted: str, value) -> None:
+    parts = dotted.split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"{dotted}: keys are section.key, e.g. model.dim")
+    sec_name, key = parts
+    sections = {f.name for f in dataclasses.fields(cfg)}
+    if sec_name not in sections:
+        raise ConfigError(f"{dotted}: unknown section {sec_name!r} (known: {', '.join(sorted(sections))})")
+    section = getattr(cfg, sec_name)
+    types_ = _field_types(section)
+    if key not in types_:
+        raise ConfigError(f"{dotted}: unknown key {key!r} in section {sec_name!r} (known: {', '.join(types_)})")
+    setattr(section, key, _coerce(value, types_[key], dotted))
+
+
+def apply_dict(cfg: Config, data: dict, source: str = "config") -> Config:
+    """Set every ``{section: {key: value}}`` of ``data`` on ``cfg`` (type-checked)."""
+    if data is None:
+        return cfg
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: top level must be a mapping of sections, got {type(data).__name__}")
+    for sec_name, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{sec_name}: a section must be a mapping of keys, got {values!r}")
+        for key, value in values.items():
+            _set(cfg, f"{sec_name}.{key}", value)
+    return cfg
+
+
+def from_yaml(path: str, cfg: Config | None = None) -> Config:
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    return apply_dict(cfg or Config(), data, source=path)
+
+
+def _parse_value(text: str, tp):
+    """A command-line value: strings stay as typed, everything else is read as YAML."""
+    base = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+    if base == [str] and text.lower() not in ("none", "null", "~"):
+        return text
+    if text.lower() in ("none", "null"):
+        return None
+    return yaml.safe_load(text)
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """``["--model.dim=256", "--train.steps", "10", ...]`` onto ``cfg``."""
+    i = 0
+    while i < len(overrides):
+        arg = overrides[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key=value")
+        body = arg[2:]
+        if "=" in body:
+            dotted, text = body.split("=", 1)
+        else:
+            if i + 1 >= len(overrides):
+                raise ConfigError(f"{body}: missing value")
+            dotted, text = body, overrides[i + 1]
+            i += 1
+        i += 1
+        sec_name, _, key = dotted.partition(".")
+        section = getattr(cfg, sec_name, None)
+        tp = _field_types(section).get(key, str) if dataclasses.is_dataclass(section) else str
+        _set(cfg, dotted, _parse_value(text, tp))
+    return cfg
+
+
+def validate(cfg: Config, world_size: int = 1) -> Config:
+    """Cross-field checks, before any process group starts. Raises ConfigError."""
+    for dotted, allowed in CHOICES.items():
+        sec, key = dotted.split(".")
+        value = getattr(getattr(cfg, sec), key)
+        if value not in allowed:
+            raise ConfigError(f"{dotted}: must be one of {[a for a in allowed if a is not None]}, got {value!r}")
+    positive = {
+        "model.vocab_size": cfg.model.vocab_size, "model.dim": cfg.model.dim, "model.n_layers": cfg.model.n_layers,
+        "model.n_heads": cfg.model.n_heads, "model.dense_hidden_dim": cfg.model.dense_hidden_dim,
+        "moe.num_experts": cfg.moe.num_experts, "moe.top_k": cfg.moe.top_k, "moe.hidden_dim": cfg.moe.hidden_dim,
+        "moe.every_n_layers": cfg.moe.every_n_layers, "parallel.ep": cfg.parallel.ep,
+        "data.seq_len": cfg.data.seq_len, "data.batch_size": cfg.data.batch_size, "data.val_batches": cfg.data.val_batches,
+        "train.steps": cfg.train.steps, "train.grad_accum": cfg.train.grad_accum, "log.every": cfg.log.every,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {value}")
+    m = cfg.model
+    head_dim = m.head_dim or m.dim // m.n_heads
+    if m.head_dim is None and m.dim % m.n_heads:
+        raise ConfigError(f"model.dim={m.dim} must be divisible by model.n_heads={m.n_heads} (or set model.head_dim)")
+    if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
+        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+    if head_dim <= 0:
+        raise ConfigError(f"model.head_dim: must be > 0, got {head_dim}")
+    if cfg.moe.top_k > cfg.moe.num_experts:
+        raise ConfigError(f"moe.top_k={cfg.moe.top_k} must be <= moe.num_experts={cfg.moe.num_experts}")
+    if cfg.moe.capacity_factor is not None and cfg.moe.capacity_factor <= 0:
+        raise ConfigError(f"moe.capacity_factor: must be > 0 or null, got {cfg.moe.capacity_factor}")
+    if cfg.moe.num_shared_experts < 0:
+        raise ConfigError(f"moe.num_shared_experts: must be >= 0, got {cfg.moe.num_shared_experts}")
+    if world_size % cfg.parallel.ep:
+        raise ConfigError(f"parallel.ep={cfg.parallel.ep} must divide the world size {world_size}")
+    if cfg.moe.num_experts % cfg.parallel.ep:
+        raise ConfigError(f"moe.num_experts={cfg.moe.num_experts} must be divisible by parallel.ep={cfg.parallel.ep}")
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction: must be in (0, 1), got {cfg.data.val_fraction}")
+    if cfg.data.source != "stdlib" and not cfg.data.path:
+        raise ConfigError(f"data.path: required for data.source={cfg.data.source!r}")
+    if cfg.data.source in ("stdlib", "text") and cfg.model.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size}: byte-level data needs >= 256")
+    if cfg.optim.lr <= 0 or not 0 <= cfg.optim.min_lr_ratio <= 1:
+        raise ConfigError("optim.lr must be > 0 and optim.min_lr_ratio in [0, 1]")
+    if cfg.optim.warmup_steps < 0 or cfg.optim.grad_clip < 0:
+        raise ConfigError("optim.warmup_steps and optim.grad_clip must be >= 0")
+    for key in ("train.eval_every", "log.heatmap_every", "checkpoint.every", "checkpoint.keep", "checkpoint.stop_after"):
+        sec, k = key.split(".")
+        if getattr(getattr(cfg, sec), k) < 0:
+            raise ConfigError(f"{key}: must be >= 0")
+    return cfg
+
+
+def load_config(argv: list[str], world_size: int | None = None) -> Config:
+    """``[--config PATH] [--section.key=value ...]`` -> validated Config (CLI > YAML > defaults)."""
+    argv = list(argv)
+    cfg = Config()
+    path = None
+    rest = []
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("--config: missing path")
+            path = argv[i + 1]
+            i += 2
+        elif argv[i].startswith("--config="):
+            path = argv[i].split("=", 1)[1]
+            i += 1
+        else:
+            rest.append(argv[i])
+            i += 1
+    if path is not None:
+        from_yaml(path, cfg)
+        if cfg.log.run_name is None:
+            cfg.log.run_name = os.path.splitext(os.path.basename(path))[0]
+    apply_overrides(cfg, rest)
+    if cfg.log.run_name is None:
+        cfg.log.run_name = "run"
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return validate(cfg, world_size)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

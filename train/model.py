@@ -1,0 +1,126 @@
+"""The MoE transformer language model: embeddings → blocks → final norm → LM head.
+
+Legend: B batch, S sequence, D model dim, V vocabulary, E experts (global), L experts on this rank.
+
+A block is pre-norm: ``x + Attention(RMSNorm(x))`` then ``x + FFN(RMSNorm(x))``, where the FFN
+is an :class:`moe.MoELayer` in every ``moe.every_n_layers``-th block (block i when
+``(i + 1) % every_n_layers == 0``) and a dense :class:`moe.DenseMLP` otherwise.
+
+Initialisation is seeded and independent of the expert-parallel size: dense weights come from
+one generator seeded by ``seed`` (identical on every rank), and global expert e of layer l is
+drawn from its own generator seeded by ``(seed, l, e)``, so rank r's slice of experts equals the
+same slice of a one-process model. Output projections (attention out, FFN down) use
+``std / sqrt(2 · n_layers)`` (GPT-2's residual scaling).
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attention import Attention
+from moe import DenseMLP, GroupedExperts, MoELayer
+from train.config import Config
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config, layer_idx: int, dispatcher=None):
+        super().__init__()
+        m, e = cfg.model, cfg.moe
+        self.layer_idx = layer_idx
+        self.attn_norm = nn.RMSNorm(m.dim, eps=m.norm_eps)
+        self.attn = Attention(m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.rope_theta)
+        self.ffn_norm = nn.RMSNorm(m.dim, eps=m.norm_eps)
+        self.is_moe = (layer_idx + 1) % e.every_n_layers == 0
+        if self.is_moe:
+            self.ffn = MoELayer(
+                m.dim, e.hidden_dim, e.num_experts, e.top_k,
+                capacity_factor=e.capacity_factor, drop_policy=e.drop_policy, activation=e.activation,
+                score_func=e.score_func, renormalize=e.renormalize, expert_bias=e.expert_bias,
+                bias_update_rate=e.bias_update_rate, num_shared_experts=e.num_shared_experts,
+                shared_hidden_dim=e.shared_hidden_dim, aux_loss_coef=e.aux_loss_coef,
+                z_loss_coef=e.z_loss_coef, dispatcher=dispatcher,
+            )
+        else:
+            self.ffn = DenseMLP(m.dim, m.dense_hidden_dim, e.activation)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
+        return x_BSD + self.ffn(self.ffn_norm(x_BSD))
+
+
+class MoETransformer(nn.Module):
+    """``forward(tokens_BS int64) -> logits_BSV`` (fp32 under autocast too)."""
+
+    def __init__(self, cfg: Config, dispatcher=None):
+        super().__init__()
+        m = cfg.model
+        self.cfg = cfg
+        self.embed = nn.Embedding(m.vocab_size, m.dim)
+        self.blocks = nn.ModuleList(Block(cfg, i, dispatcher) for i in range(m.n_layers))
+        self.norm = nn.RMSNorm(m.dim, eps=m.norm_eps)
+        self.lm_head = None if m.tie_embeddings else nn.Linear(m.dim, m.vocab_size, bias=False)
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        x_BSD = self.embed(tokens_BS)
+        for block in self.blocks:
+            x_BSD = block(x_BSD)
+        x_BSD = self.norm(x_BSD)
+        weight_VD = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x_BSD, weight_VD).float()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        std = self.cfg.model.init_std
+        out_std = std / math.sqrt(2 * self.cfg.model.n_layers)
+        device = self.embed.weight.device
+        gen = torch.Generator(device=device).manual_seed(seed)
+        expert_params = set()
+        for layer_idx, block in enumerate(self.blocks):
+            if block.is_moe:
+                _init_experts(block.ffn, seed, layer_idx, std, out_std)
+                expert_params.update(block.ffn.experts.parameters())
+        for name, p in self.named_parameters():
+            if p in expert_params:
+                continue
+            if p.dim() == 1:  # norm gains
+                p.fill_(1.0)
+            else:
+                is_out = name.endswith(("attn.out.weight", "ffn.w2.weight", "shared_experts.w2.weight"))
+                p.normal_(0.0, out_std if is_out else std, generator=gen)
+            if name.endswith(".bias"):
+                p.zero_()
+        for block in self.blocks:
+            if block.is_moe and block.ffn.router.expert_bias is not None:
+                block.ffn.router.expert_bias.zero_()
+
+
+def _init_experts(layer: MoELayer, seed: int, layer_idx: int, std: float, out_std: float) -> None:
+    experts: GroupedExperts = layer.experts
+    first = layer.dispatcher.ep_rank * layer.num_local_experts
+    device = experts.w1_LDH.device
+    for local in range(layer.num_local_experts):
+        g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + layer_idx * 65_537 + first + local)
+        experts.w1_LDH[local].normal_(0.0, std, generator=g)
+        experts.w2_LFD[local].normal_(0.0, out_std, generator=g)
+
+
+def expert_parameter_names(model: nn.Module) -> set[str]:
+    """Names of the parameters that live in a :class:`moe.GroupedExperts` (sharded over EP)."""
+    names = set()
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, GroupedExperts):
+            names.update(f"{mod_name}.{p}" for p, _ in mod.named_parameters())
+    return names
+
+
+def expert_ranges(model: nn.Module) -> dict[str, tuple[int, int, int]]:
+    """For each expert parameter: ``(first global expert, local count, global count)``."""
+    out = {}
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, MoELayer):
+            first = mod.dispatcher.ep_rank * mod.num_local_experts
+            for p, _ in mod.experts.named_parameters():
+                out[f"{mod_name}.experts.{p}"] = (first, mod.num_local_experts, mod.num_experts)
+    return out
