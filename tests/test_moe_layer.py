@@ -120,3 +120,22 @@ def test_capacity_groups_cap_each_group():
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     assert int(aux.stats.tokens_per_expert.sum()) == len(kept)
     assert aux.stats.capacity == 2  # ceil(0.5 · 6 · 2 / 4) per group
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cf", [None, 0.5])
+def test_cuda_layer_with_triton_experts_matches_naive(cf):
+    """The whole layer on CUDA (Triton grouped GEMM, bf16 autocast) against the fp32 naive reference."""
+    torch.manual_seed(11)
+    layer = MoELayer(128, 192, 8, 2, capacity_factor=cf, num_shared_experts=1, shared_hidden_dim=64)
+    torch.nn.init.normal_(layer.router.weight, std=0.3)
+    x = torch.randn(4, 61, 128)
+    ref, ref_grads = _run(layer, x, lambda m, x: naive_moe(m, x)[0])
+    layer.cuda()
+    def fwd(m, x):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return m(x.cuda())
+    out, grads = _run(layer, x, fwd)
+    _assert_close(out.cpu(), ref, torch.bfloat16, "output")
+    for name in ref_grads:
+        _assert_close(grads[name].cpu(), ref_grads[name], torch.bfloat16, f"grad {name}")
