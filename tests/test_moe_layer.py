@@ -20,9 +20,9 @@ def _run(layer, x, fn):
     x = x.detach().clone().requires_grad_(True)
     out = fn(layer, x)
     # a random cotangent, so every output element's gradient path is checked
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device)
     (out.float() * g).sum().backward()
-    return out.detach().float(), _grads(layer, x)
+    return out.detach().float().cpu(), {n: g.cpu() for n, g in _grads(layer, x).items()}
 
 
 def _assert_close(a, b, dtype, what):
@@ -136,6 +136,6 @@ def test_cuda_layer_with_triton_experts_matches_naive(cf):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             return m(x.cuda())
     out, grads = _run(layer, x, fwd)
-    _assert_close(out.cpu(), ref, torch.bfloat16, "output")
+    _assert_close(out, ref, torch.bfloat16, "output")
     for name in ref_grads:
-        _assert_close(grads[name].cpu(), ref_grads[name], torch.bfloat16, f"grad {name}")
+        _assert_close(grads[name], ref_grads[name], torch.bfloat16, f"grad {name}")
