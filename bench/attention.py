@@ -1,0 +1,157 @@
+"""Benchmark: Triton FlashAttention vs scaled_dot_product_attention (FLASH and cuDNN backends).
+
+bf16, MHA, B·S = 16k tokens per row, H = 16 at Hd 128 and H = 32 at Hd 64. FLOPs counted as
+4·B·H·S²·Hd for the forward (half when causal) and 3.5× that for forward+backward.
+Protocol: per row, ``rounds`` rounds; each round times ours, then each anchor, with
+triton.testing.do_bench (median); the claim is the median over rounds of anchor_time / our_time
+(> 1: ours faster). The A-vs-A rows time ours against itself to show the noise.
+
+    python bench/attention.py [--quick] [--sass] [--out bench/results/attention.md]
+"""
+
+import argparse
+import datetime
+import glob
+import os
+import platform
+import statistics
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from attention import flash_attention  # noqa: E402
+
+TOKENS = 16384
+
+
+def _flops(B, H, S, Hd, causal, mode):
+    f = 4 * B * H * S * S * Hd / (2 if causal else 1)
+    return f * (3.5 if mode == "fwd+bwd" else 1.0)
+
+
+def _sdpa(backend):
+    def fn(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return fn
+
+
+IMPLS = {
+    "ours": lambda q, k, v, causal: flash_attention(q, k, v, causal=causal),
+    "sdpa_flash": _sdpa(SDPBackend.FLASH_ATTENTION),
+    "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
+}
+
+
+def _runner(impl, q, k, v, do, causal, mode):
+    if mode == "fwd":
+        return lambda: impl(q, k, v, causal)
+    return lambda: torch.autograd.grad(impl(q, k, v, causal), (q, k, v), do)
+
+
+def bench_row(Hd, S, causal, mode, rounds, warmup, rep, a_vs_a):
+    H = 16 if Hd == 128 else 32
+    B = max(TOKENS // S, 1)
+    q, k, v, do = (torch.randn(B, H, S, Hd, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=i < 3) for i in range(4))
+    ref = IMPLS["sdpa_cudnn"](q, k, v, causal)
+    err = (IMPLS["ours"](q, k, v, causal).float() - ref.float()).abs().max().item()
+    assert err < 0.05, f"ours differs from cuDNN by {err} at Hd={Hd} S={S} causal={causal}"
+    names = list(IMPLS) + (["ours_again"] if a_vs_a else [])
+    fns = {n: _runner(IMPLS["ours" if n == "ours_again" else n], q, k, v, do, causal, mode)
+           for n in names}
+    times = {n: [] for n in names}
+    for _ in range(rounds):
+        for n in names:
+            times[n].append(triton.testing.do_bench(fns[n], warmup=warmup, rep=rep,
+                                                    return_mode="median"))
+    flops = _flops(B, H, S, Hd, causal, mode)
+    tflops = {n: flops / statistics.median(t) / 1e9 for n, t in times.items()}
+    ratios = {n: statistics.median(a / o for a, o in zip(times[n], times["ours"]))
+              for n in names if n != "ours"}
+    return dict(Hd=Hd, S=S, B=B, H=H, causal=causal, mode=mode, tflops=tflops, ratios=ratios)
+
+
+def report_sass():
+    """HGMMA (Hopper wgmma) count and resource usage of each compiled attention kernel."""
+    cache = os.environ.get("TRITON_CACHE_DIR", os.path.expanduser("~/.triton/cache"))
+    lines = []
+    for cubin in sorted(glob.glob(os.path.join(cache, "*", "_attn_*.cubin"))):
+        sass = subprocess.run(["cuobjdump", "--dump-sass", cubin], capture_output=True,
+                              text=True).stdout
+        res = subprocess.run(["cuobjdump", "--dump-resource-usage", cubin], capture_output=True,
+                             text=True).stdout
+        usage = " ".join(line.strip() for line in res.splitlines() if "REG:" in line)
+        lines.append(f"{os.path.basename(cubin)}: HGMMA={sass.count('HGMMA')} "
+                     f"HMMA={sass.count('HMMA')} {usage}")
+    print("\n".join(lines) if lines else f"no attention cubins under {cache}")
+    return lines
+
+
+def to_markdown(rows, args):
+    props = torch.cuda.get_device_properties(0)
+    out = [
+        "# FlashAttention (Triton) vs scaled_dot_product_attention",
+        "",
+        f"- device: {props.name} ({props.multi_processor_count} SMs)",
+        f"- torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}, "
+        f"cuDNN {torch.backends.cudnn.version()}, Python {platform.python_version()}",
+        f"- date: {datetime.date(2026, 11, 22).isoformat()}; command: "
+        f"`python bench/attention.py {' '.join(sys.argv[1:])}`",
+        f"- bf16, MHA, B·S = {TOKENS} tokens, H = 16 (Hd 128) / 32 (Hd 64); {args.rounds} rounds "
+        f"of do_bench(warmup={args.warmup}, rep={args.rep}) median, alternating implementations",
+        "- TFLOP/s = FLOPs / median time; FLOPs 4·B·H·S²·Hd fwd, /2 causal, ×3.5 fwd+bwd",
+        "- ratio = median over rounds of (anchor time / our time): > 1 means ours is faster",
+        "",
+        "| Hd | S | B×H | causal | mode | ours | SDPA-FLASH | SDPA-cuDNN | vs FLASH | vs cuDNN |"
+        " A-vs-A |",
+        "|---:|---:|---:|:---:|:---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        t, q = r["tflops"], r["ratios"]
+        aa = f"{q['ours_again']:.3f}" if "ours_again" in q else ""
+        out.append(f"| {r['Hd']} | {r['S']} | {r['B']}×{r['H']} | {'yes' if r['causal'] else 'no'}"
+                   f" | {r['mode']} | {t['ours']:.0f} | {t['sdpa_flash']:.0f} | "
+                   f"{t['sdpa_cudnn']:.0f} | {q['sdpa_flash']:.2f} | {q['sdpa_cudnn']:.2f} | {aa} |")
+    return "\n".join(out) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true", help="S in {1k, 4k, 16k} only")
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--rep", type=int, default=200)
+    p.add_argument("--sass", action="store_true")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                 "attention.md"))
+    args = p.parse_args()
+    lengths = [1024, 4096, 16384] if args.quick else [1024, 2048, 4096, 8192, 16384]
+    rows = []
+    for Hd in args.head_dims:
+        for causal in (False, True):
+            for S in lengths:
+                for mode in ("fwd", "fwd+bwd"):
+                    row = bench_row(Hd, S, causal, mode, args.rounds, args.warmup, args.rep,
+                                    a_vs_a=S == 4096)
+                    rows.append(row)
+                    print(f"Hd={Hd} S={S} causal={causal} {mode}: " + " ".join(
+                        f"{n}={v:.0f}" for n, v in row["tflops"].items()) + " | " + " ".join(
+                        f"{n}={v:.3f}" for n, v in row["ratios"].items()), flush=True)
+    md = to_markdown(rows, args)
+    if args.sass:
+        md += "\n## SASS check\n\n```\n" + "\n".join(report_sass()) + "\n```\n"
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
