@@ -1,0 +1,206 @@
+"""Expert-parallel dispatcher: tokens travel to their expert's rank by all-to-all, and back.
+
+Legend: T tokens, D model dim, K slots per token, P = T·K pairs, E experts, G ranks of the
+expert-parallel group, L = E / G experts per rank, S pairs this rank keeps and sends, R rows it
+receives for its L experts.
+
+``dispatch``:
+1. ``plan.order_P`` lists the kept pairs sorted by expert, hence by destination rank (rank g holds
+   experts ``[g·L, (g+1)·L)``), then the dropped pairs: the first S entries are the send order.
+2. Per-expert counts go out with one small all-to-all (E int64 per rank), and both the sent and
+   received counts come to the host in ONE device->host copy: ``all_to_all_single`` takes its
+   split sizes as Python lists, so this is the one host sync of the layer's dispatch. The token
+   rows are gathered while that copy is in flight.
+3. The S rows move with one variable-split :func:`~parallel.all_to_all.all_to_all`; they arrive
+   ordered (source rank, local expert) and one index permutation, computed on the device from
+   the received counts, regroups them to (local expert, source rank) for the grouped GEMM.
+   Rows of one expert thus come in global-batch order (source rank, then pair), as in one process.
+
+``combine`` undoes the three steps (inverse permutation, reverse all-to-all, scatter to pair
+order with zeros for dropped pairs). The backward of each step is the reverse of its forward.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe.capacity import RoutingPlan
+from moe.dispatch import LocalDispatcher, LocalDispatchMeta
+from parallel.all_to_all import all_reduce_sum, all_to_all
+from parallel.permute import gather_permutation, scatter_rows
+
+
+@dataclass(frozen=True)
+class AllToAllMeta:
+    """What ``combine`` needs from ``dispatch``.
+
+    kept_idx_S: (S,) int64 pair index of each sent row, in send order.
+    dropped_idx: (P - S,) int64 pairs dropped by the capacity (zero rows in ``combine``).
+    regroup_idx_R: (R,) int64 arrival position of each row of the (local expert, source) order.
+    send_splits, recv_splits: rows sent to / received from each group rank.
+    num_pairs: P.
+    empty_rows_RD: when R = 0, the (0, D) rows handed to the experts (see :func:`_keep_in_graph`).
+    """
+
+    kept_idx_S: torch.Tensor
+    dropped_idx: torch.Tensor
+    regroup_idx_R: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    num_pairs: int
+    empty_rows_RD: torch.Tensor | None
+
+
+def regroup_index(counts_GL: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Gather index from arrival order (source g, local expert l) to (l, g) order.
+
+    counts_GL: (G, L) int64 rows received from source g for local expert l; num_rows: R, their
+    sum (known on the host, so ``repeat_interleave`` needs no sync). Returns (R,) int64 ``idx``
+    with ``regrouped = arrived[idx]``.
+    """
+    sizes_GL = counts_GL.reshape(-1)
+    arrival_start_GL = torch.cumsum(sizes_GL, 0) - sizes_GL
+    sizes_LG = counts_GL.t().reshape(-1)
+    arrival_start_LG = arrival_start_GL.view(counts_GL.shape).t().reshape(-1)
+    target_start_LG = torch.cumsum(sizes_LG, 0) - sizes_LG
+    shift_R = torch.repeat_interleave(arrival_start_LG - target_start_LG, sizes_LG, output_size=num_rows)
+    return torch.arange(num_rows, device=counts_GL.device) + shift_R
+
+
+class _TieFn(torch.autograd.Function):
+    """Returns ``y``; gives ``anchor`` a zero gradient, so backward reaches whatever made it."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, anchor: torch.Tensor):
+        ctx.anchor_shape = anchor.shape
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad.new_zeros(ctx.anchor_shape)
+
+
+def _keep_in_graph(y_RD: torch.Tensor, empty_rows_RD: torch.Tensor | None) -> torch.Tensor:
+    """Make both all-to-all backwards run on every rank, whatever this rank received.
+
+    The backward exchanges are collectives: if one rank's autograd graph skipped them, the other
+    ranks would wait forever. A rank that received no rows (R = 0) has experts that compute
+    nothing, so its expert output does not depend on the received rows nor on the weights. Two
+    rules make the graph the same on every rank:
+    - the dispatch exchange's backward exists iff ``x_TD`` requires grad (the same on every
+      rank); when R = 0 the (empty) received rows are tied to the output with a zero gradient, so
+      the backward reaches that exchange (costs nothing: the tensors have 0 rows);
+    - the combine exchange's backward exists iff grad mode is on: an output that does not require
+      grad is made a leaf that does (frozen experts then still run the exchange, with zeros).
+    """
+    if not torch.is_grad_enabled():
+        return y_RD
+    if empty_rows_RD is not None and empty_rows_RD.requires_grad:
+        return _TieFn.apply(y_RD, empty_rows_RD)
+    if not y_RD.requires_grad:
+        return y_RD.detach().requires_grad_()
+    return y_RD
+
+
+class AllToAllDispatcher:
+    """Dispatcher for :class:`moe.MoELayer` over an expert-parallel process group.
+
+    Args:
+        ep_group: the expert-parallel group (this rank holds experts ``[r·L, (r+1)·L)`` where r
+            is its rank in the group).
+        world_group: every rank holding part of the batch; the load-balancing loss's inputs are
+            summed over it. Default: the default (world) group.
+
+    With a group of one rank it runs the local gather/scatter (no host sync) and only the
+    loss inputs are reduced. Keeps no state between ``dispatch`` and ``combine``.
+    """
+
+    def __init__(self, ep_group=None, world_group=None):
+        if not dist.is_initialized():
+            raise RuntimeError("AllToAllDispatcher needs torch.distributed.init_process_group() first")
+        self.ep_group = ep_group
+        self.world_group = world_group
+        self.ep_size = dist.get_world_size(ep_group)
+        self.ep_rank = dist.get_rank(ep_group)
+        self._local = LocalDispatcher()
+
+    def __repr__(self) -> str:
+        return f"AllToAllDispatcher(ep_size={self.ep_size}, ep_rank={self.ep_rank})"
+
+    def dispatch(self, x_TD: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor, AllToAllMeta]:
+        """x_TD (T, D) -> rows_RD (R, D) sorted by local expert, offsets_L (L,) int32 cumulative
+        ends, and the metadata for :meth:`combine`."""
+        if self.ep_size == 1:
+            return self._local.dispatch(x_TD, plan)
+        G = self.ep_size
+        num_experts = plan.kept_per_expert_E.numel()
+        if num_experts % G:
+            raise ValueError(f"AllToAllDispatcher: {num_experts} experts do not split over {G} ranks")
+        L = num_experts // G
+        T, K = plan.kept_TK.shape
+        send_counts_E = plan.kept_per_expert_E.contiguous()
+        recv_counts_E = torch.empty_like(send_counts_E)
+        dist.all_to_all_single(recv_counts_E, send_counts_E, group=self.ep_group)
+        counts_host = torch.cat([send_counts_E, recv_counts_E]).to("cpu", non_blocking=True)
+        copied = torch.cuda.Event() if send_counts_E.is_cuda else None
+        if copied is not None:
+            copied.record()
+        # every pair's row (dropped ones are cut below): the gather runs during the host wait
+        send_PD = x_TD.index_select(0, plan.order_P // K)
+        if copied is not None:
+            copied.synchronize()
+        send_splits, recv_splits = counts_host.view(2, G, L).sum(-1).tolist()
+        num_sent, num_recv = sum(send_splits), sum(recv_splits)
+        recv_RD = all_to_all(send_PD[:num_sent], recv_splits, send_splits, self.ep_group)
+        recv_counts_GL = recv_counts_E.view(G, L)
+        regroup_idx_R = regroup_index(recv_counts_GL, num_recv)
+        rows_RD = gather_permutation(recv_RD, regroup_idx_R)
+        offsets_L = torch.cumsum(recv_counts_GL.sum(0), 0).to(torch.int32)
+        meta = AllToAllMeta(
+            kept_idx_S=plan.order_P[:num_sent],
+            dropped_idx=plan.order_P[num_sent:],
+            regroup_idx_R=regroup_idx_R,
+            send_splits=send_splits,
+            recv_splits=recv_splits,
+            num_pairs=T * K,
+            empty_rows_RD=rows_RD if num_recv == 0 else None,
+        )
+        return rows_RD, offsets_L, meta
+
+    def combine(self, y_RD: torch.Tensor, meta: AllToAllMeta) -> torch.Tensor:
+        """y_RD (R, D) expert outputs in dispatch order -> y_PD (P, D) in pair order, zero rows
+        for dropped pairs."""
+        if isinstance(meta, LocalDispatchMeta):
+            return self._local.combine(y_RD, meta)
+        y_RD = _keep_in_graph(y_RD, meta.empty_rows_RD)
+        y_arrival_RD = scatter_rows(y_RD, meta.regroup_idx_R, y_RD.shape[0])
+        y_SD = all_to_all(y_arrival_RD, meta.send_splits, meta.recv_splits, self.ep_group)
+        return scatter_rows(y_SD, meta.kept_idx_S, meta.num_pairs, meta.dropped_idx)
+
+    def reduce_aux_inputs(self, routed_E: torch.Tensor, prob_sum_E: torch.Tensor, num_tokens: int):
+        """Sum the load-balancing loss's inputs over the world in one all-reduce.
+
+        routed_E (E,) int64, prob_sum_E (E,) fp32 (differentiable: the backward sums the
+        gradients over the world, see :class:`~parallel.all_to_all.AllReduceSumFn`), num_tokens
+        T. Packed in fp64 (exact for counts below 2^53). The global token count comes back to the
+        host (a second, scalar sync) because the loss takes it as an int.
+        """
+        num_experts = routed_E.numel()
+        packed = torch.cat([
+            prob_sum_E.to(torch.float64),
+            routed_E.detach().to(torch.float64),
+            prob_sum_E.new_full((1,), num_tokens, dtype=torch.float64),
+        ])
+        total = all_reduce_sum(packed, self.world_group)
+        prob_sum = total[:num_experts].to(prob_sum_E.dtype)
+        routed = total[num_experts:2 * num_experts].detach().round().to(routed_E.dtype)
+        return routed, prob_sum, int(total[-1].item())
+
+    def reduce_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        """(E,) per-expert counts summed over the expert-parallel group (no gradient)."""
+        if self.ep_size == 1:
+            return counts_E
+        total = counts_E.detach().clone()
+        dist.all_reduce(total, group=self.ep_group)
+        return total

@@ -1,0 +1,92 @@
+"""Gradient synchronisation for data × expert parallelism.
+
+Every rank's loss is a mean over its own tokens; the target is the gradient of the mean of the
+N ranks' losses, i.e. one process trained on the concatenated batch (equal shards).
+
+- Dense parameters (everything outside a :class:`moe.experts.GroupedExperts`) are replicated on
+  all N ranks: sum over the world, divide by N.
+- Expert parameters: rank r's shard already holds, through the all-to-all backward, the
+  contributions of every token of its EP group. The EDP group holds the other copies of that
+  shard, one per EP group, so the sum over the EDP group covers all N ranks' losses: divide by
+  N (not by the EDP size).
+
+Tensors are flattened into one buffer per (device, dtype) and bucket, so a model costs a few
+all-reduces, not one per parameter. A parameter that requires grad but has none on this rank (a
+branch it did not use) gets zeros, so every rank issues the same collectives.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from moe.experts import GroupedExperts
+
+# 64 MiB buckets: big enough to reach the link's bandwidth, small enough not to double the
+# gradient memory of a large model.
+BUCKET_BYTES = 64 << 20
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters of every :class:`GroupedExperts` in ``model`` (the expert-parallel shards)."""
+    params = []
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            params.extend(module.parameters())
+    return params
+
+
+def _grads(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    grads = []
+    for p in params:
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    return grads
+
+
+def _buckets(grads: list[torch.Tensor]):
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        by_kind.setdefault((g.device, g.dtype), []).append(g)
+    for group in by_kind.values():
+        bucket, size = [], 0
+        for g in group:
+            nbytes = g.numel() * g.element_size()
+            if bucket and size + nbytes > BUCKET_BYTES:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append(g)
+            size += nbytes
+        if bucket:
+            yield bucket
+
+
+def all_reduce_mean_(grads: list[torch.Tensor], group, divisor: int) -> None:
+    """In place: each gradient becomes its sum over ``group`` divided by ``divisor``."""
+    for bucket in _buckets(grads):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat.div_(divisor)
+        for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+            g.copy_(part.view_as(g))
+
+
+def sync_gradients(model: nn.Module, dims) -> None:
+    """Make ``model``'s gradients those of one process on the concatenated batch.
+
+    Args:
+        model: the rank's model after ``backward()``.
+        dims: a :class:`~parallel.dims.ParallelDims` with groups built.
+
+    Call once per optimizer step, after the last backward (with gradient accumulation the
+    reduction is linear, so one sync of the summed gradients suffices). Dense gradients: world
+    sum / N. Expert gradients: EDP-group sum / N.
+    """
+    experts = expert_parameters(model)
+    expert_ids = {id(p) for p in experts}
+    dense = [p for p in model.parameters() if id(p) not in expert_ids]
+    n = dims.world_size
+    all_reduce_mean_(_grads(dense), dims.world_group, n)
+    all_reduce_mean_(_grads(experts), dims.edp_group, n)

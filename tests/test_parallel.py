@@ -1,0 +1,359 @@
+"""Expert parallelism proven equal to one process.
+
+N spawned ranks (gloo on CPU; NCCL on 2 GPUs in the ``gpu`` test) run a tiny model
+``head(x + MoELayer(x))`` with the experts split over the EP group, sync the gradients, and compare
+with one process holding all experts on the concatenated batch (same weights, capacity per rank
+reproduced by ``capacity_groups=N``): the layer output, the load-balancing loss, the mean loss,
+every parameter's gradient, the global stats and the expert-bias update.
+
+Each world size is spawned once (module fixture) and runs every case; a case reports its errors
+as data, so one failing case does not hide the others.
+"""
+
+import dataclasses
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from moe import MoELayer, update_expert_biases
+from parallel import (
+    ParallelDims, all_reduce_sum, all_to_all, global_moe_stats, run_distributed, sync_gradients,
+    update_expert_biases_global,
+)
+from parallel.dispatcher import regroup_index
+from parallel.permute import gather_permutation, scatter_rows
+
+# max |ours - reference| / max |reference|, per (device type, dtype). fp32 on CUDA: Triton's
+# fp32 dot runs in TF32 and its tiling may differ between row counts.
+TOLERANCE = {
+    ("cpu", torch.float32): 2e-5,
+    ("cuda", torch.float32): 2e-3,
+    ("cuda", torch.bfloat16): 4e-2,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    ep: int
+    num_experts: int = 4
+    top_k: int = 2
+    tokens: tuple[int, ...] | int = 12  # per rank; a tuple gives each rank its own count
+    capacity_factor: float | None = None
+    drop_policy: str = "probs"
+    score_func: str = "softmax"
+    activation: str = "swiglu"
+    route: str = "random"  # "one_expert": every token's first choice is expert 0;
+    # "first_rank": every choice is an expert of EP rank 0 (the other ranks receive nothing)
+    expert_bias: bool = False
+    z_loss_coef: float = 1e-3
+
+
+DIM, HIDDEN = 16, 12
+
+WORLD2 = [
+    Case("dropless", ep=2),
+    Case("capacity_probs", ep=2, capacity_factor=1.0),
+    Case("capacity_position_sigmoid_gelu", ep=2, num_experts=6, top_k=3, capacity_factor=0.75,
+         drop_policy="position", score_func="sigmoid", activation="gelu"),
+    Case("all_to_one_expert", ep=2, top_k=1, route="one_expert"),
+    Case("all_to_one_expert_capacity", ep=2, top_k=1, route="one_expert", capacity_factor=1.5),
+    Case("rank1_receives_nothing", ep=2, route="first_rank"),
+    Case("zero_token_rank", ep=2, tokens=(10, 0), z_loss_coef=0.0),
+    Case("expert_bias", ep=2, expert_bias=True, capacity_factor=1.0),
+]
+WORLD4 = [
+    Case("ep2_dp2_dropless", ep=2),
+    Case("ep2_dp2_capacity", ep=2, num_experts=6, capacity_factor=1.0),
+    Case("ep2_dp2_zero_token_ranks", ep=2, tokens=(8, 0, 6, 0), z_loss_coef=0.0),
+    Case("ep2_dp2_one_expert_capacity", ep=2, top_k=1, route="one_expert", capacity_factor=1.0),
+    Case("ep2_dp2_expert_bias", ep=2, expert_bias=True),
+    Case("ep4_dp1_dropless", ep=4, num_experts=8),
+    Case("ep4_dp1_capacity", ep=4, num_experts=8, capacity_factor=1.25, drop_policy="position"),
+    Case("ep4_dp1_first_rank_only", ep=4, num_experts=8, route="first_rank"),
+    Case("ep1_dp4_capacity", ep=1, capacity_factor=1.0),
+]
+
+
+class Tiny(nn.Module):
+    def __init__(self, case: Case, dispatcher, capacity_groups: int, device, dtype):
+        super().__init__()
+        self.moe = MoELayer(
+            DIM, HIDDEN, case.num_experts, case.top_k, capacity_factor=case.capacity_factor,
+            drop_policy=case.drop_policy, capacity_groups=capacity_groups, activation=case.activation,
+            score_func=case.score_func, expert_bias=case.expert_bias, num_shared_experts=1,
+            z_loss_coef=case.z_loss_coef, dispatcher=dispatcher, device=device, dtype=dtype,
+        )
+        self.head = nn.Linear(DIM, DIM, device=device, dtype=dtype)
+
+    def forward(self, x):
+        return self.head(x + self.moe(x))
+
+
+def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    ours, ref = ours.detach().double().cpu(), ref.detach().double().cpu()
+    if ours.shape != ref.shape:
+        return float("inf")
+    if ref.numel() == 0:
+        return 0.0
+    return ((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+
+
+def _force_routes(model: Tiny, case: Case, num_local: int) -> None:
+    with torch.no_grad():
+        w = model.moe.router.weight
+        if case.route == "one_expert":
+            w[0] = 1.0  # x has mean +1 in every feature: expert 0's logit ~D dominates
+        elif case.route == "first_rank":
+            w[:num_local] = 1.0 + 0.3 * torch.randn_like(w[:num_local])
+
+
+def _equivalence(case: Case, dims: ParallelDims, device, dtype) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens = case.tokens if isinstance(case.tokens, tuple) else (case.tokens,) * world
+    total = sum(tokens)
+    start = sum(tokens[:rank])
+    num_local = case.num_experts // dims.ep
+    lo, hi = dims.ep_rank * num_local, (dims.ep_rank + 1) * num_local
+    groups = world if case.capacity_factor is not None else 1
+
+    gen = torch.Generator().manual_seed(1234)
+    x_all = (torch.randn(total, DIM, generator=gen) + (1.0 if case.route != "random" else 0.0)).to(device, dtype)
+    target_all = torch.randn(total, DIM, generator=gen).to(device, dtype)
+    torch.manual_seed(99)
+    ref = Tiny(case, None, groups, device, dtype)
+    _force_routes(ref, case, num_local)
+    par = Tiny(case, dims.dispatcher(), 1, device, dtype)
+    with torch.no_grad():
+        ref_params = dict(ref.named_parameters())
+        for name, p in par.named_parameters():
+            src = ref_params[name]
+            p.copy_(src[lo:hi] if name.startswith("moe.experts.") else src)
+
+    # one process, concatenated batch, loss = mean over all tokens + aux
+    x_ref = x_all.clone().requires_grad_()
+    out_ref = ref(x_ref)
+    loss_ref = ((out_ref.float() - target_all.float()) ** 2).mean(-1).mean() + ref.moe.last_aux.loss
+    loss_ref.backward()
+
+    # N ranks: each loss is (N / total) · Σ over its tokens, so the mean over ranks is the global mean
+    x = x_all[start:start + tokens[rank]].clone().requires_grad_()
+    out = par(x)
+    per_token = ((out.float() - target_all[start:start + tokens[rank]].float()) ** 2).mean(-1)
+    loss = per_token.sum() * (world / total) + par.moe.last_aux.loss
+    loss.backward()
+    sync_gradients(par, dims)
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss)
+    mean_loss /= world
+
+    errors = {
+        "output": _rel_err(out, out_ref[start:start + tokens[rank]]),
+        "lb_loss": _rel_err(par.moe.last_aux.load_balancing_loss, ref.moe.last_aux.load_balancing_loss),
+        "mean_loss": _rel_err(mean_loss, loss_ref),
+        # the rank's input gradient is that of its own loss: N times the mean's
+        "grad:input": _rel_err(x.grad / world, x_ref.grad[start:start + tokens[rank]]),
+    }
+    for name, p in par.named_parameters():
+        g_ref = ref_params[name].grad
+        errors[f"grad:{name}"] = _rel_err(p.grad, g_ref[lo:hi] if name.startswith("moe.experts.") else g_ref)
+
+    ref_stats = ref.moe.last_aux.stats
+    world_stats = global_moe_stats(par, dims)["moe"]
+    exact = {
+        "global_routed_per_expert": torch.equal(world_stats.routed_per_expert.cpu(), ref_stats.routed_per_expert.cpu()),
+        "global_tokens_per_expert": torch.equal(world_stats.tokens_per_expert.cpu(), ref_stats.tokens_per_expert.cpu()),
+        "global_dropped_fraction": torch.equal(world_stats.dropped_fraction.cpu(), ref_stats.dropped_fraction.cpu()),
+        "some_pairs_kept": bool(ref_stats.tokens_per_expert.sum() > 0),
+    }
+    if case.capacity_factor is not None:
+        exact["some_pairs_dropped"] = bool(ref_stats.dropped_pairs > 0)
+    if dims.edp == 1:  # the layer's own EP-group counts are then the global ones
+        exact["layer_tokens_per_expert"] = torch.equal(
+            par.moe.last_aux.stats.tokens_per_expert.cpu(), ref_stats.tokens_per_expert.cpu())
+    if case.route == "first_rank" and dims.ep_rank != 0:
+        exact["received_nothing"] = int(par.moe.last_aux.stats.tokens_per_expert[lo:hi].sum()) == 0
+    if case.expert_bias:
+        update_expert_biases(ref)
+        update_expert_biases_global(par, dims)
+        exact["expert_bias"] = torch.equal(par.moe.router.expert_bias.cpu(), ref.moe.router.expert_bias.cpu())
+        exact["bias_moved"] = bool(ref.moe.router.expert_bias.abs().sum() > 0)
+    return {"errors": errors, "exact": exact}
+
+
+def _not_divisible(dims: ParallelDims, num_experts: int, device) -> dict:
+    messages = []
+    for build in (lambda: dims.check_experts(num_experts),
+                  lambda: MoELayer(DIM, HIDDEN, num_experts, 1, dispatcher=dims.dispatcher(), device=device)):
+        try:
+            build()
+            messages.append(None)
+        except ValueError as e:
+            messages.append(str(e))
+    # no collective was left half-issued: the group still works
+    probe = torch.ones(1, device=device)
+    dist.all_reduce(probe)
+    return {"messages": messages, "probe": probe.item()}
+
+
+def _all_to_all_op(device) -> dict:
+    """Uneven and zero splits; rows encode (source, destination, index). Backward = reverse."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sends = [(rank + 2 * dst) % 3 for dst in range(world)]  # 0, 1 or 2 rows, some zero
+
+    def rows(src, dst, n):
+        return [[src, dst, i, 1.5] for i in range(n)]
+
+    x = torch.tensor(sum((rows(rank, d, n) for d, n in enumerate(sends)), []), dtype=torch.float32,
+                     device=device).reshape(-1, 4).requires_grad_()
+    recv = [(src + 2 * rank) % 3 for src in range(world)]
+    out = all_to_all(x, recv, sends)
+    expected = torch.tensor(sum((rows(s, rank, n) for s, n in enumerate(recv)), []), dtype=torch.float32).reshape(-1, 4)
+    (0.5 * out.pow(2).sum()).backward()  # grad_out = out; the reverse exchange returns x itself
+    scale = torch.full((3,), float(rank + 1), device=device, requires_grad=True)
+    (all_reduce_sum(scale) * (rank + 1)).sum().backward()
+    return {
+        "forward": torch.equal(out.detach().cpu(), expected),
+        "backward": torch.equal(x.grad, x.detach()),
+        "all_reduce_forward": bool((scale.detach() == rank + 1).all()),
+        "all_reduce_backward": torch.equal(scale.grad.cpu(), torch.full((3,), world * (world + 1) / 2)),
+    }
+
+
+def _run_cases(rank: int, world: int, cases: list[Case], dtypes: list[torch.dtype], not_divisible: list[tuple[int, int]]) -> dict:
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    dims_by_ep = {}
+    for ep in sorted({c.ep for c in cases} | {ep for ep, _ in not_divisible}):  # same order on every rank
+        dims_by_ep[ep] = ParallelDims(world, ep).build_groups()
+    results = {"all_to_all_op": _all_to_all_op(device)}
+    for ep, num_experts in not_divisible:
+        results[f"not_divisible_ep{ep}_E{num_experts}"] = _not_divisible(dims_by_ep[ep], num_experts, device)
+    for dtype in dtypes:
+        for case in cases:
+            key = f"{case.name}:{str(dtype).removeprefix('torch.')}"
+            try:
+                results[key] = _equivalence(case, dims_by_ep[case.ep], device, dtype)
+            except Exception:
+                results[key] = {"exception": traceback.format_exc()}
+            results[key]["tolerance"] = TOLERANCE[(device.type, dtype)]
+    return results
+
+
+def _check_case(all_ranks: list[dict], key: str) -> None:
+    for rank, results in enumerate(all_ranks):
+        res = results[key]
+        assert "exception" not in res, f"rank {rank}:\n{res.get('exception')}"
+        bad = {k: v for k, v in res["errors"].items() if not v <= res["tolerance"]}
+        assert not bad, f"rank {rank}: errors over {res['tolerance']}: {bad}"
+        wrong = [k for k, ok in res["exact"].items() if not ok]
+        assert not wrong, f"rank {rank}: mismatched {wrong}"
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_distributed(_run_cases, 2, WORLD2, [torch.float32], [(2, 3)], timeout_s=60.0)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_distributed(_run_cases, 4, WORLD4, [torch.float32], [(2, 3), (4, 6)], timeout_s=60.0)
+
+
+@pytest.mark.parametrize("case", [c.name for c in WORLD2])
+def test_world2_ep2_equals_one_process(world2, case):
+    _check_case(world2, f"{case}:float32")
+
+
+@pytest.mark.parametrize("case", [c.name for c in WORLD4])
+def test_world4_equals_one_process(world4, case):
+    _check_case(world4, f"{case}:float32")
+
+
+def _check_not_divisible(all_ranks, key, num_experts, ep):
+    for results in all_ranks:
+        res = results[key]
+        assert res["probe"] == len(all_ranks)
+        for message in res["messages"]:
+            assert message is not None and str(num_experts) in message and str(ep) in message, message
+
+
+def test_experts_not_multiple_of_ep_raises_before_communication(world2, world4):
+    _check_not_divisible(world2, "not_divisible_ep2_E3", 3, 2)
+    _check_not_divisible(world4, "not_divisible_ep2_E3", 3, 2)
+    _check_not_divisible(world4, "not_divisible_ep4_E6", 6, 4)
+
+
+def test_all_to_all_uneven_zero_splits_and_backward(world2, world4):
+    for results in world2 + world4:
+        assert results["all_to_all_op"] == dict.fromkeys(results["all_to_all_op"], True), results["all_to_all_op"]
+
+
+def test_parallel_dims_validation():
+    dims = ParallelDims(4, 2)
+    assert (dims.ep, dims.edp) == (2, 2)
+    assert [dims.ep_ranks(r) for r in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [dims.edp_ranks(r) for r in range(4)] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert dims.check_experts(6) == 3
+    with pytest.raises(ValueError, match="num_experts=5 is not a multiple of ep=2"):
+        dims.check_experts(5)
+    with pytest.raises(ValueError, match="ep=3 must divide world_size=4"):
+        ParallelDims(4, 3)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError):
+            ParallelDims(4, bad)
+    with pytest.raises(RuntimeError, match="build_groups"):
+        dims.ep_group
+
+
+@pytest.mark.parametrize("sources,experts", [(2, 3), (4, 1), (3, 5)])
+def test_regroup_index_matches_sort(sources, experts):
+    counts_GL = torch.randint(0, 4, (sources, experts))
+    counts_GL[0, 0] = 0  # an empty block
+    num_rows = int(counts_GL.sum())
+    # brute force: label each arrived row by (expert, source) and stable-sort
+    src_GL = torch.arange(sources).repeat_interleave(experts)
+    exp_GL = torch.arange(experts).repeat(sources)
+    key_R = (exp_GL * sources + src_GL).repeat_interleave(counts_GL.reshape(-1))
+    expected = torch.argsort(key_R, stable=True)
+    assert torch.equal(regroup_index(counts_GL, num_rows), expected)
+
+
+def test_permutation_functions_backward():
+    x = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    perm = torch.randperm(7)
+    assert torch.autograd.gradcheck(lambda t: gather_permutation(t, perm), (x,))
+    y = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    order = torch.randperm(8)
+    out = scatter_rows(y, order[:5], 8, order[5:])
+    assert torch.equal(out[order[5:]], torch.zeros(3, 3, dtype=torch.float64))
+    assert torch.equal(out[order[:5]], y.detach())
+    assert torch.autograd.gradcheck(lambda t: scatter_rows(t, order[:5], 8, order[5:]), (y,))
+    with pytest.raises(ValueError, match="do not cover"):
+        scatter_rows(y, order[:5], 9, order[5:])
+
+
+def _fails_on_rank_1(rank, world):
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    dist.barrier()  # rank 0 waits on the failed rank: must end by timeout, not hang
+    return rank
+
+
+def test_launcher_reports_a_failing_rank_instead_of_hanging():
+    with pytest.raises(RuntimeError, match="boom on rank 1"):
+        run_distributed(_fails_on_rank_1, 2, timeout_s=10.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_nccl_two_gpus_equals_one_process():
+    cases = [c for c in WORLD2]
+    results = run_distributed(_run_cases, 2, cases, [torch.float32, torch.bfloat16], [(2, 3)], backend="nccl")
+    for dtype in ("float32", "bfloat16"):
+        for case in cases:
+            _check_case(results, f"{case.name}:{dtype}")
+    _check_not_divisible(results, "not_divisible_ep2_E3", 3, 2)
+    assert results[0]["all_to_all_op"] == dict.fromkeys(results[0]["all_to_all_op"], True)
