@@ -93,6 +93,38 @@ def report_sass():
     return lines
 
 
+# Wider spaces than the library's, tried once to choose the library's (BLOCK_M, BLOCK_N, warps,
+# stages) lists; ``--tune`` prints every config's time per kernel.
+WIDE = {
+    "_attn_fwd_kernel": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 4),
+                         (128, 128, 8, 2), (128, 64, 8, 4), (64, 128, 4, 3)],
+    "_attn_bwd_dkdv_kernel": [(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4),
+                              (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 8, 3)],
+    "_attn_bwd_dq_kernel": [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
+                            (128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 8, 3)],
+}
+
+
+def tune_report(cases):
+    from attention import flash_attn as fa
+    for name, space in WIDE.items():
+        getattr(fa, name).configs = [
+            triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+            for bm, bn, w, st in space]
+    for Hd, S, causal in cases:
+        H, B = (16 if Hd == 128 else 32), max(TOKENS // S, 1)
+        q, k, v, do = (torch.randn(B, H, S, Hd, device="cuda", dtype=torch.bfloat16,
+                                   requires_grad=i < 3) for i in range(4))
+        torch.autograd.grad(flash_attention(q, k, v, causal=causal), (q, k, v), do)
+        for name in WIDE:
+            timings = getattr(fa, name).configs_timings
+            ranked = sorted(timings.items(), key=lambda kv: kv[1][0] if isinstance(kv[1], list)
+                            else kv[1])
+            print(f"TUNE Hd={Hd} S={S} causal={causal} {name}: " + "; ".join(
+                f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
+                f" {t[0] if isinstance(t, list) else t:.3f}ms" for c, t in ranked), flush=True)
+
+
 def to_markdown(rows, args):
     props = torch.cuda.get_device_properties(0)
     out = [
@@ -129,9 +161,14 @@ def main():
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--rep", type=int, default=200)
     p.add_argument("--sass", action="store_true")
+    p.add_argument("--tune", action="store_true", help="time the WIDE config spaces and exit")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                  "attention.md"))
     args = p.parse_args()
+    if args.tune:
+        tune_report([(128, 16384, False), (128, 16384, True), (128, 4096, True),
+                     (64, 16384, True)])
+        return
     lengths = [1024, 4096, 16384] if args.quick else [1024, 2048, 4096, 8192, 16384]
     rows = []
     for Hd in args.head_dims:
