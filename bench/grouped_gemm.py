@@ -7,7 +7,7 @@ multiples of any tile): the first expert projection as one grouped GEMM,
 - ``fwd+bwd``: forward, then ``torch.autograd.grad`` of ``y`` for ``x`` and ``w`` with a random
   ``dy`` (dgrad + wgrad); FLOPs ``6·M·D·F``. ``autograd.grad`` returns fresh gradients, so no
   accumulation kernel into ``.grad`` is timed.
-- ``swiglu`` (``--swiglu``): the fused up projection ``h = silu(x@w_gate)·(x@w_up)`` with
+- ``swiglu`` (``--what swiglu`` or ``both``): the fused up projection ``h = silu(x@w_gate)·(x@w_up)`` with
   ``w(E, D, 2F)``: ours with the activation in the GEMM epilogue, ours with the activation as
   a separate PyTorch step, and ``torch._grouped_mm`` + PyTorch activation; FLOPs ``4·M·D·F``
   forward, three times that forward+backward.
@@ -17,7 +17,7 @@ each ``triton.testing.do_bench(fn, warmup=100, rep=200)`` median; the reported r
 median over rounds of ``t_anchor / t_ours`` (> 1: ours faster). The loop runs fewer rounds
 (its host-side slicing bounds are computed once, outside the timing).
 
-Usage: ``python bench/grouped_gemm.py --out bench/results/grouped_gemm.md [--swiglu]``
+Usage: ``python bench/grouped_gemm.py --out bench/results/grouped_gemm.md [--what gemm|swiglu|both]``
 """
 
 import argparse
@@ -126,7 +126,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench/results/grouped_gemm.md")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--swiglu", action="store_true")
+    parser.add_argument("--what", choices=("gemm", "swiglu", "both"), default="both")
     parser.add_argument("--sass", action="store_true", help="count HGMMA in the compiled kernels")
     parser.add_argument("--shapes", default="all", help="comma-separated indices into SHAPES")
     args = parser.parse_args()
@@ -155,7 +155,7 @@ def main():
               flush=True)
 
         flops = 2 * M * D * F
-        for mode, mult in (("fwd", 1), ("fwd+bwd", 3)):
+        for mode, mult in (("fwd", 1), ("fwd+bwd", 3)) if args.what != "swiglu" else ():
             t_o, t_a, ratio, noise = rounds(make_runner(mode, ours, x, w, dy),
                                             make_runner(mode, anchor, x, w_anchor, dy), args.rounds)
             t_l = statistics.median(bench_ms(make_runner(mode, loop, x, w, dy)) for _ in range(2))
@@ -164,7 +164,7 @@ def main():
             print(f"  {mode}: ours {tf(t_o):.0f} TF/s, _grouped_mm {tf(t_a):.0f}, loop {tf(t_l):.0f}; "
                   f"ratio {ratio:.3f}, A-vs-A {noise:.3f}", flush=True)
 
-        if args.swiglu:
+        if args.what != "gemm":
             w1 = (torch.randn(E, D, 2 * F, device=dev) / D**0.5).to(torch.bfloat16).requires_grad_()
             w1_anchor = anchor_weight(x, w1, offsets)
             fused = lambda x, w: grouped_mm_triton(x, w, offsets, "swiglu")  # noqa: E731
@@ -198,7 +198,7 @@ def write_table(rows, args):
         "",
         f"Device: {props.name} ({props.multi_processor_count} SMs); torch {torch.__version__}, "
         f"triton {triton.__version__}; date {datetime.date.today().isoformat()}.",
-        f"Command: `python bench/grouped_gemm.py{' --swiglu' if args.swiglu else ''}` "
+        f"Command: `python bench/grouped_gemm.py --what {args.what}` "
         f"({args.rounds} alternating rounds of do_bench(warmup=100, rep=200) medians).",
         "",
         "bf16, tokens routed by uniform random top-k. `gemm`: x(M, D) @ w[e](D, F), M = T·k. "

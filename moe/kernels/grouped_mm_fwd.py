@@ -15,6 +15,12 @@ host (no host sync). After the G groups comes one more pseudo-group, the rows
 read of ``offsets[-1]``. Within a group the tiles are swizzled in bands of ``GROUP_M`` m-tiles
 so that a wave of programs shares a few rows of ``a`` and a few column strips of ``b[g]`` in L2.
 
+Loads: with 16-byte aligned rows (K and N multiples of 8 in bf16) on Hopper, tensor
+descriptors (TMA) built on the device per tile, whose row bound is the group's end, so that
+rows of the next group load as zeros; otherwise plain pointer loads with rows clamped into the
+group. Stores are plain masked stores (a TMA store of a partial tile would overwrite the next
+group's rows).
+
 Activation epilogue (fused, in fp32, on the accumulator): ``"swiglu"`` keeps two accumulators,
 gate columns ``n`` and up columns ``F + n`` of the same output tile, and stores
 ``silu(gate) * up``; ``"gelu"`` stores tanh-GELU. With ``save_preact`` the pre-activation
@@ -46,16 +52,18 @@ def _configs():
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=8),
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=3, num_warps=8),
         triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=8),
+        triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),
     ]
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    """SwiGLU holds two accumulators: drop the tile whose pair would not fit in registers."""
-    if kwargs.get("ACT", 0) != 1:
-        return configs
-    kept = [c for c in configs if c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_M"] <= 128 * 128]
-    return kept or configs
+    """SwiGLU holds two accumulators (gate, up): only tiles of at most 128x64 each, which
+    compile without a stack frame (ptxas, sm_90: 128x128 pairs spill; 128x64 with 8 warps
+    uses 148 registers). Without it the smallest tile is left out (it never wins there)."""
+    if kwargs.get("ACT", 0) == 1:
+        return [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 64]
+    return [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] >= 128 * 64]
 
 
 @triton.jit
@@ -105,6 +113,30 @@ def _tile_dot_pair(a_ptrs, b_ptrs, b_up_ptrs, a_step, b_step, k_tiles, K, offs_k
     return acc, acc_up
 
 
+@triton.jit
+def _load_b(b_desc, k0, n0, B_TRANS: tl.constexpr):
+    """(BLOCK_K, BLOCK_N) tile of b[g]; dgrad reads w[g] row-major as (N, K) and transposes."""
+    if B_TRANS:
+        b = b_desc.load([n0, k0]).T
+    else:
+        b = b_desc.load([k0, n0])
+    return b
+
+
+@triton.jit
+def _tile_dot_tma(a_desc, b_desc, m0, n0, n_up, k_tiles, acc, acc_up,
+                  BLOCK_K: tl.constexpr, B_TRANS: tl.constexpr, PAIR: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """Tensor-descriptor (TMA) main loop; out-of-range rows and K columns load as zeros."""
+    for kt in range(0, k_tiles):
+        k0 = kt * BLOCK_K
+        a = a_desc.load([m0, k0])
+        acc = tl.dot(a, _load_b(b_desc, k0, n0, B_TRANS), acc, input_precision=DOT_PRECISION)
+        if PAIR:
+            acc_up = tl.dot(a, _load_b(b_desc, k0, n_up, B_TRANS), acc_up, input_precision=DOT_PRECISION)
+    return acc, acc_up
+
+
 @triton.autotune(configs=_configs(), key=["N", "K", "ACT"], prune_configs_by={"early_config_prune": _prune_configs})
 @triton.heuristics({
     "EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
@@ -113,16 +145,18 @@ def _tile_dot_pair(a_ptrs, b_ptrs, b_up_ptrs, a_step, b_step, k_tiles, K, offs_k
 @triton.jit
 def _grouped_mm_kernel(
     a_ptr, b_ptr, offsets_ptr, y_ptr, z_ptr,
-    M, N, K, G,
+    M, N, K, G, NB,
     stride_am, stride_ak,
     stride_bg, stride_bk, stride_bn,
     stride_ym, stride_zm,
     NUM_PROGRAMS: tl.constexpr,
     ACT: tl.constexpr, SAVE_Z: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, B_TRANS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """One persistent program; N is the number of output columns (F for SwiGLU)."""
+    """One persistent program; N is the number of output columns (F for SwiGLU), NB the width
+    of b[g] (2F for SwiGLU). USE_TMA: tensor descriptors built on the device per tile, whose
+    row bound is the group's end (no clamping needed); B_TRANS: b[g] is stored as (NB, K)."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -151,37 +185,64 @@ def _grouped_mm_kernel(
             tile_m = first_m + (local % band_size) % band_m
             tile_n = (local % band_size) // band_m
 
-            local_m = tile_m * BLOCK_M + offs_m
-            cols = tile_n * BLOCK_N + offs_n
-            row_ok = local_m < rows
-            col_ok = cols < N
-            y_base = y_ptr + tl.cast(row_start, tl.int64) * stride_ym
-            y_ptrs = y_base + local_m[:, None] * stride_ym + cols[None, :]
-            out_mask = row_ok[:, None] & col_ok[None, :]
             if g == G:
                 # Padding rows past offsets[-1]: zeros, nothing to multiply.
+                local_m = tile_m * BLOCK_M + offs_m
+                cols = tile_n * BLOCK_N + offs_n
+                row_ok = local_m < rows
+                col_ok = cols < N
+                y_base = y_ptr + tl.cast(row_start, tl.int64) * stride_ym
+                y_ptrs = y_base + local_m[:, None] * stride_ym + cols[None, :]
+                out_mask = row_ok[:, None] & col_ok[None, :]
                 tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty), mask=out_mask)
             else:
-                # Rows past the group's end are clamped (not masked): they read valid rows,
-                # their results are never stored, and the loads stay unmasked along M.
-                a_rows = tl.minimum(local_m, rows - 1)
-                if EVEN_N:
-                    b_cols = cols
-                else:
-                    b_cols = tl.where(col_ok, cols, 0)
-                a_base = a_ptr + tl.cast(row_start, tl.int64) * stride_am
-                a_ptrs = a_base + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-                b_base = b_ptr + tl.cast(g, tl.int64) * stride_bg
-                b_ptrs = b_base + offs_k[:, None] * stride_bk + b_cols[None, :] * stride_bn
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                if ACT == 1:
-                    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    acc, acc_up = _tile_dot_pair(a_ptrs, b_ptrs, b_ptrs + N * stride_bn, BLOCK_K * stride_ak,
-                                                 BLOCK_K * stride_bk, k_tiles, K, offs_k, acc, acc_up,
-                                                 BLOCK_K, EVEN_K, DOT_PRECISION)
+                if USE_TMA:
+                    a_desc = tl.make_tensor_descriptor(
+                        a_ptr + tl.cast(row_start, tl.int64) * stride_am, shape=[rows, K],
+                        strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
+                    b_base = b_ptr + tl.cast(g, tl.int64) * stride_bg
+                    if B_TRANS:
+                        b_desc = tl.make_tensor_descriptor(b_base, shape=[NB, K], strides=[stride_bn, 1],
+                                                           block_shape=[BLOCK_N, BLOCK_K])
+                    else:
+                        b_desc = tl.make_tensor_descriptor(b_base, shape=[K, NB], strides=[stride_bk, 1],
+                                                           block_shape=[BLOCK_K, BLOCK_N])
+                    if ACT == 1:
+                        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    else:
+                        acc_up = acc  # unused
+                    acc, acc_up = _tile_dot_tma(a_desc, b_desc, tile_m * BLOCK_M, tile_n * BLOCK_N,
+                                                N + tile_n * BLOCK_N, k_tiles, acc, acc_up,
+                                                BLOCK_K, B_TRANS, ACT == 1, DOT_PRECISION)
                 else:
-                    acc = _tile_dot(a_ptrs, b_ptrs, BLOCK_K * stride_ak, BLOCK_K * stride_bk, k_tiles, K,
-                                    offs_k, acc, BLOCK_K, EVEN_K, DOT_PRECISION)
+                    # Rows past the group's end are clamped (not masked): they read valid rows,
+                    # their results are never stored, and the loads stay unmasked along M.
+                    a_rows = tl.minimum(tile_m * BLOCK_M + offs_m, rows - 1)
+                    b_cols = tile_n * BLOCK_N + offs_n
+                    if not EVEN_N:
+                        b_cols = tl.where(b_cols < N, b_cols, 0)
+                    a_base = a_ptr + tl.cast(row_start, tl.int64) * stride_am
+                    a_ptrs = a_base + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+                    b_base = b_ptr + tl.cast(g, tl.int64) * stride_bg
+                    b_ptrs = b_base + offs_k[:, None] * stride_bk + b_cols[None, :] * stride_bn
+                    if ACT == 1:
+                        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                        acc, acc_up = _tile_dot_pair(a_ptrs, b_ptrs, b_ptrs + N * stride_bn, BLOCK_K * stride_ak,
+                                                     BLOCK_K * stride_bk, k_tiles, K, offs_k, acc, acc_up,
+                                                     BLOCK_K, EVEN_K, DOT_PRECISION)
+                    else:
+                        acc = _tile_dot(a_ptrs, b_ptrs, BLOCK_K * stride_ak, BLOCK_K * stride_bk, k_tiles, K,
+                                        offs_k, acc, BLOCK_K, EVEN_K, DOT_PRECISION)
+                # Store addresses are built after the main loop: built before it, 128x128 64-bit
+                # pointers stayed live across it (255 registers and a stack frame in ptxas' report).
+                local_m = tile_m * BLOCK_M + offs_m
+                cols = tile_n * BLOCK_N + offs_n
+                row_ok = local_m < rows
+                col_ok = cols < N
+                y_base = y_ptr + tl.cast(row_start, tl.int64) * stride_ym
+                y_ptrs = y_base + local_m[:, None] * stride_ym + cols[None, :]
+                out_mask = row_ok[:, None] & col_ok[None, :]
                 z_base = z_ptr + tl.cast(row_start, tl.int64) * stride_zm
                 z_ptrs = z_base + local_m[:, None] * stride_zm + cols[None, :]
                 if ACT == 1:
@@ -212,6 +273,32 @@ def _num_programs(device: torch.device) -> int:
     if index not in _num_sms:
         _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _num_sms[index]
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for the tensor descriptors the kernels build on the device."""
+    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors: Hopper or newer (or the interpreter), 16-byte aligned base and
+    non-unit strides (the unit stride is checked by the caller)."""
+    first = tensors[0]
+    if first.is_cuda:
+        if torch.cuda.get_device_capability(first.device)[0] < 9:
+            return False
+    elif not INTERPRET:
+        return False
+    for t in tensors:
+        if t.data_ptr() % 16 or any((st * t.element_size()) % 16 for st in t.stride() if st != 1):
+            return False
+    return True
+
+
+def use_tensor_descriptors() -> None:
+    """Install the descriptor scratch allocator; the allocator is a context variable, so this
+    runs before every launch (autograd's backward runs in another thread)."""
+    triton.set_allocator(_scratch)
 
 
 def row_tile_size(K: int, N: int, dtype: torch.dtype) -> int:
@@ -281,14 +368,18 @@ def grouped_mm_forward(
     if M == 0 or n_out == 0:
         return y, z
     num_programs = _num_programs(a_MK.device)
+    b_trans = b_GKN.stride(2) != 1
+    use_tma = (b_GKN.stride(1) == 1 if b_trans else True) and tma_ok(a_MK, b_GKN)
+    if use_tma:
+        use_tensor_descriptors()
     _grouped_mm_kernel[(num_programs,)](
         a_MK, b_GKN, offsets_G, y, z if save_z else y,
-        M, n_out, K, G,
+        M, n_out, K, G, N,
         a_MK.stride(0), a_MK.stride(1),
         b_GKN.stride(0), b_GKN.stride(1), b_GKN.stride(2),
         y.stride(0), z.stride(0) if save_z else 0,
         NUM_PROGRAMS=num_programs,
-        ACT=ACTIVATIONS[activation], SAVE_Z=save_z,
+        ACT=ACTIVATIONS[activation], SAVE_Z=save_z, USE_TMA=use_tma, B_TRANS=b_trans,
         DOT_PRECISION="ieee" if a_MK.dtype == torch.float32 else "tf32",
     )
     if record_tile:

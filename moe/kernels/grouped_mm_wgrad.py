@@ -32,13 +32,17 @@ def _configs():
 
 
 @triton.autotune(configs=_configs(), key=["N", "K"])
+@triton.heuristics({
+    "EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
+    "EVEN_N": lambda args: args["N"] % args["BLOCK_N"] == 0,
+})
 @triton.jit
 def _grouped_mm_wgrad_kernel(
     x_ptr, dy_ptr, offsets_ptr, dw_ptr,
     N, K,
     stride_xm, stride_dym,
     stride_dwg, stride_dwk,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -60,24 +64,31 @@ def _grouped_mm_wgrad_kernel(
     offs_k = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    # Columns past K or N are clamped (their results are masked at the store), keeping the
-    # loads unmasked along the contiguous dimension.
-    load_k = tl.where(offs_k < K, offs_k, 0)
-    load_n = tl.where(offs_n < N, offs_n, 0)
-    x_ptrs = x_ptr + tl.cast(row_start, tl.int64) * stride_xm + offs_m[None, :] * stride_xm + load_k[:, None]
-    dy_ptrs = dy_ptr + tl.cast(row_start, tl.int64) * stride_dym + offs_m[:, None] * stride_dym + load_n[None, :]
+    # Masks along the contiguous dimension only where K or N is ragged: a clamped index
+    # (tl.where) would hide the contiguity and turn 16-byte loads into 2-byte ones (seen in
+    # the SASS: LDG.E.U16, no cp.async pipelining).
+    k_ok = offs_k < K
+    n_ok = offs_n < N
+    x_ptrs = x_ptr + tl.cast(row_start, tl.int64) * stride_xm + offs_m[None, :] * stride_xm + offs_k[:, None]
+    dy_ptrs = dy_ptr + tl.cast(row_start, tl.int64) * stride_dym + offs_m[:, None] * stride_dym + offs_n[None, :]
 
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     for mt in range(0, tl.cdiv(rows, BLOCK_M)):
         row_ok = offs_m < rows - mt * BLOCK_M
-        xt = tl.load(x_ptrs, mask=row_ok[None, :], other=0.0)
-        dy = tl.load(dy_ptrs, mask=row_ok[:, None], other=0.0)
+        x_mask = row_ok[None, :]
+        dy_mask = row_ok[:, None]
+        if not EVEN_K:
+            x_mask = x_mask & k_ok[:, None]
+        if not EVEN_N:
+            dy_mask = dy_mask & n_ok[None, :]
+        xt = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        dy = tl.load(dy_ptrs, mask=dy_mask, other=0.0)
         acc = tl.dot(xt, dy, acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_M * stride_xm
         dy_ptrs += BLOCK_M * stride_dym
 
     dw_ptrs = dw_ptr + tl.cast(g, tl.int64) * stride_dwg + offs_k[:, None] * stride_dwk + offs_n[None, :]
-    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=(offs_k[:, None] < K) & (offs_n[None, :] < N))
+    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
 
 
 def grouped_mm_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_G: torch.Tensor) -> torch.Tensor:
