@@ -28,7 +28,7 @@ import torch.distributed as dist
 from moe.capacity import RoutingPlan
 from moe.dispatch import LocalDispatcher, LocalDispatchMeta
 from parallel.all_to_all import all_reduce_sum, all_to_all
-from parallel.permute import gather_permutation, scatter_rows
+from parallel.permute import gather_pairs, gather_permutation, scatter_rows
 
 
 @dataclass(frozen=True)
@@ -146,13 +146,16 @@ class AllToAllDispatcher:
         copied = torch.cuda.Event() if send_counts_E.is_cuda else None
         if copied is not None:
             copied.record()
-        # every pair's row (dropped ones are cut below): the gather runs during the host wait
-        send_PD = x_TD.index_select(0, plan.order_P // K)
+        # every pair's row (dropped pairs are cut below), enqueued before the host waits, so the
+        # gather runs while the counts travel to the host
+        send_PD = gather_pairs(x_TD, plan.order_P, K)
         if copied is not None:
             copied.synchronize()
         send_splits, recv_splits = counts_host.view(2, G, L).sum(-1).tolist()
         num_sent, num_recv = sum(send_splits), sum(recv_splits)
-        recv_RD = all_to_all(send_PD[:num_sent], recv_splits, send_splits, self.ep_group)
+        # dropless sends every row; slicing off dropped pairs costs a zero-fill in backward
+        send_SD = send_PD if num_sent == T * K else send_PD[:num_sent]
+        recv_RD = all_to_all(send_SD, recv_splits, send_splits, self.ep_group)
         recv_counts_GL = recv_counts_E.view(G, L)
         regroup_idx_R = regroup_index(recv_counts_GL, num_recv)
         rows_RD = gather_permutation(recv_RD, regroup_idx_R)

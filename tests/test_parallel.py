@@ -24,7 +24,7 @@ from parallel import (
     update_expert_biases_global,
 )
 from parallel.dispatcher import regroup_index
-from parallel.permute import gather_permutation, scatter_rows
+from parallel.permute import gather_pairs, gather_permutation, scatter_rows
 
 # max |ours - reference| / max |reference|, per (device type, dtype). fp32 on CUDA: Triton's
 # fp32 dot runs in TF32 and its tiling may differ between row counts.
@@ -321,18 +321,36 @@ def test_regroup_index_matches_sort(sources, experts):
     assert torch.equal(regroup_index(counts_GL, num_rows), expected)
 
 
-def test_permutation_functions_backward():
-    x = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+@pytest.mark.parametrize("width", [3, 4])  # 4 float64 = 32-byte rows: moved as complex128
+def test_permutation_functions_backward(width):
+    x = torch.randn(7, width, dtype=torch.float64, requires_grad=True)
     perm = torch.randperm(7)
     assert torch.autograd.gradcheck(lambda t: gather_permutation(t, perm), (x,))
-    y = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(5, width, dtype=torch.float64, requires_grad=True)
     order = torch.randperm(8)
     out = scatter_rows(y, order[:5], 8, order[5:])
-    assert torch.equal(out[order[5:]], torch.zeros(3, 3, dtype=torch.float64))
+    assert torch.equal(out[order[5:]], torch.zeros(3, width, dtype=torch.float64))
     assert torch.equal(out[order[:5]], y.detach())
     assert torch.autograd.gradcheck(lambda t: scatter_rows(t, order[:5], 8, order[5:]), (y,))
     with pytest.raises(ValueError, match="do not cover"):
         scatter_rows(y, order[:5], 9, order[5:])
+    tokens = torch.randn(4, width, dtype=torch.float64, requires_grad=True)
+    pairs = torch.randperm(12)  # T = 4, K = 3
+    assert torch.equal(gather_pairs(tokens, pairs, 3), tokens.detach()[pairs // 3])
+    assert torch.autograd.gradcheck(lambda t: gather_pairs(t, pairs, 3), (tokens,))
+    empty = torch.zeros(0, width, dtype=torch.float64, requires_grad=True)
+    gather_pairs(empty, torch.zeros(0, dtype=torch.long), 3).sum().backward()
+    assert empty.grad.shape == (0, width)
+
+
+@pytest.mark.parametrize("width", [8, 4, 3, 5])  # bf16 rows of 16, 8, 6, 10 bytes
+def test_wide_row_copies_are_bitwise(width):
+    base = torch.randn(11, width).to(torch.bfloat16)
+    for x in (base, base[1:]):  # base[1:] starts off the 16-byte alignment
+        idx = torch.randperm(x.shape[0])
+        assert torch.equal(gather_permutation(x, idx), x[idx])
+        out = scatter_rows(x, idx, x.shape[0])
+        assert torch.equal(out[idx], x)
 
 
 def _fails_on_rank_1(rank, world):

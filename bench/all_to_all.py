@@ -1,0 +1,188 @@
+"""Benchmark: AllToAllDispatcher dispatch + combine vs raw ``all_to_all_single`` of the same bytes.
+
+What is timed (forward only, no autograd): ours = ``dispatch`` (counts all-to-all, one
+device->host copy of the counts, gather of the rows by destination, variable-split all-to-all,
+regroup by local expert) then ``combine`` of the dispatched rows (identity experts: inverse
+regroup, reverse all-to-all, scatter to pair order). Anchor = two raw ``all_to_all_single`` calls
+with the same split sizes on preallocated buffers (there and back): the same bytes on the link,
+none of the bookkeeping. Routing: uniform random top-K (distinct experts per token), dropless,
+bf16 rows, ep = world (each GPU holds E / world experts).
+
+Effective bandwidth = bytes sent + received per rank (both exchanges, the rank's own chunk
+included, mean over ranks) / time (max over ranks).
+Protocol: per row, ``rounds`` rounds alternating ours, anchor, ours again; each timing is a fixed
+number of back-to-back calls between CUDA events (not triton's do_bench: its repeat count is
+estimated per process, and collectives need the same count on every rank). The claim is the
+median over rounds of anchor_time / our_time (= our bandwidth / raw bandwidth; bar 0.85); the
+A-vs-A column is ours / ours-again, the noise.
+
+    torchrun --nproc_per_node=2 bench/all_to_all.py [--out bench/results/all_to_all.md]
+    torchrun --nproc_per_node=2 bench/all_to_all.py --smoke      # CPU/gloo, seconds, prints only
+"""
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from moe.capacity import plan_routing  # noqa: E402
+from parallel import ParallelDims, init_distributed  # noqa: E402
+
+LAYERS = {  # name: (D, E, K)
+    "Mixtral-like (D 4096, E 8, top-2)": (4096, 8, 2),
+    "fine-grained (D 2048, E 64, top-8)": (2048, 64, 8),
+}
+TOKENS = (4096, 8192, 16384, 32768)
+SMOKE_LAYERS = {"smoke (D 64, E 8, top-2)": (64, 8, 2), "smoke (D 32, E 16, top-4)": (32, 16, 4)}
+SMOKE_TOKENS = (64, 256)
+
+
+def _timer(device):
+    """Seconds per call of ``fn`` over ``iters`` calls, every rank starting together."""
+    def measure(fn, iters):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / iters
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) / iters
+    return measure
+
+
+def _max_over_ranks(values: list[float], device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _mean_over_ranks(value: float, device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def bench_row(dispatcher, dims, D, E, K, T, rounds, device, dtype, measure):
+    gen = torch.Generator(device=device).manual_seed(1000 + dist.get_rank())
+    x_TD = torch.randn(T, D, device=device, dtype=dtype, generator=gen)
+    experts_TK = torch.rand(T, E, device=device, generator=gen).topk(K, dim=-1).indices
+    priority_TK = torch.rand(T, K, device=device, generator=gen)
+    plan = plan_routing(experts_TK, priority_TK, E, None)
+
+    def ours():
+        rows_RD, _, meta = dispatcher.dispatch(x_TD, plan)
+        return dispatcher.combine(rows_RD, meta)
+
+    with torch.no_grad():
+        y_PD = ours()
+        # correctness guard: identity experts must bring every pair's row home
+        if not torch.equal(y_PD, x_TD.index_select(0, torch.arange(T * K, device=device) // K)):
+            raise RuntimeError("dispatch + combine with identity experts did not return the input rows")
+        _, _, meta = dispatcher.dispatch(x_TD, plan)
+    send_splits, recv_splits = meta.send_splits, meta.recv_splits
+    send_SD = torch.randn(sum(send_splits), D, device=device, dtype=dtype, generator=gen)
+    recv_RD = torch.empty(sum(recv_splits), D, device=device, dtype=dtype)
+    back_SD = torch.empty_like(send_SD)
+
+    def raw():
+        dist.all_to_all_single(recv_RD, send_SD, recv_splits, send_splits, group=dims.ep_group)
+        dist.all_to_all_single(back_SD, recv_RD, send_splits, recv_splits, group=dims.ep_group)
+
+    elem = torch.finfo(dtype).bits // 8
+    nbytes = _mean_over_ranks(2 * (sum(send_splits) + sum(recv_splits)) * D * elem, device)
+    # same count on every rank (from the config only): ~0.2 s of raw traffic at ~300 GB/s
+    iters = max(5, min(100, int(0.2 * 300e9 / (4 * T * K * D * elem))))
+    with torch.no_grad():
+        for fn in (ours, raw):
+            measure(fn, 3)
+        t_ours, t_raw, t_again = [], [], []
+        for _ in range(rounds):
+            t = _max_over_ranks([measure(ours, iters), measure(raw, iters), measure(ours, iters)], device)
+            t_ours.append(t[0]), t_raw.append(t[1]), t_again.append(t[2])
+    ratios = [r / o for r, o in zip(t_raw, t_ours)]
+    noise = [o / a for o, a in zip(t_ours, t_again)]
+    med_ours, med_raw = statistics.median(t_ours), statistics.median(t_raw)
+    return {
+        "tokens": T, "mbytes": nbytes / 1e6, "ours_ms": med_ours * 1e3, "raw_ms": med_raw * 1e3,
+        "ours_gbs": nbytes / med_ours / 1e9, "raw_gbs": nbytes / med_raw / 1e9,
+        "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+        "a_vs_a": statistics.median(noise), "iters": iters,
+    }
+
+
+def _header(device, world, rounds) -> str:
+    if device.type == "cuda":
+        name = f"{world}× {torch.cuda.get_device_name(device)}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
+    else:
+        name = f"{world} CPU processes ({platform.processor() or platform.machine()}), gloo"
+    return "\n".join([
+        "# AllToAllDispatcher: dispatch + combine vs raw all_to_all_single",
+        "",
+        f"- device: {name}",
+        f"- torch {torch.__version__}, Python {platform.python_version()}, date {datetime.date.today()}",
+        f"- command: `torchrun --nproc_per_node={world} bench/all_to_all.py`",
+        f"- {rounds} rounds alternating ours / raw / ours-again; ratio = median over rounds of raw time / our time",
+        "  (= our effective bandwidth / raw bandwidth, bar 0.85); A-vs-A = ours / ours-again.",
+        "- timed: forward dispatch + combine with identity experts (counts exchange, one host copy of the",
+        "  counts, gather, all-to-all, regroup; inverse regroup, all-to-all, scatter) vs two raw",
+        "  all_to_all_single of the same split sizes. bf16 rows, uniform random top-K, dropless, ep = world.",
+        "- bandwidth = bytes sent + received per rank (both directions, own chunk included) / time (max over ranks).",
+        "",
+    ])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU/gloo, print only")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=None, help="markdown table (default bench/results/all_to_all.md; none with --smoke)")
+    args = parser.parse_args()
+    rank, world, device = init_distributed("gloo" if args.smoke else None)
+    if world < 2:
+        raise SystemExit("run under torchrun with --nproc_per_node >= 2")
+    if args.smoke:
+        device = torch.device("cpu")
+    out = args.out or (None if args.smoke else os.path.join(os.path.dirname(__file__), "results", "all_to_all.md"))
+    dims = ParallelDims(world, ep=world).build_groups()
+    dispatcher = dims.dispatcher()
+    dtype = torch.bfloat16
+    measure = _timer(device)
+    layers, tokens = (SMOKE_LAYERS, SMOKE_TOKENS) if args.smoke else (LAYERS, TOKENS)
+    lines = [_header(device, world, args.rounds),
+             "| layer | tokens/rank | MB/rank | ours ms | raw ms | ours GB/s | raw GB/s | ours/raw bw (min–max) | A-vs-A |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, (D, E, K) in layers.items():
+        dims.check_experts(E)
+        for T in tokens:
+            r = bench_row(dispatcher, dims, D, E, K, T, args.rounds, device, dtype, measure)
+            lines.append(
+                f"| {name} | {T} | {r['mbytes']:.0f} | {r['ours_ms']:.3f} | {r['raw_ms']:.3f} | {r['ours_gbs']:.0f} | "
+                f"{r['raw_gbs']:.0f} | **{r['ratio']:.2f}** ({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) | {r['a_vs_a']:.2f} |"
+            )
+            if rank == 0:
+                print(lines[-1], flush=True)
+    if rank == 0:
+        text = "\n".join(lines) + "\n"
+        print(text)
+        if out:
+            with open(out, "w") as f:
+                f.write(text)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
