@@ -124,16 +124,26 @@ def bench_row(dispatcher, dims, D, E, K, T, rounds, device, dtype, measure):
     }
 
 
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "not installed"
+    return triton.__version__
+
+
 def _header(device, world, rounds) -> str:
     if device.type == "cuda":
-        name = f"{world}× {torch.cuda.get_device_name(device)}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
+        nccl = torch.cuda.nccl.version()
+        nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+        name = f"{world}× {torch.cuda.get_device_name(device)}, NCCL {nccl}"
     else:
         name = f"{world} CPU processes ({platform.processor() or platform.machine()}), gloo"
     return "\n".join([
         "# AllToAllDispatcher: dispatch + combine vs raw all_to_all_single",
         "",
         f"- device: {name}",
-        f"- torch {torch.__version__}, Python {platform.python_version()}, date {datetime.date.today()}",
+        f"- torch {torch.__version__}, triton {_triton_version()}, Python {platform.python_version()}, date {datetime.date.today()}",
         f"- command: `torchrun --nproc_per_node={world} bench/all_to_all.py`",
         f"- {rounds} rounds alternating ours / raw / ours-again; ratio = median over rounds of raw time / our time",
         "  (= our effective bandwidth / raw bandwidth, bar 0.85); A-vs-A = ours / ours-again.",
