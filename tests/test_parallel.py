@@ -27,10 +27,10 @@ from parallel.dispatcher import regroup_index
 from parallel.permute import gather_pairs, gather_permutation, scatter_rows
 
 # max |ours - reference| / max |reference|, per (device type, dtype). fp32 on CUDA: Triton's
-# fp32 dot runs in TF32 and its tiling may differ between row counts.
+# fp32 dot may run in TF32, and the tile config may differ between row counts.
 TOLERANCE = {
     ("cpu", torch.float32): 2e-5,
-    ("cuda", torch.float32): 2e-3,
+    ("cuda", torch.float32): 5e-3,
     ("cuda", torch.bfloat16): 4e-2,
 }
 
@@ -52,7 +52,8 @@ class Case:
     z_loss_coef: float = 1e-3
 
 
-DIM, HIDDEN = 16, 12
+DIM, HIDDEN = 16, 12  # CPU: odd hidden width; on CUDA the aligned sizes the Triton GEMM tiles
+GPU_DIM, GPU_HIDDEN = 64, 32
 
 WORLD2 = [
     Case("dropless", ep=2),
@@ -79,15 +80,15 @@ WORLD4 = [
 
 
 class Tiny(nn.Module):
-    def __init__(self, case: Case, dispatcher, capacity_groups: int, device, dtype):
+    def __init__(self, case: Case, dispatcher, capacity_groups: int, device, dtype, dim: int, hidden: int):
         super().__init__()
         self.moe = MoELayer(
-            DIM, HIDDEN, case.num_experts, case.top_k, capacity_factor=case.capacity_factor,
+            dim, hidden, case.num_experts, case.top_k, capacity_factor=case.capacity_factor,
             drop_policy=case.drop_policy, capacity_groups=capacity_groups, activation=case.activation,
             score_func=case.score_func, expert_bias=case.expert_bias, num_shared_experts=1,
             z_loss_coef=case.z_loss_coef, dispatcher=dispatcher, device=device, dtype=dtype,
         )
-        self.head = nn.Linear(DIM, DIM, device=device, dtype=dtype)
+        self.head = nn.Linear(dim, dim, device=device, dtype=dtype)
 
     def forward(self, x):
         return self.head(x + self.moe(x))
@@ -119,14 +120,15 @@ def _equivalence(case: Case, dims: ParallelDims, device, dtype) -> dict:
     num_local = case.num_experts // dims.ep
     lo, hi = dims.ep_rank * num_local, (dims.ep_rank + 1) * num_local
     groups = world if case.capacity_factor is not None else 1
+    dim, hidden = (GPU_DIM, GPU_HIDDEN) if device.type == "cuda" else (DIM, HIDDEN)
 
     gen = torch.Generator().manual_seed(1234)
-    x_all = (torch.randn(total, DIM, generator=gen) + (1.0 if case.route != "random" else 0.0)).to(device, dtype)
-    target_all = torch.randn(total, DIM, generator=gen).to(device, dtype)
+    x_all = (torch.randn(total, dim, generator=gen) + (1.0 if case.route != "random" else 0.0)).to(device, dtype)
+    target_all = torch.randn(total, dim, generator=gen).to(device, dtype)
     torch.manual_seed(99)
-    ref = Tiny(case, None, groups, device, dtype)
+    ref = Tiny(case, None, groups, device, dtype, dim, hidden)
     _force_routes(ref, case, num_local)
-    par = Tiny(case, dims.dispatcher(), 1, device, dtype)
+    par = Tiny(case, dims.dispatcher(), 1, device, dtype, dim, hidden)
     with torch.no_grad():
         ref_params = dict(ref.named_parameters())
         for name, p in par.named_parameters():
