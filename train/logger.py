@@ -138,7 +138,7 @@ class RunLogger:
         if not self.active:
             return
         kept_LE = np.stack([s.tokens_per_expert.detach().cpu().numpy() for s in stats])
-        image = load_heatmap(kept_LE)
+        image = load_heatmap(kept_LE, cell=max(4, min(32, 512 // kept_LE.shape[1])))
         payload = {}
         if self.run is not None:
             if HAS_PIL:

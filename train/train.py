@@ -118,7 +118,8 @@ def main(argv: list[str]) -> dict:
     val_set = val_batches(shard(val_tokens, rt.rank, rt.world_size), d.seq_len, d.batch_size, d.val_batches)
 
     # ---- model, parallelized: the MoE layers get the EP dispatcher and hold E / ep experts
-    model = MoETransformer(cfg, dispatcher=rt.dispatcher()).to(rt.device)
+    with rt.device:  # built on the device: a large model never materialises on the host
+        model = MoETransformer(cfg, dispatcher=rt.dispatcher())
     model.init_weights(cfg.train.seed)
     expert_names = expert_parameter_names(model)
     autocast = autocast_context(cfg, rt.device)

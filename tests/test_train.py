@@ -1,0 +1,345 @@
+"""Training script: data, schedule, FLOPs, logging pieces, checkpoints, and real runs
+(one process in-process; 2 and 4 processes and 2 "nodes" × 2 through torchrun with gloo)."""
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from train import checkpoint as ckpt
+from train.config import Config, apply_overrides, load_config
+from train.data import TokenStream, shard, stdlib_corpus, stdlib_files, val_batches
+from train.flops import forward_flops_per_token
+from train.logger import encode_png, load_heatmap
+from train.model import MoETransformer
+from train.optim import WarmupCosine, build_optimizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# small and fast: 2 layers, D 64, seq 32
+SMALL = [
+    "--config", os.path.join(REPO, "configs", "tiny.yaml"), "--model.dim=64", "--model.n_layers=2",
+    "--moe.hidden_dim=64", "--data.seq_len=32", "--data.batch_size=4", "--data.val_batches=1",
+    "--data.max_bytes=400000", "--log.every=1", "--train.eval_every=0", "--log.wandb_mode=disabled",
+    "--log.progress=false",
+]
+
+
+def _metrics(run_dir: str) -> dict[int, dict]:
+    out = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            out.setdefault(rec["step"], {}).update(rec)
+    return out
+
+
+def _losses(run_dir: str) -> dict[int, float]:
+    return {s: m["train/loss"] for s, m in _metrics(run_dir).items() if "train/loss" in m}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # the training script runs the PyTorch paths on CPU
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _torchrun(nproc: int, args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{_free_port()}", "--nnodes=1",
+           os.path.join(REPO, "train", "train.py"), *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _run_inprocess(args: list[str]) -> dict:
+    from train.train import main
+
+    return main(args)
+
+
+# ---------------------------------------------------------------- data
+
+
+def test_stdlib_split_is_a_rule_of_the_file_name():
+    files = stdlib_files()
+    assert files == sorted(files) and all(f.endswith(".py") for f in files)
+    train, val = stdlib_corpus(300_000, 0.05)
+    assert train.dtype == np.uint8 and len(train) + len(val) == 300_000
+    # the files under the cap, assigned by crc32 of their relative path
+    import sysconfig
+
+    root = sysconfig.get_paths()["stdlib"]
+    total, expect_val = 0, 0
+    for rel in files:
+        if total >= 300_000:
+            break
+        n = min(os.path.getsize(os.path.join(root, rel)), 300_000 - total)
+        total += n
+        expect_val += n if zlib.crc32(rel.encode()) % 1000 < 50 else 0
+    assert len(val) == expect_val > 0
+    train2, val2 = stdlib_corpus(300_000, 0.05)
+    assert np.array_equal(train, train2) and np.array_equal(val, val2)
+
+
+def test_shards_partition_the_tokens():
+    tokens = np.arange(103)
+    parts = [shard(tokens, r, 4) for r in range(4)]
+    assert np.array_equal(np.concatenate(parts), tokens)
+
+
+def test_token_stream_targets_and_resume():
+    tokens = np.random.default_rng(0).integers(0, 256, 5000).astype(np.uint16)
+    a = TokenStream(tokens, seq_len=16, batch_size=8, seed=3)
+    x, y = a.next_batch()
+    assert x.shape == y.shape == (8, 16) and x.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    for _ in range(50):  # crosses an epoch boundary (312 windows / 8)
+        a.next_batch()
+    state = a.state_dict()
+    b = TokenStream(tokens, seq_len=16, batch_size=8, seed=3)
+    b.load_state_dict(state)
+    for _ in range(5):
+        xa, _ = a.next_batch()
+        xb, _ = b.next_batch()
+        assert torch.equal(xa, xb)
+    assert state["epoch"] == 1
+
+
+def test_token_file_and_text_sources(tmp_path):
+    toks = (np.arange(4000) % 1000).astype(np.uint16)
+    path = tmp_path / "toks.bin"
+    toks.tofile(path)
+    from train.data import load_splits
+
+    train, val = load_splits("tokens", str(path), "uint16", 0, 0.1)
+    assert isinstance(train, np.memmap) and len(train) == 3600 and np.array_equal(val, toks[3600:])
+    (tmp_path / "t.txt").write_bytes(b"hello world " * 100)
+    train, val = load_splits("text", str(tmp_path / "t.txt"), "uint16", 0, 0.5)
+    assert bytes(train[:5]) == b"hello" and len(val) == 600
+
+
+def test_val_batches_are_fixed():
+    tokens = np.arange(2000) % 256
+    a = val_batches(tokens, 16, 4, 3)
+    b = val_batches(tokens, 16, 4, 3)
+    assert len(a) == 3 and all(torch.equal(x1, x2) for (x1, _), (x2, _) in zip(a, b))
+
+
+# ---------------------------------------------------------------- schedule, flops, logging
+
+
+def test_warmup_cosine():
+    opt = torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.ones(1))], "base_lr": 1.0, "lr": 1.0}])
+    s = WarmupCosine(opt, warmup=4, total=14, min_ratio=0.1)
+    lrs = []
+    for _ in range(16):
+        lrs.append(s.apply())
+        s.step()
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert lrs[4] == pytest.approx(1.0) and lrs[9] == pytest.approx(0.55)
+    assert lrs[14] == pytest.approx(0.1) and lrs[15] == pytest.approx(0.1)
+
+
+def test_flops_formula_by_hand():
+    cfg = apply_overrides(Config(), [
+        "--model.dim=8", "--model.n_layers=2", "--model.n_heads=2", "--model.vocab_size=10",
+        "--moe.num_experts=4", "--moe.top_k=2", "--moe.hidden_dim=3", "--moe.every_n_layers=2",
+        "--model.dense_hidden_dim=5", "--data.seq_len=7",
+    ])
+    D, V, S, H, Hd = 8, 10, 7, 2, 4
+    attn = 2 * D * 3 * H * Hd + 2 * H * Hd * D + 2 * 2 * H * Hd * (S + 1) / 2
+    dense = 2 * D * 5 * 3
+    moe = 2 * D * 4 + 2 * (2 * D * 3 * 3)
+    assert forward_flops_per_token(cfg) == pytest.approx(2 * D * V + 2 * attn + dense + moe)
+
+
+def test_heatmap_and_png():
+    img = load_heatmap(np.array([[0, 10, 20, 10], [5, 5, 5, 5]]), cell=2)
+    assert img.shape == (4, 8, 3) and img.dtype == np.uint8
+    assert tuple(img[0, 0]) == (33, 102, 172)  # idle expert: blue
+    assert tuple(img[0, 4]) == (178, 24, 43)  # 2x the mean: red
+    assert tuple(img[2, 0]) == (247, 247, 247)  # balanced: white
+    png = encode_png(img)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    raw = zlib.decompress(png[png.index(b"IDAT") + 4:png.index(b"IEND") - 8])
+    assert raw == b"".join(b"\x00" + img[y].tobytes() for y in range(4))
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+class _OneProcess:
+    rank, world_size, ep, distributed = 0, 1, 1, False
+
+    def barrier(self):
+        pass
+
+
+def _tiny_model(seed=0):
+    cfg = load_config(SMALL[2:] + ["--moe.num_experts=4"])
+    model = MoETransformer(cfg)
+    model.init_weights(seed)
+    opt = build_optimizer(model, cfg.optim)
+    return cfg, model, opt, WarmupCosine(opt, 2, 10, 0.1)
+
+
+def _one_step(model, opt):
+    x = torch.randint(0, 256, (2, 16))
+    model(x).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_checkpoint_round_trip_and_crash_safety(tmp_path):
+    cfg, model, opt, sched = _tiny_model()
+    _one_step(model, opt)
+    sched.step()
+    d = str(tmp_path / "ck")
+    path = ckpt.save_checkpoint(d, 1, model, opt, sched, {"epoch": 0, "cursor": 4}, _OneProcess())
+    assert os.path.basename(path) == "step_00000001" and open(os.path.join(d, "latest")).read().strip() == "step_00000001"
+    # a crash mid-save: a .tmp directory and a directory without meta.json are never picked up
+    os.makedirs(os.path.join(d, "step_00000009.tmp"))
+    os.makedirs(os.path.join(d, "step_00000008"))
+    os.remove(os.path.join(d, "latest"))
+    assert ckpt.find_checkpoint(d, "auto") == path
+
+    _, model2, opt2, sched2 = _tiny_model(seed=1)
+    info = ckpt.load_checkpoint(path, model2, opt2, sched2, _OneProcess())
+    assert info == {"step": 1, "data": {"epoch": 0, "cursor": 4}, "exact": True}
+    for (n, a), (_, b) in zip(model.state_dict().items(), model2.state_dict().items()):
+        assert torch.equal(a, b), n
+    assert sched2.step_count == 1
+    p1, p2 = dict(model.named_parameters()), dict(model2.named_parameters())
+    for n in p1:
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p1[n]][k], opt2.state[p2[n]][k]), (n, k)
+    # both continue identically
+    torch.manual_seed(5)
+    _one_step(model, opt)
+    torch.manual_seed(5)
+    _one_step(model2, opt2)
+    for (n, a), (_, b) in zip(model.state_dict().items(), model2.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+def test_checkpoint_keeps_the_newest(tmp_path):
+    _, model, opt, sched = _tiny_model()
+    d = str(tmp_path / "ck")
+    for step in (1, 2, 3):
+        ckpt.save_checkpoint(d, step, model, opt, sched, {"epoch": 0, "cursor": 0}, _OneProcess(), keep=2)
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(d)] == ["step_00000002", "step_00000003"]
+
+
+# ---------------------------------------------------------------- runs
+
+
+def test_single_process_resume_is_exact(tmp_path):
+    base = SMALL + ["--train.steps=6", f"--log.dir={tmp_path}"]
+    _run_inprocess(base + ["--log.run_name=full"])
+    _run_inprocess(base + ["--log.run_name=part", "--checkpoint.stop_after=3"])
+    assert sorted(_losses(str(tmp_path / "part"))) == [1, 2, 3]
+    _run_inprocess(base + ["--log.run_name=part"])  # finds checkpoints/latest and resumes at 3
+    full, part = _losses(str(tmp_path / "full")), _losses(str(tmp_path / "part"))
+    assert sorted(full) == list(range(1, 7))
+    assert part == full  # exact, every step
+
+
+def test_validation_loss_falls(tmp_path):
+    hist = _run_inprocess(SMALL + ["--train.steps=40", "--train.eval_every=40", f"--log.dir={tmp_path}", "--optim.warmup_steps=5"])
+    v = hist["val_loss"]
+    assert v[40] < v[0] - 1.0, v
+
+
+def test_wandb_offline_run_has_the_keys(tmp_path):
+    pytest.importorskip("wandb")
+    # a subprocess, as a user runs it (python train/train.py, world 1); in-process, pytest's
+    # output capture keeps wandb's writer from recording the history
+    cmd = [sys.executable, os.path.join(REPO, "train", "train.py"), *SMALL, "--train.steps=2", f"--log.dir={tmp_path}",
+           "--log.wandb_mode=offline", "--log.heatmap_every=1"]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".wandb")]
+    assert len(runs) == 1
+    data = open(runs[0], "rb").read()
+    for key in ("train/loss", "val/loss", "perf/tokens_per_s", "perf/mfu", "train/grad_norm",
+                "moe/layer0/dropped_fraction", "moe/layer1/tile_utilization", "moe/layer0/load_max",
+                "moe/layer0/load_mean", "moe/layer1/aux_loss", "moe/layer1/z_loss",
+                "moe/expert_load_heatmap", "moe/experts_table"):
+        assert key.encode() in data, key
+
+
+def test_config_error_fails_before_the_process_group(tmp_path):
+    cmd = [sys.executable, os.path.join(REPO, "train", "train.py"), *SMALL, "--moe.top_kk=2"]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "moe.top_kk" in proc.stderr
+
+
+@pytest.mark.slow
+def test_two_process_ep2_and_resume_exact_and_into_ep1(tmp_path):
+    base = SMALL + ["--train.steps=6", "--parallel.ep=2", f"--log.dir={tmp_path}"]
+    _torchrun(2, base + ["--log.run_name=full"])
+    _torchrun(2, base + ["--log.run_name=part", "--checkpoint.stop_after=3"])
+    shards = sorted(os.listdir(tmp_path / "part" / "checkpoints" / "step_00000003"))
+    assert shards == ["dense.pt", "meta.json", "rank00000.pt", "rank00001.pt"]
+    saved = [torch.load(tmp_path / "part" / "checkpoints" / "step_00000003" / s, weights_only=True) for s in shards[2:]]
+    name = "blocks.0.ffn.experts.w1_LDH"
+    assert [s["expert_range"][name] for s in saved] == [(0, 4, 8), (4, 4, 8)]  # each rank its own experts
+    # resume the same checkpoint into EP=1 (experts reassembled from both shards) ...
+    os.makedirs(tmp_path / "ep1")
+    os.symlink(tmp_path / "part" / "checkpoints", tmp_path / "ep1" / "checkpoints")
+    _torchrun(2, base[:-2] + ["--parallel.ep=1", f"--log.dir={tmp_path}", "--log.run_name=ep1"])
+    # ... and continue EP=2 exactly
+    _torchrun(2, base + ["--log.run_name=part"])
+    full, part, ep1 = (_losses(str(tmp_path / n)) for n in ("full", "part", "ep1"))
+    assert part == full
+    assert sorted(ep1) == [4, 5, 6]
+    for s in ep1:  # same math, different reduction order
+        assert ep1[s] == pytest.approx(full[s], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_four_process_ep2_dp2_matches_ep1(tmp_path):
+    base = SMALL + ["--train.steps=3", f"--log.dir={tmp_path}"]
+    _torchrun(4, base + ["--parallel.ep=2", "--log.run_name=ep2"])
+    _torchrun(4, base + ["--parallel.ep=1", "--log.run_name=ep1"])
+    ep2, ep1 = _metrics(str(tmp_path / "ep2")), _metrics(str(tmp_path / "ep1"))
+    assert sorted(k for k in ep2 if "train/loss" in ep2[k]) == [1, 2, 3]
+    for s in (1, 2, 3):
+        assert ep2[s]["train/loss"] == pytest.approx(ep1[s]["train/loss"], rel=1e-4)
+        assert ep2[s]["train/grad_norm"] == pytest.approx(ep1[s]["train/grad_norm"], rel=1e-3)
+        assert math.isnan(ep2[s]["perf/mfu"])  # CPU: no peak to compare against
+    # stats are over the world: 4 ranks · 4 · 32 tokens · K=2 / E=8 = 128 pairs routed per expert
+    m = ep2[3]
+    assert m["moe/layer0/load_mean"] == pytest.approx(128 * (1 - m["moe/layer0/dropped_fraction"]))
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_processes(tmp_path):
+    port = _free_port()
+    args = SMALL + ["--train.steps=2", "--parallel.ep=2", f"--log.dir={tmp_path}"]
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+               "--nproc_per_node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=twonodes",
+               os.path.join(REPO, "train", "train.py"), *args]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    assert "world 4 (ep 2, edp 2)" in "".join(outs)
+    assert sorted(_losses(str(tmp_path / "tiny"))) == [1, 2]
