@@ -101,6 +101,8 @@ class RunLogger:
             return
         os.makedirs(run_dir, exist_ok=True)
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        if start_step == 0:  # a fresh run starts a fresh file; a resumed one appends
+            open(self.metrics_path, "w").close()
         self.mode = resolve_wandb_mode(cfg.log.wandb_mode)
         if self.mode != "disabled":
             self.run = wandb.init(

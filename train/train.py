@@ -43,7 +43,7 @@ def autocast_context(cfg: Config, device: torch.device):
     return contextlib.nullcontext
 
 
-def grad_norm_and_clip(model, rt: Runtime, expert_names: set[str], max_norm: float) -> float:
+def grad_norm_and_clip(model, rt: Runtime, expert_names: set[str], max_norm: float) -> torch.Tensor:
     """Global gradient norm (dense grads are replicated; expert grads are summed over the EP
     group, whose ranks hold different experts), then scale to ``max_norm`` if above it."""
     dense_sq = torch.zeros((), dtype=torch.float32, device=rt.device)
@@ -64,7 +64,7 @@ def grad_norm_and_clip(model, rt: Runtime, expert_names: set[str], max_norm: flo
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(grads, scale)
-    return norm.item()
+    return norm  # a device tensor: read only when logged, so no host sync per step
 
 
 @torch.no_grad()
@@ -99,6 +99,23 @@ def moe_metrics(model, rt: Runtime, lb_losses: dict, z_losses: dict) -> tuple[di
         metrics["moe/load_imbalance"] = max(metrics[f"moe/layer{i}/load_imbalance"] for i in range(len(values)))
         metrics["moe/tile_utilization"] = sum(metrics[f"moe/layer{i}/tile_utilization"] for i in range(len(values))) / len(values)
     return metrics, names, values
+
+
+def write_run_info(run_dir, argv, rt: Runtime, counts, flops_per_token, peak, tokens_per_step) -> None:
+    import json
+    import platform
+
+    import triton
+
+    info = {
+        "argv": argv, "device": torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else platform.processor() or "cpu",
+        "device_type": rt.device.type, "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "world_size": rt.world_size, "ep": rt.ep, **counts,
+        "train_flops_per_token": flops_per_token, "peak_flops_per_gpu": peak, "tokens_per_step": tokens_per_step,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    with open(os.path.join(run_dir, "run_info.json"), "w") as f:
+        json.dump(info, f, indent=1)
 
 
 def main(argv: list[str]) -> dict:
@@ -144,6 +161,7 @@ def main(argv: list[str]) -> dict:
     if rt.rank == 0:
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             f.write(to_yaml(cfg))
+        write_run_info(run_dir, argv, rt, counts, flops_per_token, peak, tokens_per_step)
     log.print(
         f"world {rt.world_size} (ep {rt.ep}, edp {rt.world_size // rt.ep}) on {rt.device} | "
         f"params {counts['params_total'] / 1e6:.2f}M total, {counts['params_active'] / 1e6:.2f}M active | "
@@ -204,7 +222,7 @@ def main(argv: list[str]) -> dict:
             loss, aux_mean = rt.all_reduce_mean([ce_sum.item() / cfg.train.grad_accum, aux_sum.item() / cfg.train.grad_accum])
             tok_s = window_tokens / max(elapsed, 1e-9)
             metrics = {
-                "train/loss": loss, "train/aux_loss": aux_mean, "train/lr": lr, "train/grad_norm": grad_norm,
+                "train/loss": loss, "train/aux_loss": aux_mean, "train/lr": lr, "train/grad_norm": grad_norm.item(),
                 "train/tokens": step * tokens_per_step, "perf/tokens_per_s": tok_s,
                 "perf/mfu": tok_s * flops_per_token / (peak * rt.world_size) if not math.isnan(peak) else math.nan,
                 "perf/step_time_s": elapsed / max(window_tokens // tokens_per_step, 1),
