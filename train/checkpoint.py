@@ -68,8 +68,12 @@ def _optim_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, nam
 
 
 def _set_optim_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, state: dict) -> None:
-    # AdamW keeps `step` on the CPU unless capturable/fused; the moments live with the parameter
-    optimizer.state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and k != "step" else v) for k, v in state.items()}
+    # the moments live with the parameter; AdamW keeps `step` on the CPU unless fused/capturable
+    step_on_device = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"))
+    optimizer.state[p] = {
+        k: v.to(p.device if (k != "step" or step_on_device) else "cpu") if torch.is_tensor(v) else v
+        for k, v in state.items()
+    }
 
 
 def save_checkpoint(ckpt_dir: str, step: int, model: nn.Module, optimizer, schedule, data_state: dict, dist, keep: int = 0) -> str:

@@ -46,24 +46,23 @@ def autocast_context(cfg: Config, device: torch.device):
 def grad_norm_and_clip(model, rt: Runtime, expert_names: set[str], max_norm: float) -> torch.Tensor:
     """Global gradient norm (dense grads are replicated; expert grads are summed over the EP
     group, whose ranks hold different experts), then scale to ``max_norm`` if above it."""
-    dense_sq = torch.zeros((), dtype=torch.float32, device=rt.device)
-    expert_sq = torch.zeros((), dtype=torch.float32, device=rt.device)
-    grads = []
+    dense, experts = [], []
     for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        grads.append(p.grad)
-        sq = p.grad.detach().float().pow(2).sum()
-        if name in expert_names:
-            expert_sq += sq
-        else:
-            dense_sq += sq
+        if p.grad is not None:
+            (experts if name in expert_names else dense).append(p.grad)
+
+    def sq(grads):
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=rt.device)
+        return torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
+
+    dense_sq, expert_sq = sq(dense), sq(experts)
     if rt.distributed and rt.ep > 1:
         torch.distributed.all_reduce(expert_sq, group=rt.dims.ep_group)
     norm = (dense_sq + expert_sq).sqrt()
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, scale)
+        torch._foreach_mul_(dense + experts, scale)
     return norm  # a device tensor: read only when logged, so no host sync per step
 
 
