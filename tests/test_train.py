@@ -264,6 +264,12 @@ def test_validation_loss_falls(tmp_path):
     hist = _run_inprocess(SMALL + ["--train.steps=40", "--train.eval_every=40", f"--log.dir={tmp_path}", "--optim.warmup_steps=5"])
     v = hist["val_loss"]
     assert v[40] < v[0] - 1.0, v
+    from train.report import summarize, to_markdown
+
+    summary = summarize(str(tmp_path / "tiny"), skip_steps=10)
+    assert (summary["val_first"], summary["val_last"], summary["steps"]) == (v[0], v[40], 40)
+    assert summary["windows"] == 30 and summary["info"]["world_size"] == 1
+    assert f"{v[0]:.3f} → {v[40]:.3f}" in to_markdown([summary], "cmd", 10)
 
 
 def test_wandb_offline_run_has_the_keys(tmp_path):

@@ -16,12 +16,15 @@ if __package__ in (None, ""):  # run as a script: import the repo's packages, no
     sys.path.insert(0, _root)
 
 import contextlib  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
+import platform  # noqa: E402
 import resource  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
 
 from moe import moe_aux_loss, moe_layers, update_expert_biases  # noqa: E402
 from parallel import sync_gradients  # noqa: E402
@@ -101,11 +104,6 @@ def moe_metrics(model, rt: Runtime, lb_losses: dict, z_losses: dict) -> tuple[di
 
 
 def write_run_info(run_dir, argv, rt: Runtime, counts, flops_per_token, peak, tokens_per_step) -> None:
-    import json
-    import platform
-
-    import triton
-
     info = {
         "argv": argv, "device": torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else platform.processor() or "cpu",
         "device_type": rt.device.type, "torch": torch.__version__, "triton": triton.__version__,
