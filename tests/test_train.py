@@ -272,6 +272,17 @@ def test_validation_loss_falls(tmp_path):
     assert f"{v[0]:.3f} → {v[40]:.3f}" in to_markdown([summary], "cmd", 10)
 
 
+def test_token_file_run_and_vocab_check(tmp_path):
+    toks = np.random.default_rng(0).integers(0, 300, 20000).astype(np.uint16)
+    path = tmp_path / "toks.bin"
+    toks.tofile(path)
+    args = SMALL + ["--train.steps=2", f"--log.dir={tmp_path}", "--data.source=tokens", f"--data.path={path}"]
+    with pytest.raises(ValueError, match="model.vocab_size=256"):
+        _run_inprocess(args)
+    hist = _run_inprocess(args + ["--model.vocab_size=300"])
+    assert sorted(hist["train_loss"]) == [1, 2]
+
+
 def test_wandb_offline_run_has_the_keys(tmp_path):
     pytest.importorskip("wandb")
     # a subprocess, as a user runs it (python train/train.py, world 1); in-process, pytest's

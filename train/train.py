@@ -128,6 +128,10 @@ def main(argv: list[str]) -> dict:
     # ---- data: every rank reads its own shard
     train_tokens, val_tokens = load_splits(cfg.data.source, cfg.data.path, cfg.data.token_dtype, cfg.data.max_bytes, cfg.data.val_fraction)
     d = cfg.data
+    if d.source == "tokens":  # one pass over the memmap; an id past the table would fail deep in the embedding
+        top = int(max(train_tokens.max(initial=0), val_tokens.max(initial=0)))
+        if top >= cfg.model.vocab_size:
+            raise ValueError(f"model.vocab_size={cfg.model.vocab_size} but {d.path} holds token id {top}")
     stream = TokenStream(shard(train_tokens, rt.rank, rt.world_size), d.seq_len, d.batch_size, cfg.train.seed, rt.rank)
     val_set = val_batches(shard(val_tokens, rt.rank, rt.world_size), d.seq_len, d.batch_size, d.val_batches)
 
