@@ -105,10 +105,18 @@ class RunLogger:
             open(self.metrics_path, "w").close()
         self.mode = resolve_wandb_mode(cfg.log.wandb_mode)
         if self.mode != "disabled":
+            # a resumed run continues the same wandb run (its id is kept in the run directory)
+            id_path = os.path.join(run_dir, "wandb_id")
+            run_id = None
+            if start_step and os.path.isfile(id_path):
+                with open(id_path) as f:
+                    run_id = f.read().strip() or None
             self.run = wandb.init(
                 project=cfg.log.project, name=cfg.log.run_name, dir=run_dir, mode=self.mode,
-                config=cfg.to_dict(), resume="allow" if start_step else None,
+                config=cfg.to_dict(), id=run_id, resume="allow" if run_id else None,
             )
+            with open(id_path, "w") as f:
+                f.write(self.run.id)
         if cfg.log.progress and tqdm is not None and sys.stderr.isatty():
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, file=sys.stderr)
         self.print(f"run dir {run_dir} | wandb {self.mode}" + (f" ({self.run.dir})" if self.run else ""))
