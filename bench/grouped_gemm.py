@@ -15,7 +15,7 @@ multiples of any tile): the first expert projection as one grouped GEMM,
 Protocol: per shape, rounds alternating ours, the anchor and ours again (A-vs-A noise row),
 each ``triton.testing.do_bench(fn, warmup=100, rep=200)`` median; the reported ratio is the
 median over rounds of ``t_anchor / t_ours`` (> 1: ours faster). The loop runs fewer rounds
-(its host-side slicing bounds are computed once, outside the timing).
+(group sizes are read to the host once, outside the timing).
 
 Usage: ``python bench/grouped_gemm.py --out bench/results/grouped_gemm.md [--what gemm|swiglu|both]``
 """
@@ -70,14 +70,32 @@ def make_runner(mode, forward, x, w, dy):
 
 
 def loop_mm(sizes):
-    bounds, start = [], 0
-    for size in sizes:
-        bounds.append((start, start + size))
-        start += size
-
+    """Per-expert torch.matmul over ``torch.split`` views (split's backward is one cat)."""
     def forward(x, w):
-        return torch.cat([x[s:e] @ w[g] for g, (s, e) in enumerate(bounds)])
+        return torch.cat([xs @ w[g] for g, xs in enumerate(torch.split(x, sizes))])
     return forward
+
+
+def breakdown(x, w, w_anchor, dy, offsets):
+    """Milliseconds of each GEMM of fwd+bwd, ours and the anchor's (one do_bench each)."""
+    from moe.kernels.grouped_mm_fwd import grouped_mm_forward
+    from moe.kernels.grouped_mm_wgrad import grouped_mm_wgrad
+    xd, wd, wad = x.detach(), w.detach(), w_anchor.detach()
+    parts = {
+        "ours fwd": lambda: grouped_mm_forward(xd, wd, offsets),
+        "ours dgrad": lambda: grouped_mm_forward(dy, wd.transpose(1, 2), offsets, record_tile=False),
+        "ours wgrad": lambda: grouped_mm_wgrad(xd, dy, offsets),
+        "anchor fwd": lambda: torch._grouped_mm(xd, wad, offs=offsets),
+        "anchor dgrad": lambda: torch._grouped_mm(dy, wad.transpose(1, 2), offs=offsets),
+        "anchor wgrad": lambda: torch._grouped_mm(xd.t(), dy, offs=offsets),
+    }
+    times = {}
+    for name, fn in parts.items():
+        try:
+            times[name] = f"{bench_ms(fn):.3f}"
+        except RuntimeError as exc:
+            times[name] = f"error {str(exc)[:80]}"
+    print("  breakdown ms:", times, flush=True)
 
 
 def anchor_weight(x, w, offsets):
@@ -127,6 +145,7 @@ def main():
     parser.add_argument("--out", default="bench/results/grouped_gemm.md")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--what", choices=("gemm", "swiglu", "both"), default="both")
+    parser.add_argument("--breakdown", action="store_true", help="time fwd, dgrad, wgrad separately")
     parser.add_argument("--sass", action="store_true", help="count HGMMA in the compiled kernels")
     parser.add_argument("--shapes", default="all", help="comma-separated indices into SHAPES")
     args = parser.parse_args()
@@ -155,6 +174,8 @@ def main():
               flush=True)
 
         flops = 2 * M * D * F
+        if args.breakdown:
+            breakdown(x, w, w_anchor, dy, offsets)
         for mode, mult in (("fwd", 1), ("fwd+bwd", 3)) if args.what != "swiglu" else ():
             t_o, t_a, ratio, noise = rounds(make_runner(mode, ours, x, w, dy),
                                             make_runner(mode, anchor, x, w_anchor, dy), args.rounds)
@@ -186,6 +207,7 @@ def main():
 
     print("autotuned forward/dgrad configs:", {k: str(v) for k, v in _grouped_mm_kernel.cache.items()})
     print("autotuned wgrad configs:", {k: str(v) for k, v in _grouped_mm_wgrad_kernel.cache.items()})
+    print("last autotune timings:", {str(c): t for c, t in getattr(_grouped_mm_wgrad_kernel, "configs_timings", {}).items()})
     if args.sass:
         sass_report()
     print(Path(args.out).read_text())

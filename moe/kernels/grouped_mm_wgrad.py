@@ -15,23 +15,37 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.grouped_mm_fwd import INTERPRET
+from moe.kernels.grouped_mm_fwd import INTERPRET, tma_ok, use_tensor_descriptors
 
-_INTERPRET_CONFIG = triton.Config({"BLOCK_K": 32, "BLOCK_N": 32, "BLOCK_M": 16, "GROUP_K": 2})
+# USE_TMA: the config reads x and dy through tensor descriptors built per program, bounded by
+# the group's rows (rows of other groups load as zeros), when the operands allow it (TMA_OK).
+_INTERPRET_CONFIG = triton.Config({"BLOCK_K": 32, "BLOCK_N": 32, "BLOCK_M": 16, "GROUP_K": 2, "USE_TMA": True})
 
 
 def _configs():
     if INTERPRET:
         return [_INTERPRET_CONFIG]
     return [
-        triton.Config({"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_M": 64, "GROUP_K": 8}, num_stages=4, num_warps=8),
-        triton.Config({"BLOCK_K": 128, "BLOCK_N": 256, "BLOCK_M": 64, "GROUP_K": 8}, num_stages=3, num_warps=8),
-        triton.Config({"BLOCK_K": 64, "BLOCK_N": 128, "BLOCK_M": 64, "GROUP_K": 8}, num_stages=4, num_warps=4),
-        triton.Config({"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_M": 32, "GROUP_K": 8}, num_stages=5, num_warps=8),
+        triton.Config({"BLOCK_K": bk, "BLOCK_N": bn, "BLOCK_M": bm, "GROUP_K": 8, "USE_TMA": tma},
+                      num_stages=stages, num_warps=warps)
+        for bk, bn, bm, stages, warps, tma in [
+            (128, 128, 64, 4, 8, False),
+            (128, 256, 64, 3, 8, False),
+            (128, 128, 32, 5, 8, False),
+            (128, 128, 64, 4, 8, True),
+            (128, 256, 64, 3, 8, True),
+            (64, 128, 64, 4, 4, True),
+        ]
     ]
 
 
-@triton.autotune(configs=_configs(), key=["N", "K"])
+def _prune_configs(configs, named_args, **kwargs):
+    if kwargs.get("TMA_OK", False):
+        return configs
+    return [c for c in configs if not c.kwargs["USE_TMA"]] or configs
+
+
+@triton.autotune(configs=_configs(), key=["N", "K"], prune_configs_by={"early_config_prune": _prune_configs})
 @triton.heuristics({
     "EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
     "EVEN_N": lambda args: args["N"] % args["BLOCK_N"] == 0,
@@ -43,6 +57,7 @@ def _grouped_mm_wgrad_kernel(
     stride_xm, stride_dym,
     stride_dwg, stride_dwk,
     DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    TMA_OK: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -64,28 +79,39 @@ def _grouped_mm_wgrad_kernel(
     offs_k = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    # Masks along the contiguous dimension only where K or N is ragged: a clamped index
-    # (tl.where) would hide the contiguity and turn 16-byte loads into 2-byte ones (seen in
-    # the SASS: LDG.E.U16, no cp.async pipelining).
     k_ok = offs_k < K
     n_ok = offs_n < N
-    x_ptrs = x_ptr + tl.cast(row_start, tl.int64) * stride_xm + offs_m[None, :] * stride_xm + offs_k[:, None]
-    dy_ptrs = dy_ptr + tl.cast(row_start, tl.int64) * stride_dym + offs_m[:, None] * stride_dym + offs_n[None, :]
-
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    for mt in range(0, tl.cdiv(rows, BLOCK_M)):
-        row_ok = offs_m < rows - mt * BLOCK_M
-        x_mask = row_ok[None, :]
-        dy_mask = row_ok[:, None]
-        if not EVEN_K:
-            x_mask = x_mask & k_ok[:, None]
-        if not EVEN_N:
-            dy_mask = dy_mask & n_ok[None, :]
-        xt = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        dy = tl.load(dy_ptrs, mask=dy_mask, other=0.0)
-        acc = tl.dot(xt, dy, acc, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_M * stride_xm
-        dy_ptrs += BLOCK_M * stride_dym
+    if USE_TMA and TMA_OK:
+        x_desc = tl.make_tensor_descriptor(x_ptr + tl.cast(row_start, tl.int64) * stride_xm,
+                                           shape=[tl.maximum(rows, 1), K], strides=[stride_xm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+        dy_desc = tl.make_tensor_descriptor(dy_ptr + tl.cast(row_start, tl.int64) * stride_dym,
+                                            shape=[tl.maximum(rows, 1), N], strides=[stride_dym, 1],
+                                            block_shape=[BLOCK_M, BLOCK_N])
+        for mt in range(0, tl.cdiv(rows, BLOCK_M)):
+            xt = x_desc.load([mt * BLOCK_M, tile_k * BLOCK_K]).T
+            dy = dy_desc.load([mt * BLOCK_M, tile_n * BLOCK_N])
+            acc = tl.dot(xt, dy, acc, input_precision=DOT_PRECISION)
+    else:
+        # Masks along the contiguous dimension only where K or N is ragged: a clamped index
+        # (tl.where) would hide the contiguity and turn 16-byte loads into 2-byte ones (seen
+        # in the SASS: LDG.E.U16, no cp.async pipelining).
+        x_ptrs = x_ptr + tl.cast(row_start, tl.int64) * stride_xm + offs_m[None, :] * stride_xm + offs_k[:, None]
+        dy_ptrs = dy_ptr + tl.cast(row_start, tl.int64) * stride_dym + offs_m[:, None] * stride_dym + offs_n[None, :]
+        for mt in range(0, tl.cdiv(rows, BLOCK_M)):
+            row_ok = offs_m < rows - mt * BLOCK_M
+            x_mask = row_ok[None, :]
+            dy_mask = row_ok[:, None]
+            if not EVEN_K:
+                x_mask = x_mask & k_ok[:, None]
+            if not EVEN_N:
+                dy_mask = dy_mask & n_ok[None, :]
+            xt = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            dy = tl.load(dy_ptrs, mask=dy_mask, other=0.0)
+            acc = tl.dot(xt, dy, acc, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_M * stride_xm
+            dy_ptrs += BLOCK_M * stride_dym
 
     dw_ptrs = dw_ptr + tl.cast(g, tl.int64) * stride_dwg + offs_k[:, None] * stride_dwk + offs_n[None, :]
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
@@ -119,12 +145,15 @@ def grouped_mm_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_G: torch.T
     dw = x_MK.new_empty(G, K, N)
     if dw.numel() == 0:
         return dw
+    tma = tma_ok(x_MK, dy_MN)
+    if tma:
+        use_tensor_descriptors()
     grid = lambda meta: (G * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     _grouped_mm_wgrad_kernel[grid](
         x_MK, dy_MN, offsets_G, dw,
         N, K,
         x_MK.stride(0), dy_MN.stride(0),
         dw.stride(0), dw.stride(1),
-        DOT_PRECISION="ieee" if x_MK.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if x_MK.dtype == torch.float32 else "tf32", TMA_OK=tma,
     )
     return dw
