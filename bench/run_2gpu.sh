@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Everything that needs two GPUs, in one call on a 2×H200 machine:
+#   1. GPU tests: NCCL equivalence of N ranks with one process, the whole layer with Triton experts;
+#   2. bench/all_to_all.py (dispatch + combine vs raw all_to_all_single);
+#   3. bench/train_gpu.sh (configs/ep2.yaml with NCCL, the OLMoE-shaped throughput benchmark).
+# Logs and result tables go to $OUT (default /tmp/run_2gpu).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-/tmp/run_2gpu} PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+timeout 200 python3 -m pytest -q -m gpu tests/test_parallel.py tests/test_moe_layer.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node=2 bench/all_to_all.py \
+    --out bench/results/all_to_all.md > "$OUT/all_to_all.log" 2>&1; tail -14 "$OUT/all_to_all.log"
+cp bench/results/all_to_all.md "$OUT/" 2>/dev/null
+bash bench/train_gpu.sh > "$OUT/train_gpu.log" 2>&1; tail -25 "$OUT/train_gpu.log"
