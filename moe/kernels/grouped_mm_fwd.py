@@ -7,7 +7,7 @@ through swapped strides, no copy).
 
 Legend: M packed rows, K reduction width, N output width, G groups, F = N/2 for SwiGLU.
 
-Scheduling: ``grid = #SMs`` programs; each walks the work list ``(group, m-tile, n-tile)`` with
+Scheduling: ``grid = #SMs`` (or 2·#SMs, a tuned choice) programs; each walks the work list ``(group, m-tile, n-tile)`` with
 a stride of the grid size. The list is never materialised: every program scans the G group
 offsets on the device, counting tiles per group, so the launch path reads no group size on the
 host (no host sync). After the G groups comes one more pseudo-group, the rows
@@ -42,28 +42,36 @@ DEFAULT_BLOCK_M = 128
 
 # Interpreter: one small config (autotune with several configs fails there) so that the
 # K loop and the tile walk both iterate on test sizes <= 128.
-_INTERPRET_CONFIG = triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2})
+_INTERPRET_CONFIG = triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "CTAS_PER_SM": 1})
 
 
 def _configs():
     if INTERPRET:
         return [_INTERPRET_CONFIG]
+    # CTAS_PER_SM: persistent programs per SM. Two co-resident programs (128x128 tiles, 96 KB
+    # of shared memory and ~105 registers each) let one's epilogue overlap the other's loads.
     return [
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=8),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=3, num_warps=8),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=8),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8, "CTAS_PER_SM": ctas},
+                      num_stages=stages, num_warps=warps)
+        for bm, bn, stages, warps, ctas in [
+            (128, 256, 3, 8, 1),
+            (128, 256, 4, 8, 1),
+            (128, 128, 3, 8, 2),
+            (128, 128, 4, 8, 1),
+            (128, 64, 4, 8, 1),
+            (64, 64, 4, 4, 2),
+        ]
     ]
 
 
 def _prune_configs(configs, named_args, **kwargs):
     """SwiGLU holds two accumulators (gate, up): only tiles of at most 128x64 each, which
     compile without a stack frame (ptxas, sm_90: 128x128 pairs spill; 128x64 with 8 warps
-    uses 148 registers). Without it the smallest tile is left out (it never wins there)."""
+    uses 148 registers). Without it tiles under 128x128 are left out (they never won there on
+an H100: 128x256 won every bench shape)."""
     if kwargs.get("ACT", 0) == 1:
         return [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 64]
-    return [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] >= 128 * 64]
+    return [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] >= 128 * 128]
 
 
 @triton.jit
@@ -149,15 +157,16 @@ def _grouped_mm_kernel(
     stride_am, stride_ak,
     stride_bg, stride_bk, stride_bn,
     stride_ym, stride_zm,
-    NUM_PROGRAMS: tl.constexpr,
     ACT: tl.constexpr, SAVE_Z: tl.constexpr, DOT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, B_TRANS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    CTAS_PER_SM: tl.constexpr,
 ):
     """One persistent program; N is the number of output columns (F for SwiGLU), NB the width
     of b[g] (2F for SwiGLU). USE_TMA: tensor descriptors built on the device per tile, whose
     row bound is the group's end (no clamping needed); B_TRANS: b[g] is stored as (NB, K)."""
     pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
@@ -257,7 +266,7 @@ def _grouped_mm_kernel(
                 else:
                     out = acc
                 tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tile += NUM_PROGRAMS
+            tile += num_programs
         tiles_before += group_tiles
         row_start = row_end
 
@@ -266,7 +275,7 @@ _ran_block_m: dict[tuple[int, int, torch.dtype], int] = {}
 _num_sms: dict[int, int] = {}
 
 
-def _num_programs(device: torch.device) -> int:
+def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 3  # interpreter: a few programs, so that each one walks several tiles
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -367,7 +376,7 @@ def grouped_mm_forward(
     z = a_MK.new_empty(M, N) if save_z else None
     if M == 0 or n_out == 0:
         return y, z
-    num_programs = _num_programs(a_MK.device)
+    num_sms = _sm_count(a_MK.device)
     b_trans = b_GKN.stride(2) != 1
     # SwiGLU (two accumulators fed from one descriptor) stays on pointer loads: its
     # tensor-descriptor build died with "illegal instruction" on an H100 (triton 3.6), with
@@ -375,13 +384,12 @@ def grouped_mm_forward(
     use_tma = activation != "swiglu" and (b_GKN.stride(1) == 1 if b_trans else True) and tma_ok(a_MK, b_GKN)
     if use_tma:
         use_tensor_descriptors()
-    _grouped_mm_kernel[(num_programs,)](
+    _grouped_mm_kernel[lambda meta: (num_sms * meta["CTAS_PER_SM"],)](
         a_MK, b_GKN, offsets_G, y, z if save_z else y,
         M, n_out, K, G, N,
         a_MK.stride(0), a_MK.stride(1),
         b_GKN.stride(0), b_GKN.stride(1), b_GKN.stride(2),
         y.stride(0), z.stride(0) if save_z else 0,
-        NUM_PROGRAMS=num_programs,
         ACT=ACTIVATIONS[activation], SAVE_Z=save_z, USE_TMA=use_tma, B_TRANS=b_trans,
         DOT_PRECISION="ieee" if a_MK.dtype == torch.float32 else "tf32",
     )

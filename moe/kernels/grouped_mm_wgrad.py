@@ -29,12 +29,12 @@ def _configs():
         triton.Config({"BLOCK_K": bk, "BLOCK_N": bn, "BLOCK_M": bm, "GROUP_K": 8, "USE_TMA": tma},
                       num_stages=stages, num_warps=warps)
         for bk, bn, bm, stages, warps, tma in [
-            (128, 128, 64, 4, 8, False),
             (128, 256, 64, 3, 8, False),
-            (128, 128, 32, 5, 8, False),
-            (128, 128, 64, 4, 8, True),
+            (128, 128, 64, 3, 8, False),  # 96 KB of shared memory: two programs per SM
+            (128, 128, 64, 4, 8, False),
             (128, 256, 64, 3, 8, True),
-            (64, 128, 64, 4, 4, True),
+            (128, 128, 64, 3, 8, True),
+            (128, 128, 64, 4, 8, True),
         ]
     ]
 
