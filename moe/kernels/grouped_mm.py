@@ -4,8 +4,9 @@ Legend: M packed rows (sorted by group), K input width, N weight output width, G
 F = N/2 for SwiGLU.
 
 ``y = act(x[rows of g] @ w[g])`` with group g holding rows ``offsets[g-1]:offsets[g]``.
-Forward: one persistent Triton launch (activation fused into its epilogue, pre-activation
-saved when a gradient is needed). Backward: the activation's elementwise backward (one Triton
+Forward: one persistent Triton launch (GELU fused into its epilogue; SwiGLU as one more
+elementwise Triton pass over its output, see ``grouped_mm_fwd``), pre-activation saved when a
+gradient is needed. Backward: the activation's elementwise backward (one Triton
 pass, ``dz``), then dgrad ``dx = dz @ w[g]ᵀ`` (the forward kernel on ``w`` with swapped strides)
 and wgrad ``dw[g] = x_gᵀ @ dz_g`` (its own kernel, reduction over the group's rows).
 
@@ -16,7 +17,7 @@ grids depend on shapes and the SM count alone. Rows at or past ``offsets[-1]`` a
 
 import torch
 
-from moe.kernels.activation_bwd import activation_backward
+from moe.kernels.activation import activation_backward
 from moe.kernels.grouped_mm_fwd import grouped_mm_forward
 from moe.kernels.grouped_mm_wgrad import grouped_mm_wgrad
 from moe.kernels.reference import grouped_mm_reference

@@ -7,7 +7,7 @@ through swapped strides, no copy).
 
 Legend: M packed rows, K reduction width, N output width, G groups, F = N/2 for SwiGLU.
 
-Scheduling: ``grid = #SMs`` (or 2·#SMs, a tuned choice) programs; each walks the work list ``(group, m-tile, n-tile)`` with
+Scheduling: ``grid = #SMs`` programs; each walks the work list ``(group, m-tile, n-tile)`` with
 a stride of the grid size. The list is never materialised: every program scans the G group
 offsets on the device, counting tiles per group, so the launch path reads no group size on the
 host (no host sync). After the G groups comes one more pseudo-group, the rows
@@ -17,14 +17,18 @@ so that a wave of programs shares a few rows of ``a`` and a few column strips of
 
 Loads: with 16-byte aligned rows (K and N multiples of 8 in bf16) on Hopper, tensor
 descriptors (TMA) built on the device per tile, whose row bound is the group's end, so that
-rows of the next group load as zeros; otherwise (and for SwiGLU, see the launcher) plain
-pointer loads with rows clamped into the group, pipelined with cp.async. Stores are plain masked stores (a TMA store of a partial tile would overwrite the next
-group's rows).
+rows of the next group load as zeros; otherwise plain pointer loads with rows clamped into
+the group, pipelined with cp.async. Stores are masked pointer stores (a TMA store of a
+partial tile would overwrite the next group's rows).
 
-Activation epilogue (fused, in fp32, on the accumulator): ``"swiglu"`` keeps two accumulators,
-gate columns ``n`` and up columns ``F + n`` of the same output tile, and stores
-``silu(gate) * up``; ``"gelu"`` stores tanh-GELU. With ``save_preact`` the pre-activation
-``z = a @ b[g]`` (width N) is stored too, for the backward.
+Activations. ``"gelu"``: fused into the epilogue (fp32, on the accumulator); with
+``save_preact`` the pre-activation ``z`` is stored too. ``"swiglu"``: the GEMM writes
+``z = [gate | up]`` (M, 2F) and one fused elementwise Triton pass (``moe.kernels.activation``)
+makes ``silu(gate) * up``; ``z`` is what the backward needs anyway. Why not the epilogue:
+measured on an H100 (bf16, bench/grouped_gemm.py, 2026-11-22), an epilogue version with two
+accumulators (gate and up tiles of one output tile) had to run on pointer loads (its
+tensor-descriptor build died with "illegal instruction", triton 3.6) and its forward was
+0.65-0.99x the speed of a TMA GEMM followed by PyTorch's silu·mul on all four bench shapes.
 """
 
 import os
@@ -33,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-ACTIVATIONS = {None: 0, "swiglu": 1, "gelu": 2}
+from moe.kernels.activation import ACTIVATIONS, swiglu_forward
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -42,36 +46,18 @@ DEFAULT_BLOCK_M = 128
 
 # Interpreter: one small config (autotune with several configs fails there) so that the
 # K loop and the tile walk both iterate on test sizes <= 128.
-_INTERPRET_CONFIG = triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "CTAS_PER_SM": 1})
+_INTERPRET_CONFIG = triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2})
 
 
 def _configs():
     if INTERPRET:
         return [_INTERPRET_CONFIG]
-    # CTAS_PER_SM: persistent programs per SM. Two co-resident programs (128x128 tiles, 96 KB
-    # of shared memory and ~105 registers each) let one's epilogue overlap the other's loads.
+    # 128x256 with 3 stages won every bench shape's forward and dgrad on an H100; 128x128
+    # tiles, two persistent programs per SM and 64x64 tiles were tried and never won.
     return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8, "CTAS_PER_SM": ctas},
-                      num_stages=stages, num_warps=warps)
-        for bm, bn, stages, warps, ctas in [
-            (128, 256, 3, 8, 1),
-            (128, 256, 4, 8, 1),
-            (128, 128, 3, 8, 2),
-            (128, 128, 4, 8, 1),
-            (128, 64, 4, 8, 1),
-            (64, 64, 4, 4, 2),
-        ]
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=stages, num_warps=warps)
+        for bm, bn, stages, warps in [(128, 256, 3, 8), (128, 256, 4, 8), (128, 128, 4, 8), (64, 128, 4, 4)]
     ]
-
-
-def _prune_configs(configs, named_args, **kwargs):
-    """SwiGLU holds two accumulators (gate, up): only tiles of at most 128x64 each, which
-    compile without a stack frame (ptxas, sm_90: 128x128 pairs spill; 128x64 with 8 warps
-    uses 148 registers). Without it tiles under 128x128 are left out (they never won there on
-an H100: 128x256 won every bench shape)."""
-    if kwargs.get("ACT", 0) == 1:
-        return [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 64]
-    return [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] >= 128 * 128]
 
 
 @triton.jit
@@ -100,28 +86,6 @@ def _tile_dot(a_ptrs, b_ptrs, a_step, b_step, k_tiles, K, offs_k, acc,
 
 
 @triton.jit
-def _tile_dot_pair(a_ptrs, b_ptrs, b_up_ptrs, a_step, b_step, k_tiles, K, offs_k, acc, acc_up,
-                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """SwiGLU: one pass over the rows of ``a`` feeds both the gate and the up accumulator."""
-    for kt in range(0, k_tiles):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-            b_up = tl.load(b_up_ptrs)
-        else:
-            k_left = K - kt * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            b_up = tl.load(b_up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
-        a_ptrs += a_step
-        b_ptrs += b_step
-        b_up_ptrs += b_step
-    return acc, acc_up
-
-
-@triton.jit
 def _load_b(b_desc, k0, n0, B_TRANS: tl.constexpr):
     """(BLOCK_K, BLOCK_N) tile of b[g]; dgrad reads w[g] row-major as (N, K) and transposes."""
     if B_TRANS:
@@ -132,20 +96,17 @@ def _load_b(b_desc, k0, n0, B_TRANS: tl.constexpr):
 
 
 @triton.jit
-def _tile_dot_tma(a_desc, b_desc, m0, n0, n_up, k_tiles, acc, acc_up,
-                  BLOCK_K: tl.constexpr, B_TRANS: tl.constexpr, PAIR: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+def _tile_dot_tma(a_desc, b_desc, m0, n0, k_tiles, acc,
+                  BLOCK_K: tl.constexpr, B_TRANS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Tensor-descriptor (TMA) main loop; out-of-range rows and K columns load as zeros."""
     for kt in range(0, k_tiles):
         k0 = kt * BLOCK_K
         a = a_desc.load([m0, k0])
         acc = tl.dot(a, _load_b(b_desc, k0, n0, B_TRANS), acc, input_precision=DOT_PRECISION)
-        if PAIR:
-            acc_up = tl.dot(a, _load_b(b_desc, k0, n_up, B_TRANS), acc_up, input_precision=DOT_PRECISION)
-    return acc, acc_up
+    return acc
 
 
-@triton.autotune(configs=_configs(), key=["N", "K", "ACT"], prune_configs_by={"early_config_prune": _prune_configs})
+@triton.autotune(configs=_configs(), key=["N", "K", "ACT"])
 @triton.heuristics({
     "EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
     "EVEN_N": lambda args: args["N"] % args["BLOCK_N"] == 0,
@@ -153,18 +114,17 @@ def _tile_dot_tma(a_desc, b_desc, m0, n0, n_up, k_tiles, acc, acc_up,
 @triton.jit
 def _grouped_mm_kernel(
     a_ptr, b_ptr, offsets_ptr, y_ptr, z_ptr,
-    M, N, K, G, NB,
+    M, N, K, G,
     stride_am, stride_ak,
     stride_bg, stride_bk, stride_bn,
     stride_ym, stride_zm,
     ACT: tl.constexpr, SAVE_Z: tl.constexpr, DOT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, B_TRANS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    CTAS_PER_SM: tl.constexpr,
 ):
-    """One persistent program; N is the number of output columns (F for SwiGLU), NB the width
-    of b[g] (2F for SwiGLU). USE_TMA: tensor descriptors built on the device per tile, whose
-    row bound is the group's end (no clamping needed); B_TRANS: b[g] is stored as (NB, K)."""
+    """One persistent program. ACT: 0 none, 2 tanh-GELU. USE_TMA: tensor descriptors built on
+    the device per tile, whose row bound is the group's end (no clamping needed); B_TRANS:
+    b[g] is stored as (N, K), row-major (dgrad)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -212,18 +172,13 @@ def _grouped_mm_kernel(
                         strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
                     b_base = b_ptr + tl.cast(g, tl.int64) * stride_bg
                     if B_TRANS:
-                        b_desc = tl.make_tensor_descriptor(b_base, shape=[NB, K], strides=[stride_bn, 1],
+                        b_desc = tl.make_tensor_descriptor(b_base, shape=[N, K], strides=[stride_bn, 1],
                                                            block_shape=[BLOCK_N, BLOCK_K])
                     else:
-                        b_desc = tl.make_tensor_descriptor(b_base, shape=[K, NB], strides=[stride_bk, 1],
+                        b_desc = tl.make_tensor_descriptor(b_base, shape=[K, N], strides=[stride_bk, 1],
                                                            block_shape=[BLOCK_K, BLOCK_N])
-                    if ACT == 1:
-                        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    else:
-                        acc_up = acc  # unused
-                    acc, acc_up = _tile_dot_tma(a_desc, b_desc, tile_m * BLOCK_M, tile_n * BLOCK_N,
-                                                N + tile_n * BLOCK_N, k_tiles, acc, acc_up,
-                                                BLOCK_K, B_TRANS, ACT == 1, DOT_PRECISION)
+                    acc = _tile_dot_tma(a_desc, b_desc, tile_m * BLOCK_M, tile_n * BLOCK_N, k_tiles, acc,
+                                        BLOCK_K, B_TRANS, DOT_PRECISION)
                 else:
                     # Rows past the group's end are clamped (not masked): they read valid rows,
                     # their results are never stored, and the loads stay unmasked along M.
@@ -235,14 +190,8 @@ def _grouped_mm_kernel(
                     a_ptrs = a_base + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
                     b_base = b_ptr + tl.cast(g, tl.int64) * stride_bg
                     b_ptrs = b_base + offs_k[:, None] * stride_bk + b_cols[None, :] * stride_bn
-                    if ACT == 1:
-                        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                        acc, acc_up = _tile_dot_pair(a_ptrs, b_ptrs, b_ptrs + N * stride_bn, BLOCK_K * stride_ak,
-                                                     BLOCK_K * stride_bk, k_tiles, K, offs_k, acc, acc_up,
-                                                     BLOCK_K, EVEN_K, DOT_PRECISION)
-                    else:
-                        acc = _tile_dot(a_ptrs, b_ptrs, BLOCK_K * stride_ak, BLOCK_K * stride_bk, k_tiles, K,
-                                        offs_k, acc, BLOCK_K, EVEN_K, DOT_PRECISION)
+                    acc = _tile_dot(a_ptrs, b_ptrs, BLOCK_K * stride_ak, BLOCK_K * stride_bk, k_tiles, K,
+                                    offs_k, acc, BLOCK_K, EVEN_K, DOT_PRECISION)
                 # Store addresses are built after the main loop: built before it, 128x128 64-bit
                 # pointers stayed live across it (255 registers and a stack frame in ptxas' report).
                 local_m = tile_m * BLOCK_M + offs_m
@@ -252,15 +201,10 @@ def _grouped_mm_kernel(
                 y_base = y_ptr + tl.cast(row_start, tl.int64) * stride_ym
                 y_ptrs = y_base + local_m[:, None] * stride_ym + cols[None, :]
                 out_mask = row_ok[:, None] & col_ok[None, :]
-                z_base = z_ptr + tl.cast(row_start, tl.int64) * stride_zm
-                z_ptrs = z_base + local_m[:, None] * stride_zm + cols[None, :]
-                if ACT == 1:
+                if ACT == 2:
                     if SAVE_Z:
-                        tl.store(z_ptrs, acc.to(z_ptr.dtype.element_ty), mask=out_mask)
-                        tl.store(z_ptrs + N, acc_up.to(z_ptr.dtype.element_ty), mask=out_mask)
-                    out = acc * tl.sigmoid(acc) * acc_up
-                elif ACT == 2:
-                    if SAVE_Z:
+                        z_base = z_ptr + tl.cast(row_start, tl.int64) * stride_zm
+                        z_ptrs = z_base + local_m[:, None] * stride_zm + cols[None, :]
                         tl.store(z_ptrs, acc.to(z_ptr.dtype.element_ty), mask=out_mask)
                     out = _gelu_tanh(acc)
                 else:
@@ -368,25 +312,24 @@ def grouped_mm_forward(
         raise ValueError(f"activation must be None, 'swiglu' or 'gelu', got {activation!r}")
     M, K = a_MK.shape
     G, _, N = b_GKN.shape
-    if activation == "swiglu" and N % 2:
-        raise ValueError(f"swiglu needs an even N ([gate | up]), got N={N}")
-    n_out = N // 2 if activation == "swiglu" else N
-    y = a_MK.new_empty(M, n_out)
+    if activation == "swiglu":
+        if N % 2:
+            raise ValueError(f"swiglu needs an even N ([gate | up]), got N={N}")
+        z, _ = grouped_mm_forward(a_MK, b_GKN, offsets_G, None, record_tile=record_tile)
+        return swiglu_forward(z), (z if save_preact else None)
+    y = a_MK.new_empty(M, N)
     save_z = save_preact and activation is not None
     z = a_MK.new_empty(M, N) if save_z else None
-    if M == 0 or n_out == 0:
+    if M == 0 or N == 0:
         return y, z
     num_sms = _sm_count(a_MK.device)
     b_trans = b_GKN.stride(2) != 1
-    # SwiGLU (two accumulators fed from one descriptor) stays on pointer loads: its
-    # tensor-descriptor build died with "illegal instruction" on an H100 (triton 3.6), with
-    # 128x64 and 128x128 tiles alike; not investigated further.
-    use_tma = activation != "swiglu" and (b_GKN.stride(1) == 1 if b_trans else True) and tma_ok(a_MK, b_GKN)
+    use_tma = (b_GKN.stride(1) == 1 if b_trans else True) and tma_ok(a_MK, b_GKN)
     if use_tma:
         use_tensor_descriptors()
-    _grouped_mm_kernel[lambda meta: (num_sms * meta["CTAS_PER_SM"],)](
+    _grouped_mm_kernel[(num_sms,)](
         a_MK, b_GKN, offsets_G, y, z if save_z else y,
-        M, n_out, K, G, N,
+        M, N, K, G,
         a_MK.stride(0), a_MK.stride(1),
         b_GKN.stride(0), b_GKN.stride(1), b_GKN.stride(2),
         y.stride(0), z.stride(0) if save_z else 0,

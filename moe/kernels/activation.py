@@ -1,9 +1,11 @@
-"""Triton backward of the grouped matmul's fused activation: ``dz = d act(z) / dz · dh``.
+"""Triton elementwise passes of the grouped matmul's activations.
 
 Legend: M rows, N pre-activation width (2F for SwiGLU), F = N/2.
 
-The forward epilogue saves the pre-activation ``z_MN``; this one elementwise pass turns the
-output gradient ``dh`` into ``dz_MN``, which both dgrad and wgrad then read. Math in fp32:
+Forward (SwiGLU only; GELU is fused into the GEMM epilogue): ``h = silu(gate) · up`` from the
+GEMM output ``z = [gate | up]``, one read of z and one write of h, math in fp32.
+Backward: the saved pre-activation ``z_MN`` and the output gradient ``dh`` give ``dz_MN``,
+which both dgrad and wgrad then read. Math in fp32:
 SwiGLU ``h = silu(g)·u``: ``dg = dh·u·σ(g)(1 + g(1 − σ(g)))``, ``du = dh·silu(g)``;
 tanh-GELU: ``d/dz [0.5 z (1 + tanh s)] = 0.5(1 + tanh s) + 0.5 z (1 − tanh² s) s'``,
 ``s = c(z + 0.044715 z³)``, ``s' = c(1 + 3·0.044715 z²)``.
@@ -13,7 +15,35 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.grouped_mm_fwd import ACTIVATIONS
+ACTIVATIONS = {None: 0, "swiglu": 1, "gelu": 2}
+
+
+@triton.jit
+def _swiglu_fwd_kernel(z_ptr, h_ptr, M, F, stride_zm, stride_hm, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = (rows[:, None] < M) & (cols[None, :] < F)
+    rows64 = tl.cast(rows, tl.int64)
+    z_ptrs = z_ptr + rows64[:, None] * stride_zm + cols[None, :]
+    gate = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(z_ptrs + F, mask=mask, other=0.0).to(tl.float32)
+    h = gate * tl.sigmoid(gate) * up
+    tl.store(h_ptr + rows64[:, None] * stride_hm + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+def swiglu_forward(z_MN: torch.Tensor) -> torch.Tensor:
+    """``silu(z[:, :F]) * z[:, F:]`` in fp32, cast to z's dtype; z (M, 2F) row-major."""
+    if z_MN.dim() != 2 or z_MN.shape[1] % 2 or z_MN.stride(1) != 1:
+        raise ValueError(f"z_MN must be row-major (M, 2F), got shape {tuple(z_MN.shape)} strides {z_MN.stride()}")
+    M, f = z_MN.shape[0], z_MN.shape[1] // 2
+    h = z_MN.new_empty(M, f)
+    if h.numel() == 0:
+        return h
+    block_m, block_f = 32, 128
+    grid = (triton.cdiv(M, block_m), triton.cdiv(f, block_f))
+    _swiglu_fwd_kernel[grid](z_MN, h, M, f, z_MN.stride(0), h.stride(0), BLOCK_M=block_m, BLOCK_F=block_f,
+                             num_warps=4)
+    return h
 
 
 @triton.jit
