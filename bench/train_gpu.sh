@@ -18,11 +18,13 @@ RUNS=${RUNS:-/tmp/train_gpu_runs}
 rm -rf "$RUNS"
 python3 -c 'import torch; print("GPUs:", torch.cuda.device_count(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])'
 
-EP2_CMD="python3 -m torch.distributed.run --standalone --nproc_per_node=2 train/train.py --config configs/ep2.yaml --train.steps=60 --train.eval_every=30 --checkpoint.every=30 --log.dir=$RUNS"
+# EP2_STEPS and BENCH_ARGS (extra --section.key=value overrides) shorten the runs when device time is short
+EP2_STEPS=${EP2_STEPS:-60}
+EP2_CMD="python3 -m torch.distributed.run --standalone --nproc_per_node=2 train/train.py --config configs/ep2.yaml --train.steps=$EP2_STEPS --train.eval_every=$((EP2_STEPS / 2)) --checkpoint.every=$((EP2_STEPS / 2)) --log.dir=$RUNS"
 echo "== $EP2_CMD"
 $EP2_CMD 2>&1 | tee "$OUT/ep2.log"
 
-BENCH_CMD="python3 -m torch.distributed.run --standalone --nproc_per_node=2 train/train.py --config configs/olmoe_bench.yaml --log.dir=$RUNS"
+BENCH_CMD="python3 -m torch.distributed.run --standalone --nproc_per_node=2 train/train.py --config configs/olmoe_bench.yaml --log.dir=$RUNS ${BENCH_ARGS:-}"
 echo "== $BENCH_CMD"
 if ! $BENCH_CMD 2>&1 | tee "$OUT/olmoe_bench.log"; then
     if grep -q "OutOfMemoryError\|CUDA out of memory" "$OUT/olmoe_bench.log"; then
