@@ -30,7 +30,7 @@ from moe import moe_aux_loss, moe_layers, update_expert_biases  # noqa: E402
 from parallel import sync_gradients  # noqa: E402
 from parallel.stats import global_moe_stats, update_expert_biases_global  # noqa: E402
 from train import checkpoint as ckpt  # noqa: E402
-from train.config import Config, load_config, to_yaml  # noqa: E402
+from train.config import Config, ConfigError, load_config, to_yaml  # noqa: E402
 from train.data import TokenStream, load_splits, shard, val_batches  # noqa: E402
 from train.flops import param_counts, peak_flops, train_flops_per_token  # noqa: E402
 from train.logger import RunLogger  # noqa: E402
@@ -260,4 +260,11 @@ def main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__.strip() + "\n\nEvery key of the config tree, with its default:\n\n" + to_yaml(Config()))
+        sys.exit(0)
+    try:
+        main(sys.argv[1:])
+    except ConfigError as err:  # a bad key or value: one line naming it, no traceback
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(2)
