@@ -18,8 +18,8 @@ so that a wave of programs shares a few rows of ``a`` and a few column strips of
 Loads: with 16-byte aligned rows (K and N multiples of 8 in bf16) on Hopper, tensor
 descriptors (TMA) built on the device per tile, whose row bound is the group's end, so that
 rows of the next group load as zeros; otherwise plain pointer loads with rows clamped into
-the group, pipelined with cp.async. Stores are masked pointer stores (a TMA store of a
-partial tile would overwrite the next group's rows).
+the group, pipelined with cp.async. Stores are masked pointer stores (TMA stores through a
+per-group descriptor, which would clip at the group's end, were not tried).
 
 Activations. ``"gelu"``: fused into the epilogue (fp32, on the accumulator); with
 ``save_preact`` the pre-activation ``z`` is stored too. ``"swiglu"``: the GEMM writes
