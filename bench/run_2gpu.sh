@@ -10,10 +10,10 @@ export OUT=${OUT:-/tmp/run_2gpu} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-timeout 200 python3 -m pytest -q -m gpu tests/test_parallel.py tests/test_moe_layer.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
-timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node=2 bench/all_to_all.py \
+timeout 100 python3 -m pytest -q -m gpu tests/test_parallel.py tests/test_moe_layer.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+timeout 80 python3 -m torch.distributed.run --standalone --nproc_per_node=2 bench/all_to_all.py \
     --out bench/results/all_to_all.md > "$OUT/all_to_all.log" 2>&1; tail -14 "$OUT/all_to_all.log"
 cp bench/results/all_to_all.md "$OUT/" 2>/dev/null
 # train_gpu.sh leaves many files; only its log and table come back (the tool returns 8 files)
-OUT=/tmp/train_gpu bash bench/train_gpu.sh > "$OUT/train_gpu.log" 2>&1; tail -25 "$OUT/train_gpu.log"
+OUT=/tmp/train_gpu EP2_STEPS=${EP2_STEPS:-60} RUN_TIMEOUT=${RUN_TIMEOUT:-900} bash bench/train_gpu.sh > "$OUT/train_gpu.log" 2>&1; tail -25 "$OUT/train_gpu.log"
 cp /tmp/train_gpu/training.md "$OUT/" 2>/dev/null

@@ -18,19 +18,20 @@ RUNS=${RUNS:-/tmp/train_gpu_runs}
 rm -rf "$RUNS"
 python3 -c 'import torch; print("GPUs:", torch.cuda.device_count(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])'
 
-# EP2_STEPS and BENCH_ARGS (extra --section.key=value overrides) shorten the runs when device time is short
+# EP2_STEPS, BENCH_ARGS (extra --section.key=value overrides) and RUN_TIMEOUT (seconds per run)
+# shorten the runs when device time is short
 EP2_STEPS=${EP2_STEPS:-60}
 EP2_CMD="python3 -m torch.distributed.run --standalone --nproc_per_node=2 train/train.py --config configs/ep2.yaml --train.steps=$EP2_STEPS --train.eval_every=$((EP2_STEPS / 2)) --checkpoint.every=$((EP2_STEPS / 2)) --log.dir=$RUNS"
 echo "== $EP2_CMD"
-$EP2_CMD 2>&1 | tee "$OUT/ep2.log"
+timeout "${RUN_TIMEOUT:-900}" $EP2_CMD 2>&1 | tee "$OUT/ep2.log"
 
 BENCH_CMD="python3 -m torch.distributed.run --standalone --nproc_per_node=2 train/train.py --config configs/olmoe_bench.yaml --log.dir=$RUNS ${BENCH_ARGS:-}"
 echo "== $BENCH_CMD"
-if ! $BENCH_CMD 2>&1 | tee "$OUT/olmoe_bench.log"; then
+if ! timeout "${RUN_TIMEOUT:-900}" $BENCH_CMD 2>&1 | tee "$OUT/olmoe_bench.log"; then
     if grep -q "OutOfMemoryError\|CUDA out of memory" "$OUT/olmoe_bench.log"; then
         BENCH_CMD="$BENCH_CMD --data.batch_size=2"
         echo "== out of memory at 4 sequences per GPU; retrying: $BENCH_CMD"
-        $BENCH_CMD 2>&1 | tee "$OUT/olmoe_bench_b2.log"
+        timeout "${RUN_TIMEOUT:-900}" $BENCH_CMD 2>&1 | tee "$OUT/olmoe_bench_b2.log"
     else
         exit 1
     fi
