@@ -40,6 +40,10 @@ import triton.language as tl
 from moe.kernels.activation import ACTIVATIONS, swiglu_forward
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# MOE_AUTOTUNE=0: each grouped-GEMM kernel keeps only the first config of its list (the one that
+# won most bench shapes). Autotuning compiles and times every config for every new (N, K, dtype):
+# minutes on a fresh machine for a test that touches many shapes; this makes it seconds.
+AUTOTUNE = os.environ.get("MOE_AUTOTUNE", "1") != "0"
 
 # Row tile reported before any launch / without autotune (the default config's BLOCK_M).
 DEFAULT_BLOCK_M = 128
@@ -54,10 +58,11 @@ def _configs():
         return [_INTERPRET_CONFIG]
     # 128x256 with 3 stages won every bench shape's forward and dgrad on an H100; 128x128
     # tiles, two persistent programs per SM and 64x64 tiles were tried and never won.
-    return [
+    configs = [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=stages, num_warps=warps)
         for bm, bn, stages, warps in [(128, 256, 3, 8), (128, 256, 4, 8), (128, 128, 4, 8), (64, 128, 4, 4)]
     ]
+    return configs if AUTOTUNE else configs[:1]
 
 
 @triton.jit

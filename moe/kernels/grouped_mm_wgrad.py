@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.grouped_mm_fwd import INTERPRET, tma_ok, use_tensor_descriptors
+from moe.kernels.grouped_mm_fwd import AUTOTUNE, INTERPRET, tma_ok, use_tensor_descriptors
 
 # USE_TMA: the config reads x and dy through tensor descriptors built per program, bounded by
 # the group's rows (rows of other groups load as zeros), when the operands allow it (TMA_OK).
@@ -25,7 +25,7 @@ _INTERPRET_CONFIG = triton.Config({"BLOCK_K": 32, "BLOCK_N": 32, "BLOCK_M": 16, 
 def _configs():
     if INTERPRET:
         return [_INTERPRET_CONFIG]
-    return [
+    configs = [
         triton.Config({"BLOCK_K": bk, "BLOCK_N": bn, "BLOCK_M": bm, "GROUP_K": 8, "USE_TMA": tma},
                       num_stages=stages, num_warps=warps)
         for bk, bn, bm, stages, warps, tma in [
@@ -40,6 +40,8 @@ def _configs():
             (128, 128, 64, 4, 8, True),
         ]
     ]
+    # the first config uses pointer loads, so it runs whatever TMA_OK says
+    return configs if AUTOTUNE else configs[:1]
 
 
 def _prune_configs(configs, named_args, **kwargs):
