@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.grouped_mm_fwd import AUTOTUNE, INTERPRET, tma_ok, use_tensor_descriptors
+from moe.kernels.grouped_mm_fwd import AUTOTUNE, INTERPRET, fixed_config, tma_ok, use_tensor_descriptors
 
 # USE_TMA: the config reads x and dy through tensor descriptors built per program, bounded by
 # the group's rows (rows of other groups load as zeros), when the operands allow it (TMA_OK).
@@ -25,7 +25,7 @@ _INTERPRET_CONFIG = triton.Config({"BLOCK_K": 32, "BLOCK_N": 32, "BLOCK_M": 16, 
 def _configs():
     if INTERPRET:
         return [_INTERPRET_CONFIG]
-    configs = [
+    return [
         triton.Config({"BLOCK_K": bk, "BLOCK_N": bn, "BLOCK_M": bm, "GROUP_K": 8, "USE_TMA": tma},
                       num_stages=stages, num_warps=warps)
         for bk, bn, bm, stages, warps, tma in [
@@ -40,14 +40,15 @@ def _configs():
             (128, 128, 64, 4, 8, True),
         ]
     ]
-    # the first config uses pointer loads, so it runs whatever TMA_OK says
-    return configs if AUTOTUNE else configs[:1]
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    if kwargs.get("TMA_OK", False):
+    if not kwargs.get("TMA_OK", False):
+        configs = [c for c in configs if not c.kwargs["USE_TMA"]] or configs
+    if AUTOTUNE or INTERPRET:
         return configs
-    return [c for c in configs if not c.kwargs["USE_TMA"]] or configs
+    tile = lambda kw: kw["BLOCK_K"] * kw["BLOCK_M"] + kw["BLOCK_M"] * kw["BLOCK_N"]  # noqa: E731
+    return fixed_config(configs, tile, named_args["x_ptr"].element_size())
 
 
 @triton.autotune(configs=_configs(), key=["N", "K"], prune_configs_by={"early_config_prune": _prune_configs})
