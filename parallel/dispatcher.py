@@ -18,8 +18,13 @@ receives for its L experts.
 
 ``combine`` undoes the three steps (inverse permutation, reverse all-to-all, scatter to pair
 order with zeros for dropped pairs). The backward of each step is the reverse of its forward.
+
+Opt-in timing (``time_comm=True`` or a :class:`CommTimer` set as ``comm_timer``): the counts
+exchange and both row exchanges, forward and backward, add their spans to the timer, which the
+training loop reads once per log window (see :class:`CommTimer`).
 """
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +32,7 @@ import torch.distributed as dist
 
 from moe.capacity import RoutingPlan
 from moe.dispatch import LocalDispatcher, LocalDispatchMeta
-from parallel.all_to_all import all_reduce_sum, all_to_all
+from parallel.all_to_all import AllToAllFn, all_reduce_sum, all_to_all
 from parallel.permute import gather_pairs, gather_permutation, scatter_rows
 
 
@@ -66,6 +71,66 @@ def regroup_index(counts_GL: torch.Tensor, num_rows: int) -> torch.Tensor:
     target_start_LG = torch.cumsum(sizes_LG, 0) - sizes_LG
     shift_R = torch.repeat_interleave(arrival_start_LG - target_start_LG, sizes_LG, output_size=num_rows)
     return torch.arange(num_rows, device=counts_GL.device) + shift_R
+
+
+class CommTimer:
+    """Milliseconds spent in communication calls, accumulated with no host sync per call.
+
+    On CUDA a span records a pair of timing events on the current stream (no wait) around the
+    call; the elapsed times are resolved only in :meth:`read_ms`. A span runs from the moment the
+    compute stream reaches the collective until the collective has finished on that stream, so it
+    includes the wait for the slowest peer. On a CPU (gloo returns once the exchange is done) a
+    span is a ``time.perf_counter`` difference.
+    """
+
+    def __init__(self):
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._host_ms = 0.0
+
+    def start(self, device: torch.device):
+        if device.type == "cuda":
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
+            return begin
+        return time.perf_counter()
+
+    def stop(self, begin) -> None:
+        if isinstance(begin, torch.cuda.Event):
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((begin, end))
+        else:
+            self._host_ms += (time.perf_counter() - begin) * 1e3
+
+    def read_ms(self) -> float:
+        """Milliseconds of every span since the last read, then reset. Waits for pending events
+        (call at log time, when the device has been synchronised anyway)."""
+        total = self._host_ms
+        for begin, end in self._events:
+            end.synchronize()
+            total += begin.elapsed_time(end)
+        self._events.clear()
+        self._host_ms = 0.0
+        return total
+
+
+class _TimedAllToAllFn(torch.autograd.Function):
+    """:class:`~parallel.all_to_all.AllToAllFn` with its forward and backward exchange timed."""
+
+    @staticmethod
+    def forward(ctx, x_RD: torch.Tensor, out_splits: list[int], in_splits: list[int], group, timer: CommTimer):
+        ctx.timer = timer
+        begin = timer.start(x_RD.device)
+        out = AllToAllFn.forward(ctx, x_RD, out_splits, in_splits, group)
+        timer.stop(begin)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_RD: torch.Tensor):
+        begin = ctx.timer.start(grad_RD.device)
+        grads = AllToAllFn.backward(ctx, grad_RD)
+        ctx.timer.stop(begin)
+        return *grads, None
 
 
 class _TieFn(torch.autograd.Function):
@@ -111,12 +176,15 @@ class AllToAllDispatcher:
             is its rank in the group).
         world_group: every rank holding part of the batch; the load-balancing loss's inputs are
             summed over it. Default: the default (world) group.
+        time_comm: time the all-to-alls into ``self.comm_timer`` (a :class:`CommTimer`; None
+            when off). Setting ``comm_timer`` later turns timing on or off.
 
     With a group of one rank it runs the local gather/scatter (no host sync) and only the
-    loss inputs are reduced. Keeps no state between ``dispatch`` and ``combine``.
+    loss inputs are reduced. Keeps no state between ``dispatch`` and ``combine`` (the timer only
+    accumulates durations).
     """
 
-    def __init__(self, ep_group=None, world_group=None):
+    def __init__(self, ep_group=None, world_group=None, time_comm: bool = False):
         if not dist.is_initialized():
             raise RuntimeError("AllToAllDispatcher needs torch.distributed.init_process_group() first")
         self.ep_group = ep_group
@@ -124,6 +192,7 @@ class AllToAllDispatcher:
         self.ep_size = dist.get_world_size(ep_group)
         self.ep_rank = dist.get_rank(ep_group)
         self._local = LocalDispatcher()
+        self.comm_timer = CommTimer() if time_comm else None
 
     def __repr__(self) -> str:
         return f"AllToAllDispatcher(ep_size={self.ep_size}, ep_rank={self.ep_rank})"
@@ -141,7 +210,10 @@ class AllToAllDispatcher:
         T, K = plan.kept_TK.shape
         send_counts_E = plan.kept_per_expert_E.contiguous()
         recv_counts_E = torch.empty_like(send_counts_E)
+        begin = self.comm_timer.start(send_counts_E.device) if self.comm_timer is not None else None
         dist.all_to_all_single(recv_counts_E, send_counts_E, group=self.ep_group)
+        if begin is not None:
+            self.comm_timer.stop(begin)
         counts_host = torch.cat([send_counts_E, recv_counts_E]).to("cpu", non_blocking=True)
         copied = torch.cuda.Event() if send_counts_E.is_cuda else None
         if copied is not None:
@@ -155,7 +227,7 @@ class AllToAllDispatcher:
         num_sent, num_recv = sum(send_splits), sum(recv_splits)
         # dropless sends every row; slicing off dropped pairs costs a zero-fill in backward
         send_SD = send_PD if num_sent == T * K else send_PD[:num_sent]
-        recv_RD = all_to_all(send_SD, recv_splits, send_splits, self.ep_group)
+        recv_RD = self._exchange(send_SD, recv_splits, send_splits)
         recv_counts_GL = recv_counts_E.view(G, L)
         regroup_idx_R = regroup_index(recv_counts_GL, num_recv)
         rows_RD = gather_permutation(recv_RD, regroup_idx_R)
@@ -178,8 +250,13 @@ class AllToAllDispatcher:
             return self._local.combine(y_RD, meta)
         y_RD = _keep_in_graph(y_RD, meta.empty_rows_RD)
         y_arrival_RD = scatter_rows(y_RD, meta.regroup_idx_R, y_RD.shape[0])
-        y_SD = all_to_all(y_arrival_RD, meta.send_splits, meta.recv_splits, self.ep_group)
+        y_SD = self._exchange(y_arrival_RD, meta.send_splits, meta.recv_splits)
         return scatter_rows(y_SD, meta.kept_idx_S, meta.num_pairs, meta.dropped_idx)
+
+    def _exchange(self, x_RD: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        if self.comm_timer is None:
+            return all_to_all(x_RD, out_splits, in_splits, self.ep_group)
+        return _TimedAllToAllFn.apply(x_RD, out_splits, in_splits, self.ep_group, self.comm_timer)
 
     def reduce_aux_inputs(self, routed_E: torch.Tensor, prob_sum_E: torch.Tensor, num_tokens: int):
         """Sum the load-balancing loss's inputs over the world in one all-reduce.

@@ -103,6 +103,9 @@ class LogConfig:
     wandb_mode: str | None = None  # online | offline | disabled; None: online iff WANDB_API_KEY is set
     heatmap_every: int = 50
     progress: bool = True
+    # time the expert-parallel all-to-alls (CUDA events, read at log time): logs
+    # time/all_to_all_ms (per step, mean over ranks) and time/all_to_all_fraction of step time; ep > 1 only
+    time_comm: bool = False
 
 
 @dataclass

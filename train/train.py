@@ -28,6 +28,7 @@ import triton  # noqa: E402
 
 from moe import moe_aux_loss, moe_layers, update_expert_biases  # noqa: E402
 from parallel import sync_gradients  # noqa: E402
+from parallel.dispatcher import CommTimer  # noqa: E402
 from parallel.stats import global_moe_stats, update_expert_biases_global  # noqa: E402
 from train import checkpoint as ckpt  # noqa: E402
 from train.config import Config, ConfigError, load_config, to_yaml  # noqa: E402
@@ -136,8 +137,13 @@ def main(argv: list[str]) -> dict:
     val_set = val_batches(shard(val_tokens, rt.rank, rt.world_size), d.seq_len, d.batch_size, d.val_batches)
 
     # ---- model, parallelized: the MoE layers get the EP dispatcher and hold E / ep experts
+    dispatcher = rt.dispatcher()
+    # all-to-all timing (ep > 1): every MoE layer shares this dispatcher, hence the one timer
+    comm_timer = None
+    if cfg.log.time_comm and dispatcher is not None:
+        comm_timer = dispatcher.comm_timer = CommTimer()
     with rt.device:  # built on the device: a large model never materialises on the host
-        model = MoETransformer(cfg, dispatcher=rt.dispatcher())
+        model = MoETransformer(cfg, dispatcher=dispatcher)
     model.init_weights(cfg.train.seed)
     expert_names = expert_parameter_names(model)
     autocast = autocast_context(cfg, rt.device)
@@ -179,6 +185,8 @@ def main(argv: list[str]) -> dict:
     # ---- loop
     stop_at = min(cfg.train.steps, step + cfg.checkpoint.stop_after) if cfg.checkpoint.stop_after else cfg.train.steps
     window_start, window_tokens, eval_time = time.perf_counter(), 0, 0.0
+    if comm_timer is not None:
+        comm_timer.read_ms()  # drop the validation pass's exchanges
     layer_names = list(moe_layers(model))
     while step < stop_at:
         lr = schedule.apply()
@@ -228,6 +236,10 @@ def main(argv: list[str]) -> dict:
                 "perf/mfu": tok_s * flops_per_token / (peak * rt.world_size) if not math.isnan(peak) else math.nan,
                 "perf/step_time_s": elapsed / max(window_tokens // tokens_per_step, 1),
             }
+            if comm_timer is not None:  # mean over ranks of the window's all-to-all time
+                a2a_ms = rt.all_reduce_mean([comm_timer.read_ms()])[0]
+                metrics["time/all_to_all_ms"] = a2a_ms / max(window_tokens // tokens_per_step, 1)
+                metrics["time/all_to_all_fraction"] = a2a_ms / max(elapsed * 1e3, 1e-9)
             if rt.device.type == "cuda":
                 metrics["perf/max_mem_gb"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
             else:
@@ -243,6 +255,8 @@ def main(argv: list[str]) -> dict:
             metrics["val/loss"] = evaluate(model, val_set, rt, autocast)
             history["val_loss"][step] = metrics["val/loss"]
             eval_time += time.perf_counter() - t0
+            if comm_timer is not None:
+                comm_timer.read_ms()  # validation is outside the step time
         if metrics:
             log.log(step, metrics)
 
