@@ -4,8 +4,8 @@
   configs/olmoe_bench.yaml with EP=8 and EP=4 × EDP=2, valid at world 8 only;
 - the weak-scaling trio of bench/run_8gpu.sh, scaled down in width and run with gloo:
   olmoe_bench on 2 processes (EP=2), olmoe_ep8 on 4 (EP=4, since the CPU world is 4) and
-  olmoe_ep4_dp2 on 4 (EP=2 × EDP=2), each training with the all-to-all timing on, and the
-  scaling report built from their logs;
+  olmoe_ep4_dp2 on 4 (EP=2 × EDP=2), each training with the all-to-all timing on, the two
+  4-process layouts giving the same losses, and the scaling report built from their logs;
 - the timed all-to-all equals the untimed one, forward and backward, and times both;
 - world 8 (8 gloo processes; NCCL when 8 GPUs are present): EP=8 × DP=1 and EP=4 × DP=2 give
   the output, losses and every gradient after sync of one process on the concatenated batch,
@@ -99,6 +99,16 @@ def test_scaled_down_config_trains_on_cpu_with_all_to_all_timing(cpu_runs, name,
         assert m["time/all_to_all_ms"] > 0
         assert 0 < m["time/all_to_all_fraction"] < 1
     assert metrics[3]["train/tokens"] == 3 * nproc * 2 * 32
+
+
+@pytest.mark.slow
+def test_ep4_and_ep2_dp2_layouts_train_the_same(cpu_runs):
+    # the two 4-process runs differ only in how the experts are laid out over the world
+    log_dir, _ = cpu_runs
+    ep4, ep2_dp2 = _metrics(str(log_dir / "olmoe_ep8")), _metrics(str(log_dir / "olmoe_ep4_dp2"))
+    for s in (1, 2, 3):
+        assert ep2_dp2[s]["train/loss"] == pytest.approx(ep4[s]["train/loss"], rel=1e-5)
+        assert ep2_dp2[s]["train/grad_norm"] == pytest.approx(ep4[s]["train/grad_norm"], rel=1e-4)
 
 
 @pytest.mark.slow
