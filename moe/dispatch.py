@@ -13,9 +13,10 @@ the frozen metadata that ``dispatch()`` returns. Every dispatcher implements:
 - ``combine(y_RD, meta) -> y_PD``: expert outputs back in pair order, zero for dropped pairs.
 - ``reduce_aux_inputs(routed_E, prob_sum_E, num_tokens)``: the load-balancing loss's inputs summed
   over every rank that holds part of the batch, so the loss equals the one-process loss on the
-  concatenated batch.
-- ``reduce_counts(counts_E)``: per-expert counts summed over the expert-parallel group (the
-  rows each rank's grouped GEMM really processes, and the global load the user watches).
+  concatenated batch (the token count may come back as an int or a 0-d tensor).
+- ``reduce_counts(counts_XE)``: per-expert counts (any leading dims) summed over the
+  expert-parallel group (the rows each rank's grouped GEMM really processes, and the global load
+  the user watches).
 """
 
 from dataclasses import dataclass

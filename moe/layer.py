@@ -176,11 +176,14 @@ class MoELayer(nn.Module):
         routed_E, prob_sum_E, num_tokens = self.dispatcher.reduce_aux_inputs(
             plan.routed_per_expert_E, self._normalized(route.scores_TE).sum(0), T
         )
-        lb_loss = load_balancing_loss(routed_E, prob_sum_E, max(num_tokens, 1), K)
+        num_tokens = num_tokens.clamp_min(1) if torch.is_tensor(num_tokens) else max(num_tokens, 1)
+        lb_loss = load_balancing_loss(routed_E, prob_sum_E, num_tokens, K)
         z_loss = router_z_loss(route.logits_TE)
+        # one collective for both counts
+        routed_kept_2E = self.dispatcher.reduce_counts(torch.stack([plan.routed_per_expert_E, plan.kept_per_expert_E]))
         stats = compute_stats(
-            self.dispatcher.reduce_counts(plan.routed_per_expert_E),
-            self.dispatcher.reduce_counts(plan.kept_per_expert_E),
+            routed_kept_2E[0],
+            routed_kept_2E[1],
             route.scores_TE,
             capacity,
             self.experts.row_tile_size(self.experts.compute_dtype(x_TD)),

@@ -3,13 +3,14 @@
 import torch
 
 
-def load_balancing_loss(routed_E: torch.Tensor, prob_sum_E: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+def load_balancing_loss(routed_E: torch.Tensor, prob_sum_E: torch.Tensor, num_tokens: int | torch.Tensor, top_k: int) -> torch.Tensor:
     """Switch Transformer loss ``E · Σ_e f_e · P_e``.
 
     ``f_e = routed_e / (T·K)``: the fraction of (token, slot) pairs routed to e (before the
     capacity drops anything; no gradient). ``P_e = prob_sum_e / T``: the mean router probability
     of e (the gradient flows through it). Equals 1 for perfectly uniform routing.
-    The inputs are sums, so they can be summed over ranks before the loss is formed.
+    The inputs are sums, so they can be summed over ranks before the loss is formed; the token
+    count T may be a 0-d tensor (the global count, kept on the device to avoid a host sync).
     """
     num_experts = routed_E.numel()
     f_E = routed_E.to(torch.float32) / (num_tokens * top_k)

@@ -263,8 +263,8 @@ class AllToAllDispatcher:
 
         routed_E (E,) int64, prob_sum_E (E,) fp32 (differentiable: the backward sums the
         gradients over the world, see :class:`~parallel.all_to_all.AllReduceSumFn`), num_tokens
-        T. Packed in fp64 (exact for counts below 2^53). The global token count comes back to the
-        host (a second, scalar sync) because the loss takes it as an int.
+        T. Packed in fp64 (exact for counts below 2^53). The global token count stays a (0-d)
+        device tensor, so the loss needs no host sync.
         """
         num_experts = routed_E.numel()
         packed = torch.cat([
@@ -275,10 +275,10 @@ class AllToAllDispatcher:
         total = all_reduce_sum(packed, self.world_group)
         prob_sum = total[:num_experts].to(prob_sum_E.dtype)
         routed = total[num_experts:2 * num_experts].detach().round().to(routed_E.dtype)
-        return routed, prob_sum, int(total[-1].item())
+        return routed, prob_sum, total[-1].detach().to(prob_sum_E.dtype)
 
     def reduce_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
-        """(E,) per-expert counts summed over the expert-parallel group (no gradient)."""
+        """(..., E) per-expert counts summed over the expert-parallel group (no gradient)."""
         if self.ep_size == 1:
             return counts_E
         total = counts_E.detach().clone()
