@@ -360,3 +360,13 @@ def test_two_nodes_of_two_processes(tmp_path):
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
     assert "world 4 (ep 2, edp 2)" in "".join(outs)
     assert sorted(_losses(str(tmp_path / "tiny"))) == [1, 2]
+
+
+def test_nan_loss_stops_the_run_with_a_clear_error(tmp_path, monkeypatch):
+    import torch.nn.functional as F
+
+    cross_entropy = F.cross_entropy
+    monkeypatch.setattr(F, "cross_entropy", lambda *a, **k: cross_entropy(*a, **k) * float("nan"))
+    with pytest.raises(FloatingPointError, match="train/loss is nan at step 1"):
+        _run_inprocess(SMALL + ["--train.steps=2", f"--log.dir={tmp_path}"])
+    assert not (tmp_path / "tiny" / "checkpoints" / "latest").exists()

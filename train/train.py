@@ -229,6 +229,8 @@ def main(argv: list[str]) -> dict:
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - window_start - eval_time
             loss, aux_mean = rt.all_reduce_mean([ce_sum.item() / cfg.train.grad_accum, aux_sum.item() / cfg.train.grad_accum])
+            if not math.isfinite(loss):  # checked where the loss is read anyway: no extra host sync
+                raise FloatingPointError(f"train/loss is {loss} at step {step}: stopping before it reaches a checkpoint")
             tok_s = window_tokens / max(elapsed, 1e-9)
             metrics = {
                 "train/loss": loss, "train/aux_loss": aux_mean, "train/lr": lr, "train/grad_norm": grad_norm.item(),
