@@ -129,6 +129,18 @@ def _tile_dot_tma(a_desc, b_desc, m0, n0, k_tiles, acc,
     return acc
 
 
+@triton.jit
+def _tile_ptrs(base_ptr, stride_m, row_start, rows, N, tile_m, tile_n, offs_m, offs_n,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Addresses and mask of output tile (tile_m, tile_n) of a group of ``rows`` rows starting at
+    ``row_start`` in a row-major (M, N) output with row stride ``stride_m``."""
+    local_m = tile_m * BLOCK_M + offs_m
+    cols = tile_n * BLOCK_N + offs_n
+    base = base_ptr + tl.cast(row_start, tl.int64) * stride_m
+    ptrs = base + local_m[:, None] * stride_m + cols[None, :]
+    return ptrs, (local_m < rows)[:, None] & (cols < N)[None, :]
+
+
 @triton.autotune(configs=_configs(), key=["N", "K", "ACT"], prune_configs_by={"early_config_prune": _prune_configs})
 @triton.heuristics({
     "EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
@@ -179,13 +191,8 @@ def _grouped_mm_kernel(
 
             if g == G:
                 # Padding rows past offsets[-1]: zeros, nothing to multiply.
-                local_m = tile_m * BLOCK_M + offs_m
-                cols = tile_n * BLOCK_N + offs_n
-                row_ok = local_m < rows
-                col_ok = cols < N
-                y_base = y_ptr + tl.cast(row_start, tl.int64) * stride_ym
-                y_ptrs = y_base + local_m[:, None] * stride_ym + cols[None, :]
-                out_mask = row_ok[:, None] & col_ok[None, :]
+                y_ptrs, out_mask = _tile_ptrs(y_ptr, stride_ym, row_start, rows, N, tile_m, tile_n,
+                                              offs_m, offs_n, BLOCK_M, BLOCK_N)
                 tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty), mask=out_mask)
             else:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -217,17 +224,12 @@ def _grouped_mm_kernel(
                                     offs_k, acc, BLOCK_K, EVEN_K, DOT_PRECISION)
                 # Store addresses are built after the main loop: built before it, 128x128 64-bit
                 # pointers stayed live across it (255 registers and a stack frame in ptxas' report).
-                local_m = tile_m * BLOCK_M + offs_m
-                cols = tile_n * BLOCK_N + offs_n
-                row_ok = local_m < rows
-                col_ok = cols < N
-                y_base = y_ptr + tl.cast(row_start, tl.int64) * stride_ym
-                y_ptrs = y_base + local_m[:, None] * stride_ym + cols[None, :]
-                out_mask = row_ok[:, None] & col_ok[None, :]
+                y_ptrs, out_mask = _tile_ptrs(y_ptr, stride_ym, row_start, rows, N, tile_m, tile_n,
+                                              offs_m, offs_n, BLOCK_M, BLOCK_N)
                 if ACT == 2:
                     if SAVE_Z:
-                        z_base = z_ptr + tl.cast(row_start, tl.int64) * stride_zm
-                        z_ptrs = z_base + local_m[:, None] * stride_zm + cols[None, :]
+                        z_ptrs, _ = _tile_ptrs(z_ptr, stride_zm, row_start, rows, N, tile_m, tile_n,
+                                               offs_m, offs_n, BLOCK_M, BLOCK_N)
                         tl.store(z_ptrs, acc.to(z_ptr.dtype.element_ty), mask=out_mask)
                     out = _gelu_tanh(acc)
                 else:
