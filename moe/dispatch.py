@@ -52,7 +52,8 @@ class LocalDispatcher:
         return rows_RD, offsets_E, LocalDispatchMeta(plan.order_P, top_k)
 
     def combine(self, y_RD: torch.Tensor, meta: LocalDispatchMeta) -> torch.Tensor:
-        return torch.zeros_like(y_RD).index_copy(0, meta.order_P, y_RD)
+        # order_P is a permutation of all P pairs: every row is written, no zero-fill needed
+        return torch.empty_like(y_RD).index_copy(0, meta.order_P, y_RD)
 
     def reduce_aux_inputs(self, routed_E, prob_sum_E, num_tokens):
         return routed_E, prob_sum_E, num_tokens
