@@ -53,8 +53,9 @@ def global_moe_stats(model: nn.Module, dims) -> dict[str, MoEStats]:
     the per-rank means (equal shards make it the global mean). ``capacity`` stays per rank.
     """
     out = {}
+    layers = moe_layers(model)
     for name, (routed_E, kept_E, entropy) in _world_counts(model, dims).items():
-        s = moe_layers(model)[name].last_aux.stats
+        s = layers[name].last_aux.stats
         no_scores = torch.empty(0, routed_E.numel(), device=routed_E.device)
         world = compute_stats(routed_E, kept_E, no_scores, s.capacity, s.block_m)
         out[name] = dataclasses.replace(world, router_entropy=entropy.to(s.router_entropy.dtype))

@@ -187,12 +187,12 @@ def main(argv: list[str]) -> dict:
     window_start, window_tokens, eval_time = time.perf_counter(), 0, 0.0
     if comm_timer is not None:
         comm_timer.read_ms()  # drop the validation pass's exchanges
-    layer_names = list(moe_layers(model))
+    layers = moe_layers(model)
     while step < stop_at:
         lr = schedule.apply()
         ce_sum, aux_sum = torch.zeros((), device=rt.device), torch.zeros((), device=rt.device)
-        lb = {n: 0.0 for n in layer_names}
-        zl = {n: 0.0 for n in layer_names}
+        lb = {n: 0.0 for n in layers}
+        zl = {n: 0.0 for n in layers}
         for _ in range(cfg.train.grad_accum):
             x, y = stream.next_batch()
             x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
@@ -203,7 +203,7 @@ def main(argv: list[str]) -> dict:
             ((ce + aux) / cfg.train.grad_accum).backward()
             ce_sum += ce.detach()
             aux_sum += aux.detach()
-            for n, m in moe_layers(model).items():
+            for n, m in layers.items():
                 lb[n] += m.last_aux.load_balancing_loss.detach() / cfg.train.grad_accum
                 zl[n] += m.last_aux.z_loss.detach() / cfg.train.grad_accum
         if rt.distributed:
