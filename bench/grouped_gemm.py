@@ -14,7 +14,7 @@ multiples of any tile): the first expert projection as one grouped GEMM,
 
 Protocol: per shape, rounds alternating ours, the anchor and ours again (A-vs-A noise row),
 each ``triton.testing.do_bench(fn, warmup=100, rep=200)`` median; the reported ratio is the
-median over rounds of ``t_anchor / t_ours`` (> 1: ours faster). The loop runs fewer rounds
+median over rounds of ``t_anchor / mean(t_ours, t_ours_again)`` (> 1: ours faster). The loop runs fewer rounds
 (group sizes are read to the host once, outside the timing).
 
 Usage: ``python bench/grouped_gemm.py --out bench/results/grouped_gemm.md [--what gemm|swiglu|both]``
@@ -99,6 +99,35 @@ def breakdown(x, w, w_anchor, dy, offsets):
     print("  breakdown ms:", times, flush=True)
 
 
+def wgrad_configs(x, dy, offsets):
+    """Milliseconds of every wgrad config launched directly, each next to the anchor's wgrad in
+    alternating rounds (the autotuner only reports the winner)."""
+    from moe.kernels.grouped_mm_fwd import _sm_count, tma_ok, use_tensor_descriptors
+    from moe.kernels.grouped_mm_wgrad import _configs
+    xd = x.detach()
+    M, K = xd.shape
+    N, G = dy.shape[1], offsets.shape[0]
+    dw = xd.new_empty(G, K, N)
+    tma = tma_ok(xd, dy, dw)
+    use_tensor_descriptors()
+
+    def launcher(cfg):
+        tiles = G * triton.cdiv(K, cfg.kwargs["BLOCK_K"]) * triton.cdiv(N, cfg.kwargs["BLOCK_N"])
+        grid = (min(tiles, _sm_count(xd.device)) if cfg.kwargs["PERSISTENT"] else tiles,)
+        return lambda: _grouped_mm_wgrad_kernel.fn[grid](
+            xd, dy, offsets, dw, N, K, G, xd.stride(0), dy.stride(0), dw.stride(0), dw.stride(1),
+            DOT_PRECISION="tf32", TMA_OK=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs)
+
+    anchor = lambda: torch._grouped_mm(xd.t(), dy, offs=offsets)  # noqa: E731
+    for cfg in _configs():
+        try:
+            t_o, t_a, ratio, noise = rounds(launcher(cfg), anchor, 3)
+            print(f"  wgrad {cfg}: {t_o:.3f} ms, anchor {t_a:.3f} ms, anchor/ours {ratio:.3f}, A-vs-A {noise:.3f}",
+                  flush=True)
+        except Exception as exc:  # a config that does not compile is reported, not fatal
+            print(f"  wgrad {cfg}: error {str(exc)[:120]}", flush=True)
+
+
 def anchor_weight(x, w, offsets):
     """``w`` itself if ``torch._grouped_mm`` takes it, else a column-major copy (its own leaf)."""
     try:
@@ -122,19 +151,30 @@ def sass_report():
 
 
 def rounds(ours, anchor, n):
-    """Alternate ours / anchor / ours; return median times and median per-round ratios."""
+    """Alternate ours / anchor / ours; return median times and median per-round ratios.
+
+    A round's ratio is the anchor's time over the mean of the two ours timings around it: on
+    the H100 the first timing of a round ran up to 7% slower than the third (Mixtral fwd+bwd,
+    A-vs-A 0.929), so comparing the anchor with the first one alone biased the ratio by the drift.
+    """
     t_ours, t_anchor, t_again, ratio, noise = [], [], [], [], []
     for _ in range(n):
         a = bench_ms(ours)
         b = bench_ms(anchor)
         c = bench_ms(ours)
-        t_ours.append(a)
+        t_ours.append((a + c) / 2)
         t_anchor.append(b)
         t_again.append(c)
-        ratio.append(b / a)
+        ratio.append(b / ((a + c) / 2))
         noise.append(c / a)
     med = statistics.median
     return med(t_ours), med(t_anchor), med(ratio), med(noise)
+
+
+def forward_fp32(x, w, sizes):
+    """Forward in fp32 (no TF32), group by group, from the bf16 operands."""
+    wf = w.detach()
+    return torch.cat([xs.float() @ wf[g].float() for g, xs in enumerate(torch.split(x.detach(), sizes))])
 
 
 def rel_err(a, b):
@@ -148,6 +188,7 @@ def main():
     parser.add_argument("--what", choices=("gemm", "swiglu", "both"), default="both")
     parser.add_argument("--breakdown", action="store_true", help="time fwd, dgrad, wgrad separately")
     parser.add_argument("--sass", action="store_true", help="count HGMMA in the compiled kernels")
+    parser.add_argument("--wgrad-configs", action="store_true", help="time every wgrad config vs the anchor")
     parser.add_argument("--shapes", default="all", help="comma-separated indices into SHAPES")
     args = parser.parse_args()
     dev = "cuda"
@@ -166,7 +207,13 @@ def main():
         anchor = lambda x, w: torch._grouped_mm(x, w, offs=offsets)  # noqa: E731
         loop = loop_mm(sizes)
         with torch.no_grad():
-            err = rel_err(ours(x, w), anchor(x, w_anchor))
+            y_o, y_a = ours(x, w), anchor(x, w_anchor)
+            err = rel_err(y_o, y_a)
+            ref = forward_fp32(x, w, sizes)
+            ref_err = (rel_err(y_o, ref), rel_err(y_a, ref))
+            print(f"{name}: forward vs fp32 reference: ours {ref_err[0]:.3e}, anchor {ref_err[1]:.3e}; "
+                  f"elements differing from the anchor: {(y_o != y_a).sum().item()} of {y_o.numel()}", flush=True)
+            del y_o, y_a, ref
         dx_o, dw_o = torch.autograd.grad(ours(x, w), (x, w), dy)
         dx_a, dw_a = torch.autograd.grad(anchor(x, w_anchor), (x, w_anchor), dy)
         err = max(err, rel_err(dx_o, dx_a), rel_err(dw_o, dw_a))
@@ -177,6 +224,8 @@ def main():
         flops = 2 * M * D * F
         if args.breakdown:
             breakdown(x, w, w_anchor, dy, offsets)
+        if args.wgrad_configs:
+            wgrad_configs(x, dy, offsets)
         for mode, mult in (("fwd", 1), ("fwd+bwd", 3)) if args.what != "swiglu" else ():
             t_o, t_a, ratio, noise = rounds(make_runner(mode, ours, x, w, dy),
                                             make_runner(mode, anchor, x, w_anchor, dy), args.rounds)
@@ -227,7 +276,7 @@ def write_table(rows, args):
         "bf16, tokens routed by uniform random top-k. `gemm`: x(M, D) @ w[e](D, F), M = T·k. "
         "`swiglu`: silu(x@w_gate)·(x@w_up), w(E, D, 2F); ours = GEMM + one Triton SwiGLU pass "
         "(backward: one Triton pass, dgrad, wgrad); its anchor is `torch._grouped_mm` + PyTorch "
-        "silu·mul and its third column is our GEMM + PyTorch silu·mul. Ratio = median over rounds of t_anchor / t_ours "
+        "silu·mul and its third column is our GEMM + PyTorch silu·mul. Ratio = median over rounds of t_anchor / mean(ours before, ours after) "
         "(> 1: ours faster); A-vs-A = ours timed twice in the same round (noise).",
         "",
         "| shape | what | ours TFLOP/s | torch._grouped_mm TFLOP/s | loop (gemm) / ours GEMM + torch act (swiglu) TFLOP/s "

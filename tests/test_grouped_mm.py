@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from moe.kernels import DEFAULT_BLOCK_M, grouped_mm, grouped_mm_reference, grouped_mm_triton, row_tile_size
-from moe.kernels.grouped_mm_fwd import _grouped_mm_kernel
+from moe.kernels.grouped_mm_fwd import _grouped_mm_kernel, tma_ok, use_tensor_descriptors
+from moe.kernels.grouped_mm_wgrad import _configs as _wgrad_configs
+from moe.kernels.grouped_mm_wgrad import _grouped_mm_wgrad_kernel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -126,6 +128,12 @@ def test_launcher_rejects_bad_arguments():
         grouped_mm(x, w, offsets, backend="cuda")
 
 
+def grouped_mm_wgrad_reference(x_MK, dy_MN, offsets_G):
+    """dw[g] = x_gᵀ @ dy_g, group by group."""
+    bounds = [0] + offsets_G.tolist()
+    return torch.stack([x_MK[a:b].t() @ dy_MN[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
+
+
 GPU_CASES = {
     "mixed": ([300, 0, 1, 1200, 0, 77, 513, 2], 129),
     "one_group": ([0, 2500, 0], 0),
@@ -146,6 +154,33 @@ def test_gpu_bf16_matches_reference(case, activation):
 def test_gpu_bf16_block_multiples_int32_offsets():
     _check([700, 0, 1, 1347], 64, K=1024, N=1536, activation="swiglu", dtype=torch.bfloat16,
            offsets_dtype=torch.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(len(_wgrad_configs())))
+def test_gpu_every_wgrad_config_matches_reference(index):
+    """Each wgrad config, launched directly (autotuning would only check the one that wins)."""
+    import triton
+    config = _wgrad_configs()[index]
+    sizes, padding = GPU_CASES["many_small"]
+    offsets = _offsets(sizes, "cuda", torch.int32)
+    M, K, N = sum(sizes) + padding, 520, 600
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    dw = torch.full((len(sizes), K, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    tiles = len(sizes) * triton.cdiv(K, config.kwargs["BLOCK_K"]) * triton.cdiv(N, config.kwargs["BLOCK_N"])
+    grid = (min(tiles, 7) if config.kwargs["PERSISTENT"] else tiles,)
+    use_tensor_descriptors()
+    _grouped_mm_wgrad_kernel.fn[grid](
+        x, dy, offsets, dw, N, K, len(sizes), x.stride(0), dy.stride(0), dw.stride(0), dw.stride(1),
+        DOT_PRECISION="tf32", TMA_OK=tma_ok(x, dy, dw), num_warps=config.num_warps,
+        num_stages=config.num_stages, **config.kwargs)
+    ref = grouped_mm_wgrad_reference(x.double(), dy.double(), offsets)
+    for g, size in enumerate(sizes):
+        if size == 0:
+            assert (dw[g] == 0).all(), f"empty group {g} must get dw = 0 ({config})"
+        else:
+            assert _rel_err(dw[g], ref[g]) < TOLERANCE[torch.bfloat16], f"dw of group {g} ({config})"
 
 
 @pytest.mark.gpu

@@ -2,49 +2,60 @@
 
 Legend: M packed rows (sorted by group), K input width, N output width, G groups.
 
-The reduction runs over the rows of group g, whose count differs per group and is read on the
-device: one program per ``(group, k-tile, n-tile)`` of ``dw`` loops over its group's rows in
-chunks of ``BLOCK_M``, masked to the group's ``[start, end)`` (rows are not aligned to the
-chunk). The grid, ``G * k_tiles * n_tiles``, depends only on shapes, so no host sync. A program
-of an empty group runs no iteration and stores zeros. Programs are ordered group-major, the
-tiles of one group swizzled in bands of ``GROUP_K`` k-tiles, so that the programs resident at
-one time share the group's rows of x and dy in L2.
+Work list: the ``G * k_tiles * n_tiles`` output tiles ``(group, k-tile, n-tile)`` of ``dw``,
+group-major, the tiles of one group swizzled in bands of ``GROUP_K`` k-tiles, so that the
+programs resident at one time share the group's rows of x and dy in L2. A tile's program loops
+over its group's rows in chunks of ``BLOCK_M``, bounded by the group's ``[start, end)`` read on
+the device (rows are not aligned to the chunk). The work list depends only on shapes, so no
+host sync; a tile of an empty group runs no iteration and stores zeros.
+
+Two schedules (autotuned): one program per tile, or ``PERSISTENT``: one program per SM walking
+the list with a stride of the grid. The persistent form pays off with the ``STORE_TMA``
+epilogue: the tile is written by an asynchronous TMA store from shared memory (a 3-D descriptor
+over ``dw``, clipped at K and N), which Triton waits for only before the next tile's store, so
+the write of one tile overlaps the next tile's main loop. DeepSeek-V3's wgrad writes a 7.5 GB
+``dw`` (256 × 7168 × 2048 bf16) from ~256-row reductions: at 3.35 TB/s that write alone is
+2.2 ms of the 5.2 ms cuBLAS takes, so an epilogue that stalls the SM on it is what lost.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.grouped_mm_fwd import AUTOTUNE, INTERPRET, fixed_config, tma_ok, use_tensor_descriptors
+from moe.kernels.grouped_mm_fwd import AUTOTUNE, INTERPRET, _sm_count, fixed_config, tma_ok, use_tensor_descriptors
 
-# USE_TMA: the config reads x and dy through tensor descriptors built per program, bounded by
-# the group's rows (rows of other groups load as zeros), when the operands allow it (TMA_OK).
-_INTERPRET_CONFIG = triton.Config({"BLOCK_K": 32, "BLOCK_N": 32, "BLOCK_M": 16, "GROUP_K": 2, "USE_TMA": True})
+# Interpreter: one small config with every feature on (tensor-descriptor loads where the
+# operands allow, persistent walk over 3 programs, TMA store).
+_INTERPRET_CONFIG = triton.Config({"BLOCK_K": 32, "BLOCK_N": 32, "BLOCK_M": 16, "GROUP_K": 2, "USE_TMA": True,
+                                   "PERSISTENT": True, "STORE_TMA": True})
 
 
 def _configs():
     if INTERPRET:
         return [_INTERPRET_CONFIG]
     return [
-        triton.Config({"BLOCK_K": bk, "BLOCK_N": bn, "BLOCK_M": bm, "GROUP_K": 8, "USE_TMA": tma},
+        triton.Config({"BLOCK_K": bk, "BLOCK_N": bn, "BLOCK_M": bm, "GROUP_K": 8, "USE_TMA": tma,
+                       "PERSISTENT": persistent, "STORE_TMA": store_tma},
                       num_stages=stages, num_warps=warps)
-        for bk, bn, bm, stages, warps, tma in [
-            # 128x256 tiles won every bench shape on an H100 (TMA for the long reductions, pointer
-            # loads for DeepSeek-V3's ~256-row groups, where building two descriptors per
-            # program costs more); 128x128 tiles (incl. two programs per SM) never won.
-            (128, 256, 64, 3, 8, False),
-            (128, 256, 128, 2, 8, False),
-            (128, 256, 64, 3, 8, True),
-            (128, 256, 64, 4, 8, True),
-            (128, 256, 128, 2, 8, True),
-            (128, 128, 64, 4, 8, True),
+        for bk, bn, bm, stages, warps, tma, persistent, store_tma in [
+            # H100, bench/grouped_gemm.py --wgrad-configs (2026-11-22), ms ours / cuBLAS:
+            # persistent + TMA store won Mixtral 3.15/2.90, OLMoE 0.97/0.92, Qwen3 0.79/0.79 with
+            # TMA loads and DeepSeek-V3 5.89/5.27 with pointer loads (per-tile descriptors cost
+            # more on its ~256-row groups); the one-program-per-tile form with a pointer store
+            # came second (3.16, 0.97, 0.83, 6.48). A TMA store without the persistent walk lost
+            # (DeepSeek-V3 7.96): the store then ends every program instead of overlapping the
+            # next tile. 128-row chunks and 4 stages never won.
+            (128, 256, 64, 3, 8, True, True, True),
+            (128, 256, 64, 3, 8, False, True, True),
+            (128, 256, 64, 3, 8, True, False, False),
+            (128, 256, 64, 3, 8, False, False, False),
         ]
     ]
 
 
 def _prune_configs(configs, named_args, **kwargs):
     if not kwargs.get("TMA_OK", False):
-        configs = [c for c in configs if not c.kwargs["USE_TMA"]] or configs
+        configs = [c for c in configs if not (c.kwargs["USE_TMA"] or c.kwargs["STORE_TMA"])] or configs
     if AUTOTUNE or INTERPRET:
         return configs
     tile = lambda kw: kw["BLOCK_K"] * kw["BLOCK_M"] + kw["BLOCK_M"] * kw["BLOCK_N"]  # noqa: E731
@@ -59,68 +70,80 @@ def _prune_configs(configs, named_args, **kwargs):
 @triton.jit
 def _grouped_mm_wgrad_kernel(
     x_ptr, dy_ptr, offsets_ptr, dw_ptr,
-    N, K,
+    N, K, G,
     stride_xm, stride_dym,
     stride_dwg, stride_dwk,
     DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    TMA_OK: tl.constexpr, USE_TMA: tl.constexpr,
+    TMA_OK: tl.constexpr, USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, STORE_TMA: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    """USE_TMA: x and dy read through tensor descriptors built per tile, bounded by the group's
+    rows (rows of other groups load as zeros). PERSISTENT only changes the grid (see the
+    launcher): the loop below walks tiles ``pid, pid + grid, ...``."""
     k_tiles = tl.cdiv(K, BLOCK_K)
     n_tiles = tl.cdiv(N, BLOCK_N)
     group_size = k_tiles * n_tiles
-    g = pid // group_size
-    local = pid % group_size
     band_size = GROUP_K * n_tiles
-    first_k = (local // band_size) * GROUP_K
-    band_k = tl.minimum(k_tiles - first_k, GROUP_K)
-    tile_k = first_k + (local % band_size) % band_k
-    tile_n = (local % band_size) // band_k
-
-    row_end = tl.load(offsets_ptr + g).to(tl.int32)
-    row_start = tl.load(offsets_ptr + g - 1, mask=g > 0, other=0).to(tl.int32)
-    rows = row_end - row_start
-
-    offs_k = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    k_ok = offs_k < K
-    n_ok = offs_n < N
-    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    if USE_TMA and TMA_OK:
-        x_desc = tl.make_tensor_descriptor(x_ptr + tl.cast(row_start, tl.int64) * stride_xm,
-                                           shape=[tl.maximum(rows, 1), K], strides=[stride_xm, 1],
-                                           block_shape=[BLOCK_M, BLOCK_K])
-        dy_desc = tl.make_tensor_descriptor(dy_ptr + tl.cast(row_start, tl.int64) * stride_dym,
-                                            shape=[tl.maximum(rows, 1), N], strides=[stride_dym, 1],
-                                            block_shape=[BLOCK_M, BLOCK_N])
-        for mt in range(0, tl.cdiv(rows, BLOCK_M)):
-            xt = x_desc.load([mt * BLOCK_M, tile_k * BLOCK_K]).T
-            dy = dy_desc.load([mt * BLOCK_M, tile_n * BLOCK_N])
-            acc = tl.dot(xt, dy, acc, input_precision=DOT_PRECISION)
-    else:
-        # Masks along the contiguous dimension only where K or N is ragged: a clamped index
-        # (tl.where) would hide the contiguity and turn 16-byte loads into 2-byte ones (seen
-        # in the SASS: LDG.E.U16, no cp.async pipelining).
-        x_ptrs = x_ptr + tl.cast(row_start, tl.int64) * stride_xm + offs_m[None, :] * stride_xm + offs_k[:, None]
-        dy_ptrs = dy_ptr + tl.cast(row_start, tl.int64) * stride_dym + offs_m[:, None] * stride_dym + offs_n[None, :]
-        for mt in range(0, tl.cdiv(rows, BLOCK_M)):
-            row_ok = offs_m < rows - mt * BLOCK_M
-            x_mask = row_ok[None, :]
-            dy_mask = row_ok[:, None]
-            if not EVEN_K:
-                x_mask = x_mask & k_ok[:, None]
-            if not EVEN_N:
-                dy_mask = dy_mask & n_ok[None, :]
-            xt = tl.load(x_ptrs, mask=x_mask, other=0.0)
-            dy = tl.load(dy_ptrs, mask=dy_mask, other=0.0)
-            acc = tl.dot(xt, dy, acc, input_precision=DOT_PRECISION)
-            x_ptrs += BLOCK_M * stride_xm
-            dy_ptrs += BLOCK_M * stride_dym
+    if STORE_TMA and TMA_OK:
+        dw_desc = tl.make_tensor_descriptor(dw_ptr, shape=[G, K, N], strides=[stride_dwg, stride_dwk, 1],
+                                            block_shape=[1, BLOCK_K, BLOCK_N])
+    for tile in range(tl.program_id(0), G * group_size, tl.num_programs(0)):
+        g = tile // group_size
+        local = tile % group_size
+        first_k = (local // band_size) * GROUP_K
+        band_k = tl.minimum(k_tiles - first_k, GROUP_K)
+        tile_k = first_k + (local % band_size) % band_k
+        tile_n = (local % band_size) // band_k
 
-    dw_ptrs = dw_ptr + tl.cast(g, tl.int64) * stride_dwg + offs_k[:, None] * stride_dwk + offs_n[None, :]
-    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
+        row_end = tl.load(offsets_ptr + g).to(tl.int32)
+        row_start = tl.load(offsets_ptr + g - 1, mask=g > 0, other=0).to(tl.int32)
+        rows = row_end - row_start
+        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        if USE_TMA and TMA_OK:
+            x_desc = tl.make_tensor_descriptor(x_ptr + tl.cast(row_start, tl.int64) * stride_xm,
+                                               shape=[tl.maximum(rows, 1), K], strides=[stride_xm, 1],
+                                               block_shape=[BLOCK_M, BLOCK_K])
+            dy_desc = tl.make_tensor_descriptor(dy_ptr + tl.cast(row_start, tl.int64) * stride_dym,
+                                                shape=[tl.maximum(rows, 1), N], strides=[stride_dym, 1],
+                                                block_shape=[BLOCK_M, BLOCK_N])
+            for mt in range(0, tl.cdiv(rows, BLOCK_M)):
+                xt = x_desc.load([mt * BLOCK_M, tile_k * BLOCK_K]).T
+                dy = dy_desc.load([mt * BLOCK_M, tile_n * BLOCK_N])
+                acc = tl.dot(xt, dy, acc, input_precision=DOT_PRECISION)
+        else:
+            # Masks along the contiguous dimension only where K or N is ragged: a clamped index
+            # (tl.where) would hide the contiguity and turn 16-byte loads into 2-byte ones (seen
+            # in the SASS: LDG.E.U16, no cp.async pipelining).
+            offs_kt = tile_k * BLOCK_K + offs_k
+            offs_nt = tile_n * BLOCK_N + offs_n
+            x_ptrs = x_ptr + tl.cast(row_start, tl.int64) * stride_xm + offs_m[None, :] * stride_xm + offs_kt[:, None]
+            dy_ptrs = dy_ptr + tl.cast(row_start, tl.int64) * stride_dym + offs_m[:, None] * stride_dym + offs_nt[None, :]
+            for mt in range(0, tl.cdiv(rows, BLOCK_M)):
+                row_ok = offs_m < rows - mt * BLOCK_M
+                x_mask = row_ok[None, :]
+                dy_mask = row_ok[:, None]
+                if not EVEN_K:
+                    x_mask = x_mask & (offs_kt < K)[:, None]
+                if not EVEN_N:
+                    dy_mask = dy_mask & (offs_nt < N)[None, :]
+                xt = tl.load(x_ptrs, mask=x_mask, other=0.0)
+                dy = tl.load(dy_ptrs, mask=dy_mask, other=0.0)
+                acc = tl.dot(xt, dy, acc, input_precision=DOT_PRECISION)
+                x_ptrs += BLOCK_M * stride_xm
+                dy_ptrs += BLOCK_M * stride_dym
+
+        out = acc.to(dw_ptr.dtype.element_ty)
+        if STORE_TMA and TMA_OK:
+            dw_desc.store([g, tile_k * BLOCK_K, tile_n * BLOCK_N], out.reshape(1, BLOCK_K, BLOCK_N))
+        else:
+            # Addresses built after the main loop, so they are not live across it.
+            offs_kt = tile_k * BLOCK_K + offs_k
+            offs_nt = tile_n * BLOCK_N + offs_n
+            dw_ptrs = dw_ptr + tl.cast(g, tl.int64) * stride_dwg + offs_kt[:, None] * stride_dwk + offs_nt[None, :]
+            tl.store(dw_ptrs, out, mask=(offs_kt < K)[:, None] & (offs_nt < N)[None, :])
 
 
 def grouped_mm_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_G: torch.Tensor) -> torch.Tensor:
@@ -151,13 +174,18 @@ def grouped_mm_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_G: torch.T
     dw = x_MK.new_empty(G, K, N)
     if dw.numel() == 0:
         return dw
-    tma = tma_ok(x_MK, dy_MN)
+    tma = tma_ok(x_MK, dy_MN, dw)
     if tma:
         use_tensor_descriptors()
-    grid = lambda meta: (G * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    num_sms = _sm_count(x_MK.device)
+
+    def grid(meta):
+        tiles = G * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"])
+        return (min(tiles, num_sms) if meta["PERSISTENT"] else tiles,)
+
     _grouped_mm_wgrad_kernel[grid](
         x_MK, dy_MN, offsets_G, dw,
-        N, K,
+        N, K, G,
         x_MK.stride(0), dy_MN.stride(0),
         dw.stride(0), dw.stride(1),
         DOT_PRECISION="ieee" if x_MK.dtype == torch.float32 else "tf32", TMA_OK=tma,
