@@ -1,11 +1,12 @@
 """Benchmark: AllToAllDispatcher dispatch + combine vs raw ``all_to_all_single`` of the same bytes.
 
 What is timed (forward only, no autograd): ours = ``dispatch`` (counts all-to-all, one
-device->host copy of the counts, gather of the rows by destination, variable-split all-to-all,
-regroup by local expert) then ``combine`` of the dispatched rows (identity experts: inverse
-regroup, reverse all-to-all, scatter to pair order). Anchor = two raw ``all_to_all_single`` calls
-with the same split sizes on preallocated buffers (there and back): the same bytes on the link,
-none of the bookkeeping. Routing: uniform random top-K (distinct experts per token), dropless,
+device->host copy of the counts, gather of the rows by destination, variable-split all-to-all;
+the rows stay in arrival order, as the grouped GEMM takes them) then ``combine`` of the
+dispatched rows (identity experts: reverse all-to-all, then the fused un-permute + weighted sum
+over each token's K rows into (T, D), which also does the layer's combine arithmetic). Anchor =
+two raw ``all_to_all_single`` calls with the same split sizes on preallocated buffers (there and
+back): the same bytes on the link, none of the bookkeeping nor the weighted sum. Routing: uniform random top-K (distinct experts per token), dropless,
 bf16 rows, ep = world (each GPU holds E / world experts).
 
 Effective bandwidth = bytes sent + received per rank (both exchanges, the rank's own chunk
@@ -82,16 +83,17 @@ def bench_row(dispatcher, dims, D, E, K, T, rounds, device, dtype, measure):
     experts_TK = torch.rand(T, E, device=device, generator=gen).topk(K, dim=-1).indices
     priority_TK = torch.rand(T, K, device=device, generator=gen)
     plan = plan_routing(experts_TK, priority_TK, E, None)
+    w_TK = priority_TK / priority_TK.sum(-1, keepdim=True)
 
     def ours():
         rows_RD, _, meta = dispatcher.dispatch(x_TD, plan)
-        return dispatcher.combine(rows_RD, meta)
+        return dispatcher.combine(rows_RD, meta, w_TK)
 
     with torch.no_grad():
-        y_PD = ours()
-        # correctness guard: identity experts must bring every pair's row home
-        if not torch.equal(y_PD, x_TD.index_select(0, torch.arange(T * K, device=device) // K)):
-            raise RuntimeError("dispatch + combine with identity experts did not return the input rows")
+        out_TD = ours()
+        # correctness guard: with identity experts every token comes home as Σ_k w[t, k] · x[t]
+        expected = (x_TD.float() * w_TK.sum(-1, keepdim=True)).to(dtype)
+        torch.testing.assert_close(out_TD, expected, rtol=1e-2, atol=1e-2)
         _, _, meta = dispatcher.dispatch(x_TD, plan)
     send_splits, recv_splits = meta.send_splits, meta.recv_splits
     send_SD = torch.randn(sum(send_splits), D, device=device, dtype=dtype, generator=gen)
@@ -124,6 +126,33 @@ def bench_row(dispatcher, dims, D, E, K, T, rounds, device, dtype, measure):
     }
 
 
+def _profile(dispatcher, D, E, K, T, device, dtype, rank):
+    """Where ours spends its time: CUDA kernels and host waits over 10 calls (rank 0 prints)."""
+    gen = torch.Generator(device=device).manual_seed(7 + rank)
+    x_TD = torch.randn(T, D, device=device, dtype=dtype, generator=gen)
+    experts_TK = torch.rand(T, E, device=device, generator=gen).topk(K, dim=-1).indices
+    priority_TK = torch.rand(T, K, device=device, generator=gen)
+    plan = plan_routing(experts_TK, priority_TK, E, None)
+    w_TK = priority_TK / priority_TK.sum(-1, keepdim=True)
+
+    def ours():
+        rows_RD, _, meta = dispatcher.dispatch(x_TD, plan)
+        return dispatcher.combine(rows_RD, meta, w_TK)
+
+    with torch.no_grad():
+        for _ in range(3):
+            ours()
+        torch.cuda.synchronize()
+        dist.barrier()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                ours()
+            torch.cuda.synchronize()
+    if rank == 0:
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
+
+
 def _triton_version() -> str:
     try:
         import triton
@@ -148,8 +177,8 @@ def _header(device, world, rounds) -> str:
         f"- {rounds} rounds alternating ours / raw / ours-again; ratio = median over rounds of raw time / our time",
         "  (= our effective bandwidth / raw bandwidth, bar 0.85); A-vs-A = ours / ours-again.",
         "- timed: forward dispatch + combine with identity experts (counts exchange, one host copy of the",
-        "  counts, gather, all-to-all, regroup; inverse regroup, all-to-all, scatter) vs two raw",
-        "  all_to_all_single of the same split sizes. bf16 rows, uniform random top-K, dropless, ep = world.",
+        "  counts, gather, all-to-all; reverse all-to-all, fused un-permute + weighted sum into (T, D)) vs two",
+        "  raw all_to_all_single of the same split sizes. bf16 rows, uniform random top-K, dropless, ep = world.",
         "- bandwidth = bytes sent + received per rank (both directions, own chunk included) / time (max over ranks).",
         "",
     ])
@@ -159,6 +188,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU/gloo, print only")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of ours (first layer, 16k tokens)")
     parser.add_argument("--out", default=None, help="markdown table (default bench/results/all_to_all.md; none with --smoke)")
     args = parser.parse_args()
     rank, world, device = init_distributed("gloo" if args.smoke else None)
@@ -175,6 +205,8 @@ def main():
     lines = [_header(device, world, args.rounds),
              "| layer | tokens/rank | MB/rank | ours ms | raw ms | ours GB/s | raw GB/s | ours/raw bw (min–max) | A-vs-A |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    if args.profile and not args.smoke:
+        _profile(dispatcher, *next(iter(layers.values())), 16384, device, dtype, rank)
     for name, (D, E, K) in layers.items():
         dims.check_experts(E)
         for T in tokens:

@@ -8,9 +8,12 @@ keeps no state between ``dispatch()`` and ``combine()``; everything ``combine()`
 the frozen metadata that ``dispatch()`` returns. Every dispatcher implements:
 
 - ``ep_size``, ``ep_rank``: the expert-parallel group; rank r holds experts ``[r·L, (r+1)·L)``.
-- ``dispatch(x_TD, plan) -> (rows_RD, offsets_L, meta)``: rows sorted by local expert and the
-  cumulative end offset of each local expert's rows (int32, for the grouped GEMM).
-- ``combine(y_RD, meta) -> y_PD``: expert outputs back in pair order, zero for dropped pairs.
+- ``dispatch(x_TD, plan) -> (rows_RD, offsets_S, meta)``: the rows for the local experts in S
+  segments and the cumulative end offset of each segment (int32, for the grouped GEMM); S is a
+  multiple of L and segment s belongs to local expert ``s % L`` (S = L: rows sorted by expert).
+- ``combine(y_RD, meta, w_TK, out_dtype=None) -> out_TD``: each token's K expert outputs summed
+  with the combine weights ``w_TK`` (T, K) fp32, in fp32, cast to ``out_dtype``; dropped pairs
+  contribute zero.
 - ``reduce_aux_inputs(routed_E, prob_sum_E, num_tokens)``: the load-balancing loss's inputs summed
   over every rank that holds part of the batch, so the loss equals the one-process loss on the
   concatenated batch (the token count may come back as an int or a 0-d tensor).
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from moe.capacity import RoutingPlan
+from moe.kernels.combine import weighted_combine
 
 
 @dataclass(frozen=True)
@@ -51,9 +55,10 @@ class LocalDispatcher:
         offsets_E = torch.cumsum(plan.kept_per_expert_E, 0).to(torch.int32)
         return rows_RD, offsets_E, LocalDispatchMeta(plan.order_P, top_k)
 
-    def combine(self, y_RD: torch.Tensor, meta: LocalDispatchMeta) -> torch.Tensor:
-        # order_P is a permutation of all P pairs: every row is written, no zero-fill needed
-        return torch.empty_like(y_RD).index_copy(0, meta.order_P, y_RD)
+    def combine(self, y_RD: torch.Tensor, meta: LocalDispatchMeta, w_TK: torch.Tensor,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        # row r holds pair order_P[r]; a dropped pair's row is zero (past the last offset)
+        return weighted_combine(y_RD, meta.order_P, w_TK, out_dtype)
 
     def reduce_aux_inputs(self, routed_E, prob_sum_E, num_tokens):
         return routed_E, prob_sum_E, num_tokens

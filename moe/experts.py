@@ -42,10 +42,11 @@ class GroupedExperts(nn.Module):
         """BLOCK_M of the first (largest) grouped GEMM: the tile the tile-utilization stat counts."""
         return row_tile_size(self.w1_LDH.shape[1], self.w1_LDH.shape[2], dtype)
 
-    def forward(self, x_RD: torch.Tensor, offsets_L: torch.Tensor) -> torch.Tensor:
-        """x_RD (R, D) rows sorted by expert; offsets_L (L,) int32 cumulative ends. Returns (R, D)
-        in the compute dtype; rows past ``offsets_L[-1]`` come back zero."""
+    def forward(self, x_RD: torch.Tensor, offsets_S: torch.Tensor) -> torch.Tensor:
+        """x_RD (R, D) rows in S segments; offsets_S (S,) int32 cumulative segment ends, S a
+        multiple of L, segment s run by expert ``s % L`` (S = L: rows sorted by expert).
+        Returns (R, D) in the compute dtype; rows past ``offsets_S[-1]`` come back zero."""
         dtype = self.compute_dtype(x_RD)
         x_RD = x_RD.to(dtype)
-        h_RF = grouped_mm(x_RD, self.w1_LDH.to(dtype), offsets_L, activation=self.activation)
-        return grouped_mm(h_RF, self.w2_LFD.to(dtype), offsets_L)
+        h_RF = grouped_mm(x_RD, self.w1_LDH.to(dtype), offsets_S, activation=self.activation)
+        return grouped_mm(h_RF, self.w2_LFD.to(dtype), offsets_S)

@@ -164,12 +164,11 @@ class MoELayer(nn.Module):
         capacity = expert_capacity(T // self.capacity_groups, self.num_experts, K, self.capacity_factor)
         plan = plan_routing(route.experts_TK, route.priority_TK, self.num_experts, capacity, self.drop_policy, self.capacity_groups)
 
-        rows_RD, offsets_L, meta = self.dispatcher.dispatch(x_TD, plan)
-        y_RD = self.experts(rows_RD, offsets_L)
-        y_PD = self.dispatcher.combine(y_RD, meta)
+        rows_RD, offsets_S, meta = self.dispatcher.dispatch(x_TD, plan)
+        y_RD = self.experts(rows_RD, offsets_S)
         # fp32 accumulation of the K weighted expert outputs; dropped pairs weigh zero
         w_TK = route.weights_TK * plan.kept_TK
-        out_TD = (y_PD.view(T, K, self.dim).float() * w_TK.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+        out_TD = self.dispatcher.combine(y_RD, meta, w_TK, x.dtype)
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD).to(x.dtype)
 
@@ -179,15 +178,12 @@ class MoELayer(nn.Module):
         num_tokens = num_tokens.clamp_min(1) if torch.is_tensor(num_tokens) else max(num_tokens, 1)
         lb_loss = load_balancing_loss(routed_E, prob_sum_E, num_tokens, K)
         z_loss = router_z_loss(route.logits_TE)
-        # one collective for both counts
-        routed_kept_2E = self.dispatcher.reduce_counts(torch.stack([plan.routed_per_expert_E, plan.kept_per_expert_E]))
-        stats = compute_stats(
-            routed_kept_2E[0],
-            routed_kept_2E[1],
-            route.scores_TE,
-            capacity,
-            self.experts.row_tile_size(self.experts.compute_dtype(x_TD)),
-        )
+        # one collective for the three counts; the GEMM tiles each rank's rows of an expert
+        # separately (one row segment per source rank), so tiles are summed, not recomputed
+        block_m = self.experts.row_tile_size(self.experts.compute_dtype(x_TD))
+        tiles_E = (plan.kept_per_expert_E + block_m - 1) // block_m
+        counts_3E = self.dispatcher.reduce_counts(torch.stack([plan.routed_per_expert_E, plan.kept_per_expert_E, tiles_E]))
+        stats = compute_stats(counts_3E[0], counts_3E[1], route.scores_TE, capacity, block_m, counts_3E[2])
         aux = MoEAux(lb_loss, z_loss, self.aux_loss_coef * lb_loss + self.z_loss_coef * z_loss, stats)
         return out_TD.view(x.shape), aux
 

@@ -21,7 +21,8 @@ class MoEStats:
         the straggler every rank waits for. load_imbalance = max / mean.
     router_entropy: () mean over tokens of the entropy of the normalised router scores (nats).
     block_m: the grouped GEMM's row tile.
-    tiles_per_expert: (E,) ``ceil(kept / block_m)``.
+    tiles_per_expert: (E,) row tiles run per expert: ``ceil(kept / block_m)`` per row segment
+        (one segment per source rank under expert parallelism).
     padded_slots_per_expert: (E,) ``tiles · block_m − kept``: rows of work the GEMM wastes.
     tile_utilization: () ``Σ kept / Σ tiles · block_m`` (1.0 when every tile is full).
     """
@@ -55,8 +56,13 @@ def compute_stats(
     scores_TE: torch.Tensor,
     capacity: int | None,
     block_m: int,
+    tiles_E: torch.Tensor | None = None,
 ) -> MoEStats:
-    """Stats from per-expert counts (already summed over the ranks the user wants to see)."""
+    """Stats from per-expert counts (already summed over the ranks the user wants to see).
+
+    ``tiles_E``: (E,) row tiles the grouped GEMM ran per expert, default ``ceil(kept / block_m)``;
+    with expert parallelism each source rank's rows of an expert form their own segment, so the
+    caller passes the sum over ranks of each rank's ``ceil(kept / block_m)``."""
     routed_E = routed_E.detach()
     kept_E = kept_E.detach()
     routed = routed_E.sum()
@@ -69,7 +75,7 @@ def compute_stats(
         probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)
         entropy_T = -(probs_TE * probs_TE.clamp_min(1e-20).log()).sum(-1)
         entropy = entropy_T.mean() if entropy_T.numel() else entropy_T.sum()
-    tiles_E = (kept_E + block_m - 1) // block_m
+    tiles_E = (kept_E + block_m - 1) // block_m if tiles_E is None else tiles_E.detach()
     padded_E = tiles_E * block_m - kept_E
     tile_rows = (tiles_E.sum() * block_m).float()
     return MoEStats(

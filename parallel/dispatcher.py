@@ -12,12 +12,17 @@ receives for its L experts.
    split sizes as Python lists, so this is the one host sync of the layer's dispatch. The token
    rows are gathered while that copy is in flight.
 3. The S rows move with one variable-split :func:`~parallel.all_to_all.all_to_all`; they arrive
-   ordered (source rank, local expert) and one index permutation, computed on the device from
-   the received counts, regroups them to (local expert, source rank) for the grouped GEMM.
-   Rows of one expert thus come in global-batch order (source rank, then pair), as in one process.
+   ordered (source rank, local expert) and stay in that order: the grouped GEMM takes them as
+   G·L row segments, segment ``g·L + l`` multiplied by local expert l's weights (see
+   ``moe.kernels.grouped_mm``). Rows of one expert are thus processed in global-batch order
+   (source rank, then pair), as in one process, with no regrouping pass.
 
-``combine`` undoes the three steps (inverse permutation, reverse all-to-all, scatter to pair
-order with zeros for dropped pairs). The backward of each step is the reverse of its forward.
+``combine`` sends the expert outputs back with the reverse all-to-all (they arrive in send
+order) and hands them to :func:`~moe.kernels.combine.weighted_combine`, which gathers each
+token's K rows and sums them with the combine weights in one pass (pairs not sent weigh zero).
+Measured on 2×H200 (bench/all_to_all.py, 2026-11-22), the version that regrouped by expert
+and un-permuted into pair order made four more passes over the rows than the raw exchange and
+reached 0.41–0.65× its bandwidth. The backward of each step is the reverse of its forward.
 
 Opt-in timing (``time_comm=True`` or a :class:`CommTimer` set as ``comm_timer``): the counts
 exchange and both row exchanges, forward and backward, add their spans to the timer, which the
@@ -32,8 +37,9 @@ import torch.distributed as dist
 
 from moe.capacity import RoutingPlan
 from moe.dispatch import LocalDispatcher, LocalDispatchMeta
+from moe.kernels.combine import weighted_combine
 from parallel.all_to_all import AllToAllFn, all_reduce_sum, all_to_all
-from parallel.permute import gather_pairs, gather_permutation, scatter_rows
+from parallel.permute import gather_pairs
 
 
 @dataclass(frozen=True)
@@ -41,36 +47,14 @@ class AllToAllMeta:
     """What ``combine`` needs from ``dispatch``.
 
     kept_idx_S: (S,) int64 pair index of each sent row, in send order.
-    dropped_idx: (P - S,) int64 pairs dropped by the capacity (zero rows in ``combine``).
-    regroup_idx_R: (R,) int64 arrival position of each row of the (local expert, source) order.
     send_splits, recv_splits: rows sent to / received from each group rank.
-    num_pairs: P.
     empty_rows_RD: when R = 0, the (0, D) rows handed to the experts (see :func:`_keep_in_graph`).
     """
 
     kept_idx_S: torch.Tensor
-    dropped_idx: torch.Tensor
-    regroup_idx_R: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
-    num_pairs: int
     empty_rows_RD: torch.Tensor | None
-
-
-def regroup_index(counts_GL: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Gather index from arrival order (source g, local expert l) to (l, g) order.
-
-    counts_GL: (G, L) int64 rows received from source g for local expert l; num_rows: R, their
-    sum (known on the host, so ``repeat_interleave`` needs no sync). Returns (R,) int64 ``idx``
-    with ``regrouped = arrived[idx]``.
-    """
-    sizes_GL = counts_GL.reshape(-1)
-    arrival_start_GL = torch.cumsum(sizes_GL, 0) - sizes_GL
-    sizes_LG = counts_GL.t().reshape(-1)
-    arrival_start_LG = arrival_start_GL.view(counts_GL.shape).t().reshape(-1)
-    target_start_LG = torch.cumsum(sizes_LG, 0) - sizes_LG
-    shift_R = torch.repeat_interleave(arrival_start_LG - target_start_LG, sizes_LG, output_size=num_rows)
-    return torch.arange(num_rows, device=counts_GL.device) + shift_R
 
 
 class CommTimer:
@@ -198,8 +182,9 @@ class AllToAllDispatcher:
         return f"AllToAllDispatcher(ep_size={self.ep_size}, ep_rank={self.ep_rank})"
 
     def dispatch(self, x_TD: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor, AllToAllMeta]:
-        """x_TD (T, D) -> rows_RD (R, D) sorted by local expert, offsets_L (L,) int32 cumulative
-        ends, and the metadata for :meth:`combine`."""
+        """x_TD (T, D) -> rows_RD (R, D) ordered (source rank, local expert), offsets_GL (G·L,)
+        int32 cumulative segment ends (segment g·L + l: local expert l), and the metadata for
+        :meth:`combine`."""
         if self.ep_size == 1:
             return self._local.dispatch(x_TD, plan)
         G = self.ep_size
@@ -227,31 +212,27 @@ class AllToAllDispatcher:
         num_sent, num_recv = sum(send_splits), sum(recv_splits)
         # dropless sends every row; slicing off dropped pairs costs a zero-fill in backward
         send_SD = send_PD if num_sent == T * K else send_PD[:num_sent]
-        recv_RD = self._exchange(send_SD, recv_splits, send_splits)
-        recv_counts_GL = recv_counts_E.view(G, L)
-        regroup_idx_R = regroup_index(recv_counts_GL, num_recv)
-        rows_RD = gather_permutation(recv_RD, regroup_idx_R)
-        offsets_L = torch.cumsum(recv_counts_GL.sum(0), 0).to(torch.int32)
+        rows_RD = self._exchange(send_SD, recv_splits, send_splits)
+        # segment g·L + l: rows from source g for local expert l (weights w[l], see module doc)
+        offsets_GL = torch.cumsum(recv_counts_E, 0).to(torch.int32)
         meta = AllToAllMeta(
             kept_idx_S=plan.order_P[:num_sent],
-            dropped_idx=plan.order_P[num_sent:],
-            regroup_idx_R=regroup_idx_R,
             send_splits=send_splits,
             recv_splits=recv_splits,
-            num_pairs=T * K,
             empty_rows_RD=rows_RD if num_recv == 0 else None,
         )
-        return rows_RD, offsets_L, meta
+        return rows_RD, offsets_GL, meta
 
-    def combine(self, y_RD: torch.Tensor, meta: AllToAllMeta) -> torch.Tensor:
-        """y_RD (R, D) expert outputs in dispatch order -> y_PD (P, D) in pair order, zero rows
-        for dropped pairs."""
+    def combine(self, y_RD: torch.Tensor, meta: AllToAllMeta, w_TK: torch.Tensor,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """y_RD (R, D) expert outputs in dispatch order, w_TK (T, K) fp32 combine weights ->
+        out_TD (T, D) ``Σ_k w[t, k] · y[(t, k)]`` in fp32, cast to ``out_dtype`` (default y's);
+        dropped pairs contribute zero."""
         if isinstance(meta, LocalDispatchMeta):
-            return self._local.combine(y_RD, meta)
+            return self._local.combine(y_RD, meta, w_TK, out_dtype)
         y_RD = _keep_in_graph(y_RD, meta.empty_rows_RD)
-        y_arrival_RD = scatter_rows(y_RD, meta.regroup_idx_R, y_RD.shape[0])
-        y_SD = self._exchange(y_arrival_RD, meta.send_splits, meta.recv_splits)
-        return scatter_rows(y_SD, meta.kept_idx_S, meta.num_pairs, meta.dropped_idx)
+        y_SD = self._exchange(y_RD, meta.send_splits, meta.recv_splits)
+        return weighted_combine(y_SD, meta.kept_idx_S, w_TK, out_dtype)
 
     def _exchange(self, x_RD: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
         if self.comm_timer is None:

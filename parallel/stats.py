@@ -22,27 +22,30 @@ from moe.layer import moe_layers
 from moe.stats import MoEStats, compute_stats
 
 
-def _world_counts(model: nn.Module, dims) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per layer: world routed (E,), world kept (E,), mean router entropy (). One all-reduce."""
+def _world_counts(model: nn.Module, dims) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Per layer: world routed (E,), kept (E,) and GEMM row tiles (E,), mean router entropy ().
+    One all-reduce."""
     layers = {name: m for name, m in moe_layers(model).items() if m.last_aux is not None}
     if not layers or dims.world_size == 1:
         return {name: (m.last_aux.stats.routed_per_expert, m.last_aux.stats.tokens_per_expert,
-                       m.last_aux.stats.router_entropy) for name, m in layers.items()}
-    # [routed | kept | entropy] per layer in fp64 (exact counts), summed over the world. The
-    # counts are already EP-group sums, identical on the ep ranks of a group: the world sum
+                       m.last_aux.stats.tiles_per_expert, m.last_aux.stats.router_entropy)
+                for name, m in layers.items()}
+    # [routed | kept | tiles | entropy] per layer in fp64 (exact counts), summed over the world.
+    # The counts are already EP-group sums, identical on the ep ranks of a group: the world sum
     # counts each ep times. The entropy is a per-rank mean.
     parts = []
     for m in layers.values():
         s = m.last_aux.stats
-        parts += [s.routed_per_expert.double(), s.tokens_per_expert.double(), s.router_entropy.double().reshape(1)]
+        parts += [s.routed_per_expert.double(), s.tokens_per_expert.double(), s.tiles_per_expert.double(),
+                  s.router_entropy.double().reshape(1)]
     flat = torch.cat(parts)
     dist.all_reduce(flat, group=dims.world_group)
     out, start = {}, 0
     for name, m in layers.items():
         e = m.last_aux.stats.routed_per_expert.numel()
-        routed, kept, entropy = flat[start:start + e], flat[start + e:start + 2 * e], flat[start + 2 * e]
-        start += 2 * e + 1
-        out[name] = ((routed / dims.ep).round().long(), (kept / dims.ep).round().long(), entropy / dims.world_size)
+        counts = [(flat[start + i * e:start + (i + 1) * e] / dims.ep).round().long() for i in range(3)]
+        out[name] = (*counts, flat[start + 3 * e] / dims.world_size)
+        start += 3 * e + 1
     return out
 
 
@@ -54,10 +57,10 @@ def global_moe_stats(model: nn.Module, dims) -> dict[str, MoEStats]:
     """
     out = {}
     layers = moe_layers(model)
-    for name, (routed_E, kept_E, entropy) in _world_counts(model, dims).items():
+    for name, (routed_E, kept_E, tiles_E, entropy) in _world_counts(model, dims).items():
         s = layers[name].last_aux.stats
         no_scores = torch.empty(0, routed_E.numel(), device=routed_E.device)
-        world = compute_stats(routed_E, kept_E, no_scores, s.capacity, s.block_m)
+        world = compute_stats(routed_E, kept_E, no_scores, s.capacity, s.block_m, tiles_E)
         out[name] = dataclasses.replace(world, router_entropy=entropy.to(s.router_entropy.dtype))
     return out
 

@@ -33,9 +33,10 @@ def _rel_err(out, ref):
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _check(sizes, padding, K, N, activation, dtype, device=DEVICE, offsets_dtype=torch.int64):
-    """Forward and both gradients of the Triton path against the float64 reference."""
-    G = len(sizes)
+def _check(sizes, padding, K, N, activation, dtype, device=DEVICE, offsets_dtype=torch.int64, num_groups=None):
+    """Forward and both gradients of the Triton path against the float64 reference. ``sizes``
+    are the row segments; with ``num_groups`` G, segment s uses weight s % G."""
+    G = len(sizes) if num_groups is None else num_groups
     M = sum(sizes) + padding
     offsets = _offsets(sizes, device, offsets_dtype)
     x = torch.randn(M, K, device=device).to(dtype)
@@ -62,8 +63,8 @@ def _check(sizes, padding, K, N, activation, dtype, device=DEVICE, offsets_dtype
     if y_ref.requires_grad:
         assert _rel_err(y[:end], y_ref[:end]) < tol
         assert _rel_err(x.grad[:end], x_ref.grad[:end]) < tol
-    for g, size in enumerate(sizes):
-        if size == 0:
+    for g in range(G):
+        if sum(sizes[g::G]) == 0:
             assert (w.grad[g] == 0).all(), f"empty group {g} must get dw = 0"
         else:
             assert _rel_err(w.grad[g], w_ref.grad[g]) < tol, f"dw of group {g}"
@@ -96,6 +97,23 @@ def test_interpreter_block_multiples_int32_offsets():
     # K and N multiples of the blocks (the unmasked K/N paths), int32 offsets.
     _check([33, 0, 64, 1], 3, K=64, N=128, activation="swiglu", dtype=torch.float16,
            offsets_dtype=torch.int32)
+
+
+@pytest.mark.parametrize("loads", list(CPU_KN))
+def test_interpreter_segments_share_weights(loads):
+    # 3 source ranks x 2 weight groups: segment s uses w[s % 2]; group 1 gets rows only from
+    # its last segment, one segment holds a single row.
+    K, N = CPU_KN[loads]
+    _check([9, 0, 1, 0, 30, 17], 4, K=K, N=N, activation="swiglu", dtype=torch.float16, num_groups=2)
+
+
+def test_segments_must_be_a_multiple_of_the_groups():
+    x = torch.randn(10, 8, device=DEVICE).to(torch.float16)
+    w = torch.randn(2, 8, 6, device=DEVICE).to(torch.float16)
+    with pytest.raises(ValueError, match="offsets_G"):
+        grouped_mm_triton(x, w, _offsets([4, 3, 3], DEVICE))
+    with pytest.raises(ValueError, match="offsets_G"):
+        grouped_mm_reference(x, w, _offsets([4, 3, 3], DEVICE))
 
 
 def test_row_tile_size_reports_the_launched_config():
@@ -148,6 +166,14 @@ def test_gpu_bf16_matches_reference(case, activation):
     sizes, padding = GPU_CASES[case]
     # K=520, N=2*300: not multiples of 64/128.
     _check(sizes, padding, K=520, N=600, activation=activation, dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gpu_bf16_segments_share_weights(activation):
+    # 4 source ranks x 3 weight groups, as an expert-parallel dispatcher hands them over.
+    sizes = [300, 0, 77, 1, 513, 0, 0, 129, 2, 640, 0, 5]
+    _check(sizes, 17, K=520, N=600, activation=activation, dtype=torch.bfloat16, num_groups=3)
 
 
 @pytest.mark.gpu

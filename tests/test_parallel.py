@@ -23,8 +23,7 @@ from parallel import (
     ParallelDims, all_reduce_sum, all_to_all, global_moe_stats, run_distributed, sync_gradients,
     update_expert_biases_global,
 )
-from parallel.dispatcher import regroup_index
-from parallel.permute import gather_pairs, gather_permutation, scatter_rows
+from parallel.permute import gather_pairs
 
 # max |ours - reference| / max |reference|, per (device type, dtype). fp32 on CUDA: Triton's
 # fp32 dot may run in TF32, and the tile config may differ between row counts.
@@ -310,32 +309,8 @@ def test_parallel_dims_validation():
         dims.ep_group
 
 
-@pytest.mark.parametrize("sources,experts", [(2, 3), (4, 1), (3, 5)])
-def test_regroup_index_matches_sort(sources, experts):
-    counts_GL = torch.randint(0, 4, (sources, experts))
-    counts_GL[0, 0] = 0  # an empty block
-    num_rows = int(counts_GL.sum())
-    # brute force: label each arrived row by (expert, source) and stable-sort
-    src_GL = torch.arange(sources).repeat_interleave(experts)
-    exp_GL = torch.arange(experts).repeat(sources)
-    key_R = (exp_GL * sources + src_GL).repeat_interleave(counts_GL.reshape(-1))
-    expected = torch.argsort(key_R, stable=True)
-    assert torch.equal(regroup_index(counts_GL, num_rows), expected)
-
-
 @pytest.mark.parametrize("width", [3, 4])  # 4 float64 = 32-byte rows: moved as complex128
-def test_permutation_functions_backward(width):
-    x = torch.randn(7, width, dtype=torch.float64, requires_grad=True)
-    perm = torch.randperm(7)
-    assert torch.autograd.gradcheck(lambda t: gather_permutation(t, perm), (x,))
-    y = torch.randn(5, width, dtype=torch.float64, requires_grad=True)
-    order = torch.randperm(8)
-    out = scatter_rows(y, order[:5], 8, order[5:])
-    assert torch.equal(out[order[5:]], torch.zeros(3, width, dtype=torch.float64))
-    assert torch.equal(out[order[:5]], y.detach())
-    assert torch.autograd.gradcheck(lambda t: scatter_rows(t, order[:5], 8, order[5:]), (y,))
-    with pytest.raises(ValueError, match="do not cover"):
-        scatter_rows(y, order[:5], 9, order[5:])
+def test_gather_pairs_backward(width):
     tokens = torch.randn(4, width, dtype=torch.float64, requires_grad=True)
     pairs = torch.randperm(12)  # T = 4, K = 3
     assert torch.equal(gather_pairs(tokens, pairs, 3), tokens.detach()[pairs // 3])
@@ -348,11 +323,9 @@ def test_permutation_functions_backward(width):
 @pytest.mark.parametrize("width", [8, 4, 3, 5])  # bf16 rows of 16, 8, 6, 10 bytes
 def test_wide_row_copies_are_bitwise(width):
     base = torch.randn(11, width).to(torch.bfloat16)
-    for x in (base, base[1:]):  # base[1:] starts off the 16-byte alignment
-        idx = torch.randperm(x.shape[0])
-        assert torch.equal(gather_permutation(x, idx), x[idx])
-        out = scatter_rows(x, idx, x.shape[0])
-        assert torch.equal(out[idx], x)
+    for x in (base, base[2:]):  # base[2:] starts off the 16-byte alignment
+        order = torch.randperm(x.shape[0])
+        assert torch.equal(gather_pairs(x, order, 1), x[order])
 
 
 def _fails_on_rank_1(rank, world):

@@ -1,9 +1,11 @@
 """Differentiable grouped matmul over packed rows, Triton on CUDA, PyTorch reference on CPU.
 
-Legend: M packed rows (sorted by group), K input width, N weight output width, G groups,
-F = N/2 for SwiGLU.
+Legend: M packed rows, K input width, N weight output width, G weight groups, S row segments
+(a multiple of G), F = N/2 for SwiGLU.
 
-``y = act(x[rows of g] @ w[g])`` with group g holding rows ``offsets[g-1]:offsets[g]``.
+``y = act(x[rows of s] @ w[s % G])`` with segment s holding rows ``offsets[s-1]:offsets[s]``.
+S = G is the usual grouped matmul (rows sorted by group); S = P·G lets an expert-parallel
+dispatcher hand over rows in the (source rank, local expert) order they arrive in.
 Forward: one persistent Triton launch (GELU fused into its epilogue; SwiGLU as one more
 elementwise Triton pass over its output, see ``grouped_mm_fwd``), pre-activation saved when a
 gradient is needed. Backward: the activation's elementwise backward (one Triton
@@ -47,7 +49,7 @@ class GroupedMMFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx, _ = grouped_mm_forward(dz, w_GKN.transpose(1, 2), offsets_G, record_tile=False)
         if ctx.needs_input_grad[1]:
-            dw = grouped_mm_wgrad(x_MK, dz, offsets_G)
+            dw = grouped_mm_wgrad(x_MK, dz, offsets_G, w_GKN.shape[0])
         return dx, dw, None, None
 
 
@@ -68,14 +70,15 @@ def grouped_mm(
     activation: str | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """``y[rows of g] = act(x[rows of g] @ w[g])``, differentiable in x and w.
+    """``y[rows of s] = act(x[rows of s] @ w[s % G])``, differentiable in x and w.
 
     Args:
         x_MK: (M, K) bf16/fp16 packed rows sorted by group, row-major (fp32 runs the reference
             under ``"auto"``: the kernels' tiles are tuned for 16-bit operands).
         w_GKN: (G, K, N) same dtype; for ``"swiglu"`` N = 2F holds ``[gate | up]``.
-        offsets_G: (G,) int32/int64 cumulative end offsets on x's device, non-decreasing,
-            ``offsets[-1] <= M``; empty groups allowed.
+        offsets_G: (S,) int32/int64 cumulative end offsets of the row segments on x's device,
+            non-decreasing, ``offsets[-1] <= M``; S a multiple of G, segment s uses ``w[s % G]``;
+            empty segments allowed.
         activation: None, ``"swiglu"`` (output width F, ``silu(gate) * up`` in fp32) or
             ``"gelu"`` (tanh approximation).
         backend: ``"auto"`` (Triton for bf16/fp16 on CUDA, the reference for fp32 and off

@@ -1,11 +1,15 @@
 """Persistent Triton grouped matmul over packed rows: the forward pass and the input gradient.
 
-``out[rows of g] = act(a[rows of g] @ b[g])`` where the rows of ``a`` are sorted by group and
-group g holds rows ``offsets[g-1]:offsets[g]``. The same kernel computes the forward
+``out[rows of s] = act(a[rows of s] @ b[s % G])`` where the rows of ``a`` come in S segments,
+segment s holding rows ``offsets[s-1]:offsets[s]``, and S is a multiple of the G weight groups.
+With S = G a segment is a group; with S = P·G (P ranks of an expert-parallel group) the rows
+can stay in the order an all-to-all delivers them, (source rank, local expert), and need no
+regrouping by expert. The same kernel computes the forward
 (``a = x_MK``, ``b[g] = w[g]``, ``(K, N)``) and dgrad (``a = dy_MN``, ``b[g] = w[g]ᵀ``, read
 through swapped strides, no copy).
 
-Legend: M packed rows, K reduction width, N output width, G groups, F = N/2 for SwiGLU.
+Legend: M packed rows, K reduction width, N output width, G weight groups, S = multiple of G
+row segments, F = N/2 for SwiGLU.
 
 Scheduling: ``grid = #SMs`` programs; each walks the work list ``(group, m-tile, n-tile)`` with
 a stride of the grid size. The list is never materialised: every program scans the G group
@@ -149,7 +153,7 @@ def _tile_ptrs(base_ptr, stride_m, row_start, rows, N, tile_m, tile_n, offs_m, o
 @triton.jit
 def _grouped_mm_kernel(
     a_ptr, b_ptr, offsets_ptr, y_ptr, z_ptr,
-    M, N, K, G,
+    M, N, K, S, G,
     stride_am, stride_ak,
     stride_bg, stride_bk, stride_bn,
     stride_ym, stride_zm,
@@ -171,8 +175,8 @@ def _grouped_mm_kernel(
     tile = pid
     tiles_before = 0
     row_start = 0
-    for g in range(0, G + 1):
-        if g < G:
+    for g in range(0, S + 1):
+        if g < S:
             row_end = tl.load(offsets_ptr + g).to(tl.int32)
         else:
             row_end = M
@@ -189,7 +193,7 @@ def _grouped_mm_kernel(
             tile_m = first_m + (local % band_size) % band_m
             tile_n = (local % band_size) // band_m
 
-            if g == G:
+            if g == S:
                 # Padding rows past offsets[-1]: zeros, nothing to multiply.
                 y_ptrs, out_mask = _tile_ptrs(y_ptr, stride_ym, row_start, rows, N, tile_m, tile_n,
                                               offs_m, offs_n, BLOCK_M, BLOCK_N)
@@ -200,7 +204,7 @@ def _grouped_mm_kernel(
                     a_desc = tl.make_tensor_descriptor(
                         a_ptr + tl.cast(row_start, tl.int64) * stride_am, shape=[rows, K],
                         strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
-                    b_base = b_ptr + tl.cast(g, tl.int64) * stride_bg
+                    b_base = b_ptr + tl.cast(g % G, tl.int64) * stride_bg
                     if B_TRANS:
                         b_desc = tl.make_tensor_descriptor(b_base, shape=[N, K], strides=[stride_bn, 1],
                                                            block_shape=[BLOCK_N, BLOCK_K])
@@ -218,7 +222,7 @@ def _grouped_mm_kernel(
                         b_cols = tl.where(b_cols < N, b_cols, 0)
                     a_base = a_ptr + tl.cast(row_start, tl.int64) * stride_am
                     a_ptrs = a_base + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-                    b_base = b_ptr + tl.cast(g, tl.int64) * stride_bg
+                    b_base = b_ptr + tl.cast(g % G, tl.int64) * stride_bg
                     b_ptrs = b_base + offs_k[:, None] * stride_bk + b_cols[None, :] * stride_bn
                     acc = _tile_dot(a_ptrs, b_ptrs, BLOCK_K * stride_ak, BLOCK_K * stride_bk, k_tiles, K,
                                     offs_k, acc, BLOCK_K, EVEN_K, DOT_PRECISION)
@@ -299,8 +303,9 @@ def _check_operands(a_MK: torch.Tensor, b_GKN: torch.Tensor, offsets_G: torch.Te
         raise ValueError(f"b_GKN dtype {b_GKN.dtype} differs from a_MK dtype {a_MK.dtype}")
     if a_MK.shape[1] != b_GKN.shape[1]:
         raise ValueError(f"a_MK has K={a_MK.shape[1]} but b_GKN has K={b_GKN.shape[1]}")
-    if offsets_G.dim() != 1 or offsets_G.shape[0] != b_GKN.shape[0]:
-        raise ValueError(f"offsets_G must have shape ({b_GKN.shape[0]},), got {tuple(offsets_G.shape)}")
+    if offsets_G.dim() != 1 or offsets_G.shape[0] == 0 or offsets_G.shape[0] % b_GKN.shape[0]:
+        raise ValueError(f"offsets_G must be 1-D with a multiple of b_GKN's {b_GKN.shape[0]} groups "
+                         f"(one entry per row segment), got shape {tuple(offsets_G.shape)}")
     if offsets_G.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"offsets_G must be int32 or int64, got {offsets_G.dtype}")
     if not (a_MK.device == b_GKN.device == offsets_G.device):
@@ -323,8 +328,9 @@ def grouped_mm_forward(
     Args:
         a_MK: (M, K) bf16/fp16/fp32, row-major, rows sorted by group.
         b_GKN: (G, K, N) same dtype, any strides (dgrad passes ``w.transpose(1, 2)``).
-        offsets_G: (G,) int32/int64 cumulative end offsets on a's device, non-decreasing,
-            ``offsets[-1] <= M`` (not checked: that would need a host sync).
+        offsets_G: (S,) int32/int64 cumulative end offsets of the S row segments on a's
+            device, non-decreasing, ``offsets[-1] <= M`` (not checked: that would need a host
+            sync); S a multiple of G, segment s multiplies by ``b[s % G]``.
         activation: None, ``"swiglu"`` (N even, output N/2 = silu(gate) * up) or ``"gelu"``.
         save_preact: also return the pre-activation ``z`` (M, N) (None without activation).
         record_tile: remember the BLOCK_M the kernel ran with, for ``row_tile_size``.
@@ -354,7 +360,7 @@ def grouped_mm_forward(
         use_tensor_descriptors()
     _grouped_mm_kernel[(num_sms,)](
         a_MK, b_GKN, offsets_G, y, z if save_z else y,
-        M, N, K, G,
+        M, N, K, offsets_G.shape[0], G,
         a_MK.stride(0), a_MK.stride(1),
         b_GKN.stride(0), b_GKN.stride(1), b_GKN.stride(2),
         y.stride(0), z.stride(0) if save_z else 0,

@@ -1,12 +1,13 @@
-"""Triton weight gradient of the grouped matmul: ``dw[g] = x_gᵀ @ dy_g``.
+"""Triton weight gradient of the grouped matmul: ``dw[g] = Σ_{s % G = g} x_sᵀ @ dy_s``.
 
-Legend: M packed rows (sorted by group), K input width, N output width, G groups.
+Legend: M packed rows in S row segments, K input width, N output width, G weight groups
+(S a multiple of G; segment s belongs to weight group s % G, see ``grouped_mm_fwd``).
 
 Work list: the ``G * k_tiles * n_tiles`` output tiles ``(group, k-tile, n-tile)`` of ``dw``,
 group-major, the tiles of one group swizzled in bands of ``GROUP_K`` k-tiles, so that the
 programs resident at one time share the group's rows of x and dy in L2. A tile's program loops
-over its group's rows in chunks of ``BLOCK_M``, bounded by the group's ``[start, end)`` read on
-the device (rows are not aligned to the chunk). The work list depends only on shapes, so no
+over the rows of its group's segments in chunks of ``BLOCK_M``, each segment bounded by its
+``[start, end)`` read on the device (rows are not aligned to the chunk). The work list depends only on shapes, so no
 host sync; a tile of an empty group runs no iteration and stores zeros.
 
 Two schedules (autotuned): one program per tile, or ``PERSISTENT``: one program per SM walking
@@ -70,7 +71,7 @@ def _prune_configs(configs, named_args, **kwargs):
 @triton.jit
 def _grouped_mm_wgrad_kernel(
     x_ptr, dy_ptr, offsets_ptr, dw_ptr,
-    N, K, G,
+    N, K, S, G,
     stride_xm, stride_dym,
     stride_dwg, stride_dwk,
     DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
@@ -98,42 +99,43 @@ def _grouped_mm_wgrad_kernel(
         tile_k = first_k + (local % band_size) % band_k
         tile_n = (local % band_size) // band_k
 
-        row_end = tl.load(offsets_ptr + g).to(tl.int32)
-        row_start = tl.load(offsets_ptr + g - 1, mask=g > 0, other=0).to(tl.int32)
-        rows = row_end - row_start
         acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-        if USE_TMA and TMA_OK:
-            x_desc = tl.make_tensor_descriptor(x_ptr + tl.cast(row_start, tl.int64) * stride_xm,
-                                               shape=[tl.maximum(rows, 1), K], strides=[stride_xm, 1],
-                                               block_shape=[BLOCK_M, BLOCK_K])
-            dy_desc = tl.make_tensor_descriptor(dy_ptr + tl.cast(row_start, tl.int64) * stride_dym,
-                                                shape=[tl.maximum(rows, 1), N], strides=[stride_dym, 1],
-                                                block_shape=[BLOCK_M, BLOCK_N])
-            for mt in range(0, tl.cdiv(rows, BLOCK_M)):
-                xt = x_desc.load([mt * BLOCK_M, tile_k * BLOCK_K]).T
-                dy = dy_desc.load([mt * BLOCK_M, tile_n * BLOCK_N])
-                acc = tl.dot(xt, dy, acc, input_precision=DOT_PRECISION)
-        else:
-            # Masks along the contiguous dimension only where K or N is ragged: a clamped index
-            # (tl.where) would hide the contiguity and turn 16-byte loads into 2-byte ones (seen
-            # in the SASS: LDG.E.U16, no cp.async pipelining).
-            offs_kt = tile_k * BLOCK_K + offs_k
-            offs_nt = tile_n * BLOCK_N + offs_n
-            x_ptrs = x_ptr + tl.cast(row_start, tl.int64) * stride_xm + offs_m[None, :] * stride_xm + offs_kt[:, None]
-            dy_ptrs = dy_ptr + tl.cast(row_start, tl.int64) * stride_dym + offs_m[:, None] * stride_dym + offs_nt[None, :]
-            for mt in range(0, tl.cdiv(rows, BLOCK_M)):
-                row_ok = offs_m < rows - mt * BLOCK_M
-                x_mask = row_ok[None, :]
-                dy_mask = row_ok[:, None]
-                if not EVEN_K:
-                    x_mask = x_mask & (offs_kt < K)[:, None]
-                if not EVEN_N:
-                    dy_mask = dy_mask & (offs_nt < N)[None, :]
-                xt = tl.load(x_ptrs, mask=x_mask, other=0.0)
-                dy = tl.load(dy_ptrs, mask=dy_mask, other=0.0)
-                acc = tl.dot(xt, dy, acc, input_precision=DOT_PRECISION)
-                x_ptrs += BLOCK_M * stride_xm
-                dy_ptrs += BLOCK_M * stride_dym
+        for seg in range(g, S, G):
+            row_end = tl.load(offsets_ptr + seg).to(tl.int32)
+            row_start = tl.load(offsets_ptr + seg - 1, mask=seg > 0, other=0).to(tl.int32)
+            rows = row_end - row_start
+            if USE_TMA and TMA_OK:
+                x_desc = tl.make_tensor_descriptor(x_ptr + tl.cast(row_start, tl.int64) * stride_xm,
+                                                   shape=[tl.maximum(rows, 1), K], strides=[stride_xm, 1],
+                                                   block_shape=[BLOCK_M, BLOCK_K])
+                dy_desc = tl.make_tensor_descriptor(dy_ptr + tl.cast(row_start, tl.int64) * stride_dym,
+                                                    shape=[tl.maximum(rows, 1), N], strides=[stride_dym, 1],
+                                                    block_shape=[BLOCK_M, BLOCK_N])
+                for mt in range(0, tl.cdiv(rows, BLOCK_M)):
+                    xt = x_desc.load([mt * BLOCK_M, tile_k * BLOCK_K]).T
+                    dy = dy_desc.load([mt * BLOCK_M, tile_n * BLOCK_N])
+                    acc = tl.dot(xt, dy, acc, input_precision=DOT_PRECISION)
+            else:
+                # Masks along the contiguous dimension only where K or N is ragged: a clamped index
+                # (tl.where) would hide the contiguity and turn 16-byte loads into 2-byte ones (seen
+                # in the SASS: LDG.E.U16, no cp.async pipelining).
+                offs_kt = tile_k * BLOCK_K + offs_k
+                offs_nt = tile_n * BLOCK_N + offs_n
+                x_ptrs = x_ptr + tl.cast(row_start, tl.int64) * stride_xm + offs_m[None, :] * stride_xm + offs_kt[:, None]
+                dy_ptrs = dy_ptr + tl.cast(row_start, tl.int64) * stride_dym + offs_m[:, None] * stride_dym + offs_nt[None, :]
+                for mt in range(0, tl.cdiv(rows, BLOCK_M)):
+                    row_ok = offs_m < rows - mt * BLOCK_M
+                    x_mask = row_ok[None, :]
+                    dy_mask = row_ok[:, None]
+                    if not EVEN_K:
+                        x_mask = x_mask & (offs_kt < K)[:, None]
+                    if not EVEN_N:
+                        dy_mask = dy_mask & (offs_nt < N)[None, :]
+                    xt = tl.load(x_ptrs, mask=x_mask, other=0.0)
+                    dy = tl.load(dy_ptrs, mask=dy_mask, other=0.0)
+                    acc = tl.dot(xt, dy, acc, input_precision=DOT_PRECISION)
+                    x_ptrs += BLOCK_M * stride_xm
+                    dy_ptrs += BLOCK_M * stride_dym
 
         out = acc.to(dw_ptr.dtype.element_ty)
         if STORE_TMA and TMA_OK:
@@ -146,14 +148,16 @@ def _grouped_mm_wgrad_kernel(
             tl.store(dw_ptrs, out, mask=(offs_kt < K)[:, None] & (offs_nt < N)[None, :])
 
 
-def grouped_mm_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_G: torch.Tensor) -> torch.Tensor:
-    """``dw[g] = x[rows of g]ᵀ @ dy[rows of g]``; empty groups give zeros.
+def grouped_mm_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_G: torch.Tensor,
+                     num_groups: int | None = None) -> torch.Tensor:
+    """``dw[g] = Σ_{s % G = g} x[rows of s]ᵀ @ dy[rows of s]``; groups with no rows give zeros.
 
     Args:
         x_MK: (M, K) bf16/fp16/fp32, row-major, rows sorted by group.
         dy_MN: (M, N) same dtype, row-major.
-        offsets_G: (G,) int32/int64 cumulative end offsets on x's device (rows at or past
-            ``offsets[-1]`` are ignored).
+        offsets_G: (S,) int32/int64 cumulative end offsets of the row segments on x's device
+            (rows at or past ``offsets[-1]`` are ignored).
+        num_groups: G, the weight groups (default S); S must be a multiple of it.
 
     Returns:
         dw_GKN: (G, K, N) contiguous, x's dtype, accumulated in fp32.
@@ -170,7 +174,10 @@ def grouped_mm_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_G: torch.T
     if not (x_MK.device == dy_MN.device == offsets_G.device):
         raise ValueError(f"x_MK, dy_MN, offsets_G on different devices: {x_MK.device}, {dy_MN.device}, "
                          f"{offsets_G.device}")
-    K, N, G = x_MK.shape[1], dy_MN.shape[1], offsets_G.shape[0]
+    K, N, S = x_MK.shape[1], dy_MN.shape[1], offsets_G.shape[0]
+    G = S if num_groups is None else num_groups
+    if G <= 0 or S % G:
+        raise ValueError(f"num_groups={G} must divide the {S} row segments of offsets_G")
     dw = x_MK.new_empty(G, K, N)
     if dw.numel() == 0:
         return dw
@@ -185,7 +192,7 @@ def grouped_mm_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_G: torch.T
 
     _grouped_mm_wgrad_kernel[grid](
         x_MK, dy_MN, offsets_G, dw,
-        N, K, G,
+        N, K, S, G,
         x_MK.stride(0), dy_MN.stride(0),
         dw.stride(0), dw.stride(1),
         DOT_PRECISION="ieee" if x_MK.dtype == torch.float32 else "tf32", TMA_OK=tma,

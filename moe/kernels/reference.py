@@ -29,23 +29,27 @@ def grouped_mm_reference(
     offsets_G: torch.Tensor,
     activation: str | None = None,
 ) -> torch.Tensor:
-    """``y[rows of g] = act(x[rows of g] @ w[g])``, one ``torch.matmul`` per group.
+    """``y[rows of s] = act(x[rows of s] @ w[s % G])``, one ``torch.matmul`` per row segment.
 
     Args:
-        x_MK: (M, K) packed rows, group g holds rows ``offsets[g-1]:offsets[g]``.
+        x_MK: (M, K) packed rows, segment s holds rows ``offsets[s-1]:offsets[s]``.
         w_GKN: (G, K, N) one weight per group.
-        offsets_G: (G,) int cumulative end offsets, non-decreasing, ``offsets[-1] <= M``.
+        offsets_G: (S,) int cumulative end offsets, non-decreasing, ``offsets[-1] <= M``; S a
+            multiple of G (S = G: one segment per group).
         activation: None, ``"swiglu"`` (output width N/2) or ``"gelu"``.
 
     Returns:
         (M, N or N/2) in x's dtype; rows at or past ``offsets[-1]`` are zero (dropped pairs
         ride at the end of the packed buffer and must contribute nothing, also in backward).
     """
+    G = w_GKN.shape[0]
+    if offsets_G.dim() != 1 or offsets_G.shape[0] == 0 or offsets_G.shape[0] % G:
+        raise ValueError(f"offsets_G must be 1-D with a multiple of w_GKN's {G} groups, got shape {tuple(offsets_G.shape)}")
     n_out = w_GKN.shape[2] // 2 if activation == "swiglu" else w_GKN.shape[2]
     y = x_MK.new_zeros(x_MK.shape[0], n_out)
     start = 0
     for g, end in enumerate(offsets_G.tolist()):
         if end > start:
-            y[start:end] = apply_activation(x_MK[start:end] @ w_GKN[g], activation)
+            y[start:end] = apply_activation(x_MK[start:end] @ w_GKN[g % G], activation)
         start = end
     return y
