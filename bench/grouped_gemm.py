@@ -115,7 +115,7 @@ def wgrad_configs(x, dy, offsets):
         tiles = G * triton.cdiv(K, cfg.kwargs["BLOCK_K"]) * triton.cdiv(N, cfg.kwargs["BLOCK_N"])
         grid = (min(tiles, _sm_count(xd.device)) if cfg.kwargs["PERSISTENT"] else tiles,)
         return lambda: _grouped_mm_wgrad_kernel.fn[grid](
-            xd, dy, offsets, dw, N, K, G, xd.stride(0), dy.stride(0), dw.stride(0), dw.stride(1),
+            xd, dy, offsets, dw, N, K, G, G, xd.stride(0), dy.stride(0), dw.stride(0), dw.stride(1),
             DOT_PRECISION="tf32", TMA_OK=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs)
 
     anchor = lambda: torch._grouped_mm(xd.t(), dy, offs=offsets)  # noqa: E731

@@ -198,7 +198,7 @@ def test_gpu_every_wgrad_config_matches_reference(index):
     grid = (min(tiles, 7) if config.kwargs["PERSISTENT"] else tiles,)
     use_tensor_descriptors()
     _grouped_mm_wgrad_kernel.fn[grid](
-        x, dy, offsets, dw, N, K, len(sizes), x.stride(0), dy.stride(0), dw.stride(0), dw.stride(1),
+        x, dy, offsets, dw, N, K, len(sizes), len(sizes), x.stride(0), dy.stride(0), dw.stride(0), dw.stride(1),
         DOT_PRECISION="tf32", TMA_OK=tma_ok(x, dy, dw), num_warps=config.num_warps,
         num_stages=config.num_stages, **config.kwargs)
     ref = grouped_mm_wgrad_reference(x.double(), dy.double(), offsets)
