@@ -150,7 +150,8 @@ def _profile(dispatcher, D, E, K, T, device, dtype, rank):
                 ours()
             torch.cuda.synchronize()
     if rank == 0:
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
+        for key in ("cuda_time_total", "cpu_time_total"):
+            print(prof.key_averages().table(sort_by=key, row_limit=16), flush=True)
 
 
 def _triton_version() -> str:
@@ -188,7 +189,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU/gloo, print only")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of ours (first layer, 16k tokens)")
+    parser.add_argument("--profile", type=int, default=0, metavar="T",
+                        help="print torch.profiler tables of ours for the first layer at T tokens per rank")
     parser.add_argument("--out", default=None, help="markdown table (default bench/results/all_to_all.md; none with --smoke)")
     args = parser.parse_args()
     rank, world, device = init_distributed("gloo" if args.smoke else None)
@@ -206,7 +208,7 @@ def main():
              "| layer | tokens/rank | MB/rank | ours ms | raw ms | ours GB/s | raw GB/s | ours/raw bw (min–max) | A-vs-A |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     if args.profile and not args.smoke:
-        _profile(dispatcher, *next(iter(layers.values())), 16384, device, dtype, rank)
+        _profile(dispatcher, *next(iter(layers.values())), args.profile, device, dtype, rank)
     for name, (D, E, K) in layers.items():
         dims.check_experts(E)
         for T in tokens:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from moe.capacity import RoutingPlan
 from moe.dispatch import LocalDispatcher, LocalDispatchMeta
-from moe.kernels.combine import weighted_combine
+from moe.kernels.combine import row_of_pair, weighted_combine
 from parallel.all_to_all import AllToAllFn, all_reduce_sum, all_to_all
 from parallel.permute import gather_pairs
 
@@ -47,11 +47,13 @@ class AllToAllMeta:
     """What ``combine`` needs from ``dispatch``.
 
     kept_idx_S: (S,) int64 pair index of each sent row, in send order.
+    row_of_pair_P: (P,) int64 send position of each pair (positions >= S: dropped, not sent).
     send_splits, recv_splits: rows sent to / received from each group rank.
     empty_rows_RD: when R = 0, the (0, D) rows handed to the experts (see :func:`_keep_in_graph`).
     """
 
     kept_idx_S: torch.Tensor
+    row_of_pair_P: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
     empty_rows_RD: torch.Tensor | None
@@ -203,9 +205,13 @@ class AllToAllDispatcher:
         copied = torch.cuda.Event() if send_counts_E.is_cuda else None
         if copied is not None:
             copied.record()
-        # every pair's row (dropped pairs are cut below), enqueued before the host waits, so the
-        # gather runs while the counts travel to the host
+        # Everything that does not need the counts on the host is enqueued before the host waits:
+        # every pair's row (dropped pairs are cut below), the combine's inverse index and the
+        # segment offsets run while the counts travel to the host.
         send_PD = gather_pairs(x_TD, plan.order_P, K)
+        row_of_pair_P = row_of_pair(plan.order_P, T * K)
+        # segment g·L + l: rows from source g for local expert l (weights w[l], see module doc)
+        offsets_GL = torch.cumsum(recv_counts_E, 0).to(torch.int32)
         if copied is not None:
             copied.synchronize()
         send_splits, recv_splits = counts_host.view(2, G, L).sum(-1).tolist()
@@ -213,10 +219,9 @@ class AllToAllDispatcher:
         # dropless sends every row; slicing off dropped pairs costs a zero-fill in backward
         send_SD = send_PD if num_sent == T * K else send_PD[:num_sent]
         rows_RD = self._exchange(send_SD, recv_splits, send_splits)
-        # segment g·L + l: rows from source g for local expert l (weights w[l], see module doc)
-        offsets_GL = torch.cumsum(recv_counts_E, 0).to(torch.int32)
         meta = AllToAllMeta(
             kept_idx_S=plan.order_P[:num_sent],
+            row_of_pair_P=row_of_pair_P,
             send_splits=send_splits,
             recv_splits=recv_splits,
             empty_rows_RD=rows_RD if num_recv == 0 else None,
@@ -232,7 +237,7 @@ class AllToAllDispatcher:
             return self._local.combine(y_RD, meta, w_TK, out_dtype)
         y_RD = _keep_in_graph(y_RD, meta.empty_rows_RD)
         y_SD = self._exchange(y_RD, meta.send_splits, meta.recv_splits)
-        return weighted_combine(y_SD, meta.kept_idx_S, w_TK, out_dtype)
+        return weighted_combine(y_SD, meta.kept_idx_S, w_TK, out_dtype, row_of_pair_P=meta.row_of_pair_P)
 
     def _exchange(self, x_RD: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
         if self.comm_timer is None:

@@ -30,7 +30,7 @@ _BLOCK_D = 64 if INTERPRET else 1024
 
 
 @triton.jit
-def _weighted_combine_fwd_kernel(y_ptr, row_of_pair_ptr, w_ptr, out_ptr, D, stride_y, stride_out,
+def _weighted_combine_fwd_kernel(y_ptr, row_of_pair_ptr, w_ptr, out_ptr, R, D, stride_y, stride_out,
                                  K: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_D)
@@ -39,7 +39,7 @@ def _weighted_combine_fwd_kernel(y_ptr, row_of_pair_ptr, w_ptr, out_ptr, D, stri
         acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
         for k in range(K):
             row = tl.load(row_of_pair_ptr + t * K + k)
-            if row >= 0:
+            if (row >= 0) & (row < R):
                 wk = tl.load(w_ptr + t * K + k)
                 y = tl.load(y_ptr + row * stride_y + cols, mask=cols < D, other=0.0)
                 acc += wk * y.to(tl.float32)
@@ -79,26 +79,31 @@ def _check(y_RD: torch.Tensor, pair_R: torch.Tensor, w_TK: torch.Tensor) -> None
         raise ValueError(f"y_RD, pair_R, w_TK on different devices: {y_RD.device}, {pair_R.device}, {w_TK.device}")
 
 
-def _row_of_pair(pair_R: torch.Tensor, num_pairs: int) -> torch.Tensor:
-    """(P,) int64 inverse of ``pair_R``: the row of each pair, -1 for pairs without one."""
-    row_of_pair = torch.full((num_pairs,), -1, dtype=torch.int64, device=pair_R.device)
-    return row_of_pair.index_copy_(0, pair_R, torch.arange(pair_R.shape[0], device=pair_R.device))
+def row_of_pair(pair_R: torch.Tensor, num_pairs: int) -> torch.Tensor:
+    """(P,) int64 inverse of ``pair_R`` (R,): the row of each pair, -1 for pairs without one.
+
+    A dispatcher that knows the packing order before the rows exist can compute this early (for
+    the all-to-all dispatcher: before its host sync, while the host would wait anyway) and pass
+    it to :func:`weighted_combine`."""
+    rows_P = torch.full((num_pairs,), -1, dtype=torch.int64, device=pair_R.device)
+    return rows_P.index_copy_(0, pair_R, torch.arange(pair_R.shape[0], device=pair_R.device))
 
 
 class WeightedCombineFn(torch.autograd.Function):
     """Triton forward and backward of :func:`weighted_combine`."""
 
     @staticmethod
-    def forward(ctx, y_RD, pair_R, w_TK, out_dtype):
+    def forward(ctx, y_RD, pair_R, w_TK, out_dtype, row_of_pair_P):
         T, K = w_TK.shape
-        D = y_RD.shape[1]
+        R, D = y_RD.shape
         y_RD = y_RD.contiguous()
         w_TK = w_TK.contiguous()
         out_TD = y_RD.new_empty((T, D), dtype=out_dtype)
         if T and D:
-            row_of_pair = _row_of_pair(pair_R, T * K)
-            _weighted_combine_fwd_kernel[(T,)](y_RD, row_of_pair, w_TK, out_TD, D, y_RD.stride(0), out_TD.stride(0),
-                                               K=K, BLOCK_D=_BLOCK_D, num_warps=4)
+            if row_of_pair_P is None:
+                row_of_pair_P = row_of_pair(pair_R, T * K)
+            _weighted_combine_fwd_kernel[(T,)](y_RD, row_of_pair_P, w_TK, out_TD, R, D, y_RD.stride(0),
+                                               out_TD.stride(0), K=K, BLOCK_D=_BLOCK_D, num_warps=4)
         elif T:
             out_TD.zero_()
         ctx.save_for_backward(y_RD, pair_R, w_TK)
@@ -116,7 +121,7 @@ class WeightedCombineFn(torch.autograd.Function):
             _weighted_combine_bwd_kernel[(R,)](dout_TD, y_RD, pair_R, w_TK, dy_RD, dw_TK, D,
                                                dout_TD.stride(0), y_RD.stride(0), dy_RD.stride(0),
                                                K=K, BLOCK_D=_BLOCK_D, num_warps=4)
-        return dy_RD, None, dw_TK, None
+        return dy_RD, None, dw_TK, None, None
 
 
 def weighted_combine_reference(y_RD: torch.Tensor, pair_R: torch.Tensor, w_TK: torch.Tensor,
@@ -130,7 +135,8 @@ def weighted_combine_reference(y_RD: torch.Tensor, pair_R: torch.Tensor, w_TK: t
 
 
 def weighted_combine(y_RD: torch.Tensor, pair_R: torch.Tensor, w_TK: torch.Tensor,
-                     out_dtype: torch.dtype | None = None, backend: str = "auto") -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None, backend: str = "auto",
+                     row_of_pair_P: torch.Tensor | None = None) -> torch.Tensor:
     """``out[t] = Σ_k w[t, k] · y[r]`` over the rows r with ``pair_R[r] = t·K + k``, in fp32.
 
     Args:
@@ -141,6 +147,9 @@ def weighted_combine(y_RD: torch.Tensor, pair_R: torch.Tensor, w_TK: torch.Tenso
         out_dtype: of the result (default y's dtype).
         backend: ``"auto"`` (Triton on CUDA, the reference elsewhere), ``"triton"`` (on CPU only
             under ``TRITON_INTERPRET=1``) or ``"reference"``.
+        row_of_pair_P: optional (T·K,) int64 row of each pair, precomputed (see
+            :func:`row_of_pair`); entries outside ``[0, R)`` mean "no row". Must agree with
+            ``pair_R`` (not checked: that would cost a pass).
 
     Returns:
         out_TD: (T, D) in ``out_dtype``. Gradients flow to ``y_RD`` and ``w_TK``.
@@ -150,4 +159,4 @@ def weighted_combine(y_RD: torch.Tensor, pair_R: torch.Tensor, w_TK: torch.Tenso
     _check(y_RD, pair_R, w_TK)
     if backend == "reference" or (backend == "auto" and not y_RD.is_cuda):
         return weighted_combine_reference(y_RD, pair_R, w_TK, out_dtype)
-    return WeightedCombineFn.apply(y_RD, pair_R, w_TK, out_dtype or y_RD.dtype)
+    return WeightedCombineFn.apply(y_RD, pair_R, w_TK, out_dtype or y_RD.dtype, row_of_pair_P)
