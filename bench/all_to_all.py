@@ -23,6 +23,7 @@ A-vs-A column is ours / ours-again, the noise.
 
 import argparse
 import datetime
+import functools
 import os
 import platform
 import statistics
@@ -34,6 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from moe.capacity import plan_routing  # noqa: E402
+from moe.kernels.combine import weighted_combine  # noqa: E402
 from parallel import ParallelDims, init_distributed  # noqa: E402
 
 LAYERS = {  # name: (D, E, K)
@@ -191,6 +193,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", type=int, default=0, metavar="T",
                         help="print torch.profiler tables of ours for the first layer at T tokens per rank")
+    parser.add_argument("--combine-backend", default="auto", choices=("auto", "reference"),
+                        help="the combine's weighted sum: the Triton kernel (auto) or the PyTorch reference")
     parser.add_argument("--out", default=None, help="markdown table (default bench/results/all_to_all.md; none with --smoke)")
     args = parser.parse_args()
     rank, world, device = init_distributed("gloo" if args.smoke else None)
@@ -199,6 +203,9 @@ def main():
     if args.smoke:
         device = torch.device("cpu")
     out = args.out or (None if args.smoke else os.path.join(os.path.dirname(__file__), "results", "all_to_all.md"))
+    if args.combine_backend != "auto":
+        import parallel.dispatcher as dispatcher_module
+        dispatcher_module.weighted_combine = functools.partial(weighted_combine, backend=args.combine_backend)
     dims = ParallelDims(world, ep=world).build_groups()
     dispatcher = dims.dispatcher()
     dtype = torch.bfloat16
