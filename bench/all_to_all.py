@@ -79,8 +79,10 @@ def _mean_over_ranks(value: float, device) -> float:
     return t.item() / dist.get_world_size()
 
 
-def bench_row(dispatcher, dims, D, E, K, T, rounds, device, dtype, measure):
-    gen = torch.Generator(device=device).manual_seed(1000 + dist.get_rank())
+def _layer_call(dispatcher, D, E, K, T, device, dtype, seed):
+    """Random top-K routing of T random tokens; returns (x_TD, w_TK, plan, ours) where ``ours()``
+    is dispatch + combine with identity experts."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     x_TD = torch.randn(T, D, device=device, dtype=dtype, generator=gen)
     experts_TK = torch.rand(T, E, device=device, generator=gen).topk(K, dim=-1).indices
     priority_TK = torch.rand(T, K, device=device, generator=gen)
@@ -90,6 +92,13 @@ def bench_row(dispatcher, dims, D, E, K, T, rounds, device, dtype, measure):
     def ours():
         rows_RD, _, meta = dispatcher.dispatch(x_TD, plan)
         return dispatcher.combine(rows_RD, meta, w_TK)
+
+    return x_TD, w_TK, plan, ours
+
+
+def bench_row(dispatcher, dims, D, E, K, T, rounds, device, dtype, measure):
+    x_TD, w_TK, plan, ours = _layer_call(dispatcher, D, E, K, T, device, dtype, 1000 + dist.get_rank())
+    gen = torch.Generator(device=device).manual_seed(2000 + dist.get_rank())
 
     with torch.no_grad():
         out_TD = ours()
@@ -130,17 +139,7 @@ def bench_row(dispatcher, dims, D, E, K, T, rounds, device, dtype, measure):
 
 def _profile(dispatcher, D, E, K, T, device, dtype, rank):
     """Where ours spends its time: CUDA kernels and host waits over 10 calls (rank 0 prints)."""
-    gen = torch.Generator(device=device).manual_seed(7 + rank)
-    x_TD = torch.randn(T, D, device=device, dtype=dtype, generator=gen)
-    experts_TK = torch.rand(T, E, device=device, generator=gen).topk(K, dim=-1).indices
-    priority_TK = torch.rand(T, K, device=device, generator=gen)
-    plan = plan_routing(experts_TK, priority_TK, E, None)
-    w_TK = priority_TK / priority_TK.sum(-1, keepdim=True)
-
-    def ours():
-        rows_RD, _, meta = dispatcher.dispatch(x_TD, plan)
-        return dispatcher.combine(rows_RD, meta, w_TK)
-
+    _, _, _, ours = _layer_call(dispatcher, D, E, K, T, device, dtype, 7 + rank)
     with torch.no_grad():
         for _ in range(3):
             ours()
