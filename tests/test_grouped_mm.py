@@ -13,7 +13,7 @@ import torch
 from moe.kernels import DEFAULT_BLOCK_M, grouped_mm, grouped_mm_reference, grouped_mm_triton, row_tile_size
 from moe.kernels.grouped_mm_fwd import _grouped_mm_kernel, tma_ok, use_tensor_descriptors
 from moe.kernels.grouped_mm_wgrad import _configs as _wgrad_configs
-from moe.kernels.grouped_mm_wgrad import _grouped_mm_wgrad_kernel
+from moe.kernels.grouped_mm_wgrad import _grouped_mm_wgrad_kernel, grouped_mm_wgrad
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -114,6 +114,8 @@ def test_segments_must_be_a_multiple_of_the_groups():
         grouped_mm_triton(x, w, _offsets([4, 3, 3], DEVICE))
     with pytest.raises(ValueError, match="offsets_G"):
         grouped_mm_reference(x, w, _offsets([4, 3, 3], DEVICE))
+    with pytest.raises(ValueError, match="offsets_G"):
+        grouped_mm_wgrad(x, torch.randn(10, 6, device=DEVICE).to(torch.float16), _offsets([4, 3, 3], DEVICE), 2)
 
 
 def test_row_tile_size_reports_the_launched_config():

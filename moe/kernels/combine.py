@@ -104,8 +104,6 @@ class WeightedCombineFn(torch.autograd.Function):
                 row_of_pair_P = row_of_pair(pair_R, T * K)
             _weighted_combine_fwd_kernel[(T,)](y_RD, row_of_pair_P, w_TK, out_TD, R, D, y_RD.stride(0),
                                                out_TD.stride(0), K=K, BLOCK_D=_BLOCK_D, num_warps=4)
-        elif T:
-            out_TD.zero_()
         ctx.save_for_backward(y_RD, pair_R, w_TK)
         return out_TD
 

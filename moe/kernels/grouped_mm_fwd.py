@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from moe.kernels.activation import ACTIVATIONS, swiglu_forward
+from moe.kernels.reference import check_segments
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # MOE_AUTOTUNE=0: each grouped-GEMM kernel runs the first config of its list (the one that won
@@ -303,9 +304,7 @@ def _check_operands(a_MK: torch.Tensor, b_GKN: torch.Tensor, offsets_G: torch.Te
         raise ValueError(f"b_GKN dtype {b_GKN.dtype} differs from a_MK dtype {a_MK.dtype}")
     if a_MK.shape[1] != b_GKN.shape[1]:
         raise ValueError(f"a_MK has K={a_MK.shape[1]} but b_GKN has K={b_GKN.shape[1]}")
-    if offsets_G.dim() != 1 or offsets_G.shape[0] == 0 or offsets_G.shape[0] % b_GKN.shape[0]:
-        raise ValueError(f"offsets_G must be 1-D with a multiple of b_GKN's {b_GKN.shape[0]} groups "
-                         f"(one entry per row segment), got shape {tuple(offsets_G.shape)}")
+    check_segments(offsets_G, b_GKN.shape[0])
     if offsets_G.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"offsets_G must be int32 or int64, got {offsets_G.dtype}")
     if not (a_MK.device == b_GKN.device == offsets_G.device):

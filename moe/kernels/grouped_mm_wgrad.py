@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from moe.kernels.grouped_mm_fwd import AUTOTUNE, INTERPRET, _sm_count, fixed_config, tma_ok, use_tensor_descriptors
+from moe.kernels.reference import check_segments
 
 # Interpreter: one small config with every feature on (tensor-descriptor loads where the
 # operands allow, persistent walk over 3 programs, TMA store).
@@ -176,8 +177,7 @@ def grouped_mm_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_G: torch.T
                          f"{offsets_G.device}")
     K, N, S = x_MK.shape[1], dy_MN.shape[1], offsets_G.shape[0]
     G = S if num_groups is None else num_groups
-    if G <= 0 or S % G:
-        raise ValueError(f"num_groups={G} must divide the {S} row segments of offsets_G")
+    check_segments(offsets_G, G)
     dw = x_MK.new_empty(G, K, N)
     if dw.numel() == 0:
         return dw

@@ -23,6 +23,13 @@ def apply_activation(y_MN: torch.Tensor, activation: str | None) -> torch.Tensor
     raise ValueError(f"activation must be None, 'swiglu' or 'gelu', got {activation!r}")
 
 
+def check_segments(offsets_G: torch.Tensor, num_groups: int) -> None:
+    """``offsets_G`` lists S row segments, S a positive multiple of the ``num_groups`` weights."""
+    if num_groups <= 0 or offsets_G.dim() != 1 or offsets_G.shape[0] == 0 or offsets_G.shape[0] % num_groups:
+        raise ValueError(f"offsets_G must be 1-D with a multiple of the {num_groups} weight groups "
+                         f"(one entry per row segment), got shape {tuple(offsets_G.shape)}")
+
+
 def grouped_mm_reference(
     x_MK: torch.Tensor,
     w_GKN: torch.Tensor,
@@ -43,8 +50,7 @@ def grouped_mm_reference(
         ride at the end of the packed buffer and must contribute nothing, also in backward).
     """
     G = w_GKN.shape[0]
-    if offsets_G.dim() != 1 or offsets_G.shape[0] == 0 or offsets_G.shape[0] % G:
-        raise ValueError(f"offsets_G must be 1-D with a multiple of w_GKN's {G} groups, got shape {tuple(offsets_G.shape)}")
+    check_segments(offsets_G, G)
     n_out = w_GKN.shape[2] // 2 if activation == "swiglu" else w_GKN.shape[2]
     y = x_MK.new_zeros(x_MK.shape[0], n_out)
     start = 0
