@@ -102,7 +102,7 @@ def breakdown(x, w, w_anchor, dy, offsets):
 def wgrad_configs(x, dy, offsets):
     """Milliseconds of every wgrad config launched directly, each next to the anchor's wgrad in
     alternating rounds (the autotuner only reports the winner)."""
-    from moe.kernels.grouped_mm_fwd import _sm_count, tma_ok, use_tensor_descriptors
+    from moe.kernels.launch import sm_count, tma_ok, use_tensor_descriptors
     from moe.kernels.grouped_mm_wgrad import _configs
     xd = x.detach()
     M, K = xd.shape
@@ -113,7 +113,7 @@ def wgrad_configs(x, dy, offsets):
 
     def launcher(cfg):
         tiles = G * triton.cdiv(K, cfg.kwargs["BLOCK_K"]) * triton.cdiv(N, cfg.kwargs["BLOCK_N"])
-        grid = (min(tiles, _sm_count(xd.device)) if cfg.kwargs["PERSISTENT"] else tiles,)
+        grid = (min(tiles, sm_count(xd.device)) if cfg.kwargs["PERSISTENT"] else tiles,)
         return lambda: _grouped_mm_wgrad_kernel.fn[grid](
             xd, dy, offsets, dw, N, K, G, G, xd.stride(0), dy.stride(0), dw.stride(0), dw.stride(1),
             DOT_PRECISION="tf32", TMA_OK=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs)

@@ -19,6 +19,14 @@ ACTIVATIONS = {None: 0, "swiglu": 1, "gelu": 2}
 
 
 @triton.jit
+def gelu_tanh(v):
+    """tanh-approximate GELU of an fp32 tile (fused into the grouped matmul's epilogue)."""
+    inner = 0.7978845608028654 * (v + 0.044715 * v * v * v)
+    # tanh(u) = 2 * sigmoid(2u) - 1, exact and stable for fp32.
+    return 0.5 * v * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
+
+
+@triton.jit
 def _swiglu_fwd_kernel(z_ptr, h_ptr, M, F, stride_zm, stride_hm, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)

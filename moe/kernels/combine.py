@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.grouped_mm_fwd import INTERPRET
+from moe.kernels.launch import INTERPRET
 
 BACKENDS = ("auto", "triton", "reference")
 # 1024 bf16 columns over 4 warps: 8 per thread, 16-byte loads.

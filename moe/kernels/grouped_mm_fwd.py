@@ -11,7 +11,11 @@ through swapped strides, no copy).
 Legend: M packed rows, K reduction width, N output width, G weight groups, S = multiple of G
 row segments, F = N/2 for SwiGLU.
 
-Scheduling: ``grid = #SMs`` programs; each walks the work list ``(group, m-tile, n-tile)`` with
+Two kernels. Hopper with 16-byte aligned rows (K and N multiples of 8 in bf16) and b with a
+unit stride: ``moe.kernels.grouped_mm_tma`` (whole-tensor tensor descriptors, flattened and
+warp-specialized tile loop). Otherwise the pointer-load kernel below.
+
+Scheduling of the pointer-load kernel: ``grid = #SMs`` programs; each walks the work list ``(group, m-tile, n-tile)`` with
 a stride of the grid size. The list is never materialised: every program scans the G group
 offsets on the device, counting tiles per group, so the launch path reads no group size on the
 host (no host sync). After the G groups comes one more pseudo-group, the rows
@@ -19,11 +23,8 @@ host (no host sync). After the G groups comes one more pseudo-group, the rows
 read of ``offsets[-1]``. Within a group the tiles are swizzled in bands of ``GROUP_M`` m-tiles
 so that a wave of programs shares a few rows of ``a`` and a few column strips of ``b[g]`` in L2.
 
-Loads: with 16-byte aligned rows (K and N multiples of 8 in bf16) on Hopper, tensor
-descriptors (TMA) built on the device per tile, whose row bound is the group's end, so that
-rows of the next group load as zeros; otherwise plain pointer loads with rows clamped into
-the group, pipelined with cp.async. Stores are masked pointer stores (TMA stores through a
-per-group descriptor, which would clip at the group's end, were not tried).
+Loads: plain pointer loads with rows clamped into the group, pipelined with cp.async; masked
+pointer stores.
 
 Activations. ``"gelu"``: fused into the epilogue (fp32, on the accumulator); with
 ``save_preact`` the pre-activation ``z`` is stored too. ``"swiglu"``: the GEMM writes
@@ -35,33 +36,14 @@ tensor-descriptor build died with "illegal instruction", triton 3.6) and its for
 0.65-0.99x the speed of a TMA GEMM followed by PyTorch's silu·mul on all four bench shapes.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.activation import ACTIVATIONS, swiglu_forward
+from moe.kernels.activation import ACTIVATIONS, gelu_tanh, swiglu_forward
+from moe.kernels.grouped_mm_tma import TILE_M, grouped_mm_tma
+from moe.kernels.launch import AUTOTUNE, INTERPRET, fixed_config, sm_count, tma_ok
 from moe.kernels.reference import check_segments
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# MOE_AUTOTUNE=0: each grouped-GEMM kernel runs the first config of its list (the one that won
-# most bench shapes) whose pipelined tiles fit in shared memory for the operands' dtype.
-# Autotuning compiles and times every config for every new (N, K, dtype): on a fresh 2×H200
-# machine the NCCL equivalence test ran past 100 s with it and took 14.5 s without (2026-11-22).
-AUTOTUNE = os.environ.get("MOE_AUTOTUNE", "1") != "0"
-# Hopper's shared memory per block, less 16 KB for the epilogue and barriers.
-_SMEM_BUDGET = 232448 - 16384
-
-
-def fixed_config(configs, tile_elems, elem_bytes: int):
-    """MOE_AUTOTUNE=0: the first config whose ``num_stages · tile_elems(kwargs)`` elements of
-    ``elem_bytes`` fit in shared memory (fp32 operands need smaller tiles than bf16)."""
-    for c in configs:
-        if c.num_stages * tile_elems(c.kwargs) * elem_bytes <= _SMEM_BUDGET:
-            return [c]
-    return configs[-1:]
-
 
 def _prune_configs(configs, named_args, **kwargs):
     if AUTOTUNE or INTERPRET:
@@ -89,13 +71,6 @@ def _configs():
 
 
 @triton.jit
-def _gelu_tanh(v):
-    inner = 0.7978845608028654 * (v + 0.044715 * v * v * v)
-    # tanh(u) = 2 * sigmoid(2u) - 1, exact and stable for fp32.
-    return 0.5 * v * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
-
-
-@triton.jit
 def _tile_dot(a_ptrs, b_ptrs, a_step, b_step, k_tiles, K, offs_k, acc,
               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc += a_tile @ b_tile over the reduction dimension, K-masked only when K is ragged."""
@@ -110,27 +85,6 @@ def _tile_dot(a_ptrs, b_ptrs, a_step, b_step, k_tiles, K, offs_k, acc,
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += a_step
         b_ptrs += b_step
-    return acc
-
-
-@triton.jit
-def _load_b(b_desc, k0, n0, B_TRANS: tl.constexpr):
-    """(BLOCK_K, BLOCK_N) tile of b[g]; dgrad reads w[g] row-major as (N, K) and transposes."""
-    if B_TRANS:
-        b = b_desc.load([n0, k0]).T
-    else:
-        b = b_desc.load([k0, n0])
-    return b
-
-
-@triton.jit
-def _tile_dot_tma(a_desc, b_desc, m0, n0, k_tiles, acc,
-                  BLOCK_K: tl.constexpr, B_TRANS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Tensor-descriptor (TMA) main loop; out-of-range rows and K columns load as zeros."""
-    for kt in range(0, k_tiles):
-        k0 = kt * BLOCK_K
-        a = a_desc.load([m0, k0])
-        acc = tl.dot(a, _load_b(b_desc, k0, n0, B_TRANS), acc, input_precision=DOT_PRECISION)
     return acc
 
 
@@ -159,12 +113,10 @@ def _grouped_mm_kernel(
     stride_bg, stride_bk, stride_bn,
     stride_ym, stride_zm,
     ACT: tl.constexpr, SAVE_Z: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_TMA: tl.constexpr, B_TRANS: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """One persistent program. ACT: 0 none, 2 tanh-GELU. USE_TMA: tensor descriptors built on
-    the device per tile, whose row bound is the group's end (no clamping needed); B_TRANS:
-    b[g] is stored as (N, K), row-major (dgrad)."""
+    """One persistent program, pointer loads. ACT: 0 none, 2 tanh-GELU."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -201,32 +153,18 @@ def _grouped_mm_kernel(
                 tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty), mask=out_mask)
             else:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                if USE_TMA:
-                    a_desc = tl.make_tensor_descriptor(
-                        a_ptr + tl.cast(row_start, tl.int64) * stride_am, shape=[rows, K],
-                        strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
-                    b_base = b_ptr + tl.cast(g % G, tl.int64) * stride_bg
-                    if B_TRANS:
-                        b_desc = tl.make_tensor_descriptor(b_base, shape=[N, K], strides=[stride_bn, 1],
-                                                           block_shape=[BLOCK_N, BLOCK_K])
-                    else:
-                        b_desc = tl.make_tensor_descriptor(b_base, shape=[K, N], strides=[stride_bk, 1],
-                                                           block_shape=[BLOCK_K, BLOCK_N])
-                    acc = _tile_dot_tma(a_desc, b_desc, tile_m * BLOCK_M, tile_n * BLOCK_N, k_tiles, acc,
-                                        BLOCK_K, B_TRANS, DOT_PRECISION)
-                else:
-                    # Rows past the group's end are clamped (not masked): they read valid rows,
-                    # their results are never stored, and the loads stay unmasked along M.
-                    a_rows = tl.minimum(tile_m * BLOCK_M + offs_m, rows - 1)
-                    b_cols = tile_n * BLOCK_N + offs_n
-                    if not EVEN_N:
-                        b_cols = tl.where(b_cols < N, b_cols, 0)
-                    a_base = a_ptr + tl.cast(row_start, tl.int64) * stride_am
-                    a_ptrs = a_base + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-                    b_base = b_ptr + tl.cast(g % G, tl.int64) * stride_bg
-                    b_ptrs = b_base + offs_k[:, None] * stride_bk + b_cols[None, :] * stride_bn
-                    acc = _tile_dot(a_ptrs, b_ptrs, BLOCK_K * stride_ak, BLOCK_K * stride_bk, k_tiles, K,
-                                    offs_k, acc, BLOCK_K, EVEN_K, DOT_PRECISION)
+                # Rows past the group's end are clamped (not masked): they read valid rows,
+                # their results are never stored, and the loads stay unmasked along M.
+                a_rows = tl.minimum(tile_m * BLOCK_M + offs_m, rows - 1)
+                b_cols = tile_n * BLOCK_N + offs_n
+                if not EVEN_N:
+                    b_cols = tl.where(b_cols < N, b_cols, 0)
+                a_base = a_ptr + tl.cast(row_start, tl.int64) * stride_am
+                a_ptrs = a_base + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+                b_base = b_ptr + tl.cast(g % G, tl.int64) * stride_bg
+                b_ptrs = b_base + offs_k[:, None] * stride_bk + b_cols[None, :] * stride_bn
+                acc = _tile_dot(a_ptrs, b_ptrs, BLOCK_K * stride_ak, BLOCK_K * stride_bk, k_tiles, K,
+                                offs_k, acc, BLOCK_K, EVEN_K, DOT_PRECISION)
                 # Store addresses are built after the main loop: built before it, 128x128 64-bit
                 # pointers stayed live across it (255 registers and a stack frame in ptxas' report).
                 y_ptrs, out_mask = _tile_ptrs(y_ptr, stride_ym, row_start, rows, N, tile_m, tile_n,
@@ -236,7 +174,7 @@ def _grouped_mm_kernel(
                         z_ptrs, _ = _tile_ptrs(z_ptr, stride_zm, row_start, rows, N, tile_m, tile_n,
                                                offs_m, offs_n, BLOCK_M, BLOCK_N)
                         tl.store(z_ptrs, acc.to(z_ptr.dtype.element_ty), mask=out_mask)
-                    out = _gelu_tanh(acc)
+                    out = gelu_tanh(acc)
                 else:
                     out = acc
                 tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=out_mask)
@@ -246,42 +184,6 @@ def _grouped_mm_kernel(
 
 
 _ran_block_m: dict[tuple[int, int, torch.dtype], int] = {}
-_num_sms: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 3  # interpreter: a few programs, so that each one walks several tiles
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _num_sms:
-        _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _num_sms[index]
-
-
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global scratch for the tensor descriptors the kernels build on the device."""
-    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
-
-
-def tma_ok(*tensors: torch.Tensor) -> bool:
-    """Tensor descriptors: Hopper or newer (or the interpreter), 16-byte aligned base and
-    non-unit strides (the unit stride is checked by the caller)."""
-    first = tensors[0]
-    if first.is_cuda:
-        if torch.cuda.get_device_capability(first.device)[0] < 9:
-            return False
-    elif not INTERPRET:
-        return False
-    for t in tensors:
-        if t.data_ptr() % 16 or any((st * t.element_size()) % 16 for st in t.stride() if st != 1):
-            return False
-    return True
-
-
-def use_tensor_descriptors() -> None:
-    """Install the descriptor scratch allocator; the allocator is a context variable, so this
-    runs before every launch (autograd's backward runs in another thread)."""
-    triton.set_allocator(_scratch)
 
 
 def row_tile_size(K: int, N: int, dtype: torch.dtype) -> int:
@@ -352,20 +254,22 @@ def grouped_mm_forward(
     z = a_MK.new_empty(M, N) if save_z else None
     if M == 0 or N == 0:
         return y, z
-    num_sms = _sm_count(a_MK.device)
     b_trans = b_GKN.stride(2) != 1
-    use_tma = (b_GKN.stride(1) == 1 if b_trans else True) and tma_ok(a_MK, b_GKN)
-    if use_tma:
-        use_tensor_descriptors()
-    _grouped_mm_kernel[(num_sms,)](
-        a_MK, b_GKN, offsets_G, y, z if save_z else y,
-        M, N, K, offsets_G.shape[0], G,
-        a_MK.stride(0), a_MK.stride(1),
-        b_GKN.stride(0), b_GKN.stride(1), b_GKN.stride(2),
-        y.stride(0), z.stride(0) if save_z else 0,
-        ACT=ACTIVATIONS[activation], SAVE_Z=save_z, USE_TMA=use_tma, B_TRANS=b_trans,
-        DOT_PRECISION="ieee" if a_MK.dtype == torch.float32 else "tf32",
-    )
+    # b must have one unit stride for tensor descriptors: (G, K, N) row-major or its transpose.
+    if (b_GKN.stride(1) == 1 if b_trans else True) and tma_ok(a_MK, b_GKN):
+        grouped_mm_tma(a_MK, b_GKN, offsets_G, y, z, ACTIVATIONS[activation])
+        block_m = TILE_M
+    else:
+        _grouped_mm_kernel[(sm_count(a_MK.device),)](
+            a_MK, b_GKN, offsets_G, y, z if save_z else y,
+            M, N, K, offsets_G.shape[0], G,
+            a_MK.stride(0), a_MK.stride(1),
+            b_GKN.stride(0), b_GKN.stride(1), b_GKN.stride(2),
+            y.stride(0), z.stride(0) if save_z else 0,
+            ACT=ACTIVATIONS[activation], SAVE_Z=save_z,
+            DOT_PRECISION="ieee" if a_MK.dtype == torch.float32 else "tf32",
+        )
+        block_m = _grouped_mm_kernel.best_config.kwargs["BLOCK_M"]
     if record_tile:
-        _ran_block_m[(K, N, a_MK.dtype)] = _grouped_mm_kernel.best_config.kwargs["BLOCK_M"]
+        _ran_block_m[(K, N, a_MK.dtype)] = block_m
     return y, z

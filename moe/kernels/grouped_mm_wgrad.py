@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.grouped_mm_fwd import AUTOTUNE, INTERPRET, _sm_count, fixed_config, tma_ok, use_tensor_descriptors
+from moe.kernels.launch import AUTOTUNE, INTERPRET, fixed_config, sm_count, tma_ok, use_tensor_descriptors
 from moe.kernels.reference import check_segments
 
 # Interpreter: one small config with every feature on (tensor-descriptor loads where the
@@ -184,7 +184,7 @@ def grouped_mm_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_G: torch.T
     tma = tma_ok(x_MK, dy_MN, dw)
     if tma:
         use_tensor_descriptors()
-    num_sms = _sm_count(x_MK.device)
+    num_sms = sm_count(x_MK.device)
 
     def grid(meta):
         tiles = G * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"])
