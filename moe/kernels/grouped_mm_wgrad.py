@@ -1,5 +1,9 @@
 """Triton weight gradient of the grouped matmul: ``dw[g] = Σ_{s % G = g} x_sᵀ @ dy_s``.
 
+With one segment per group, 16-bit operands and tensor descriptors available, the launcher
+hands over to ``moe.kernels.grouped_mm_wgrad_tma`` (group-major loops, flattened tile loop);
+the kernel here serves the rest (S = P·G segments, fp32, unaligned rows, pre-Hopper).
+
 Legend: M packed rows in S row segments, K input width, N output width, G weight groups
 (S a multiple of G; segment s belongs to weight group s % G, see ``grouped_mm_fwd``).
 
@@ -23,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe.kernels.grouped_mm_wgrad_tma import grouped_mm_wgrad_tma
 from moe.kernels.launch import AUTOTUNE, INTERPRET, fixed_config, sm_count, tma_ok, use_tensor_descriptors
 from moe.kernels.reference import check_segments
 
@@ -182,6 +187,9 @@ def grouped_mm_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_G: torch.T
     if dw.numel() == 0:
         return dw
     tma = tma_ok(x_MK, dy_MN, dw)
+    if tma and S == G and x_MK.dtype != torch.float32:
+        grouped_mm_wgrad_tma(x_MK, dy_MN, offsets_G, dw)
+        return dw
     if tma:
         use_tensor_descriptors()
     num_sms = sm_count(x_MK.device)
