@@ -100,6 +100,12 @@ def test_interpreter_block_multiples_int32_offsets():
            offsets_dtype=torch.int32)
 
 
+def test_interpreter_wgrad_one_team_walks_several_tiles_per_group():
+    # K = N = 128: 16 dw tiles per group on 3 interpreter programs, so the group-major wgrad runs
+    # one team whose programs each take several tiles of a group (the flattened tile loop).
+    _check([33, 0, 64, 1], 5, K=128, N=128, activation=None, dtype=torch.float16)
+
+
 @pytest.mark.parametrize("loads", list(CPU_KN))
 def test_interpreter_segments_share_weights(loads):
     # 3 source ranks x 2 weight groups: segment s uses w[s % 2]; group 1 gets rows only from

@@ -6,16 +6,20 @@ Legend: M packed rows, K input width, N weight output width, G weight groups, S 
 ``y = act(x[rows of s] @ w[s % G])`` with segment s holding rows ``offsets[s-1]:offsets[s]``.
 S = G is the usual grouped matmul (rows sorted by group); S = P·G lets an expert-parallel
 dispatcher hand over rows in the (source rank, local expert) order they arrive in.
-Forward: one persistent Triton launch (GELU fused into its epilogue; SwiGLU as one more
+Forward: one persistent Triton GEMM (on Hopper with aligned rows after a tiny launch that lists
+the tiles on the device, see ``grouped_mm_tma``; GELU fused into its epilogue; SwiGLU as one more
 elementwise Triton pass over its output, see ``grouped_mm_fwd``), pre-activation saved when a
 gradient is needed. Backward: the activation's elementwise backward (one Triton
 pass, ``dz``), then dgrad ``dx = dz @ w[g]ᵀ`` (the forward kernel on ``w`` with swapped strides)
-and wgrad ``dw[g] = x_gᵀ @ dz_g`` (its own kernel, reduction over the group's rows).
+and wgrad ``dw[g] = x_gᵀ @ dz_g`` (its own kernels, reduction over the group's rows, see
+``grouped_mm_wgrad`` and ``grouped_mm_wgrad_tma``).
 
 Host syncs: none once tuned (checked on an H100 with ``torch.cuda.set_sync_debug_mode("error")``
 in tests/test_grouped_mm.py). Group sizes are only read by the kernels on the device; the
 kernels' grids depend on shapes and the SM count alone. The one exception is the first call
-for a new (N, K, dtype): Triton's autotuner then times its configs, which synchronizes. Rows at or past ``offsets[-1]`` are zero in
+for a new (N, K, dtype) of an autotuned kernel (the pointer-load forward and the general wgrad;
+the Hopper TMA kernels run one fixed config): Triton's autotuner then times its configs, which
+synchronizes. Rows at or past ``offsets[-1]`` are zero in
 ``y`` and ``dx`` and contribute nothing to ``dw``.
 """
 

@@ -21,10 +21,11 @@ per tile. Here a tile's last m-tile reads rows of the next segment, whose produc
 and not stored (masked store), so no per-tile descriptor is needed, the tile loop has a
 loop-invariant inner trip count (``cdiv(K, BLOCK_K)``) and Triton can flatten it and
 warp-specialize it (a producer warp issues the TMA loads, running ahead across tiles). Measured
-on an H100 (bf16, 3 rounds, ``exp``-style A/B against ``torch._grouped_mm`` in one run,
-2026-11-22), forward / dgrad, anchor time over ours: Mixtral 1.012 / 1.071, OLMoE 1.055 / 1.028,
-Qwen3 1.032 / 1.045, DeepSeek-V3 1.156 / 1.114, against 0.939–1.124 / 0.936–1.015 for the
-per-tile-descriptor kernel; 4 stages lost on Mixtral and DeepSeek-V3 (0.87, 0.96 forward).
+on an H100 (bf16, 3 rounds of A/B against ``torch._grouped_mm`` in one run, 2026-11-22; table
+in bench/results/grouped_gemm.md), forward / dgrad, anchor time over ours: Mixtral 1.012 /
+1.071, OLMoE 1.055 / 1.028, Qwen3 1.032 / 1.045, DeepSeek-V3 1.156 / 1.114, against
+0.939–1.124 / 0.936–1.015 for the per-tile-descriptor kernel; 4 stages lost on Mixtral and
+DeepSeek-V3 (0.87, 0.96 forward).
 """
 
 import torch
