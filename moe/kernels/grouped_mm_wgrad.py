@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.grouped_mm_wgrad_tma import grouped_mm_wgrad_tma
+from moe.kernels.grouped_mm_wgrad_tma import grouped_mm_wgrad_tma, segment_descriptors
 from moe.kernels.launch import AUTOTUNE, INTERPRET, fixed_config, sm_count, tma_ok, use_tensor_descriptors
 from moe.kernels.reference import check_segments
 
@@ -111,12 +111,8 @@ def _grouped_mm_wgrad_kernel(
             row_start = tl.load(offsets_ptr + seg - 1, mask=seg > 0, other=0).to(tl.int32)
             rows = row_end - row_start
             if USE_TMA and TMA_OK:
-                x_desc = tl.make_tensor_descriptor(x_ptr + tl.cast(row_start, tl.int64) * stride_xm,
-                                                   shape=[tl.maximum(rows, 1), K], strides=[stride_xm, 1],
-                                                   block_shape=[BLOCK_M, BLOCK_K])
-                dy_desc = tl.make_tensor_descriptor(dy_ptr + tl.cast(row_start, tl.int64) * stride_dym,
-                                                    shape=[tl.maximum(rows, 1), N], strides=[stride_dym, 1],
-                                                    block_shape=[BLOCK_M, BLOCK_N])
+                _, x_desc, dy_desc = segment_descriptors(x_ptr, dy_ptr, offsets_ptr, seg, K, N, stride_xm,
+                                                         stride_dym, BLOCK_M, BLOCK_K, BLOCK_N)
                 for mt in range(0, tl.cdiv(rows, BLOCK_M)):
                     xt = x_desc.load([mt * BLOCK_M, tile_k * BLOCK_K]).T
                     dy = dy_desc.load([mt * BLOCK_M, tile_n * BLOCK_N])

@@ -41,6 +41,23 @@ _MAX_TEAMS = 8
 
 
 @triton.jit
+def segment_descriptors(x_ptr, dy_ptr, offsets_ptr, seg, K, N, stride_xm, stride_dym,
+                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row count of segment ``seg`` and tensor descriptors over its rows of x (rows, K) and dy
+    (rows, N): rows of other segments load as zeros."""
+    row_end = tl.load(offsets_ptr + seg).to(tl.int32)
+    row_start = tl.load(offsets_ptr + seg - 1, mask=seg > 0, other=0).to(tl.int32)
+    rows = row_end - row_start
+    x_desc = tl.make_tensor_descriptor(x_ptr + tl.cast(row_start, tl.int64) * stride_xm,
+                                       shape=[tl.maximum(rows, 1), K], strides=[stride_xm, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    dy_desc = tl.make_tensor_descriptor(dy_ptr + tl.cast(row_start, tl.int64) * stride_dym,
+                                        shape=[tl.maximum(rows, 1), N], strides=[stride_dym, 1],
+                                        block_shape=[BLOCK_M, BLOCK_N])
+    return rows, x_desc, dy_desc
+
+
+@triton.jit
 def _grouped_mm_wgrad_tma_kernel(
     x_ptr, dy_ptr, dw_desc, offsets_ptr,
     N, K, G, TEAM, N_TEAMS, stride_xm, stride_dym,
@@ -59,15 +76,8 @@ def _grouped_mm_wgrad_tma_kernel(
         # This program's tiles of group g: global index congruent to its slot modulo the team.
         t0 = first + (slot - first % TEAM + TEAM) % TEAM
         if t0 < first + group_size:
-            row_end = tl.load(offsets_ptr + g).to(tl.int32)
-            row_start = tl.load(offsets_ptr + g - 1, mask=g > 0, other=0).to(tl.int32)
-            rows = row_end - row_start
-            x_desc = tl.make_tensor_descriptor(x_ptr + tl.cast(row_start, tl.int64) * stride_xm,
-                                               shape=[tl.maximum(rows, 1), K], strides=[stride_xm, 1],
-                                               block_shape=[BLOCK_M, BLOCK_K])
-            dy_desc = tl.make_tensor_descriptor(dy_ptr + tl.cast(row_start, tl.int64) * stride_dym,
-                                                shape=[tl.maximum(rows, 1), N], strides=[stride_dym, 1],
-                                                block_shape=[BLOCK_M, BLOCK_N])
+            rows, x_desc, dy_desc = segment_descriptors(x_ptr, dy_ptr, offsets_ptr, g, K, N, stride_xm, stride_dym,
+                                                        BLOCK_M, BLOCK_K, BLOCK_N)
             chunks = tl.cdiv(rows, BLOCK_M)
             for tile in tl.range(t0, first + group_size, TEAM, flatten=True):
                 # Swizzle: bands of GROUP_K k-tiles, k fastest inside a band.
