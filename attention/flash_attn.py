@@ -66,24 +66,61 @@ def _s_bucket(S):
 
 
 @triton.jit
+def _query_block(S, H, GROUP, BLOCK_M: tl.constexpr):
+    """This program's query block start and its (batch, head, kv head) indices. Causal: the last
+    query blocks have the most work; launch them first so the tail of the grid is made of short
+    programs (the order is harmless without a mask)."""
+    start_m = (tl.cdiv(S, BLOCK_M) - 1 - tl.program_id(0)) * BLOCK_M
+    bh = tl.program_id(1)
+    h = bh % H
+    return start_m, bh, (bh // H).to(tl.int64), h, h // GROUP
+
+
+@triton.jit
+def _key_ranges(start_m, S, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key positions ``[0, full_end)`` that need no mask for this query block, and the end of
+    ``[full_end, masked_end)`` that needs one (the diagonal block, or the ragged last block)."""
+    if CAUSAL:
+        full_end = start_m
+        masked_end = tl.minimum(start_m + BLOCK_M, S)
+    else:
+        full_end = (S // BLOCK_N) * BLOCK_N
+        masked_end = S
+    return full_end, masked_end
+
+
+@triton.jit
+def _load_kv(K, V, cols, stride_ks, stride_vs, offs_d, S, MASKED: tl.constexpr):
+    """(BLOCK_N, HEAD_DIM) tiles of k and v at key positions ``cols``."""
+    k_ptrs = K + cols[:, None] * stride_ks + offs_d[None, :]
+    v_ptrs = V + cols[:, None] * stride_vs + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=(cols < S)[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=(cols < S)[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    return k, v
+
+
+@triton.jit
+def _score_mask(offs_m, cols, S, CAUSAL: tl.constexpr):
+    """Scores to keep in a masked block: keys inside the sequence, and not after the query."""
+    keep = (cols < S)[None, :]
+    if CAUSAL:
+        keep = keep & (offs_m[:, None] >= cols[None, :])
+    return keep
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, K, V, stride_ks, stride_vs, offs_m, offs_n, offs_d, lo, hi,
                S, qk_scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k_ptrs = K + cols[:, None] * stride_ks + offs_d[None, :]
-        v_ptrs = V + cols[:, None] * stride_vs + offs_d[None, :]
-        if MASKED:
-            k = tl.load(k_ptrs, mask=(cols < S)[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=(cols < S)[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+        k, v = _load_kv(K, V, cols, stride_ks, stride_vs, offs_d, S, MASKED)
         qk = tl.dot(q, tl.trans(k))
         if MASKED:
-            keep = (cols < S)[None, :]
-            if CAUSAL:
-                keep = keep & (offs_m[:, None] >= cols[None, :])
-            qk = tl.where(keep, qk * qk_scale, float("-inf"))
+            qk = tl.where(_score_mask(offs_m, cols, S, CAUSAL), qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.math.exp2(qk - m_new[:, None])
         else:
@@ -104,13 +141,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
                      H, GROUP, S, S_BUCKET, qk_scale,
                      HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Causal: the last query blocks have the most work; launch them first so the tail of the
-    # grid is made of short programs.
-    start_m = (tl.cdiv(S, BLOCK_M) - 1 - tl.program_id(0)) * BLOCK_M
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    hk = h // GROUP
+    start_m, bh, b, h, hk = _query_block(S, H, GROUP, BLOCK_M)
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + hk * stride_kh
     V += b * stride_vb + hk * stride_vh
@@ -124,12 +155,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    if CAUSAL:
-        full_end = start_m
-        masked_end = tl.minimum(start_m + BLOCK_M, S)
-    else:
-        full_end = (S // BLOCK_N) * BLOCK_N
-        masked_end = S
+    full_end, masked_end = _key_ranges(start_m, S, CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_ks, stride_vs, offs_m, offs_n,
                                offs_d, 0, full_end, S, qk_scale, CAUSAL, False, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_ks, stride_vs, offs_m, offs_n,
@@ -245,20 +271,10 @@ def _dq_inner(dq, q, do, lse, delta, K, V, stride_ks, stride_vs, offs_m, offs_n,
               S, qk_scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k_ptrs = K + cols[:, None] * stride_ks + offs_d[None, :]
-        v_ptrs = V + cols[:, None] * stride_vs + offs_d[None, :]
-        if MASKED:
-            k = tl.load(k_ptrs, mask=(cols < S)[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=(cols < S)[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+        k, v = _load_kv(K, V, cols, stride_ks, stride_vs, offs_d, S, MASKED)
         p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
         if MASKED:
-            keep = (cols < S)[None, :]
-            if CAUSAL:
-                keep = keep & (offs_m[:, None] >= cols[None, :])
-            p = tl.where(keep, p, 0.0)
+            p = tl.where(_score_mask(offs_m, cols, S, CAUSAL), p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq)
@@ -274,11 +290,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                         H, GROUP, S, S_BUCKET, qk_scale, sm_scale,
                         HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    start_m = (tl.cdiv(S, BLOCK_M) - 1 - tl.program_id(0)) * BLOCK_M
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    hk = h // GROUP
+    start_m, bh, b, h, hk = _query_block(S, H, GROUP, BLOCK_M)
     K += b * stride_kb + hk * stride_kh
     V += b * stride_vb + hk * stride_vh
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -292,12 +304,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     lse = tl.load(LSE + bh * S + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + bh * S + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    if CAUSAL:
-        full_end = start_m
-        masked_end = tl.minimum(start_m + BLOCK_M, S)
-    else:
-        full_end = (S // BLOCK_N) * BLOCK_N
-        masked_end = S
+    full_end, masked_end = _key_ranges(start_m, S, CAUSAL, BLOCK_M, BLOCK_N)
     dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_ks, stride_vs, offs_m, offs_n, offs_d,
                    0, full_end, S, qk_scale, CAUSAL, False, BLOCK_N)
     dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_ks, stride_vs, offs_m, offs_n, offs_d,
