@@ -1,13 +1,15 @@
 """Benchmark: AllToAllDispatcher dispatch + combine vs raw ``all_to_all_single`` of the same bytes.
 
 What is timed (forward only, no autograd): ours = ``dispatch`` (counts all-to-all, one
-device->host copy of the counts, gather of the rows by destination, variable-split all-to-all;
-the rows stay in arrival order, as the grouped GEMM takes them) then ``combine`` of the
-dispatched rows (identity experts: reverse all-to-all, then the fused un-permute + weighted sum
-over each token's K rows into (T, D), which also does the layer's combine arithmetic). Anchor =
-two raw ``all_to_all_single`` calls with the same split sizes on preallocated buffers (there and
-back): the same bytes on the link, none of the bookkeeping nor the weighted sum. Routing: uniform random top-K (distinct experts per token), dropless,
-bf16 rows, ep = world (each GPU holds E / world experts).
+device->host copy of the counts, rows for the other ranks packed while it travels, variable-split
+all-to-all of those rows while the own rows are written into the experts' input) then ``combine``
+of the dispatched rows (identity experts: reverse all-to-all of the other ranks' rows, then one
+pass summing each token's K rows with the combine weights into (T, D), which is the layer's
+combine arithmetic). Anchor = two raw ``all_to_all_single`` calls with the same split sizes, own
+chunk included, on preallocated buffers (there and back): the same rows delivered, none of the
+bookkeeping nor the weighted sum. Also shown (not the anchor): the raw exchange without the own
+chunk, i.e. only the bytes that cross the link. Routing: uniform random top-K (distinct experts
+per token), dropless, bf16 rows, ep = world (each GPU holds E / world experts).
 
 Effective bandwidth = bytes sent + received per rank (both exchanges, the rank's own chunk
 included, mean over ranks) / time (max over ranks).
@@ -23,7 +25,6 @@ A-vs-A column is ours / ours-again, the noise.
 
 import argparse
 import datetime
-import functools
 import os
 import platform
 import statistics
@@ -35,7 +36,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from moe.capacity import plan_routing  # noqa: E402
-from moe.kernels.combine import weighted_combine  # noqa: E402
 from parallel import ParallelDims, init_distributed  # noqa: E402
 
 LAYERS = {  # name: (D, E, K)
@@ -79,9 +79,10 @@ def _mean_over_ranks(value: float, device) -> float:
     return t.item() / dist.get_world_size()
 
 
-def _layer_call(dispatcher, D, E, K, T, device, dtype, seed):
+def _layer_call(dispatcher, D, E, K, T, device, dtype, seed, backward=False):
     """Random top-K routing of T random tokens; returns (x_TD, w_TK, plan, ours) where ``ours()``
-    is dispatch + combine with identity experts."""
+    is dispatch + combine with identity experts (``backward``: then the backward of both, with a
+    random output gradient, into leaves x_TD and w_TK)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     x_TD = torch.randn(T, D, device=device, dtype=dtype, generator=gen)
     experts_TK = torch.rand(T, E, device=device, generator=gen).topk(K, dim=-1).indices
@@ -89,22 +90,35 @@ def _layer_call(dispatcher, D, E, K, T, device, dtype, seed):
     plan = plan_routing(experts_TK, priority_TK, E, None)
     w_TK = priority_TK / priority_TK.sum(-1, keepdim=True)
 
+    grad_TD = torch.randn(T, D, device=device, dtype=dtype, generator=gen)
+    if backward:
+        x_TD.requires_grad_(), w_TK.requires_grad_()
+
     def ours():
         rows_RD, _, meta = dispatcher.dispatch(x_TD, plan)
-        return dispatcher.combine(rows_RD, meta, w_TK)
+        out_TD = dispatcher.combine(rows_RD, meta, w_TK)
+        if backward:
+            x_TD.grad = w_TK.grad = None
+            out_TD.backward(grad_TD)
+        return out_TD
 
+    ours.grad_TD = grad_TD
     return x_TD, w_TK, plan, ours
 
 
-def bench_row(dispatcher, dims, D, E, K, T, rounds, device, dtype, measure):
-    x_TD, w_TK, plan, ours = _layer_call(dispatcher, D, E, K, T, device, dtype, 1000 + dist.get_rank())
+def bench_row(dispatcher, dims, D, E, K, T, rounds, device, dtype, measure, backward=False):
+    x_TD, w_TK, plan, ours = _layer_call(dispatcher, D, E, K, T, device, dtype, 1000 + dist.get_rank(), backward)
     gen = torch.Generator(device=device).manual_seed(2000 + dist.get_rank())
 
-    with torch.no_grad():
+    with torch.set_grad_enabled(backward):
         out_TD = ours()
-        # correctness guard: with identity experts every token comes home as Σ_k w[t, k] · x[t]
-        expected = (x_TD.float() * w_TK.sum(-1, keepdim=True)).to(dtype)
-        torch.testing.assert_close(out_TD, expected, rtol=1e-2, atol=1e-2)
+    # correctness guard: with identity experts every token comes home as Σ_k w[t, k] · x[t]
+    x, w, g = x_TD.detach().float(), w_TK.detach(), ours.grad_TD.float()
+    torch.testing.assert_close(out_TD.detach(), (x * w.sum(-1, keepdim=True)).to(dtype), rtol=1e-2, atol=1e-2)
+    if backward:  # dx = Σ_k w · g, dw[t, k] = <g[t], x[t]>
+        torch.testing.assert_close(x_TD.grad.float(), g * w.sum(-1, keepdim=True), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(w_TK.grad, (g * x).sum(-1, keepdim=True).expand_as(w), rtol=2e-2, atol=0.5)
+    with torch.no_grad():
         _, _, meta = dispatcher.dispatch(x_TD, plan)
     send_splits, recv_splits = meta.send_splits, meta.recv_splits
     send_SD = torch.randn(sum(send_splits), D, device=device, dtype=dtype, generator=gen)
@@ -112,20 +126,34 @@ def bench_row(dispatcher, dims, D, E, K, T, rounds, device, dtype, measure):
     back_SD = torch.empty_like(send_SD)
 
     def raw():
-        dist.all_to_all_single(recv_RD, send_SD, recv_splits, send_splits, group=dims.ep_group)
-        dist.all_to_all_single(back_SD, recv_RD, send_splits, recv_splits, group=dims.ep_group)
+        for _ in range(2 if backward else 1):  # backward: the same two exchanges once more
+            dist.all_to_all_single(recv_RD, send_SD, recv_splits, send_splits, group=dims.ep_group)
+            dist.all_to_all_single(back_SD, recv_RD, send_splits, recv_splits, group=dims.ep_group)
+
+    me = dims.ep_rank
+    link_send = [0 if g == me else n for g, n in enumerate(send_splits)]
+    link_recv = [0 if g == me else n for g, n in enumerate(recv_splits)]
+    link_send_SD, link_recv_RD = send_SD[:sum(link_send)], recv_RD[:sum(link_recv)]
+    link_back_SD = back_SD[:sum(link_send)]
+
+    def raw_link():
+        for _ in range(2 if backward else 1):
+            dist.all_to_all_single(link_recv_RD, link_send_SD, link_recv, link_send, group=dims.ep_group)
+            dist.all_to_all_single(link_back_SD, link_recv_RD, link_send, link_recv, group=dims.ep_group)
 
     elem = torch.finfo(dtype).bits // 8
-    nbytes = _mean_over_ranks(2 * (sum(send_splits) + sum(recv_splits)) * D * elem, device)
+    passes = 4 if backward else 2
+    nbytes = _mean_over_ranks(passes * (sum(send_splits) + sum(recv_splits)) * D * elem, device)
     # same count on every rank (from the config only): ~0.2 s of raw traffic at ~300 GB/s
-    iters = max(5, min(100, int(0.2 * 300e9 / (4 * T * K * D * elem))))
-    with torch.no_grad():
-        for fn in (ours, raw):
+    iters = max(5, min(100, int(0.2 * 300e9 / (2 * passes * T * K * D * elem))))
+    with torch.set_grad_enabled(backward):
+        for fn in (ours, raw, raw_link):
             measure(fn, 3)
-        t_ours, t_raw, t_again = [], [], []
+        t_ours, t_raw, t_again, t_link = [], [], [], []
         for _ in range(rounds):
-            t = _max_over_ranks([measure(ours, iters), measure(raw, iters), measure(ours, iters)], device)
-            t_ours.append(t[0]), t_raw.append(t[1]), t_again.append(t[2])
+            t = _max_over_ranks([measure(ours, iters), measure(raw, iters), measure(ours, iters),
+                                 measure(raw_link, iters)], device)
+            t_ours.append(t[0]), t_raw.append(t[1]), t_again.append(t[2]), t_link.append(t[3])
     ratios = [r / o for r, o in zip(t_raw, t_ours)]
     noise = [o / a for o, a in zip(t_ours, t_again)]
     med_ours, med_raw = statistics.median(t_ours), statistics.median(t_raw)
@@ -133,8 +161,21 @@ def bench_row(dispatcher, dims, D, E, K, T, rounds, device, dtype, measure):
         "tokens": T, "mbytes": nbytes / 1e6, "ours_ms": med_ours * 1e3, "raw_ms": med_raw * 1e3,
         "ours_gbs": nbytes / med_ours / 1e9, "raw_gbs": nbytes / med_raw / 1e9,
         "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-        "a_vs_a": statistics.median(noise), "iters": iters,
+        "a_vs_a": statistics.median(noise), "iters": iters, "link_ms": statistics.median(t_link) * 1e3,
     }
+
+
+def _warm(dispatcher, D, E, K, T, device, dtype, iters, rank):
+    """Run ours ``iters`` times before timing anything (a count, not a duration: every rank must
+    make the same collective calls). In one 2×H200 session the first row timed (4k tokens, the
+    most host-bound) came out 2× slower than the same call timed seconds later in another
+    process, while the anchor was unaffected."""
+    _, _, _, ours = _layer_call(dispatcher, D, E, K, T, device, dtype, 5 + rank)
+    with torch.no_grad():
+        for _ in range(iters):
+            ours()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def _profile(dispatcher, D, E, K, T, device, dtype, rank):
@@ -163,7 +204,7 @@ def _triton_version() -> str:
     return triton.__version__
 
 
-def _header(device, world, rounds) -> str:
+def _header(device, world, rounds, backward) -> str:
     if device.type == "cuda":
         nccl = torch.cuda.nccl.version()
         nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
@@ -175,12 +216,16 @@ def _header(device, world, rounds) -> str:
         "",
         f"- device: {name}",
         f"- torch {torch.__version__}, triton {_triton_version()}, Python {platform.python_version()}, date {datetime.date.today()}",
-        f"- command: `torchrun --nproc_per_node={world} bench/all_to_all.py`",
+        f"- command: `torchrun --nproc_per_node={world} bench/all_to_all.py{' --backward' if backward else ''}`",
         f"- {rounds} rounds alternating ours / raw / ours-again; ratio = median over rounds of raw time / our time",
         "  (= our effective bandwidth / raw bandwidth, bar 0.85); A-vs-A = ours / ours-again.",
-        "- timed: forward dispatch + combine with identity experts (counts exchange, one host copy of the",
-        "  counts, gather, all-to-all; reverse all-to-all, fused un-permute + weighted sum into (T, D)) vs two",
-        "  raw all_to_all_single of the same split sizes. bf16 rows, uniform random top-K, dropless, ep = world.",
+        f"- timed: {'forward + backward of ' if backward else 'forward '}dispatch + combine with identity experts "
+        "(counts exchange, one host copy of the",
+        "  counts, rows for other ranks packed, all-to-all while the own rows are written; reverse all-to-all, one",
+        "  pass of weighted sums into (T, D)) vs raw all_to_all_single of the same split sizes, own chunk included",
+        f"  ({'4: there and back, twice' if backward else '2: there and back'}). bf16 rows, uniform random top-K, "
+        "dropless, ep = world.",
+        "- last column: the same raw exchanges without the own chunk (only the bytes that cross the link), not the anchor.",
         "- bandwidth = bytes sent + received per rank (both directions, own chunk included) / time (max over ranks).",
         "",
     ])
@@ -192,8 +237,10 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", type=int, default=0, metavar="T",
                         help="print torch.profiler tables of ours for the first layer at T tokens per rank")
-    parser.add_argument("--combine-backend", default="auto", choices=("auto", "reference"),
-                        help="the combine's weighted sum: the Triton kernel (auto) or the PyTorch reference")
+    parser.add_argument("--warm-iters", type=int, default=2000,
+                        help="calls of ours (first layer, fewest tokens) before the first timing")
+    parser.add_argument("--backward", action="store_true",
+                        help="time forward + backward (anchor: the two raw exchanges twice)")
     parser.add_argument("--out", default=None, help="markdown table (default bench/results/all_to_all.md; none with --smoke)")
     args = parser.parse_args()
     rank, world, device = init_distributed("gloo" if args.smoke else None)
@@ -202,26 +249,27 @@ def main():
     if args.smoke:
         device = torch.device("cpu")
     out = args.out or (None if args.smoke else os.path.join(os.path.dirname(__file__), "results", "all_to_all.md"))
-    if args.combine_backend != "auto":
-        import parallel.dispatcher as dispatcher_module
-        dispatcher_module.weighted_combine = functools.partial(weighted_combine, backend=args.combine_backend)
     dims = ParallelDims(world, ep=world).build_groups()
     dispatcher = dims.dispatcher()
     dtype = torch.bfloat16
     measure = _timer(device)
     layers, tokens = (SMOKE_LAYERS, SMOKE_TOKENS) if args.smoke else (LAYERS, TOKENS)
-    lines = [_header(device, world, args.rounds),
-             "| layer | tokens/rank | MB/rank | ours ms | raw ms | ours GB/s | raw GB/s | ours/raw bw (min–max) | A-vs-A |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [_header(device, world, args.rounds, args.backward),
+             "| layer | tokens/rank | MB/rank | ours ms | raw ms | ours GB/s | raw GB/s | ours/raw bw (min–max) | A-vs-A "
+             "| raw, link bytes only, ms |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    if not args.smoke:
+        _warm(dispatcher, *next(iter(layers.values())), tokens[0], device, dtype, args.warm_iters, rank)
     if args.profile and not args.smoke:
         _profile(dispatcher, *next(iter(layers.values())), args.profile, device, dtype, rank)
     for name, (D, E, K) in layers.items():
         dims.check_experts(E)
         for T in tokens:
-            r = bench_row(dispatcher, dims, D, E, K, T, args.rounds, device, dtype, measure)
+            r = bench_row(dispatcher, dims, D, E, K, T, args.rounds, device, dtype, measure, args.backward)
             lines.append(
                 f"| {name} | {T} | {r['mbytes']:.0f} | {r['ours_ms']:.3f} | {r['raw_ms']:.3f} | {r['ours_gbs']:.0f} | "
-                f"{r['raw_gbs']:.0f} | **{r['ratio']:.2f}** ({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) | {r['a_vs_a']:.2f} |"
+                f"{r['raw_gbs']:.0f} | **{r['ratio']:.2f}** ({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) | {r['a_vs_a']:.2f} | "
+                f"{r['link_ms']:.3f} |"
             )
             if rank == 0:
                 print(lines[-1], flush=True)

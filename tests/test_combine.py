@@ -8,7 +8,7 @@ and pairs that have no row (dropped), and compares the output and both gradients
 import pytest
 import torch
 
-from moe.kernels.combine import row_of_pair, weighted_combine, weighted_combine_reference
+from moe.kernels.combine import weighted_combine, weighted_combine_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -58,17 +58,6 @@ def _check(T, K, D, num_rows, dtype, device=DEVICE, out_dtype=None):
 ])
 def test_interpreter_matches_reference(T, K, D, num_rows, dtype):
     _check(T, K, D, num_rows, dtype)
-
-
-def test_precomputed_row_of_pair_marks_rows_past_R_as_dropped():
-    # the all-to-all dispatcher's case: the inverse of the whole packing order, computed before
-    # the number S of sent rows is known; pairs packed at positions >= S have no row
-    T, K, D, S = 11, 3, 40, 20
-    order_P = torch.randperm(T * K, device=DEVICE)
-    y = torch.randn(S, D, device=DEVICE)
-    w = torch.rand(T, K, device=DEVICE)
-    out = weighted_combine(y, order_P[:S], w, backend="triton", row_of_pair_P=row_of_pair(order_P, T * K))
-    torch.testing.assert_close(out, weighted_combine_reference(y, order_P[:S], w), rtol=1e-6, atol=1e-6)
 
 
 def test_out_dtype_is_respected():

@@ -23,7 +23,6 @@ from parallel import (
     ParallelDims, all_reduce_sum, all_to_all, global_moe_stats, run_distributed, sync_gradients,
     update_expert_biases_global,
 )
-from parallel.permute import gather_pairs
 
 # max |ours - reference| / max |reference|, per (device type, dtype). fp32 on CUDA: Triton's
 # fp32 dot may run in TF32, and the tile config may differ between row counts.
@@ -307,25 +306,6 @@ def test_parallel_dims_validation():
             ParallelDims(4, bad)
     with pytest.raises(RuntimeError, match="build_groups"):
         dims.ep_group
-
-
-@pytest.mark.parametrize("width", [3, 4])  # 4 float64 = 32-byte rows: moved as complex128
-def test_gather_pairs_backward(width):
-    tokens = torch.randn(4, width, dtype=torch.float64, requires_grad=True)
-    pairs = torch.randperm(12)  # T = 4, K = 3
-    assert torch.equal(gather_pairs(tokens, pairs, 3), tokens.detach()[pairs // 3])
-    assert torch.autograd.gradcheck(lambda t: gather_pairs(t, pairs, 3), (tokens,))
-    empty = torch.zeros(0, width, dtype=torch.float64, requires_grad=True)
-    gather_pairs(empty, torch.zeros(0, dtype=torch.long), 3).sum().backward()
-    assert empty.grad.shape == (0, width)
-
-
-@pytest.mark.parametrize("width", [8, 4, 3, 5])  # bf16 rows of 16, 8, 6, 10 bytes
-def test_wide_row_copies_are_bitwise(width):
-    base = torch.randn(11, width).to(torch.bfloat16)
-    for x in (base, base[2:]):  # base[2:] starts off the 16-byte alignment
-        order = torch.randperm(x.shape[0])
-        assert torch.equal(gather_pairs(x, order, 1), x[order])
 
 
 def _fails_on_rank_1(rank, world):

@@ -80,11 +80,7 @@ def _check(y_RD: torch.Tensor, pair_R: torch.Tensor, w_TK: torch.Tensor) -> None
 
 
 def row_of_pair(pair_R: torch.Tensor, num_pairs: int) -> torch.Tensor:
-    """(P,) int64 inverse of ``pair_R`` (R,): the row of each pair, -1 for pairs without one.
-
-    A dispatcher that knows the packing order before the rows exist can compute this early (for
-    the all-to-all dispatcher: before its host sync, while the host would wait anyway) and pass
-    it to :func:`weighted_combine`."""
+    """(P,) int64 inverse of ``pair_R`` (R,): the row of each pair, -1 for pairs without one."""
     rows_P = torch.full((num_pairs,), -1, dtype=torch.int64, device=pair_R.device)
     return rows_P.index_copy_(0, pair_R, torch.arange(pair_R.shape[0], device=pair_R.device))
 
@@ -93,15 +89,14 @@ class WeightedCombineFn(torch.autograd.Function):
     """Triton forward and backward of :func:`weighted_combine`."""
 
     @staticmethod
-    def forward(ctx, y_RD, pair_R, w_TK, out_dtype, row_of_pair_P):
+    def forward(ctx, y_RD, pair_R, w_TK, out_dtype):
         T, K = w_TK.shape
         R, D = y_RD.shape
         y_RD = y_RD.contiguous()
         w_TK = w_TK.contiguous()
         out_TD = y_RD.new_empty((T, D), dtype=out_dtype)
         if T and D:
-            if row_of_pair_P is None:
-                row_of_pair_P = row_of_pair(pair_R, T * K)
+            row_of_pair_P = row_of_pair(pair_R, T * K)
             _weighted_combine_fwd_kernel[(T,)](y_RD, row_of_pair_P, w_TK, out_TD, R, D, y_RD.stride(0),
                                                out_TD.stride(0), K=K, BLOCK_D=_BLOCK_D, num_warps=4)
         ctx.save_for_backward(y_RD, pair_R, w_TK)
@@ -119,7 +114,7 @@ class WeightedCombineFn(torch.autograd.Function):
             _weighted_combine_bwd_kernel[(R,)](dout_TD, y_RD, pair_R, w_TK, dy_RD, dw_TK, D,
                                                dout_TD.stride(0), y_RD.stride(0), dy_RD.stride(0),
                                                K=K, BLOCK_D=_BLOCK_D, num_warps=4)
-        return dy_RD, None, dw_TK, None, None
+        return dy_RD, None, dw_TK, None
 
 
 def weighted_combine_reference(y_RD: torch.Tensor, pair_R: torch.Tensor, w_TK: torch.Tensor,
@@ -133,8 +128,7 @@ def weighted_combine_reference(y_RD: torch.Tensor, pair_R: torch.Tensor, w_TK: t
 
 
 def weighted_combine(y_RD: torch.Tensor, pair_R: torch.Tensor, w_TK: torch.Tensor,
-                     out_dtype: torch.dtype | None = None, backend: str = "auto",
-                     row_of_pair_P: torch.Tensor | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None, backend: str = "auto") -> torch.Tensor:
     """``out[t] = Σ_k w[t, k] · y[r]`` over the rows r with ``pair_R[r] = t·K + k``, in fp32.
 
     Args:
@@ -145,9 +139,6 @@ def weighted_combine(y_RD: torch.Tensor, pair_R: torch.Tensor, w_TK: torch.Tenso
         out_dtype: of the result (default y's dtype).
         backend: ``"auto"`` (Triton on CUDA, the reference elsewhere), ``"triton"`` (on CPU only
             under ``TRITON_INTERPRET=1``) or ``"reference"``.
-        row_of_pair_P: optional (T·K,) int64 row of each pair, precomputed (see
-            :func:`row_of_pair`); entries outside ``[0, R)`` mean "no row". Must agree with
-            ``pair_R`` (not checked: that would cost a pass).
 
     Returns:
         out_TD: (T, D) in ``out_dtype``. Gradients flow to ``y_RD`` and ``w_TK``.
@@ -157,4 +148,4 @@ def weighted_combine(y_RD: torch.Tensor, pair_R: torch.Tensor, w_TK: torch.Tenso
     _check(y_RD, pair_R, w_TK)
     if backend == "reference" or (backend == "auto" and not y_RD.is_cuda):
         return weighted_combine_reference(y_RD, pair_R, w_TK, out_dtype)
-    return WeightedCombineFn.apply(y_RD, pair_R, w_TK, out_dtype or y_RD.dtype, row_of_pair_P)
+    return WeightedCombineFn.apply(y_RD, pair_R, w_TK, out_dtype or y_RD.dtype)
