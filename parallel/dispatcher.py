@@ -239,7 +239,7 @@ class _CombineFn(torch.autograd.Function):
         w_TK, *kept = ctx.saved_tensors
         back_ND, own_ND = kept if kept else (None, None)
         dout_TD = dout_TD.contiguous()
-        dw_TK = torch.zeros_like(w_TK) if back_ND is not None else None
+        dw_TK = torch.empty_like(w_TK) if back_ND is not None else None  # both passes write all of it
         dy_RD = dout_TD.new_empty((ctx.rows, dout_TD.shape[1]), dtype=ctx.y_dtype)
         send_ND = dy_RD.new_empty((sum(remote_send), dout_TD.shape[1]))
         scatter_pairs(dout_TD, route.pos_TK, route.ends_G, route.me, send_ND, local=False, w_TK=w_TK,

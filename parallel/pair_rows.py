@@ -60,6 +60,10 @@ def _scatter_pairs_kernel(x_ptr, pos_ptr, ends_ptr, me, G, dst_ptr, w_ptr, y_ptr
     for k in range(K):
         is_local, is_remote, row = _locate(pos_ptr, ends_ptr, t * K + k, me, G)
         mine = is_local if LOCAL else is_remote
+        if HAS_DW:
+            if not LOCAL:
+                if (~is_local) & (~is_remote):
+                    tl.store(dw_ptr + t * K + k, 0.0)  # dropped pair: its weight gets no gradient
         if mine:
             dot = tl.zeros((BLOCK_D,), dtype=tl.float32)
             wk = tl.load(w_ptr + t * K + k) if HAS_W else 1.0
@@ -119,6 +123,8 @@ def scatter_pairs_reference(x_TD, pos_TK, ends_G, me, dst_ND, local, w_TK=None, 
     dst_ND.index_copy_(0, rows, vals.to(dst_ND.dtype))
     if dw_TK is not None:
         dw_TK[mine] = (x_TD[tokens].float() * y_ND[rows].float()).sum(-1)
+        if not local:
+            dw_TK[~(is_local | is_remote)] = 0.0
 
 
 def gather_pairs_sum_reference(remote_ND, local_ND, pos_TK, ends_G, me, w_TK=None, out_dtype=None):
@@ -164,7 +170,9 @@ def scatter_pairs(x_TD: torch.Tensor, pos_TK: torch.Tensor, ends_G: torch.Tensor
         w_TK: optional (T, K) fp32 weights.
         y_ND, dw_TK: optional, together: rows of the same buffer's layout and a (T, K) fp32 output;
             each written pair also gets ``dw[t, k] = <x[t], y[row]>`` in fp32 (the combine's weight
-            gradient). Pairs of the other buffer keep their dw.
+            gradient), and the remote pass writes ``dw = 0`` for dropped pairs, so the two passes
+            write every entry once (dw may start uninitialised). Pairs of the other buffer keep
+            their dw.
     """
     _check_common("scatter_pairs", pos_TK, ends_G, me, w_TK)
     T, K = pos_TK.shape
@@ -178,13 +186,15 @@ def scatter_pairs(x_TD: torch.Tensor, pos_TK: torch.Tensor, ends_G: torch.Tensor
     if not _use_triton(backend, x_TD):
         scatter_pairs_reference(x_TD, pos_TK, ends_G, me, dst_ND, local, w_TK, y_ND, dw_TK)
         return
-    if T == 0 or dst_ND.numel() == 0:
+    has_dw = dw_TK is not None
+    if T == 0 or (dst_ND.numel() == 0 and not has_dw):
         return
     x_TD, pos_TK = x_TD.contiguous(), pos_TK.contiguous()
-    has_dw = dw_TK is not None
+    # an empty buffer is never written (no pair locates there), but Triton rejects its null pointer
     _scatter_pairs_kernel[(T,)](
-        x_TD, pos_TK, ends_G, me, ends_G.numel(), dst_ND, w_TK if w_TK is not None else x_TD,
-        y_ND.contiguous() if has_dw else x_TD, dw_TK if has_dw else x_TD, x_TD.shape[1],
+        x_TD, pos_TK, ends_G, me, ends_G.numel(), dst_ND if dst_ND.numel() else x_TD,
+        w_TK if w_TK is not None else x_TD,
+        y_ND.contiguous() if has_dw and y_ND.numel() else x_TD, dw_TK if has_dw else x_TD, x_TD.shape[1],
         x_TD.stride(0), dst_ND.stride(0), y_ND.stride(0) if has_dw else 0,
         K=K, LOCAL=local, HAS_W=w_TK is not None, HAS_DW=has_dw, BLOCK_D=_BLOCK_D, num_warps=4)
 

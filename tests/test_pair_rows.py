@@ -68,6 +68,13 @@ def test_scatter_pairs_matches_reference(T, K, G, L, me, kw, dtype):
             torch.testing.assert_close(dw_got, dw_want, rtol=1e-3, atol=1e-3)
         written = (got != 7.0).any(-1).sum().item()
         assert written <= (n_local if local else n_remote)
+    # the two passes write every dw entry once (dropped pairs: 0, by the remote pass)
+    dw_TK = torch.full((T, K), float("nan"), device=DEVICE)
+    for local, rows in ((True, n_local), (False, n_remote)):
+        scatter_pairs(x_TD, pos_TK, ends_G, me, torch.empty(rows, D, device=DEVICE, dtype=dtype), local, w_TK,
+                      torch.randn(rows, D, device=DEVICE).to(dtype), dw_TK, backend="triton")
+    assert not dw_TK.isnan().any()
+    assert (dw_TK[pos_TK >= ends_G[-1]] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
