@@ -30,9 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.launch import INTERPRET
+from moe.kernels.launch import INTERPRET, use_reference
 
-BACKENDS = ("auto", "triton", "reference")
 # 1024 bf16 columns over 4 warps: 8 per thread, 16-byte accesses (as moe/kernels/combine.py).
 _BLOCK_D = 64 if INTERPRET else 1024
 
@@ -149,12 +148,6 @@ def _check_common(name, pos_TK, ends_G, me, w_TK):
         raise ValueError(f"{name}: w_TK must be fp32 of shape {tuple(pos_TK.shape)}, got {w_TK.dtype} {tuple(w_TK.shape)}")
 
 
-def _use_triton(backend: str, t: torch.Tensor) -> bool:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return backend == "triton" or (backend == "auto" and t.is_cuda)
-
-
 def scatter_pairs(x_TD: torch.Tensor, pos_TK: torch.Tensor, ends_G: torch.Tensor, me: int, dst_ND: torch.Tensor,
                   local: bool, w_TK: torch.Tensor | None = None, y_ND: torch.Tensor | None = None,
                   dw_TK: torch.Tensor | None = None, backend: str = "auto") -> None:
@@ -183,7 +176,7 @@ def scatter_pairs(x_TD: torch.Tensor, pos_TK: torch.Tensor, ends_G: torch.Tensor
         raise ValueError("scatter_pairs: y_ND and dw_TK go together")
     if not dst_ND.is_contiguous():
         raise ValueError("scatter_pairs: dst_ND must be contiguous (written in place)")
-    if not _use_triton(backend, x_TD):
+    if use_reference(backend, not x_TD.is_cuda):
         scatter_pairs_reference(x_TD, pos_TK, ends_G, me, dst_ND, local, w_TK, y_ND, dw_TK)
         return
     has_dw = dw_TK is not None
@@ -213,7 +206,7 @@ def gather_pairs_sum(remote_ND: torch.Tensor, local_ND: torch.Tensor, pos_TK: to
             or remote_ND.dtype != local_ND.dtype:
         raise ValueError(f"gather_pairs_sum: remote_ND {remote_ND.dtype} {tuple(remote_ND.shape)} and local_ND "
                          f"{local_ND.dtype} {tuple(local_ND.shape)} must be (N, D) rows of one dtype")
-    if not _use_triton(backend, remote_ND):
+    if use_reference(backend, not remote_ND.is_cuda):
         return gather_pairs_sum_reference(remote_ND, local_ND, pos_TK, ends_G, me, w_TK, out_dtype)
     T, K = pos_TK.shape
     D = remote_ND.shape[1]

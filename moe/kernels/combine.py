@@ -22,9 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.launch import INTERPRET
+from moe.kernels.launch import INTERPRET, use_reference
 
-BACKENDS = ("auto", "triton", "reference")
 # 1024 bf16 columns over 4 warps: 8 per thread, 16-byte loads.
 _BLOCK_D = 64 if INTERPRET else 1024
 
@@ -143,9 +142,8 @@ def weighted_combine(y_RD: torch.Tensor, pair_R: torch.Tensor, w_TK: torch.Tenso
     Returns:
         out_TD: (T, D) in ``out_dtype``. Gradients flow to ``y_RD`` and ``w_TK``.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    reference = use_reference(backend, not y_RD.is_cuda)
     _check(y_RD, pair_R, w_TK)
-    if backend == "reference" or (backend == "auto" and not y_RD.is_cuda):
+    if reference:
         return weighted_combine_reference(y_RD, pair_R, w_TK, out_dtype)
     return WeightedCombineFn.apply(y_RD, pair_R, w_TK, out_dtype or y_RD.dtype)

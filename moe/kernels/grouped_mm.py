@@ -28,9 +28,9 @@ import torch
 from moe.kernels.activation import activation_backward
 from moe.kernels.grouped_mm_fwd import grouped_mm_forward
 from moe.kernels.grouped_mm_wgrad import grouped_mm_wgrad
+from moe.kernels.launch import use_reference
 from moe.kernels.reference import grouped_mm_reference
 
-BACKENDS = ("auto", "triton", "reference")
 
 
 class GroupedMMFn(torch.autograd.Function):
@@ -92,11 +92,9 @@ def grouped_mm(
         y: (M, N or F) in x's dtype; rows at or past ``offsets[-1]`` are zero, and so are
         those rows of the input gradient.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     # fp32 stays on the reference under "auto": the kernels' tuned tiles are sized for 16-bit
     # operands, and an fp32 run of the NCCL test on 2×H200 hit "out of resource: shared memory"
     # with the first forward config (262160 B needed, 232448 B available; 2026-11-22).
-    if backend == "reference" or (backend == "auto" and (not x_MK.is_cuda or x_MK.dtype == torch.float32)):
+    if use_reference(backend, not x_MK.is_cuda or x_MK.dtype == torch.float32):
         return grouped_mm_reference(x_MK, w_GKN, offsets_G, activation)
     return grouped_mm_triton(x_MK, w_GKN, offsets_G, activation)

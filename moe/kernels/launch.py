@@ -24,6 +24,15 @@ def fixed_config(configs, tile_elems, elem_bytes: int):
             return [c]
     return configs[-1:]
 
+BACKENDS = ("auto", "triton", "reference")
+
+
+def use_reference(backend: str, auto_reference: bool) -> bool:
+    """Whether a kernel's wrapper runs its PyTorch reference: ``backend`` is one of
+    :data:`BACKENDS` ("auto" picks the reference when ``auto_reference``, e.g. off CUDA)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend == "reference" or (backend == "auto" and auto_reference)
 
 
 _num_sms: dict[int, int] = {}
