@@ -104,14 +104,20 @@ class CommTimer:
         return total
 
 
-def _exchange(out_ND, in_ND, out_splits, in_splits, route: "_Route") -> None:
-    """``all_to_all_single`` on the current stream (synchronous op: since torch 2.8 NCCL then runs
-    on the caller's stream with no event handshakes; ``async_op=True`` goes through an internal
-    stream and, measured on 2×H200, doubled the time of a 4k-token dispatch + combine)."""
-    begin = route.timer.start(in_ND.device) if route.timer is not None else None
-    dist.all_to_all_single(out_ND, in_ND, out_splits, in_splits, group=route.group)
+def _timed_all_to_all(out_ND, in_ND, out_splits, in_splits, group, timer: "CommTimer | None") -> None:
+    """``all_to_all_single`` on the current stream, its span added to ``timer`` when there is one
+    (synchronous op: since torch 2.8 NCCL then runs on the caller's stream with no event
+    handshakes; ``async_op=True`` goes through an internal stream and, measured on 2×H200,
+    doubled the time of a 4k-token dispatch + combine)."""
+    begin = timer.start(in_ND.device) if timer is not None else None
+    dist.all_to_all_single(out_ND, in_ND, out_splits, in_splits, group=group)
     if begin is not None:
-        route.timer.stop(begin)
+        timer.stop(begin)
+
+
+def _exchange(out_ND, in_ND, out_splits, in_splits, route: "_Route") -> None:
+    """:func:`_timed_all_to_all` over the route's group and timer."""
+    _timed_all_to_all(out_ND, in_ND, out_splits, in_splits, route.group, route.timer)
 
 
 def _exchange_beside(route: "_Route", out_ND, in_ND, out_splits, in_splits, fn) -> None:
@@ -175,8 +181,7 @@ class _DispatchFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, route: _Route, counts_2GL: torch.Tensor, copied):
         T, D = x_TD.shape
-        K = route.pos_TK.shape[1]
-        G, me = route.ends_G.numel(), route.me
+        K, me = route.pos_TK.shape[1], route.me
         x_TD = x_TD.contiguous()
         send_ND = x_TD.new_empty((T * K, D))  # upper bound: S is not on the host yet
         scatter_pairs(x_TD, route.pos_TK, route.ends_G, me, send_ND, local=False)
@@ -336,10 +341,7 @@ class AllToAllDispatcher:
         T, K = plan.kept_TK.shape
         send_counts_E = plan.kept_per_expert_E.contiguous()
         recv_counts_E = torch.empty_like(send_counts_E)
-        begin = self.comm_timer.start(send_counts_E.device) if self.comm_timer is not None else None
-        dist.all_to_all_single(recv_counts_E, send_counts_E, group=self.ep_group)
-        if begin is not None:
-            self.comm_timer.stop(begin)
+        _timed_all_to_all(recv_counts_E, send_counts_E, None, None, self.ep_group, self.comm_timer)
         counts_2GL = torch.cat([send_counts_E, recv_counts_E]).to("cpu", non_blocking=True).view(2, G, L)
         copied = torch.cuda.Event() if send_counts_E.is_cuda else None
         if copied is not None:
