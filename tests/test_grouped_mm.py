@@ -219,6 +219,27 @@ def test_gpu_every_wgrad_config_matches_reference(index):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("K, N, sizes, deep", [
+    (520, 600, GPU_CASES["many_small"][0], True),  # 15 tiles per group: 8 teams
+    (4096, 2048, [700, 0, 1, 1347], False),  # 256 tiles per group: 3 teams
+])
+def test_gpu_wgrad_tma_both_pipelines(K, N, sizes, deep):
+    """The Hopper wgrad's 4-stage warp-specialized pipeline (many teams) and its 3-stage one."""
+    from moe.kernels.grouped_mm_wgrad_tma import wgrad_tma_plan
+    assert wgrad_tma_plan(len(sizes), K, N, torch.device("cuda"))[2] is deep
+    offsets = _offsets(sizes, "cuda", torch.int32)
+    x = torch.randn(sum(sizes) + 9, K, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(x.shape[0], N, device="cuda", dtype=torch.bfloat16)
+    dw = grouped_mm_wgrad(x, dy, offsets)
+    ref = grouped_mm_wgrad_reference(x.double(), dy.double(), offsets)
+    for g, size in enumerate(sizes):
+        if size == 0:
+            assert (dw[g] == 0).all(), f"empty group {g} must get dw = 0"
+        else:
+            assert _rel_err(dw[g], ref[g]) < TOLERANCE[torch.bfloat16], f"dw of group {g}"
+
+
+@pytest.mark.gpu
 def test_gpu_no_host_sync():
     sizes, padding = GPU_CASES["mixed"]
     offsets = _offsets(sizes, "cuda", torch.int32)
