@@ -161,6 +161,16 @@ def grouped_mm_wgrad_reference(x_MK, dy_MN, offsets_G):
     return torch.stack([x_MK[a:b].t() @ dy_MN[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
 
 
+def _check_bf16_dw(dw, x, dy, offsets, sizes, label=""):
+    """bf16 dw against the float64 reference, group by group; empty groups exactly zero."""
+    ref = grouped_mm_wgrad_reference(x.double(), dy.double(), offsets)
+    for g, size in enumerate(sizes):
+        if size == 0:
+            assert (dw[g] == 0).all(), f"empty group {g} must get dw = 0{label}"
+        else:
+            assert _rel_err(dw[g], ref[g]) < TOLERANCE[torch.bfloat16], f"dw of group {g}{label}"
+
+
 GPU_CASES = {
     "mixed": ([300, 0, 1, 1200, 0, 77, 513, 2], 129),
     "one_group": ([0, 2500, 0], 0),
@@ -210,12 +220,7 @@ def test_gpu_every_wgrad_config_matches_reference(index):
         x, dy, offsets, dw, N, K, len(sizes), len(sizes), x.stride(0), dy.stride(0), dw.stride(0), dw.stride(1),
         DOT_PRECISION="tf32", TMA_OK=tma_ok(x, dy, dw), num_warps=config.num_warps,
         num_stages=config.num_stages, **config.kwargs)
-    ref = grouped_mm_wgrad_reference(x.double(), dy.double(), offsets)
-    for g, size in enumerate(sizes):
-        if size == 0:
-            assert (dw[g] == 0).all(), f"empty group {g} must get dw = 0 ({config})"
-        else:
-            assert _rel_err(dw[g], ref[g]) < TOLERANCE[torch.bfloat16], f"dw of group {g} ({config})"
+    _check_bf16_dw(dw, x, dy, offsets, sizes, f" ({config})")
 
 
 @pytest.mark.gpu
@@ -231,12 +236,7 @@ def test_gpu_wgrad_tma_both_pipelines(K, N, sizes, deep):
     x = torch.randn(sum(sizes) + 9, K, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(x.shape[0], N, device="cuda", dtype=torch.bfloat16)
     dw = grouped_mm_wgrad(x, dy, offsets)
-    ref = grouped_mm_wgrad_reference(x.double(), dy.double(), offsets)
-    for g, size in enumerate(sizes):
-        if size == 0:
-            assert (dw[g] == 0).all(), f"empty group {g} must get dw = 0"
-        else:
-            assert _rel_err(dw[g], ref[g]) < TOLERANCE[torch.bfloat16], f"dw of group {g}"
+    _check_bf16_dw(dw, x, dy, offsets, sizes)
 
 
 @pytest.mark.gpu
