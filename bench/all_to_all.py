@@ -1,5 +1,9 @@
 """Benchmark: AllToAllDispatcher dispatch + combine vs raw ``all_to_all_single`` of the same bytes.
 
+With ``--transport p2p`` ours is :class:`parallel.P2PDispatcher` (rows by NVLink stores into
+symmetric memory, no host sync; ``max_tokens`` = the row's tokens) and the NCCL dispatcher is
+timed in the same rounds in place of the link-bytes-only exchange (results/all_to_all_p2p.md).
+
 What is timed (forward only, no autograd): ours = ``dispatch`` (counts all-to-all, one
 device->host copy of the counts, rows for the other ranks packed while it travels, variable-split
 all-to-all of those rows while the own rows are written into the experts' input) then ``combine``
@@ -20,6 +24,7 @@ median over rounds of anchor_time / our_time (= our bandwidth / raw bandwidth; b
 A-vs-A column is ours / ours-again, the noise.
 
     torchrun --nproc_per_node=2 bench/all_to_all.py [--out bench/results/all_to_all.md]
+    torchrun --nproc_per_node=2 bench/all_to_all.py --transport p2p [--backward]   # GPUs of one node
     torchrun --nproc_per_node=2 bench/all_to_all.py --smoke      # CPU/gloo, seconds, prints only
 """
 
@@ -106,7 +111,9 @@ def _layer_call(dispatcher, D, E, K, T, device, dtype, seed, backward=False):
     return x_TD, w_TK, plan, ours
 
 
-def bench_row(dispatcher, dims, D, E, K, T, rounds, device, dtype, measure, backward=False):
+def bench_row(dispatcher, dims, D, E, K, T, rounds, device, dtype, measure, backward=False, nccl=None):
+    """One table row. ``nccl``: the AllToAllDispatcher, when ``dispatcher`` is another one: it
+    gives the anchor's split sizes and is timed in place of the link-bytes-only exchange."""
     x_TD, w_TK, plan, ours = _layer_call(dispatcher, D, E, K, T, device, dtype, 1000 + dist.get_rank(), backward)
     gen = torch.Generator(device=device).manual_seed(2000 + dist.get_rank())
 
@@ -119,7 +126,7 @@ def bench_row(dispatcher, dims, D, E, K, T, rounds, device, dtype, measure, back
         torch.testing.assert_close(x_TD.grad.float(), g * w.sum(-1, keepdim=True), rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(w_TK.grad, (g * x).sum(-1, keepdim=True).expand_as(w), rtol=2e-2, atol=0.5)
     with torch.no_grad():
-        _, _, meta = dispatcher.dispatch(x_TD, plan)
+        _, _, meta = (nccl or dispatcher).dispatch(x_TD, plan)
     send_splits, recv_splits = meta.send_splits, meta.recv_splits
     send_SD = torch.randn(sum(send_splits), D, device=device, dtype=dtype, generator=gen)
     recv_RD = torch.empty(sum(recv_splits), D, device=device, dtype=dtype)
@@ -140,6 +147,9 @@ def bench_row(dispatcher, dims, D, E, K, T, rounds, device, dtype, measure, back
         for _ in range(2 if backward else 1):
             dist.all_to_all_single(link_recv_RD, link_send_SD, link_recv, link_send, group=dims.ep_group)
             dist.all_to_all_single(link_back_SD, link_recv_RD, link_send, link_recv, group=dims.ep_group)
+
+    if nccl is not None:
+        raw_link = _layer_call(nccl, D, E, K, T, device, dtype, 1000 + dist.get_rank(), backward)[3]
 
     elem = torch.finfo(dtype).bits // 8
     passes = 4 if backward else 2
@@ -162,6 +172,7 @@ def bench_row(dispatcher, dims, D, E, K, T, rounds, device, dtype, measure, back
         "ours_gbs": nbytes / med_ours / 1e9, "raw_gbs": nbytes / med_raw / 1e9,
         "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
         "a_vs_a": statistics.median(noise), "iters": iters, "link_ms": statistics.median(t_link) * 1e3,
+        "link_ratio": statistics.median([r / n for r, n in zip(t_raw, t_link)]),
     }
 
 
@@ -204,28 +215,36 @@ def _triton_version() -> str:
     return triton.__version__
 
 
-def _header(device, world, rounds, backward) -> str:
+def _header(device, world, rounds, backward, transport="nccl") -> str:
     if device.type == "cuda":
         nccl = torch.cuda.nccl.version()
         nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
         name = f"{world}× {torch.cuda.get_device_name(device)}, NCCL {nccl}"
     else:
         name = f"{world} CPU processes ({platform.processor() or platform.machine()}), gloo"
-    return "\n".join([
-        "# AllToAllDispatcher: dispatch + combine vs raw all_to_all_single",
-        "",
+    if transport == "p2p":
+        what = ["# P2PDispatcher: dispatch + combine vs raw all_to_all_single", "",
+                "- ours: P2PDispatcher (rows stored into the other GPU's symmetric memory by Triton kernels, no NCCL, no",
+                "  host sync; `max_tokens` = the row's tokens, one buffer slot)."]
+        last = ("- last column: the NCCL AllToAllDispatcher in the same rounds, its ratio to raw (the version P2P "
+                "replaces), not the anchor.")
+    else:
+        what = ["# AllToAllDispatcher: dispatch + combine vs raw all_to_all_single", "",
+                "- ours: AllToAllDispatcher (counts exchange, one host copy of the counts, rows for other ranks packed,",
+                "  all-to-all while the own rows are written; reverse all-to-all, one pass of weighted sums into (T, D))."]
+        last = "- last column: the same raw exchanges without the own chunk (only the bytes that cross the link), not the anchor."
+    flags = (" --backward" if backward else "") + (" --transport p2p" if transport == "p2p" else "")
+    return "\n".join(what + [
         f"- device: {name}",
         f"- torch {torch.__version__}, triton {_triton_version()}, Python {platform.python_version()}, date {datetime.date.today()}",
-        f"- command: `torchrun --nproc_per_node={world} bench/all_to_all.py{' --backward' if backward else ''}`",
+        f"- command: `torchrun --nproc_per_node={world} bench/all_to_all.py{flags}`",
         f"- {rounds} rounds alternating ours / raw / ours-again; ratio = median over rounds of raw time / our time",
         "  (= our effective bandwidth / raw bandwidth, bar 0.85); A-vs-A = ours / ours-again.",
         f"- timed: {'forward + backward of ' if backward else 'forward '}dispatch + combine with identity experts "
-        "(counts exchange, one host copy of the",
-        "  counts, rows for other ranks packed, all-to-all while the own rows are written; reverse all-to-all, one",
-        "  pass of weighted sums into (T, D)) vs raw all_to_all_single of the same split sizes, own chunk included",
-        f"  ({'4: there and back, twice' if backward else '2: there and back'}). bf16 rows, uniform random top-K, "
-        "dropless, ep = world.",
-        "- last column: the same raw exchanges without the own chunk (only the bytes that cross the link), not the anchor.",
+        "vs raw all_to_all_single of the same",
+        f"  split sizes, own chunk included ({'4: there and back, twice' if backward else '2: there and back'}). "
+        "bf16 rows, uniform random top-K, dropless, ep = world.",
+        last,
         "- bandwidth = bytes sent + received per rank (both directions, own chunk included) / time (max over ranks).",
         "",
     ])
@@ -241,35 +260,48 @@ def main():
                         help="calls of ours (first layer, fewest tokens) before the first timing")
     parser.add_argument("--backward", action="store_true",
                         help="time forward + backward (anchor: the two raw exchanges twice)")
-    parser.add_argument("--out", default=None, help="markdown table (default bench/results/all_to_all.md; none with --smoke)")
+    parser.add_argument("--transport", choices=("nccl", "p2p"), default="nccl",
+                        help="AllToAllDispatcher (NCCL) or P2PDispatcher (symmetric memory, GPUs of one node)")
+    parser.add_argument("--out", default=None,
+                        help="markdown table (default bench/results/all_to_all[_p2p].md; none with --smoke)")
     args = parser.parse_args()
     rank, world, device = init_distributed("gloo" if args.smoke else None)
     if world < 2:
         raise SystemExit("run under torchrun with --nproc_per_node >= 2")
     if args.smoke:
         device = torch.device("cpu")
-    out = args.out or (None if args.smoke else os.path.join(os.path.dirname(__file__), "results", "all_to_all.md"))
+    name = "all_to_all_p2p.md" if args.transport == "p2p" else "all_to_all.md"
+    out = args.out or (None if args.smoke else os.path.join(os.path.dirname(__file__), "results", name))
     dims = ParallelDims(world, ep=world).build_groups()
-    dispatcher = dims.dispatcher()
+    nccl = dims.dispatcher()
+
+    def make(T):
+        if args.transport == "nccl":
+            return nccl
+        from parallel.p2p_dispatcher import P2PDispatcher
+        return P2PDispatcher(dims.ep_group, dims.world_group, max_tokens=T)
     dtype = torch.bfloat16
     measure = _timer(device)
     layers, tokens = (SMOKE_LAYERS, SMOKE_TOKENS) if args.smoke else (LAYERS, TOKENS)
-    lines = [_header(device, world, args.rounds, args.backward),
+    p2p = args.transport == "p2p"
+    lines = [_header(device, world, args.rounds, args.backward, args.transport),
              "| layer | tokens/rank | MB/rank | ours ms | raw ms | ours GB/s | raw GB/s | ours/raw bw (min–max) | A-vs-A "
-             "| raw, link bytes only, ms |",
+             f"| {'NCCL dispatcher / raw bw' if p2p else 'raw, link bytes only, ms'} |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     if not args.smoke:
-        _warm(dispatcher, *next(iter(layers.values())), tokens[0], device, dtype, args.warm_iters, rank)
+        _warm(make(tokens[0]), *next(iter(layers.values())), tokens[0], device, dtype, args.warm_iters, rank)
     if args.profile and not args.smoke:
-        _profile(dispatcher, *next(iter(layers.values())), args.profile, device, dtype, rank)
+        _profile(make(args.profile), *next(iter(layers.values())), args.profile, device, dtype, rank)
     for name, (D, E, K) in layers.items():
         dims.check_experts(E)
         for T in tokens:
-            r = bench_row(dispatcher, dims, D, E, K, T, args.rounds, device, dtype, measure, args.backward)
+            r = bench_row(make(T), dims, D, E, K, T, args.rounds, device, dtype, measure, args.backward,
+                          nccl if p2p else None)
+            last = f"{r['link_ratio']:.2f}" if p2p else f"{r['link_ms']:.3f}"
             lines.append(
                 f"| {name} | {T} | {r['mbytes']:.0f} | {r['ours_ms']:.3f} | {r['raw_ms']:.3f} | {r['ours_gbs']:.0f} | "
                 f"{r['raw_gbs']:.0f} | **{r['ratio']:.2f}** ({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) | {r['a_vs_a']:.2f} | "
-                f"{r['link_ms']:.3f} |"
+                f"{last} |"
             )
             if rank == 0:
                 print(lines[-1], flush=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs two GPUs, in one call on a 2×H200 machine:
 #   1. GPU tests: NCCL equivalence of N ranks with one process, the whole layer with Triton experts;
-#   2. bench/all_to_all.py (dispatch + combine vs raw all_to_all_single);
+#   2. bench/all_to_all.py (dispatch + combine vs raw all_to_all_single), NCCL then P2P;
 #   3. bench/train_gpu.sh (configs/ep2.yaml with NCCL, the OLMoE-shaped throughput benchmark).
 # Logs and result tables go to $OUT (default /tmp/run_2gpu).
 set -uo pipefail
@@ -17,6 +17,11 @@ MOE_AUTOTUNE=0 timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/te
 timeout ${A2A_TIMEOUT:-120} python3 -m torch.distributed.run --standalone --nproc_per_node=2 bench/all_to_all.py \
     --out bench/results/all_to_all.md ${A2A_ARGS:-} > "$OUT/all_to_all.log" 2>&1; tail -14 "$OUT/all_to_all.log"
 cp bench/results/all_to_all.md "$OUT/" 2>/dev/null
+for flags in "" "--backward"; do  # the P2P (symmetric memory) dispatcher, forward then forward + backward
+    timeout ${A2A_TIMEOUT:-120} python3 -m torch.distributed.run --standalone --nproc_per_node=2 bench/all_to_all.py \
+        --transport p2p $flags --out "$OUT/all_to_all_p2p${flags:+_bwd}.md" > "$OUT/all_to_all_p2p.log" 2>&1
+    tail -10 "$OUT/all_to_all_p2p.log"
+done
 # train_gpu.sh leaves many files; only its log and table come back (the tool returns 8 files)
 OUT=/tmp/train_gpu EP2_STEPS=${EP2_STEPS:-60} RUN_TIMEOUT=${RUN_TIMEOUT:-900} bash bench/train_gpu.sh > "$OUT/train_gpu.log" 2>&1; tail -25 "$OUT/train_gpu.log"
 cp /tmp/train_gpu/training.md "$OUT/" 2>/dev/null

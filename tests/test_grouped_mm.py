@@ -114,6 +114,21 @@ def test_interpreter_segments_share_weights(loads):
     _check([9, 0, 1, 0, 30, 17], 4, K=K, N=N, activation="swiglu", dtype=torch.float16, num_groups=2)
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_all_segments_empty_keeps_the_graph(activation):
+    """Rows but no segment (a rank that received nothing, padding only): zeros that still
+    depend on x and w, on both paths, so the backward reaches the dispatch on every rank (its
+    exchange is collective)."""
+    offsets = torch.zeros(4, dtype=torch.int32)
+    for fn in (grouped_mm_reference, grouped_mm_triton):
+        x = torch.randn(5, 16, requires_grad=True)
+        w = torch.randn(2, 16, 32, requires_grad=True)
+        y = fn(x, w, offsets, activation)
+        assert y.requires_grad and not y.detach().any()
+        y.sum().backward()
+        assert not x.grad.any() and not w.grad.any()
+
+
 def test_segments_must_be_a_multiple_of_the_groups():
     x = torch.randn(10, 8, device=DEVICE).to(torch.float16)
     w = torch.randn(2, 8, 6, device=DEVICE).to(torch.float16)

@@ -110,7 +110,14 @@ def _force_routes(model: Tiny, case: Case, num_local: int) -> None:
             w[:num_local] = 1.0 + 0.3 * torch.randn_like(w[:num_local])
 
 
-def _equivalence(case: Case, dims: ParallelDims, device, dtype) -> dict:
+def _dispatcher(dims: ParallelDims, transport: str, tokens: tuple[int, ...]):
+    if transport == "p2p":
+        from parallel.p2p_dispatcher import P2PDispatcher
+        return P2PDispatcher(dims.ep_group, dims.world_group, max_tokens=max(max(tokens), 1))
+    return dims.dispatcher()
+
+
+def _equivalence(case: Case, dims: ParallelDims, device, dtype, transport: str = "nccl") -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens = case.tokens if isinstance(case.tokens, tuple) else (case.tokens,) * world
     total = sum(tokens)
@@ -126,7 +133,7 @@ def _equivalence(case: Case, dims: ParallelDims, device, dtype) -> dict:
     torch.manual_seed(99)
     ref = Tiny(case, None, groups, device, dtype, dim, hidden)
     _force_routes(ref, case, num_local)
-    par = Tiny(case, dims.dispatcher(), 1, device, dtype, dim, hidden)
+    par = Tiny(case, _dispatcher(dims, transport, tokens), 1, device, dtype, dim, hidden)
     with torch.no_grad():
         ref_params = dict(ref.named_parameters())
         for name, p in par.named_parameters():
@@ -223,7 +230,8 @@ def _all_to_all_op(device) -> dict:
     }
 
 
-def _run_cases(rank: int, world: int, cases: list[Case], dtypes: list[torch.dtype], not_divisible: list[tuple[int, int]]) -> dict:
+def _run_cases(rank: int, world: int, cases: list[Case], dtypes: list[torch.dtype], not_divisible: list[tuple[int, int]],
+               transport: str = "nccl") -> dict:
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     dims_by_ep = {}
     for ep in sorted({c.ep for c in cases} | {ep for ep, _ in not_divisible}):  # same order on every rank
@@ -235,7 +243,7 @@ def _run_cases(rank: int, world: int, cases: list[Case], dtypes: list[torch.dtyp
         for case in cases:
             key = f"{case.name}:{str(dtype).removeprefix('torch.')}"
             try:
-                results[key] = _equivalence(case, dims_by_ep[case.ep], device, dtype)
+                results[key] = _equivalence(case, dims_by_ep[case.ep], device, dtype, transport)
             except Exception:
                 results[key] = {"exception": traceback.format_exc()}
             results[key]["tolerance"] = TOLERANCE[(device.type, dtype)]
@@ -330,3 +338,59 @@ def test_nccl_two_gpus_equals_one_process():
             _check_case(results, f"{case.name}:{dtype}")
     _check_not_divisible(results, "not_divisible_ep2_E3", 3, 2)
     assert results[0]["all_to_all_op"] == dict.fromkeys(results[0]["all_to_all_op"], True)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_p2p_two_gpus_equals_one_process():
+    """The P2P (symmetric memory) dispatcher: same cases, same reference, on 2 GPUs."""
+    cases = [c for c in WORLD2]
+    results = run_distributed(_run_cases, 2, cases, [torch.float32, torch.bfloat16], [], "p2p", backend="nccl")
+    for dtype in ("float32", "bfloat16"):
+        for case in cases:
+            _check_case(results, f"{case.name}:{dtype}")
+
+
+def _p2p_slots(rank: int, world: int) -> dict:
+    """Two dispatch/combine pairs (identity experts) in flight before one backward: with two
+    buffer slots the output and gradients are exact; with one, the backward raises."""
+    from parallel.p2p_dispatcher import P2PDispatcher
+    from moe.capacity import plan_routing
+
+    device, (T, D, E, K) = torch.device("cuda", rank), (37, 24, 4, 2)
+    gen = torch.Generator(device=device).manual_seed(rank)
+    x = torch.randn(T, D, device=device, generator=gen, requires_grad=True)
+    experts = torch.rand(T, E, device=device, generator=gen).topk(K, dim=-1).indices
+    plan = plan_routing(experts, torch.rand(T, K, device=device, generator=gen), E, None)
+    w = torch.rand(T, K, device=device, generator=gen, requires_grad=True)
+    g = torch.randn(T, D, device=device, generator=gen)
+    out = {}
+    for slots in (2, 1):
+        p2p = P2PDispatcher(None, None, max_tokens=T, num_buffers=slots)
+        x.grad = w.grad = None
+        h = x
+        for _ in range(2):
+            rows, _, meta = p2p.dispatch(h, plan)
+            h = p2p.combine(rows, meta, w)
+        try:
+            h.backward(g)
+        except RuntimeError as e:
+            out[slots] = str(e)
+            continue
+        s = w.detach().sum(-1, keepdim=True)
+        y1 = x.detach() * s
+        out[slots] = {
+            "out": torch.allclose(h.detach(), y1 * s, rtol=1e-5, atol=1e-5),
+            "dx": torch.allclose(x.grad, g * s * s, rtol=1e-5, atol=1e-5),
+            "dw": torch.allclose(w.grad, ((g * y1).sum(-1, keepdim=True) + (g * s * x.detach()).sum(-1, keepdim=True))
+                                 .expand(T, K), rtol=1e-4, atol=1e-4),
+        }
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_p2p_buffer_slots_two_layers_in_flight():
+    for res in run_distributed(_p2p_slots, 2, backend="nccl"):
+        assert res[2] == {"out": True, "dx": True, "dw": True}, res
+        assert "num_buffers" in res[1], res[1]

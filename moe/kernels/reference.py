@@ -53,6 +53,9 @@ def grouped_mm_reference(
     check_segments(offsets_G, G)
     n_out = w_GKN.shape[2] // 2 if activation == "swiglu" else w_GKN.shape[2]
     y = x_MK.new_zeros(x_MK.shape[0], n_out)
+    # an empty product keeps y in x's and w's graph when every segment is empty, as the Triton
+    # path does: a rank that receives no rows must still run the dispatch's backward (collective)
+    y[:0] = apply_activation(x_MK[:0] @ w_GKN[0], activation)
     start = 0
     for g, end in enumerate(offsets_G.tolist()):
         if end > start:

@@ -1,0 +1,271 @@
+"""Expert-parallel dispatcher for the GPUs of one node: rows move by NVLink peer stores into
+symmetric memory, not by NCCL, and the host never waits for the GPU.
+
+Legend: T tokens, D model dim, K slots per token, E experts, G ranks of the expert-parallel
+group, L = E / G experts per rank, R_cap = G · max_tokens · K rows a rank can receive at most,
+P_cap = max_tokens · K pairs a rank can send at most.
+
+The rows a rank receives stay where its peers stored them: ``dispatch`` returns a view of the
+receive buffer with a fixed R_cap rows (the rows past ``offsets[-1]`` are padding, which the
+grouped GEMM skips and zero-fills), so the host never needs R. Each dispatch holds one *slot* of
+buffers until its backward, taken round-robin from ``num_buffers`` slots; the same call order on
+every rank means every rank takes the same slot.
+
+``dispatch``:
+1. Every rank writes its per-expert counts into every rank's counts buffer (one tiny kernel),
+   then a device-side barrier: each rank now holds the full (G, E) count matrix, from which it
+   computes on the device where each of its kept pairs lands and its segment ends (one kernel,
+   :func:`~parallel.p2p_rows.p2p_routes`).
+2. One pass over the tokens stores every kept pair's row straight into its destination rank's
+   receive buffer (own rows into its own) together with where it came from, then a barrier.
+
+``combine``: every rank stores the valid rows of its expert output that came from another rank
+into that rank's return buffer, at the pair's place (the rows from itself stay), a barrier, then
+one local pass sums each token's K rows with the combine weights in fp32.
+
+Backward: the dispatch backward sends the rows' gradients home like the combine and sums them
+(unweighted); the combine backward stores ``w · dout`` into the receivers' gradient buffer (one
+per dispatcher, shared by the slots: it is consumed by the experts' backward before the next
+combine backward) and computes ``dw`` in the same pass from the rows the forward received back.
+
+Buffer discipline: every phase that stores into other ranks' buffers is followed by a barrier
+before anybody reads, and no buffer is stored into by two consecutive phases, so each reader is
+done before it passes the next barrier, which every writer passes first.
+
+Memory per slot: R_cap + P_cap rows of D (plus R_cap int64), and R_cap rows of D for the shared
+gradient buffer; a slot of the 2-GPU bench at Mixtral-like 32k tokens (D 4096, top-2, bf16) is
+1.6 GB. The experts' activations are R_cap rows too (the worst case of dropless routing: G× the
+T·K rows a balanced layer receives).
+
+Requirements: CUDA, every rank of the expert-parallel group on one node with peer access
+(``torch.distributed._symmetric_memory``), and a token bound ``max_tokens`` per rank known to all
+ranks (the buffers are allocated collectively, the same size everywhere).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.autograd.graph import increment_version
+
+from moe.capacity import RoutingPlan
+from moe.dispatch import LocalDispatchMeta
+from parallel.dispatcher import AllToAllDispatcher, _keep_in_graph
+from parallel.p2p_rows import p2p_routes, push_back, push_rows, put_counts, sum_pairs
+
+_BARRIER_TIMEOUT_MS = 120_000
+_ALIGN = 256
+
+
+class _SymmetricBuffer:
+    """One collectively allocated byte buffer carved into typed regions; ``ptrs(view)`` gives
+    the (G,) int64 addresses of that region on every rank."""
+
+    def __init__(self, group, sizes: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        offsets, nbytes, total = {}, {}, 0
+        for name, (shape, dtype) in sizes.items():
+            offsets[name], nbytes[name] = total, dtype.itemsize * math.prod(shape)
+            total += -(-nbytes[name] // _ALIGN) * _ALIGN
+        self.bytes = symm_mem.empty(max(total, _ALIGN), dtype=torch.uint8, device=device)
+        self.bytes.zero_()  # padding rows hold finite values from the start
+        self.handle = symm_mem.rendezvous(self.bytes, group)
+        base_G = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64, device=device)
+        self.views, self.ptrs = {}, {}
+        for name, (shape, dtype) in sizes.items():
+            self.views[name] = self.bytes[offsets[name]:offsets[name] + nbytes[name]].view(dtype).view(shape)
+            self.ptrs[name] = base_G + offsets[name]
+
+    def barrier(self) -> None:
+        self.handle.barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)
+
+
+class _Slot:
+    """The buffers one dispatch holds until its backward: ``recv`` (R_cap, D) rows received,
+    ``src`` (R_cap,) int64 where each came from, ``ret`` (P_cap, D) this rank's pairs' rows sent
+    back, ``counts`` (G, E) int64. ``generation`` counts the dispatches that took the slot."""
+
+    def __init__(self, group, R_cap: int, P_cap: int, D: int, dtype: torch.dtype, G: int, E: int, device):
+        self.buf = _SymmetricBuffer(group, {
+            "recv": ((R_cap, D), dtype), "ret": ((P_cap, D), dtype),
+            "src": ((R_cap,), torch.int64), "counts": ((G, E), torch.int64),
+        }, device)
+        self.generation = 0
+
+
+@dataclass(frozen=True)
+class _P2PRoute:
+    """One dispatch: ``row_TK`` (T, K) int64 row of each pair in rank ``dest_TK[t, k]``'s receive
+    buffer (-1: dropped); ``n_rows`` (1,) int32 device count of the valid rows received; the slot
+    and the generation that wrote it; the dispatcher's gradient buffer."""
+
+    row_TK: torch.Tensor
+    dest_TK: torch.Tensor
+    n_rows: torch.Tensor
+    slot: _Slot
+    generation: int
+    grad: _SymmetricBuffer
+    me: int
+    P_cap: int
+    index: int
+
+    def check(self) -> None:
+        if self.slot.generation != self.generation:
+            raise RuntimeError(
+                f"P2PDispatcher: buffer slot {self.index} was taken by a later dispatch before this one's "
+                "combine/backward finished with it; build the dispatcher with num_buffers >= the number of MoE "
+                "layers run between a dispatch and its backward")
+
+
+@dataclass(frozen=True)
+class P2PMeta:
+    """What ``combine`` needs from ``dispatch``."""
+
+    route: _P2PRoute
+
+
+class _P2PDispatchFn(torch.autograd.Function):
+    """x_TD (T, D) -> rows_RD (R_cap, D), a view of the slot's receive buffer."""
+
+    @staticmethod
+    def forward(ctx, x_TD, route: _P2PRoute):
+        bufs = route.slot.buf
+        push_rows(x_TD, route.row_TK, route.dest_TK, bufs.ptrs["recv"], bufs.views["recv"].dtype,
+                  me=route.me, src_ptrs_G=bufs.ptrs["src"], P_cap=route.P_cap)
+        bufs.barrier()
+        ctx.route = route
+        return bufs.views["recv"].view_as(bufs.views["recv"])
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        route = ctx.route
+        route.check()
+        bufs = route.slot.buf
+        grad_RD = grad_RD.contiguous()
+        push_back(grad_RD, bufs.views["src"], route.n_rows, bufs.ptrs["ret"], bufs.views["ret"].dtype, route.me,
+                  route.P_cap)
+        bufs.barrier()
+        grad_TD = sum_pairs(route.row_TK, route.dest_TK, grad_RD, bufs.views["ret"], route.me)
+        return grad_TD, None
+
+
+class _P2PCombineFn(torch.autograd.Function):
+    """y_RD (R_cap, D) in dispatch order, w_TK (T, K) fp32 -> out_TD = Σ_k w[t, k] · y[row of (t, k)]."""
+
+    @staticmethod
+    def forward(ctx, y_RD, w_TK, route: _P2PRoute, out_dtype):
+        route.check()
+        bufs = route.slot.buf
+        y_RD = y_RD.contiguous()
+        push_back(y_RD, bufs.views["src"], route.n_rows, bufs.ptrs["ret"], bufs.views["ret"].dtype, route.me,
+                  route.P_cap)
+        bufs.barrier()
+        out_TD = sum_pairs(route.row_TK, route.dest_TK, y_RD, bufs.views["ret"], route.me, w_TK, out_dtype)
+        ctx.route, ctx.y_dtype = route, y_RD.dtype
+        # y_RD is kept on ctx, not saved: a view of the slot, which a later dispatch bumps the
+        # version of; route.check() then raises with the cause (autograd's check would not say it)
+        ctx.y_RD = y_RD if ctx.needs_input_grad[1] else None
+        ctx.save_for_backward(w_TK)
+        return out_TD
+
+    @staticmethod
+    def backward(ctx, dout_TD):
+        route = ctx.route
+        route.check()
+        (w_TK,), y_RD = ctx.saved_tensors, ctx.y_RD
+        bufs, grad = route.slot.buf, route.grad
+        dw_TK = push_rows(dout_TD, route.row_TK, route.dest_TK, grad.ptrs["rows"], grad.views["rows"].dtype, w_TK,
+                          me=route.me, own_RD=y_RD, ret_PD=None if y_RD is None else bufs.views["ret"])
+        grad.barrier()
+        dy_RD = grad.views["rows"]
+        return dy_RD if dy_RD.dtype == ctx.y_dtype else dy_RD.to(ctx.y_dtype), dw_TK, None, None
+
+
+class P2PDispatcher(AllToAllDispatcher):
+    """:class:`~parallel.dispatcher.AllToAllDispatcher` with NVLink peer stores instead of NCCL for
+    the rows and no host sync (see the module docstring); the load-balancing loss and stats
+    reductions are inherited.
+
+    Args:
+        ep_group, world_group: as for :class:`AllToAllDispatcher`; every rank of ``ep_group`` on
+            one node.
+        max_tokens: the most tokens any rank passes to one ``dispatch``.
+        num_buffers: slots of buffers, taken round-robin: at least the number of MoE layers whose
+            dispatch runs before their backward (a model of N MoE layers: N). A dispatch whose
+            slot was taken again before its backward raises (never silently reads newer rows).
+
+    ``dispatch`` returns R_cap = ep · max_tokens · K rows, whatever the routing; rows past
+    ``offsets[-1]`` are padding. Buffers are allocated at the first call for each (D, dtype, K, E).
+    """
+
+    def __init__(self, ep_group=None, world_group=None, max_tokens: int = 0, num_buffers: int = 1):
+        super().__init__(ep_group, world_group)
+        for name, value in (("max_tokens", max_tokens), ("num_buffers", num_buffers)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"P2PDispatcher: {name} must be a positive int, got {value!r}")
+        if not torch.cuda.is_available():
+            raise RuntimeError("P2PDispatcher needs CUDA GPUs (symmetric memory); use AllToAllDispatcher")
+        self.max_tokens = max_tokens
+        self.num_buffers = num_buffers
+        # resources reused by every call (not per-call state): the slots and gradient buffer of
+        # each buffer shape, and how many dispatches each shape has served (picks the slot)
+        self._pools: dict[tuple, tuple[list[_Slot], _SymmetricBuffer]] = {}
+        self._calls: dict[tuple, int] = {}
+
+    def __repr__(self) -> str:
+        return (f"P2PDispatcher(ep_size={self.ep_size}, ep_rank={self.ep_rank}, max_tokens={self.max_tokens}, "
+                f"num_buffers={self.num_buffers})")
+
+    def _take_slot(self, D: int, dtype: torch.dtype, K: int, E: int, device: torch.device):
+        G = self.ep_size
+        R_cap, P_cap = G * self.max_tokens * K, self.max_tokens * K
+        key = (D, dtype, K, E, device)
+        group = self.ep_group if self.ep_group is not None else dist.group.WORLD
+        if key not in self._pools:
+            grad = _SymmetricBuffer(group, {"rows": ((R_cap, D), dtype)}, device)
+            self._pools[key] = ([], grad)
+        slots, grad = self._pools[key]
+        index = self._calls.get(key, 0) % self.num_buffers
+        self._calls[key] = self._calls.get(key, 0) + 1
+        if index == len(slots):
+            slots.append(_Slot(group, R_cap, P_cap, D, dtype, G, E, device))
+        slot = slots[index]
+        slot.generation += 1
+        # a view of the earlier generation's rows kept by autograd now fails its version check
+        increment_version(slot.buf.views["recv"])
+        return slot, grad, index, P_cap
+
+    def dispatch(self, x_TD: torch.Tensor, plan: RoutingPlan):
+        """As :meth:`AllToAllDispatcher.dispatch`, but rows_RD has R_cap rows (padding past
+        ``offsets[-1]``); raises ValueError when T > ``max_tokens``."""
+        if self.ep_size == 1:
+            return self._local.dispatch(x_TD, plan)
+        G, me = self.ep_size, self.ep_rank
+        E = plan.kept_per_expert_E.numel()
+        if E % G:
+            raise ValueError(f"P2PDispatcher: {E} experts do not split over {G} ranks")
+        T, K = plan.kept_TK.shape
+        if T > self.max_tokens:
+            raise ValueError(f"P2PDispatcher: {T} tokens on rank {me} exceed max_tokens={self.max_tokens}")
+        slot, grad, index, P_cap = self._take_slot(x_TD.shape[1], x_TD.dtype, K, E, x_TD.device)
+        counts_E = plan.kept_per_expert_E.contiguous()
+        put_counts(counts_E, slot.buf.ptrs["counts"], me)
+        slot.buf.barrier()
+        row_TK, dest_TK, offsets_GL = p2p_routes(plan.order_P, slot.buf.views["counts"], me, K)
+        route = _P2PRoute(row_TK, dest_TK, offsets_GL[-1:], slot, slot.generation, grad, me, P_cap, index)
+        rows_RD = _P2PDispatchFn.apply(x_TD, route)
+        return rows_RD, offsets_GL, P2PMeta(route)
+
+    def combine(self, y_RD: torch.Tensor, meta, w_TK: torch.Tensor, out_dtype: torch.dtype | None = None):
+        """As :meth:`AllToAllDispatcher.combine`; y_RD has the R_cap rows ``dispatch`` returned."""
+        if isinstance(meta, LocalDispatchMeta):
+            return self._local.combine(y_RD, meta, w_TK, out_dtype)
+        R_cap = meta.route.slot.buf.views["recv"].shape[0]
+        if y_RD.dim() != 2 or y_RD.shape[0] != R_cap:
+            raise ValueError(f"P2PDispatcher.combine: y_RD must have the {R_cap} rows dispatch returned, "
+                             f"got {tuple(y_RD.shape)}")
+        y_RD = _keep_in_graph(y_RD, None)
+        return _P2PCombineFn.apply(y_RD, w_TK, meta.route, out_dtype or y_RD.dtype)
+

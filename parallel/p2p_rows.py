@@ -1,0 +1,351 @@
+"""Rows moved straight between the GPUs of one node: Triton kernels that store into the other
+ranks' symmetric-memory buffers (NVLink peer stores), each with a plain PyTorch reference beside
+it.
+
+Legend: T tokens, K slots per token, D model dim, G ranks, E experts, R_cap rows of each rank's
+receive buffer, P_cap = max_tokens · K pair places of each rank's return buffer.
+
+A pair (t, k) of a source rank that is kept has a place ``row_TK[t, k]`` in the receive buffer of
+rank ``dest_TK[t, k]`` (-1: dropped, it goes nowhere). A received row r remembers where it came
+from as ``src_R[r] = source · P_cap + t · K + k``. ``*_ptrs_G`` hold the G buffers' addresses as
+int64, this rank's own included, so that one program can reach any rank's buffer (how
+``torch.distributed._symmetric_memory`` exposes the peers' memory).
+
+- ``put_counts``: row ``me`` of every rank's (G, E) counts buffer = this rank's (E,) counts.
+- ``p2p_routes``: from the count matrix, each kept pair's row at its destination and this
+  rank's segment ends (one launch instead of ~30 small torch ops: measured on 2×H200, the
+  dispatch + combine at 4k tokens is bound by the host's launches).
+- ``push_rows``: ``recv[dest][row] = x[t]`` (or ``w · x[t]``) for every kept pair, and with
+  ``src_ptrs_G`` also ``src[dest][row] = me · P_cap + t · K + k``; with ``own_RD``/``ret_PD`` it
+  also returns ``dw[t, k] = <x[t], y of the pair>`` (0 for dropped pairs). One program per token.
+- ``push_back``: the receiver's side of the way home: every valid row r (r < ``n_rows``, a device
+  scalar) that came from another rank is stored at its pair's place of that rank's return buffer.
+  One program per row.
+- ``sum_pairs``: ``out[t] = Σ_k (w ·) y of the pair``, in fp32, where the pair's row is read from
+  ``own_RD[row]`` when this rank holds its expert and from ``ret_PD[t · K + k]`` (where
+  ``push_back`` put it) otherwise. One program per token; no peer memory touched.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from moe.kernels.launch import INTERPRET
+
+_BLOCK_D = 64 if INTERPRET else 1024
+
+
+@triton.jit
+def _put_counts_kernel(counts_ptr, cnt_ptrs, me, E, BLOCK_E: tl.constexpr):
+    """Program p writes this rank's (E,) counts as row ``me`` of rank p's (G, E) buffer."""
+    dst = tl.load(cnt_ptrs + tl.program_id(0)).to(tl.pointer_type(counts_ptr.dtype.element_ty))
+    offs = tl.arange(0, BLOCK_E)
+    tl.store(dst + me * E + offs, tl.load(counts_ptr + offs, mask=offs < E), mask=offs < E)
+
+
+@triton.jit
+def _routes_kernel(order_ptr, counts_ptr, row_ptr, dest_ptr, offsets_ptr, me, G, L, E, P,
+                   GP: tl.constexpr, LP: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Program p handles sorted positions [p·BLOCK_P, (p+1)·BLOCK_P) of ``order``; every program
+    derives the few per-rank sums it needs from the (G, E) count matrix, program 0 also writes
+    this rank's segment ends."""
+    s = tl.arange(0, GP)
+    l = tl.arange(0, LP)
+    ok3 = (s[:, None, None] < G) & (s[None, :, None] < G) & (l[None, None, :] < L)
+    C = tl.load(counts_ptr + s[:, None, None] * E + s[None, :, None] * L + l[None, None, :], mask=ok3, other=0)
+    sent = tl.sum(C, axis=2)  # [source, destination] rows
+    src, dst = s[:, None], s[None, :]
+    # at destination d the rows are [d's own; the other sources in rank order]
+    before = (me != dst) & ((src == dst) | ((src < me) & (src != dst)) & (src < G))
+    block_start = tl.sum(tl.where(before, sent, 0), axis=0)  # where my rows start at each destination
+    mine = tl.sum(tl.where(src == me, sent, 0), axis=0)  # what I send to each destination
+    send_end = tl.cumsum(mine, axis=0)
+    shift = block_start - (send_end - mine)  # sorted position -> row at the destination
+
+    i = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+    inside = i < P
+    pair = tl.load(order_ptr + i, mask=inside, other=0)
+    d = tl.sum(((send_end[None, :] <= i[:, None]) & (s[None, :] < G)).to(tl.int64), axis=1)
+    kept = i < tl.sum(mine, axis=0)
+    row = i + tl.sum(tl.where(s[None, :] == d[:, None], shift[None, :], 0), axis=1)
+    tl.store(row_ptr + pair, tl.where(kept, row, -1), mask=inside)
+    tl.store(dest_ptr + pair, tl.where(kept, d, 0), mask=inside)
+
+    if tl.program_id(0) == 0:
+        recv = tl.load(counts_ptr + s[:, None] * E + me * L + l[None, :], mask=(s[:, None] < G) & (l[None, :] < L),
+                       other=0)  # [source, local expert] rows I receive
+        place = tl.where(s == me, 0, tl.where(s < me, s + 1, s))
+        recv_rows = tl.sum(recv, axis=1)
+        base = tl.sum(tl.where(place[None, :] < place[:, None], recv_rows[None, :], 0), axis=1)
+        ends = base[:, None] + tl.cumsum(recv, axis=1)
+        tl.store(offsets_ptr + place[:, None] * L + l[None, :], ends.to(tl.int32),
+                 mask=(s[:, None] < G) & (l[None, :] < L))
+
+
+@triton.jit
+def _push_rows_kernel(x_ptr, row_ptr, dest_ptr, buf_ptrs, buf_like, w_ptr, dw_ptr, own_ptr, ret_ptr,
+                      src_ptrs, me, P_cap, D, K,
+                      SCALE: tl.constexpr, DW: tl.constexpr, SRC: tl.constexpr, BLOCK_D: tl.constexpr):
+    """buf_like: any tensor of the receive buffers' dtype (its element type is what is stored)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    for k in range(K):
+        pair = t * K + k
+        row = tl.load(row_ptr + pair).to(tl.int64)
+        if row >= 0:
+            dest = tl.load(dest_ptr + pair)
+            dst = tl.load(buf_ptrs + dest).to(tl.pointer_type(buf_like.dtype.element_ty))
+            dot = 0.0
+            for c in range(0, D, BLOCK_D):
+                ok = c + offs < D
+                v = tl.load(x_ptr + t * D + c + offs, mask=ok, other=0.0).to(tl.float32)
+                if DW:
+                    if dest == me:
+                        y = tl.load(own_ptr + row * D + c + offs, mask=ok, other=0.0).to(tl.float32)
+                    else:
+                        y = tl.load(ret_ptr + pair * D + c + offs, mask=ok, other=0.0).to(tl.float32)
+                    dot += tl.sum(v * y)
+                if SCALE:
+                    v = v * tl.load(w_ptr + pair)
+                tl.store(dst + row * D + c + offs, v.to(buf_like.dtype.element_ty), mask=ok)
+            if SRC:
+                src = tl.load(src_ptrs + dest).to(tl.pointer_type(tl.int64))
+                tl.store(src + row, me * P_cap + pair)
+            if DW:
+                tl.store(dw_ptr + pair, dot)
+        elif DW:
+            tl.store(dw_ptr + pair, 0.0)
+
+
+@triton.jit
+def _push_back_kernel(y_ptr, src_ptr, n_ptr, ret_ptrs, ret_like, me, P_cap, D, BLOCK_D: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    if r < tl.load(n_ptr):
+        src = tl.load(src_ptr + r)
+        rank = src // P_cap
+        if rank != me:
+            dst = tl.load(ret_ptrs + rank).to(tl.pointer_type(ret_like.dtype.element_ty))
+            pair = src % P_cap
+            offs = tl.arange(0, BLOCK_D)
+            for c in range(0, D, BLOCK_D):
+                ok = c + offs < D
+                v = tl.load(y_ptr + r * D + c + offs, mask=ok, other=0.0)
+                tl.store(dst + pair * D + c + offs, v.to(ret_like.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _sum_pairs_kernel(out_ptr, row_ptr, dest_ptr, own_ptr, ret_ptr, w_ptr, me, D, K,
+                      WEIGHTED: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    for c in range(0, D, BLOCK_D):
+        ok = c + offs < D
+        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for k in range(K):
+            pair = t * K + k
+            row = tl.load(row_ptr + pair).to(tl.int64)
+            if row >= 0:
+                if tl.load(dest_ptr + pair) == me:
+                    v = tl.load(own_ptr + row * D + c + offs, mask=ok, other=0.0).to(tl.float32)
+                else:
+                    v = tl.load(ret_ptr + pair * D + c + offs, mask=ok, other=0.0).to(tl.float32)
+                if WEIGHTED:
+                    v = v * tl.load(w_ptr + pair)
+                acc += v
+        tl.store(out_ptr + t * D + c + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _check_pairs(row_TK: torch.Tensor, dest_TK: torch.Tensor) -> None:
+    if row_TK.dtype != torch.int64 or dest_TK.dtype != torch.int64:
+        raise ValueError(f"row_TK and dest_TK must be int64, got {row_TK.dtype} and {dest_TK.dtype}")
+    if row_TK.shape != dest_TK.shape or row_TK.dim() != 2:
+        raise ValueError(f"row_TK {tuple(row_TK.shape)} and dest_TK {tuple(dest_TK.shape)} must be the same (T, K)")
+
+
+def _check_ptrs(name: str, ptrs_G: torch.Tensor) -> None:
+    if ptrs_G.dtype != torch.int64 or ptrs_G.dim() != 1:
+        raise ValueError(f"{name} must be an int64 vector of buffer addresses, got {ptrs_G.dtype} {tuple(ptrs_G.shape)}")
+
+
+def _check_w(w_TK: torch.Tensor | None, T: int, K: int) -> None:
+    if w_TK is not None and (w_TK.shape != (T, K) or w_TK.dtype != torch.float32):
+        raise ValueError(f"w_TK must be fp32 ({T}, {K}), got {w_TK.dtype} {tuple(w_TK.shape)}")
+
+
+def _check_rows(name: str, t: torch.Tensor, rows: int | None, D: int) -> None:
+    if t.dim() != 2 or t.shape[1] != D or (rows is not None and t.shape[0] != rows) or not t.is_contiguous():
+        want = f"({rows}, {D})" if rows is not None else f"(rows, {D})"
+        raise ValueError(f"{name} must be contiguous {want}, got {tuple(t.shape)}")
+
+
+def put_counts(counts_E: torch.Tensor, cnt_ptrs_G: torch.Tensor, me: int) -> None:
+    """Write ``counts_E`` (E,) int64 as row ``me`` of every rank's (G, E) int64 counts buffer."""
+    if counts_E.dtype != torch.int64 or not counts_E.is_contiguous():
+        raise ValueError("counts_E must be a contiguous int64 vector")
+    _check_ptrs("cnt_ptrs_G", cnt_ptrs_G)
+    E = counts_E.numel()
+    _put_counts_kernel[(cnt_ptrs_G.numel(),)](counts_E, cnt_ptrs_G, me, E, BLOCK_E=triton.next_power_of_2(E))
+
+
+def p2p_routes(order_P: torch.Tensor, counts_GE: torch.Tensor, me: int, K: int):
+    """Where this rank's kept pairs land, from the (G, E) int64 count matrix (row s: what rank s
+    keeps for each expert; experts ``[d·L, (d+1)·L)`` on rank d) and ``order_P`` (P,) int64, the
+    kept pairs sorted by expert then the dropped ones. A destination d stores its rows in blocks
+    [from d itself; from the other ranks in rank order], each block by local expert.
+
+    Returns ``row_TK``, ``dest_TK`` (T, K) int64 (row -1: dropped) and this rank's segment ends
+    ``offsets_GL`` (G·L,) int32, blocks as at any destination, segment b·L + l: block b, local
+    expert l."""
+    if order_P.dtype != torch.int64 or order_P.dim() != 1 or order_P.numel() % K:
+        raise ValueError(f"order_P must be an int64 vector of T·K pairs, got {order_P.dtype} {tuple(order_P.shape)}")
+    if counts_GE.dtype != torch.int64 or counts_GE.dim() != 2 or counts_GE.shape[1] % counts_GE.shape[0]:
+        raise ValueError(f"counts_GE must be int64 (G, E) with G dividing E, got {counts_GE.dtype} {tuple(counts_GE.shape)}")
+    G, E = counts_GE.shape
+    L, P = E // G, order_P.numel()
+    device = order_P.device
+    row_TK = torch.empty((P // K, K), dtype=torch.int64, device=device)
+    dest_TK = torch.empty((P // K, K), dtype=torch.int64, device=device)
+    offsets_GL = torch.empty(G * L, dtype=torch.int32, device=device)
+    block = 128
+    _routes_kernel[(max(triton.cdiv(P, block), 1),)](
+        order_P, counts_GE.contiguous(), row_TK, dest_TK, offsets_GL, me, G, L, E, P,
+        GP=triton.next_power_of_2(G), LP=triton.next_power_of_2(L), BLOCK_P=block, num_warps=4)
+    return row_TK, dest_TK, offsets_GL
+
+
+def p2p_routes_reference(order_P: torch.Tensor, counts_GE: torch.Tensor, me: int, K: int):
+    """PyTorch version of :func:`p2p_routes` (plain loops)."""
+    G, E = counts_GE.shape
+    L = E // G
+    C = counts_GE.view(G, G, L).tolist()  # [source, destination, local expert]
+    P = order_P.numel()
+    row, dest = [-1] * P, [0] * P
+    kept = sum(sum(C[me][d]) for d in range(G))
+    for i, pair in enumerate(order_P.tolist()[:kept]):
+        d = next(d for d in range(G) if i < sum(sum(C[me][x]) for x in range(d + 1)))
+        first_at_d = sum(sum(C[me][x]) for x in range(d))
+        sources = [d] + [x for x in range(G) if x != d]
+        start = sum(sum(C[x][d]) for x in sources[:sources.index(me)])
+        row[pair], dest[pair] = start + i - first_at_d, d
+    sources = [me] + [x for x in range(G) if x != me]
+    ends = torch.tensor([C[x][me][l] for x in sources for l in range(L)]).cumsum(0).to(torch.int32)
+    return (torch.tensor(row).view(-1, K), torch.tensor(dest).view(-1, K), ends)
+
+
+def push_rows(x_TD: torch.Tensor, row_TK: torch.Tensor, dest_TK: torch.Tensor, buf_ptrs_G: torch.Tensor,
+              buf_dtype: torch.dtype, w_TK: torch.Tensor | None = None, *, me: int = 0,
+              src_ptrs_G: torch.Tensor | None = None, P_cap: int = 0,
+              own_RD: torch.Tensor | None = None, ret_PD: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Store each kept pair's row of x_TD (T, D) (``w · x[t]`` in fp32 when ``w_TK`` (T, K) fp32
+    is given) into its rank's receive buffer of ``buf_dtype``.
+
+    With ``src_ptrs_G`` also store ``me · P_cap + t · K + k`` into the destination's (R_cap,)
+    int64 source buffer at the same row. With ``own_RD`` (rows, D) and ``ret_PD`` (≥ T·K, D) also
+    return ``dw_TK`` (T, K) fp32 = ``<x[t], y>``, y the pair's row (``own_RD[row]`` where
+    ``dest == me``, else ``ret_PD[t·K + k]``); 0 for dropped pairs."""
+    _check_pairs(row_TK, dest_TK)
+    _check_ptrs("buf_ptrs_G", buf_ptrs_G)
+    T, D = x_TD.shape
+    K = row_TK.shape[1]
+    if row_TK.shape[0] != T:
+        raise ValueError(f"row_TK has {row_TK.shape[0]} tokens, x_TD {T}")
+    _check_w(w_TK, T, K)
+    if (own_RD is None) != (ret_PD is None):
+        raise ValueError("own_RD and ret_PD go together (the pairs' rows for dw)")
+    if own_RD is not None:
+        _check_rows("own_RD", own_RD, None, D)
+        _check_rows("ret_PD", ret_PD, None, D)
+        if ret_PD.shape[0] < T * K:
+            raise ValueError(f"ret_PD has {ret_PD.shape[0]} rows, fewer than the T·K = {T * K} pairs")
+    if src_ptrs_G is not None:
+        _check_ptrs("src_ptrs_G", src_ptrs_G)
+        if P_cap < T * K:
+            raise ValueError(f"P_cap = {P_cap} is below the T·K = {T * K} pairs")
+    device = x_TD.device
+    x_TD = x_TD.contiguous()
+    dw_TK = torch.empty((T, K), dtype=torch.float32, device=device) if own_RD is not None else None
+    if T:
+        buf_like = torch.empty(0, dtype=buf_dtype, device=device)
+        _push_rows_kernel[(T,)](
+            x_TD, row_TK.contiguous(), dest_TK.contiguous(), buf_ptrs_G, buf_like,
+            x_TD if w_TK is None else w_TK.contiguous(), x_TD if dw_TK is None else dw_TK,
+            x_TD if own_RD is None else own_RD, x_TD if ret_PD is None else ret_PD,
+            buf_ptrs_G if src_ptrs_G is None else src_ptrs_G, me, P_cap, D, K,
+            SCALE=w_TK is not None, DW=own_RD is not None, SRC=src_ptrs_G is not None, BLOCK_D=_BLOCK_D, num_warps=4)
+    return dw_TK
+
+
+def push_back(y_RD: torch.Tensor, src_R: torch.Tensor, n_rows: torch.Tensor, ret_ptrs_G: torch.Tensor,
+              ret_dtype: torch.dtype, me: int, P_cap: int) -> None:
+    """Send the valid rows of y_RD (R, D) home: row r < ``n_rows`` (a 1-element int32/int64 device
+    tensor) with ``src_R[r] = s · P_cap + p`` and s ≠ ``me`` is stored at row p of rank s's return
+    buffer (of ``ret_dtype``). Rows from ``me`` stay (``sum_pairs`` reads them in place)."""
+    if src_R.dtype != torch.int64 or src_R.dim() != 1 or src_R.shape[0] < y_RD.shape[0]:
+        raise ValueError(f"src_R must be int64 with ≥ {y_RD.shape[0]} entries, got {src_R.dtype} {tuple(src_R.shape)}")
+    if n_rows.numel() != 1 or n_rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"n_rows must be a 1-element int32/int64 tensor, got {n_rows.dtype} {tuple(n_rows.shape)}")
+    _check_ptrs("ret_ptrs_G", ret_ptrs_G)
+    _check_rows("y_RD", y_RD, None, y_RD.shape[1] if y_RD.dim() == 2 else -1)
+    R, D = y_RD.shape
+    if R:
+        _push_back_kernel[(R,)](y_RD, src_R, n_rows, ret_ptrs_G, torch.empty(0, dtype=ret_dtype, device=y_RD.device),
+                                me, P_cap, D, BLOCK_D=_BLOCK_D, num_warps=4)
+
+
+def sum_pairs(row_TK: torch.Tensor, dest_TK: torch.Tensor, own_RD: torch.Tensor, ret_PD: torch.Tensor, me: int,
+              w_TK: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``out_TD[t] = Σ_k (w[t, k] ·) y`` over the kept pairs, y = ``own_RD[row]`` (R, D) where
+    ``dest == me``, else ``ret_PD[t·K + k]`` (≥ T·K, D); fp32 sums cast to ``out_dtype`` (default
+    own_RD's dtype)."""
+    _check_pairs(row_TK, dest_TK)
+    T, K = row_TK.shape
+    D = own_RD.shape[1] if own_RD.dim() == 2 else -1
+    _check_rows("own_RD", own_RD, None, D)
+    _check_rows("ret_PD", ret_PD, None, D)
+    if ret_PD.shape[0] < T * K:
+        raise ValueError(f"ret_PD has {ret_PD.shape[0]} rows, fewer than the T·K = {T * K} pairs")
+    _check_w(w_TK, T, K)
+    out_TD = torch.empty((T, D), dtype=out_dtype or own_RD.dtype, device=own_RD.device)
+    if T:
+        _sum_pairs_kernel[(T,)](
+            out_TD, row_TK.contiguous(), dest_TK.contiguous(), own_RD, ret_PD,
+            out_TD if w_TK is None else w_TK.contiguous(), me, D, K,
+            WEIGHTED=w_TK is not None, BLOCK_D=_BLOCK_D, num_warps=4)
+    return out_TD
+
+
+def push_rows_reference(x_TD, row_TK, dest_TK, bufs, w_TK=None, *, me=0, srcs=None, P_cap=0, own_RD=None,
+                        ret_PD=None):
+    """PyTorch version of :func:`push_rows` over lists of buffers (one per rank)."""
+    T, K = row_TK.shape
+    kept = row_TK >= 0
+    for t, k in kept.nonzero().tolist():
+        v = x_TD[t].float() * (w_TK[t, k] if w_TK is not None else 1.0)
+        bufs[dest_TK[t, k]][row_TK[t, k]] = v.to(bufs[0].dtype)
+        if srcs is not None:
+            srcs[dest_TK[t, k]][row_TK[t, k]] = me * P_cap + t * K + k
+    if own_RD is None:
+        return None
+    dw = torch.zeros(T, K, dtype=torch.float32, device=x_TD.device)
+    for t, k in kept.nonzero().tolist():
+        y = own_RD[row_TK[t, k]] if dest_TK[t, k] == me else ret_PD[t * K + k]
+        dw[t, k] = (x_TD[t].float() * y.float()).sum()
+    return dw
+
+
+def push_back_reference(y_RD, src_R, n_rows, rets, me, P_cap):
+    """PyTorch version of :func:`push_back` over a list of return buffers (one per rank)."""
+    for r in range(int(n_rows)):
+        s, p = divmod(int(src_R[r]), P_cap)
+        if s != me:
+            rets[s][p] = y_RD[r].to(rets[s].dtype)
+
+
+def sum_pairs_reference(row_TK, dest_TK, own_RD, ret_PD, me, w_TK=None, out_dtype=None):
+    """PyTorch version of :func:`sum_pairs`."""
+    T, K = row_TK.shape
+    out = torch.zeros(T, own_RD.shape[1], dtype=torch.float32, device=own_RD.device)
+    for t, k in (row_TK >= 0).nonzero().tolist():
+        y = own_RD[row_TK[t, k]] if dest_TK[t, k] == me else ret_PD[t * K + k]
+        out[t] += y.float() * (w_TK[t, k] if w_TK is not None else 1.0)
+    return out.to(out_dtype or own_RD.dtype)

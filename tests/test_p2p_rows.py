@@ -1,0 +1,211 @@
+"""Peer-store kernels (parallel/p2p_rows.py) and the P2P dispatcher's routes, in one process:
+G "ranks" are G local buffers whose addresses form the pointer table, as symmetric memory gives
+them. On CPU the kernels run in Triton's interpreter (fp32/fp16); the 2-GPU run of the whole
+dispatcher is in tests/test_parallel.py.
+"""
+
+import pytest
+import torch
+
+from moe.capacity import plan_routing
+from parallel.p2p_rows import (
+    p2p_routes, p2p_routes_reference, push_back, push_back_reference, push_rows, push_rows_reference, put_counts, sum_pairs, sum_pairs_reference,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float32, torch.float16]
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+# (tokens per rank, experts, top-k, capacity, routing): G = 3 ranks
+CASES = {
+    "dropless": ((7, 5, 9), 6, 2, None, "random"),
+    "capacity": ((8, 8, 8), 6, 3, 3, "random"),
+    "zero_token_rank": ((6, 0, 4), 6, 2, None, "random"),
+    "all_to_one_expert": ((5, 4, 3), 6, 1, None, "one_expert"),
+    "one_token": ((1, 1, 1), 3, 2, None, "random"),
+}
+G = 3
+
+
+def _ptrs(bufs):
+    return torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=DEVICE)
+
+
+def _plans(case, seed=0):
+    tokens, E, K, capacity, routing = CASES[case]
+    gen = torch.Generator().manual_seed(seed)
+    plans, experts = [], []
+    for T in tokens:
+        if routing == "one_expert":
+            e = torch.zeros(T, K, dtype=torch.int64)
+        else:
+            e = torch.rand(T, E, generator=gen).topk(K, dim=-1).indices
+        priority = torch.rand(T, K, generator=gen)
+        plans.append(plan_routing(e.to(DEVICE), priority.to(DEVICE), E, capacity))
+        experts.append(e)
+    return plans, experts
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_dispatcher_data_flow_in_one_process(case):
+    """The P2P dispatcher's passes over G local buffers: counts, routes and rows lay every
+    receiver's rows out as [own; other sources in rank order], each block by local expert, tokens
+    in order, with offsets its segment ends and src where each row came from; then experts
+    (y = 2·x + 1 on the valid rows, garbage on the padding), the way home and the weighted sum give
+    Σ_k w · y; and the backward passes (identity experts) give dx = Σ_k w · g and dw = <g, y>."""
+    tokens, E, K, _, _ = CASES[case]
+    L, D, P_cap = E // G, 8, max(tokens) * K
+    R_cap = G * P_cap
+    plans, experts = _plans(case)
+    xs = [torch.randn(T, D, device=DEVICE) for T in tokens]
+    counts = [torch.full((G, E), -1, dtype=torch.int64, device=DEVICE) for _ in range(G)]
+    for r in range(G):
+        put_counts(plans[r].kept_per_expert_E, _ptrs(counts), r)
+    routes = [p2p_routes(plans[r].order_P, counts[r], r, K) for r in range(G)]
+    recv = [torch.full((R_cap, D), float("nan"), device=DEVICE) for _ in range(G)]
+    src = [torch.full((R_cap,), -1, dtype=torch.int64, device=DEVICE) for _ in range(G)]
+    for r in range(G):
+        push_rows(xs[r], routes[r][0], routes[r][1], _ptrs(recv), torch.float32, me=r, src_ptrs_G=_ptrs(src),
+                  P_cap=P_cap)
+    for d in range(G):
+        expected, origin, ends = [], [], []
+        for s in [d] + [r for r in range(G) if r != d]:
+            for l in range(L):
+                kept = plans[s].kept_TK
+                for t in range(tokens[s]):
+                    for k in range(K):
+                        if experts[s][t, k] == d * L + l and kept[t, k]:
+                            expected.append(xs[s][t])
+                            origin.append(s * P_cap + t * K + k)
+                ends.append(len(expected))
+        R = len(expected)
+        assert routes[d][2].tolist() == ends
+        assert src[d][:R].tolist() == origin
+        if R:
+            torch.testing.assert_close(recv[d][:R], torch.stack(expected))
+
+    ys = [2 * b + 1 for b in recv]  # padding rows stay NaN: nothing may read them
+    ret = [torch.full((P_cap, D), float("nan"), device=DEVICE) for _ in range(G)]
+    for r in range(G):
+        push_back(ys[r], src[r], routes[r][2][-1:], _ptrs(ret), torch.float32, r, P_cap)
+    gs = [torch.randn(T, D, device=DEVICE) for T in tokens]
+    grad_rows = [torch.full((R_cap, D), float("nan"), device=DEVICE) for _ in range(G)]
+    ws = [torch.rand(T, K, device=DEVICE) for T in tokens]
+    for r in range(G):
+        w = ws[r]
+        kept = plans[r].kept_TK
+        out = sum_pairs(routes[r][0], routes[r][1], ys[r], ret[r], r, w)
+        torch.testing.assert_close(out, (2 * xs[r] + 1) * (w * kept).sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
+        dw = push_rows(gs[r], routes[r][0], routes[r][1], _ptrs(grad_rows), torch.float32, w, me=r,
+                       own_RD=ys[r], ret_PD=ret[r])
+        torch.testing.assert_close(dw, torch.where(kept, (gs[r] * (2 * xs[r] + 1)).sum(-1, keepdim=True), 0.0),
+                                   rtol=1e-5, atol=1e-4)
+    for r in range(G):  # identity experts' backward: the rows' gradient is what arrived
+        push_back(grad_rows[r], src[r], routes[r][2][-1:], _ptrs(ret), torch.float32, r, P_cap)
+    for r in range(G):
+        dx = sum_pairs(routes[r][0], routes[r][1], grad_rows[r], ret[r], r)
+        torch.testing.assert_close(dx, gs[r] * (ws[r] * plans[r].kept_TK).sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("G_, E, K", [(2, 8, 2), (3, 6, 3), (4, 12, 1), (5, 5, 2), (8, 64, 8)])
+def test_routes_match_the_reference(G_, E, K):
+    """Random count matrices (zero rows and columns included, L not a power of two) and
+    plans with dropped pairs: rows, destinations and segment ends as the plain loops say."""
+    gen = torch.Generator().manual_seed(G_ * 100 + E)
+    for me in range(G_):
+        T = 11
+        experts = torch.randint(0, E, (T * K,), generator=gen)
+        kept = torch.rand(T * K, generator=gen) < 0.8
+        if me == 1:
+            kept[:] = False
+        key = torch.where(kept, experts, E)
+        order = torch.argsort(key, stable=True)
+        counts = torch.randint(0, 9, (G_, E), generator=gen)
+        counts[G_ - 1] = 0
+        counts[me] = torch.zeros(E, dtype=torch.int64).scatter_add_(0, experts[kept], torch.ones(int(kept.sum()), dtype=torch.int64))
+        ref = p2p_routes_reference(order, counts, me, K)
+        got = p2p_routes(order.to(DEVICE), counts.to(DEVICE), me, K)
+        for a, b in zip(got, ref):
+            assert torch.equal(a.cpu(), b), (me, a, b)
+
+
+def _random_pairs(T, K, rows, dropped=0.25, seed=0):
+    """Distinct (dest, row) places for T·K pairs over G buffers of ``rows`` rows; some dropped."""
+    gen = torch.Generator().manual_seed(seed)
+    places = torch.randperm(G * rows, generator=gen)[:T * K]
+    dest = (places // rows).view(T, K)
+    row = (places % rows).view(T, K)
+    row[torch.rand(T, K, generator=gen) < dropped] = -1
+    return row.to(DEVICE), dest.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T, K, D", [(9, 3, 70), (1, 1, 5), (0, 2, 16), (13, 8, 130)])
+def test_kernels_match_their_references(T, K, D, dtype):
+    rows, me, P_cap = T * K + 3, 1, T * K + 2
+    row, dest = _random_pairs(T, K, rows)
+    x = torch.randn(T, D, device=DEVICE).to(dtype)
+    w = torch.rand(T, K, device=DEVICE)
+    own = torch.randn(rows, D, device=DEVICE).to(dtype)
+    ret = torch.randn(P_cap, D, device=DEVICE).to(dtype)
+    tol = TOLERANCE[dtype]
+
+    bufs = [torch.zeros(rows, D, device=DEVICE, dtype=dtype) for _ in range(G)]
+    srcs = [torch.full((rows,), -1, dtype=torch.int64, device=DEVICE) for _ in range(G)]
+    ref_bufs, ref_srcs = [b.clone() for b in bufs], [s.clone() for s in srcs]
+    dw = push_rows(x, row, dest, _ptrs(bufs), dtype, w, me=me, src_ptrs_G=_ptrs(srcs), P_cap=P_cap, own_RD=own,
+                   ret_PD=ret)
+    dw_ref = push_rows_reference(x, row, dest, ref_bufs, w, me=me, srcs=ref_srcs, P_cap=P_cap, own_RD=own, ret_PD=ret)
+    for b, r in zip(bufs, ref_bufs):
+        torch.testing.assert_close(b.float(), r.float(), rtol=tol, atol=tol)
+    for s, r in zip(srcs, ref_srcs):
+        assert torch.equal(s, r)
+    torch.testing.assert_close(dw, dw_ref, rtol=tol, atol=tol * D)
+
+    y = torch.randn(rows, D, device=DEVICE).to(dtype)
+    src = torch.randperm(G * P_cap, device=DEVICE)[:rows]  # distinct places: the GPU stores in no set order
+    n = torch.tensor([rows - 2], dtype=torch.int32, device=DEVICE)
+    rets = [torch.zeros(P_cap, D, device=DEVICE, dtype=dtype) for _ in range(G)]
+    ref_rets = [r.clone() for r in rets]
+    push_back(y, src, n, _ptrs(rets), dtype, me, P_cap)
+    push_back_reference(y, src, n, ref_rets, me, P_cap)
+    for a, b in zip(rets, ref_rets):
+        assert torch.equal(a, b)
+
+    for out_dtype in (None, torch.float32):
+        out = sum_pairs(row, dest, own, ret, me, w, out_dtype)
+        ref = sum_pairs_reference(row, dest, own, ret, me, w, out_dtype)
+        assert out.dtype == ref.dtype
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    plain = sum_pairs(row, dest, own, ret, me)
+    torch.testing.assert_close(plain.float(), sum_pairs_reference(row, dest, own, ret, me).float(), rtol=tol, atol=tol)
+
+
+def test_put_counts_writes_one_row_of_every_buffer():
+    E = 5
+    bufs = [torch.full((G, E), -1, dtype=torch.int64, device=DEVICE) for _ in range(G)]
+    counts = torch.arange(E, dtype=torch.int64, device=DEVICE) + 10
+    put_counts(counts, _ptrs(bufs), 1)
+    for b in bufs:
+        assert torch.equal(b[1], counts) and (b[0] == -1).all() and (b[2] == -1).all()
+
+
+def test_bad_arguments_raise():
+    row, dest = _random_pairs(4, 2, 10)
+    ptrs = _ptrs([torch.zeros(10, 4, device=DEVICE)] * G)
+    x = torch.randn(4, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="int64"):
+        push_rows(x, row.int(), dest, ptrs, torch.float32)
+    with pytest.raises(ValueError, match="tokens"):
+        push_rows(x[:3], row, dest, ptrs, torch.float32)
+    with pytest.raises(ValueError, match="w_TK"):
+        sum_pairs(row, dest, x, torch.zeros(8, 4, device=DEVICE), 0, torch.rand(4, 3, device=DEVICE))
+    with pytest.raises(ValueError, match="ret_PD"):
+        sum_pairs(row, dest, x, torch.zeros(7, 4, device=DEVICE), 0)
+    with pytest.raises(ValueError, match="P_cap"):
+        push_rows(x, row, dest, ptrs, torch.float32, src_ptrs_G=ptrs, P_cap=7)
+    with pytest.raises(ValueError, match="n_rows"):
+        push_back(x, torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(2, dtype=torch.int32), ptrs,
+                  torch.float32, 0, 8)
+    with pytest.raises(ValueError, match="counts_E"):
+        put_counts(torch.ones(3, dtype=torch.int32, device=DEVICE), ptrs, 0)
