@@ -126,6 +126,17 @@ class P2PMeta:
     route: _P2PRoute
 
 
+def _home_and_sum(route: _P2PRoute, y_RD: torch.Tensor, w_TK: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The way back, shared by the combine and the dispatch backward: the valid rows of y_RD
+    (R_cap, D) contiguous that came from other ranks go to their return buffers, a barrier, then
+    ``out_TD[t] = Σ_k (w ·) y of the pair`` (T, D)."""
+    bufs = route.slot.buf
+    push_back(y_RD, bufs.views["src"], route.n_rows, bufs.ptrs["ret"], bufs.views["ret"].dtype, route.me, route.P_cap)
+    bufs.barrier()
+    return sum_pairs(route.row_TK, route.dest_TK, y_RD, bufs.views["ret"], route.me, w_TK, out_dtype)
+
+
 class _P2PDispatchFn(torch.autograd.Function):
     """x_TD (T, D) -> rows_RD (R_cap, D), a view of the slot's receive buffer."""
 
@@ -142,13 +153,7 @@ class _P2PDispatchFn(torch.autograd.Function):
     def backward(ctx, grad_RD):
         route = ctx.route
         route.check()
-        bufs = route.slot.buf
-        grad_RD = grad_RD.contiguous()
-        push_back(grad_RD, bufs.views["src"], route.n_rows, bufs.ptrs["ret"], bufs.views["ret"].dtype, route.me,
-                  route.P_cap)
-        bufs.barrier()
-        grad_TD = sum_pairs(route.row_TK, route.dest_TK, grad_RD, bufs.views["ret"], route.me)
-        return grad_TD, None
+        return _home_and_sum(route, grad_RD.contiguous()), None
 
 
 class _P2PCombineFn(torch.autograd.Function):
@@ -157,12 +162,8 @@ class _P2PCombineFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_RD, w_TK, route: _P2PRoute, out_dtype):
         route.check()
-        bufs = route.slot.buf
         y_RD = y_RD.contiguous()
-        push_back(y_RD, bufs.views["src"], route.n_rows, bufs.ptrs["ret"], bufs.views["ret"].dtype, route.me,
-                  route.P_cap)
-        bufs.barrier()
-        out_TD = sum_pairs(route.row_TK, route.dest_TK, y_RD, bufs.views["ret"], route.me, w_TK, out_dtype)
+        out_TD = _home_and_sum(route, y_RD, w_TK, out_dtype)
         ctx.route, ctx.y_dtype = route, y_RD.dtype
         # y_RD is kept on ctx, not saved: a view of the slot, which a later dispatch bumps the
         # version of; route.check() then raises with the cause (autograd's check would not say it)
@@ -227,8 +228,9 @@ class P2PDispatcher(AllToAllDispatcher):
             grad = _SymmetricBuffer(group, {"rows": ((R_cap, D), dtype)}, device)
             self._pools[key] = ([], grad)
         slots, grad = self._pools[key]
-        index = self._calls.get(key, 0) % self.num_buffers
-        self._calls[key] = self._calls.get(key, 0) + 1
+        calls = self._calls.get(key, 0)
+        self._calls[key] = calls + 1
+        index = calls % self.num_buffers
         if index == len(slots):
             slots.append(_Slot(group, R_cap, P_cap, D, dtype, G, E, device))
         slot = slots[index]
