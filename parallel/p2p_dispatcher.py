@@ -12,25 +12,35 @@ buffers until its backward, taken round-robin from ``num_buffers`` slots; the sa
 every rank means every rank takes the same slot.
 
 ``dispatch``:
-1. Every rank writes its per-expert counts into every rank's counts buffer (one tiny kernel),
-   then a device-side barrier: each rank now holds the full (G, E) count matrix, from which it
-   computes on the device where each of its kept pairs lands and its segment ends (one kernel,
-   :func:`~parallel.p2p_rows.p2p_routes`).
-2. One pass over the tokens stores every kept pair's row straight into its destination rank's
-   receive buffer (own rows into its own) together with where it came from, then a barrier.
+1. Every rank writes its per-expert counts into every rank's counts buffer and signals that
+   rank's counts flag (one tiny kernel).
+2. One kernel waits until all G ranks have signalled, computes from the (G, E) count matrix
+   where each of this rank's kept pairs lands and this rank's segment ends, and stores every kept
+   pair's row straight into its destination rank's receive buffer (own rows into its own)
+   together with where it came from (:func:`~parallel.p2p_rows.dispatch_rows`); then a barrier,
+   so the rows are complete when ``dispatch`` returns them.
 
 ``combine``: every rank stores the valid rows of its expert output that came from another rank
-into that rank's return buffer, at the pair's place (the rows from itself stay), a barrier, then
-one local pass sums each token's K rows with the combine weights in fp32.
+into that rank's return buffer, at the pair's place (the rows from itself stay), each program
+signalling the source's flag; then one local pass waits for the flag and sums each token's K
+rows with the combine weights in fp32.
 
 Backward: the dispatch backward sends the rows' gradients home like the combine and sums them
 (unweighted); the combine backward stores ``w · dout`` into the receivers' gradient buffer (one
 per dispatcher, shared by the slots: it is consumed by the experts' backward before the next
-combine backward) and computes ``dw`` in the same pass from the rows the forward received back.
+combine backward) and computes ``dw`` in the same pass from the rows the forward received back;
+then a barrier.
 
-Buffer discipline: every phase that stores into other ranks' buffers is followed by a barrier
-before anybody reads, and no buffer is stored into by two consecutive phases, so each reader is
-done before it passes the next barrier, which every writer passes first.
+Ordering: 5 launches per forward (4 Triton kernels and one barrier), 4 per backward. Flags only
+grow; the host keeps, per slot, the value each flag reaches after the signals sent so far (every
+rank makes the same calls, so every rank knows it). Writers never overrun readers: every rank's
+counts reach a peer only after that rank finished everything before its dispatch, and the
+rows of a dispatch reach a peer only after that peer's counts (the kernel waits for them), so the
+counts exchange orders each dispatch after the previous call's reads on every rank; the return
+buffer is stored into only after the barrier at the end of the dispatch (forward) or of the
+combine backward (backward), which every reader of the previous contents passed after reading;
+and the gradient buffer only after the sum of the previous layer's dispatch backward waited for
+the peers' signals, sent after their experts' backward read it.
 
 Memory per slot: R_cap + P_cap rows of D (plus R_cap int64), and R_cap rows of D for the shared
 gradient buffer; a slot of the 2-GPU bench at Mixtral-like 32k tokens (D 4096, top-2, bf16) is
@@ -52,7 +62,7 @@ from torch.autograd.graph import increment_version
 from moe.capacity import RoutingPlan
 from moe.dispatch import LocalDispatchMeta
 from parallel.dispatcher import AllToAllDispatcher, _keep_in_graph
-from parallel.p2p_rows import p2p_routes, push_back, push_rows, put_counts, sum_pairs
+from parallel.p2p_rows import dispatch_rows, push_back, push_rows, put_counts, sum_pairs
 
 _BARRIER_TIMEOUT_MS = 120_000
 _ALIGN = 256
@@ -85,31 +95,42 @@ class _SymmetricBuffer:
 class _Slot:
     """The buffers one dispatch holds until its backward: ``recv`` (R_cap, D) rows received,
     ``src`` (R_cap,) int64 where each came from, ``ret`` (P_cap, D) this rank's pairs' rows sent
-    back, ``counts`` (G, E) int64. ``generation`` counts the dispatches that took the slot."""
+    back, ``counts`` (G, E) int64, and two int64 flags (``counts_flag``, ``back_flag``) that the
+    peers' kernels signal. ``generation`` counts the dispatches that took the slot."""
 
     def __init__(self, group, R_cap: int, P_cap: int, D: int, dtype: torch.dtype, G: int, E: int, device):
         self.buf = _SymmetricBuffer(group, {
             "recv": ((R_cap, D), dtype), "ret": ((P_cap, D), dtype),
             "src": ((R_cap,), torch.int64), "counts": ((G, E), torch.int64),
+            "counts_flag": ((1,), torch.int64), "back_flag": ((1,), torch.int64),
         }, device)
         self.generation = 0
+        # the values the flags reach once every signal sent so far has arrived (same on every rank)
+        self.counts_target = 0
+        self.back_target = 0
 
 
 @dataclass(frozen=True)
 class _P2PRoute:
     """One dispatch: ``row_TK`` (T, K) int64 row of each pair in rank ``dest_TK[t, k]``'s receive
-    buffer (-1: dropped); ``n_rows`` (1,) int32 device count of the valid rows received; the slot
-    and the generation that wrote it; the dispatcher's gradient buffer."""
+    buffer (-1: dropped); ``offsets_GL`` (G·L,) int32 this rank's segment ends (all three filled on
+    the device by the dispatch); the slot and the generation that wrote it; the dispatcher's
+    gradient buffer."""
 
     row_TK: torch.Tensor
     dest_TK: torch.Tensor
-    n_rows: torch.Tensor
+    offsets_GL: torch.Tensor
     slot: _Slot
     generation: int
     grad: _SymmetricBuffer
     me: int
     P_cap: int
     index: int
+
+    @property
+    def n_rows(self) -> torch.Tensor:
+        """(1,) int32 device count of the valid rows received."""
+        return self.offsets_GL[-1:]
 
     def check(self) -> None:
         if self.slot.generation != self.generation:
@@ -129,22 +150,29 @@ class P2PMeta:
 def _home_and_sum(route: _P2PRoute, y_RD: torch.Tensor, w_TK: torch.Tensor | None = None,
                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The way back, shared by the combine and the dispatch backward: the valid rows of y_RD
-    (R_cap, D) contiguous that came from other ranks go to their return buffers, a barrier, then
-    ``out_TD[t] = Σ_k (w ·) y of the pair`` (T, D)."""
-    bufs = route.slot.buf
-    push_back(y_RD, bufs.views["src"], route.n_rows, bufs.ptrs["ret"], bufs.views["ret"].dtype, route.me, route.P_cap)
-    bufs.barrier()
-    return sum_pairs(route.row_TK, route.dest_TK, y_RD, bufs.views["ret"], route.me, w_TK, out_dtype)
+    (R_cap, D) contiguous that came from other ranks go to their return buffers, then
+    ``out_TD[t] = Σ_k (w ·) y of the pair`` (T, D) once the peers' rows have arrived."""
+    slot = route.slot
+    bufs = slot.buf
+    signals = push_back(y_RD, bufs.views["src"], route.n_rows, bufs.ptrs["ret"], bufs.views["ret"].dtype, route.me,
+                        route.P_cap, bufs.ptrs["back_flag"])
+    slot.back_target += (bufs.ptrs["back_flag"].numel() - 1) * signals
+    return sum_pairs(route.row_TK, route.dest_TK, y_RD, bufs.views["ret"], route.me, w_TK, out_dtype,
+                     bufs.views["back_flag"], slot.back_target)
 
 
 class _P2PDispatchFn(torch.autograd.Function):
-    """x_TD (T, D) -> rows_RD (R_cap, D), a view of the slot's receive buffer."""
+    """x_TD (T, D), order_P (T·K,) -> rows_RD (R_cap, D), a view of the slot's receive buffer;
+    fills the route's row_TK, dest_TK and offsets_GL."""
 
     @staticmethod
-    def forward(ctx, x_TD, route: _P2PRoute):
-        bufs = route.slot.buf
-        push_rows(x_TD, route.row_TK, route.dest_TK, bufs.ptrs["recv"], bufs.views["recv"].dtype,
-                  me=route.me, src_ptrs_G=bufs.ptrs["src"], P_cap=route.P_cap)
+    def forward(ctx, x_TD, order_P, route: _P2PRoute):
+        slot = route.slot
+        bufs = slot.buf
+        dispatch_rows(x_TD, order_P, bufs.views["counts"], bufs.views["counts_flag"], slot.counts_target,
+                      bufs.ptrs["recv"], bufs.ptrs["src"], bufs.views["recv"].dtype, route.me,
+                      route.row_TK.shape[1], route.P_cap,
+                      out=(route.row_TK, route.dest_TK, route.offsets_GL))
         bufs.barrier()
         ctx.route = route
         return bufs.views["recv"].view_as(bufs.views["recv"])
@@ -153,7 +181,7 @@ class _P2PDispatchFn(torch.autograd.Function):
     def backward(ctx, grad_RD):
         route = ctx.route
         route.check()
-        return _home_and_sum(route, grad_RD.contiguous()), None
+        return _home_and_sum(route, grad_RD.contiguous()), None, None
 
 
 class _P2PCombineFn(torch.autograd.Function):
@@ -252,13 +280,15 @@ class P2PDispatcher(AllToAllDispatcher):
         if T > self.max_tokens:
             raise ValueError(f"P2PDispatcher: {T} tokens on rank {me} exceed max_tokens={self.max_tokens}")
         slot, grad, index, P_cap = self._take_slot(x_TD.shape[1], x_TD.dtype, K, E, x_TD.device)
-        counts_E = plan.kept_per_expert_E.contiguous()
-        put_counts(counts_E, slot.buf.ptrs["counts"], me)
-        slot.buf.barrier()
-        row_TK, dest_TK, offsets_GL = p2p_routes(plan.order_P, slot.buf.views["counts"], me, K)
-        route = _P2PRoute(row_TK, dest_TK, offsets_GL[-1:], slot, slot.generation, grad, me, P_cap, index)
-        rows_RD = _P2PDispatchFn.apply(x_TD, route)
-        return rows_RD, offsets_GL, P2PMeta(route)
+        bufs = slot.buf
+        put_counts(plan.kept_per_expert_E.contiguous(), bufs.ptrs["counts"], bufs.ptrs["counts_flag"], me)
+        slot.counts_target += G
+        device = x_TD.device
+        route = _P2PRoute(torch.empty((T, K), dtype=torch.int64, device=device),
+                          torch.empty((T, K), dtype=torch.int64, device=device),
+                          torch.empty(E, dtype=torch.int32, device=device), slot, slot.generation, grad, me, P_cap, index)
+        rows_RD = _P2PDispatchFn.apply(x_TD, plan.order_P, route)
+        return rows_RD, route.offsets_GL, P2PMeta(route)
 
     def combine(self, y_RD: torch.Tensor, meta, w_TK: torch.Tensor, out_dtype: torch.dtype | None = None):
         """As :meth:`AllToAllDispatcher.combine`; y_RD has the R_cap rows ``dispatch`` returned."""

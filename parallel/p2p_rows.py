@@ -11,44 +11,93 @@ from as ``src_R[r] = source · P_cap + t · K + k``. ``*_ptrs_G`` hold the G buf
 int64, this rank's own included, so that one program can reach any rank's buffer (how
 ``torch.distributed._symmetric_memory`` exposes the peers' memory).
 
-- ``put_counts``: row ``me`` of every rank's (G, E) counts buffer = this rank's (E,) counts.
-- ``p2p_routes``: from the count matrix, each kept pair's row at its destination and this
-  rank's segment ends (one launch instead of ~30 small torch ops: measured on 2×H200, the
-  dispatch + combine at 4k tokens is bound by the host's launches).
-- ``push_rows``: ``recv[dest][row] = x[t]`` (or ``w · x[t]``) for every kept pair, and with
-  ``src_ptrs_G`` also ``src[dest][row] = me · P_cap + t · K + k``; with ``own_RD``/``ret_PD`` it
-  also returns ``dw[t, k] = <x[t], y of the pair>`` (0 for dropped pairs). One program per token.
+Ordering between ranks without a barrier launch: a phase that stores into the peers' buffers
+ends each program with a CTA barrier and a release atomic add (system scope) on a *flag* of the
+receiver; the kernel that reads spins (acquire, system scope) until its own flag reaches a
+target the host knows: flags only grow, and each phase adds a fixed number of signals (put_counts
+one per rank; push_back one per program per peer, its grid fixed by R_cap, which every rank
+shares). A wait that passes its timeout prints and traps (the process dies with a CUDA error
+instead of hanging). In Triton's interpreter (one process, the ranks run one after another) a
+wait does not spin: the tests run every rank's phase before the next and check the flags.
+Measured on 2×H200: the dispatch + combine at 4k tokens is bound by the host's launches
+(Triton ~40-70 µs each inside the loop), and two barrier launches per call go away this way.
+
+- ``put_counts``: row ``me`` of every rank's (G, E) counts buffer = this rank's (E,) counts, one
+  signal to each rank's counts flag.
+- ``dispatch_rows``: waits for the count matrix, then from it each kept pair's row at its
+  destination and this rank's segment ends, and stores every kept pair's row of x into its
+  destination's receive buffer with where it came from. One launch where ~30 small torch ops
+  and two kernels were (the routes alone made the 4k dispatch 4× faster than those ops).
+- ``push_rows``: ``buf[dest][row] = w · x[t]`` for every kept pair, and with ``own_RD``/
+  ``ret_PD`` also ``dw[t, k] = <x[t], y of the pair>`` (0 for dropped pairs): the combine's
+  backward. One program per token.
 - ``push_back``: the receiver's side of the way home: every valid row r (r < ``n_rows``, a device
-  scalar) that came from another rank is stored at its pair's place of that rank's return buffer.
-  One program per row.
-- ``sum_pairs``: ``out[t] = Σ_k (w ·) y of the pair``, in fp32, where the pair's row is read from
-  ``own_RD[row]`` when this rank holds its expert and from ``ret_PD[t · K + k]`` (where
-  ``push_back`` put it) otherwise. One program per token; no peer memory touched.
+  scalar) that came from another rank is stored at its pair's place of that rank's return buffer;
+  then each program signals every peer's flag.
+- ``sum_pairs``: (after waiting for the flag, when given one) ``out[t] = Σ_k (w ·) y of the
+  pair``, in fp32, where the pair's row is read from ``own_RD[row]`` when this rank holds its
+  expert and from ``ret_PD[t · K + k]`` (where ``push_back`` put it) otherwise. No peer memory
+  touched.
 """
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer
 
 from moe.kernels.launch import INTERPRET
 
-_BLOCK_D = 64 if INTERPRET else 1024
+_BLOCK_D = 64 if INTERPRET else 512
+_BLOCK_ROWS = 4  # rows of a [rows, BLOCK_D] tile in the grid-stride kernels
+# grid of the grid-stride kernels: about one wave of 4-warp programs on an H100/H200 (16 per SM)
+_MAX_PROGRAMS = 4 if INTERPRET else 2048
+TIMEOUT_MS = 120_000
+_INTERPRET = tl.constexpr(INTERPRET)
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 @triton.jit
-def _put_counts_kernel(counts_ptr, cnt_ptrs, me, E, BLOCK_E: tl.constexpr):
+def _signal(flag_ptrs, rank):
+    """Every prior store of this program is visible to ``rank`` before its flag grows by 1."""
+    tl.debug_barrier()
+    flag = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int64))
+    tl.atomic_add(flag, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def _wait(flag_ptr, target, timeout_ns):
+    """Spin until this rank's flag reaches ``target``; then the peers' stores before their
+    signals are visible to the whole program. Past ``timeout_ns``: print and trap."""
+    if not _INTERPRET:
+        start = globaltimer()
+        while tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys") < target:
+            if globaltimer() - start > timeout_ns:
+                if tl.program_id(0) == 0:
+                    tl.device_print("P2P wait timed out (a peer never signalled: ranks disagree on the calls?); flag target",
+                                    target)
+                tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.debug_barrier()
+
+
+@triton.jit
+def _put_counts_kernel(counts_ptr, cnt_ptrs, flag_ptrs, me, E, BLOCK_E: tl.constexpr):
     """Program p writes this rank's (E,) counts as row ``me`` of rank p's (G, E) buffer."""
-    dst = tl.load(cnt_ptrs + tl.program_id(0)).to(tl.pointer_type(counts_ptr.dtype.element_ty))
+    p = tl.program_id(0)
+    dst = tl.load(cnt_ptrs + p).to(tl.pointer_type(counts_ptr.dtype.element_ty))
     offs = tl.arange(0, BLOCK_E)
     tl.store(dst + me * E + offs, tl.load(counts_ptr + offs, mask=offs < E), mask=offs < E)
+    _signal(flag_ptrs, p)
 
 
 @triton.jit
-def _routes_kernel(order_ptr, counts_ptr, row_ptr, dest_ptr, offsets_ptr, me, G, L, E, P,
-                   GP: tl.constexpr, LP: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Program p handles sorted positions [p·BLOCK_P, (p+1)·BLOCK_P) of ``order``; every program
-    derives the few per-rank sums it needs from the (G, E) count matrix, program 0 also writes
-    this rank's segment ends."""
+def _dispatch_rows_kernel(x_ptr, order_ptr, counts_ptr, flag_ptr, target, timeout_ns, row_ptr, dest_ptr, offsets_ptr,
+                          recv_ptrs, src_ptrs, me, G, L, E, P, K, P_cap, D,
+                          OUT: tl.constexpr, GP: tl.constexpr, LP: tl.constexpr, BLOCK_P: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    """Programs stride over tiles of BLOCK_P sorted positions of ``order``; every program derives
+    the few per-rank sums it needs from the (G, E) count matrix, program 0 also writes this
+    rank's segment ends."""
+    _wait(flag_ptr, target, timeout_ns)
     s = tl.arange(0, GP)
     l = tl.arange(0, LP)
     ok3 = (s[:, None, None] < G) & (s[None, :, None] < G) & (l[None, None, :] < L)
@@ -61,15 +110,7 @@ def _routes_kernel(order_ptr, counts_ptr, row_ptr, dest_ptr, offsets_ptr, me, G,
     mine = tl.sum(tl.where(src == me, sent, 0), axis=0)  # what I send to each destination
     send_end = tl.cumsum(mine, axis=0)
     shift = block_start - (send_end - mine)  # sorted position -> row at the destination
-
-    i = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
-    inside = i < P
-    pair = tl.load(order_ptr + i, mask=inside, other=0)
-    d = tl.sum(((send_end[None, :] <= i[:, None]) & (s[None, :] < G)).to(tl.int64), axis=1)
-    kept = i < tl.sum(mine, axis=0)
-    row = i + tl.sum(tl.where(s[None, :] == d[:, None], shift[None, :], 0), axis=1)
-    tl.store(row_ptr + pair, tl.where(kept, row, -1), mask=inside)
-    tl.store(dest_ptr + pair, tl.where(kept, d, 0), mask=inside)
+    n_kept = tl.sum(mine, axis=0)
 
     if tl.program_id(0) == 0:
         recv = tl.load(counts_ptr + s[:, None] * E + me * L + l[None, :], mask=(s[:, None] < G) & (l[None, :] < L),
@@ -81,12 +122,29 @@ def _routes_kernel(order_ptr, counts_ptr, row_ptr, dest_ptr, offsets_ptr, me, G,
         tl.store(offsets_ptr + place[:, None] * L + l[None, :], ends.to(tl.int32),
                  mask=(s[:, None] < G) & (l[None, :] < L))
 
+    offs = tl.arange(0, BLOCK_D)
+    for tile in range(tl.program_id(0), tl.cdiv(P, BLOCK_P), tl.num_programs(0)):
+        i = tile * BLOCK_P + tl.arange(0, BLOCK_P).to(tl.int64)
+        inside = i < P
+        pair = tl.load(order_ptr + i, mask=inside, other=0)
+        d = tl.sum(((send_end[None, :] <= i[:, None]) & (s[None, :] < G)).to(tl.int64), axis=1)
+        kept = inside & (i < n_kept)
+        row = i + tl.sum(tl.where(s[None, :] == d[:, None], shift[None, :], 0), axis=1)
+        tl.store(row_ptr + pair, tl.where(kept, row, -1), mask=inside)
+        tl.store(dest_ptr + pair, tl.where(kept, d, 0), mask=inside)
+        t = pair // K
+        to_rows = tl.load(recv_ptrs + d, mask=kept, other=0).to(tl.pointer_type(OUT)) + row * D
+        for c in range(0, D, BLOCK_D):
+            ok = kept[:, None] & (c + offs[None, :] < D)
+            v = tl.load(x_ptr + t[:, None] * D + c + offs[None, :], mask=ok, other=0.0)
+            tl.store(to_rows[:, None] + c + offs[None, :], v.to(OUT), mask=ok)
+        to_src = tl.load(src_ptrs + d, mask=kept, other=0).to(tl.pointer_type(tl.int64))
+        tl.store(to_src + row, me * P_cap + pair, mask=kept)
+
 
 @triton.jit
-def _push_rows_kernel(x_ptr, row_ptr, dest_ptr, buf_ptrs, buf_like, w_ptr, dw_ptr, own_ptr, ret_ptr,
-                      src_ptrs, me, P_cap, D, K,
-                      SCALE: tl.constexpr, DW: tl.constexpr, SRC: tl.constexpr, BLOCK_D: tl.constexpr):
-    """buf_like: any tensor of the receive buffers' dtype (its element type is what is stored)."""
+def _push_rows_kernel(x_ptr, row_ptr, dest_ptr, buf_ptrs, w_ptr, dw_ptr, own_ptr, ret_ptr, me, D, K,
+                      OUT: tl.constexpr, SCALE: tl.constexpr, DW: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     for k in range(K):
@@ -94,7 +152,7 @@ def _push_rows_kernel(x_ptr, row_ptr, dest_ptr, buf_ptrs, buf_like, w_ptr, dw_pt
         row = tl.load(row_ptr + pair).to(tl.int64)
         if row >= 0:
             dest = tl.load(dest_ptr + pair)
-            dst = tl.load(buf_ptrs + dest).to(tl.pointer_type(buf_like.dtype.element_ty))
+            dst = tl.load(buf_ptrs + dest).to(tl.pointer_type(OUT))
             dot = 0.0
             for c in range(0, D, BLOCK_D):
                 ok = c + offs < D
@@ -107,10 +165,7 @@ def _push_rows_kernel(x_ptr, row_ptr, dest_ptr, buf_ptrs, buf_like, w_ptr, dw_pt
                     dot += tl.sum(v * y)
                 if SCALE:
                     v = v * tl.load(w_ptr + pair)
-                tl.store(dst + row * D + c + offs, v.to(buf_like.dtype.element_ty), mask=ok)
-            if SRC:
-                src = tl.load(src_ptrs + dest).to(tl.pointer_type(tl.int64))
-                tl.store(src + row, me * P_cap + pair)
+                tl.store(dst + row * D + c + offs, v.to(OUT), mask=ok)
             if DW:
                 tl.store(dw_ptr + pair, dot)
         elif DW:
@@ -118,41 +173,49 @@ def _push_rows_kernel(x_ptr, row_ptr, dest_ptr, buf_ptrs, buf_like, w_ptr, dw_pt
 
 
 @triton.jit
-def _push_back_kernel(y_ptr, src_ptr, n_ptr, ret_ptrs, ret_like, me, P_cap, D, BLOCK_D: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    if r < tl.load(n_ptr):
-        src = tl.load(src_ptr + r)
+def _push_back_kernel(y_ptr, src_ptr, n_ptr, ret_ptrs, flag_ptrs, me, G, P_cap, D,
+                      OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs = tl.arange(0, BLOCK_D)
+    n = tl.load(n_ptr).to(tl.int64)
+    for tile in range(tl.program_id(0), tl.cdiv(n, BLOCK_R), tl.num_programs(0)):
+        r = tile * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+        src = tl.load(src_ptr + r, mask=r < n, other=0)
         rank = src // P_cap
-        if rank != me:
-            dst = tl.load(ret_ptrs + rank).to(tl.pointer_type(ret_like.dtype.element_ty))
-            pair = src % P_cap
-            offs = tl.arange(0, BLOCK_D)
-            for c in range(0, D, BLOCK_D):
-                ok = c + offs < D
-                v = tl.load(y_ptr + r * D + c + offs, mask=ok, other=0.0)
-                tl.store(dst + pair * D + c + offs, v.to(ret_like.dtype.element_ty), mask=ok)
+        away = (r < n) & (rank != me)
+        to_rows = tl.load(ret_ptrs + rank, mask=away, other=0).to(tl.pointer_type(OUT)) + (src % P_cap) * D
+        for c in range(0, D, BLOCK_D):
+            ok = away[:, None] & (c + offs[None, :] < D)
+            v = tl.load(y_ptr + r[:, None] * D + c + offs[None, :], mask=ok, other=0.0)
+            tl.store(to_rows[:, None] + c + offs[None, :], v.to(OUT), mask=ok)
+    for g in range(G):
+        if g != me:
+            _signal(flag_ptrs, g)
 
 
 @triton.jit
-def _sum_pairs_kernel(out_ptr, row_ptr, dest_ptr, own_ptr, ret_ptr, w_ptr, me, D, K,
-                      WEIGHTED: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _sum_pairs_kernel(out_ptr, row_ptr, dest_ptr, own_ptr, ret_ptr, w_ptr, flag_ptr, target, timeout_ns, me, T, D, K,
+                      WEIGHTED: tl.constexpr, WAIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    if WAIT:
+        _wait(flag_ptr, target, timeout_ns)
     offs = tl.arange(0, BLOCK_D)
-    for c in range(0, D, BLOCK_D):
-        ok = c + offs < D
-        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        for k in range(K):
-            pair = t * K + k
-            row = tl.load(row_ptr + pair).to(tl.int64)
-            if row >= 0:
-                if tl.load(dest_ptr + pair) == me:
-                    v = tl.load(own_ptr + row * D + c + offs, mask=ok, other=0.0).to(tl.float32)
-                else:
-                    v = tl.load(ret_ptr + pair * D + c + offs, mask=ok, other=0.0).to(tl.float32)
+    for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
+        t = tile * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+        for c in range(0, D, BLOCK_D):
+            ok_d = c + offs[None, :] < D
+            acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+            for k in range(K):
+                pair = t * K + k
+                row = tl.load(row_ptr + pair, mask=t < T, other=-1)
+                here = tl.load(dest_ptr + pair, mask=t < T, other=0) == me
+                v = tl.load(own_ptr + row[:, None] * D + c + offs[None, :], mask=((row >= 0) & here)[:, None] & ok_d,
+                            other=0.0).to(tl.float32)
+                v += tl.load(ret_ptr + pair[:, None] * D + c + offs[None, :], mask=((row >= 0) & ~here)[:, None] & ok_d,
+                             other=0.0).to(tl.float32)
                 if WEIGHTED:
-                    v = v * tl.load(w_ptr + pair)
+                    v = v * tl.load(w_ptr + pair, mask=t < T, other=0.0)[:, None]
                 acc += v
-        tl.store(out_ptr + t * D + c + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+            tl.store(out_ptr + t[:, None] * D + c + offs[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=(t < T)[:, None] & ok_d)
 
 
 def _check_pairs(row_TK: torch.Tensor, dest_TK: torch.Tensor) -> None:
@@ -167,6 +230,11 @@ def _check_ptrs(name: str, ptrs_G: torch.Tensor) -> None:
         raise ValueError(f"{name} must be an int64 vector of buffer addresses, got {ptrs_G.dtype} {tuple(ptrs_G.shape)}")
 
 
+def _check_flag(flag: torch.Tensor) -> None:
+    if flag.dtype != torch.int64 or flag.numel() != 1:
+        raise ValueError(f"flag must be a 1-element int64 tensor, got {flag.dtype} {tuple(flag.shape)}")
+
+
 def _check_w(w_TK: torch.Tensor | None, T: int, K: int) -> None:
     if w_TK is not None and (w_TK.shape != (T, K) or w_TK.dtype != torch.float32):
         raise ValueError(f"w_TK must be fp32 ({T}, {K}), got {w_TK.dtype} {tuple(w_TK.shape)}")
@@ -178,43 +246,76 @@ def _check_rows(name: str, t: torch.Tensor, rows: int | None, D: int) -> None:
         raise ValueError(f"{name} must be contiguous {want}, got {tuple(t.shape)}")
 
 
-def put_counts(counts_E: torch.Tensor, cnt_ptrs_G: torch.Tensor, me: int) -> None:
-    """Write ``counts_E`` (E,) int64 as row ``me`` of every rank's (G, E) int64 counts buffer."""
+def _tl_dtype(dtype: torch.dtype):
+    if dtype not in _TL_DTYPES:
+        raise ValueError(f"buffer dtype must be one of {list(_TL_DTYPES)}, got {dtype}")
+    return _TL_DTYPES[dtype]
+
+
+def _grid(tiles: int) -> int:
+    return max(1, min(tiles, _MAX_PROGRAMS))
+
+
+def put_counts(counts_E: torch.Tensor, cnt_ptrs_G: torch.Tensor, flag_ptrs_G: torch.Tensor, me: int) -> None:
+    """Write ``counts_E`` (E,) int64 as row ``me`` of every rank's (G, E) int64 counts buffer, then
+    add 1 to every rank's int64 flag (``flag_ptrs_G``): G signals per call reach each rank."""
     if counts_E.dtype != torch.int64 or not counts_E.is_contiguous():
         raise ValueError("counts_E must be a contiguous int64 vector")
     _check_ptrs("cnt_ptrs_G", cnt_ptrs_G)
+    _check_ptrs("flag_ptrs_G", flag_ptrs_G)
     E = counts_E.numel()
-    _put_counts_kernel[(cnt_ptrs_G.numel(),)](counts_E, cnt_ptrs_G, me, E, BLOCK_E=triton.next_power_of_2(E))
+    _put_counts_kernel[(cnt_ptrs_G.numel(),)](counts_E, cnt_ptrs_G, flag_ptrs_G, me, E,
+                                              BLOCK_E=triton.next_power_of_2(E))
 
 
-def p2p_routes(order_P: torch.Tensor, counts_GE: torch.Tensor, me: int, K: int):
-    """Where this rank's kept pairs land, from the (G, E) int64 count matrix (row s: what rank s
-    keeps for each expert; experts ``[d·L, (d+1)·L)`` on rank d) and ``order_P`` (P,) int64, the
-    kept pairs sorted by expert then the dropped ones. A destination d stores its rows in blocks
-    [from d itself; from the other ranks in rank order], each block by local expert.
+def dispatch_rows(x_TD: torch.Tensor, order_P: torch.Tensor, counts_GE: torch.Tensor, flag: torch.Tensor, target: int,
+                  recv_ptrs_G: torch.Tensor, src_ptrs_G: torch.Tensor, recv_dtype: torch.dtype, me: int, K: int,
+                  P_cap: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, timeout_ms: int = TIMEOUT_MS):
+    """Wait until ``flag`` (1-element int64, this rank's counts flag) reaches ``target``, then
+    route and move this rank's kept pairs.
+
+    ``counts_GE`` (G, E) int64: row s = what rank s keeps for each expert, experts ``[d·L,
+    (d+1)·L)`` on rank d. ``order_P`` (P = T·K,) int64: the kept pairs sorted by expert, then the
+    dropped ones. A destination d stores its rows in blocks [from d itself; from the other ranks
+    in rank order], each block by local expert; every kept pair's row of x_TD (T, D) goes to
+    row ``row`` of rank ``dest``'s receive buffer (``recv_ptrs_G``, of ``recv_dtype``) and
+    ``me · P_cap + t·K + k`` to the same row of its (R_cap,) int64 source buffer.
 
     Returns ``row_TK``, ``dest_TK`` (T, K) int64 (row -1: dropped) and this rank's segment ends
     ``offsets_GL`` (G·L,) int32, blocks as at any destination, segment b·L + l: block b, local
-    expert l."""
-    if order_P.dtype != torch.int64 or order_P.dim() != 1 or order_P.numel() % K:
-        raise ValueError(f"order_P must be an int64 vector of T·K pairs, got {order_P.dtype} {tuple(order_P.shape)}")
+    expert l; into ``out`` when given."""
     if counts_GE.dtype != torch.int64 or counts_GE.dim() != 2 or counts_GE.shape[1] % counts_GE.shape[0]:
         raise ValueError(f"counts_GE must be int64 (G, E) with G dividing E, got {counts_GE.dtype} {tuple(counts_GE.shape)}")
+    if x_TD.dim() != 2:
+        raise ValueError(f"x_TD must be (T, D), got {tuple(x_TD.shape)}")
+    T, D = x_TD.shape
+    P = order_P.numel()
+    if order_P.dtype != torch.int64 or order_P.dim() != 1 or P != T * K:
+        raise ValueError(f"order_P must be an int64 vector of T·K = {T * K} pairs, got {order_P.dtype} {tuple(order_P.shape)}")
+    if P_cap < P:
+        raise ValueError(f"P_cap = {P_cap} is below the T·K = {P} pairs")
+    _check_flag(flag)
+    _check_ptrs("recv_ptrs_G", recv_ptrs_G)
+    _check_ptrs("src_ptrs_G", src_ptrs_G)
     G, E = counts_GE.shape
-    L, P = E // G, order_P.numel()
-    device = order_P.device
-    row_TK = torch.empty((P // K, K), dtype=torch.int64, device=device)
-    dest_TK = torch.empty((P // K, K), dtype=torch.int64, device=device)
-    offsets_GL = torch.empty(G * L, dtype=torch.int32, device=device)
-    block = 128
-    _routes_kernel[(max(triton.cdiv(P, block), 1),)](
-        order_P, counts_GE.contiguous(), row_TK, dest_TK, offsets_GL, me, G, L, E, P,
-        GP=triton.next_power_of_2(G), LP=triton.next_power_of_2(L), BLOCK_P=block, num_warps=4)
+    L = E // G
+    device = x_TD.device
+    if out is None:
+        out = (torch.empty((T, K), dtype=torch.int64, device=device), torch.empty((T, K), dtype=torch.int64, device=device),
+               torch.empty(G * L, dtype=torch.int32, device=device))
+    row_TK, dest_TK, offsets_GL = out
+    if row_TK.shape != (T, K) or dest_TK.shape != (T, K) or offsets_GL.shape != (G * L,):
+        raise ValueError(f"out must be (T, K) = ({T}, {K}), ({T}, {K}) and ({G * L},) tensors")
+    _dispatch_rows_kernel[(_grid(triton.cdiv(P, _BLOCK_ROWS)),)](
+        x_TD.contiguous(), order_P, counts_GE.contiguous(), flag, target, timeout_ms * 1_000_000, row_TK, dest_TK,
+        offsets_GL, recv_ptrs_G, src_ptrs_G, me, G, L, E, P, K, P_cap, D,
+        OUT=_tl_dtype(recv_dtype), GP=triton.next_power_of_2(G), LP=triton.next_power_of_2(L), BLOCK_P=_BLOCK_ROWS,
+        BLOCK_D=_BLOCK_D, num_warps=4)
     return row_TK, dest_TK, offsets_GL
 
 
 def p2p_routes_reference(order_P: torch.Tensor, counts_GE: torch.Tensor, me: int, K: int):
-    """PyTorch version of :func:`p2p_routes` (plain loops)."""
+    """PyTorch version of the routes of :func:`dispatch_rows` (plain loops)."""
     G, E = counts_GE.shape
     L = E // G
     C = counts_GE.view(G, G, L).tolist()  # [source, destination, local expert]
@@ -234,15 +335,11 @@ def p2p_routes_reference(order_P: torch.Tensor, counts_GE: torch.Tensor, me: int
 
 def push_rows(x_TD: torch.Tensor, row_TK: torch.Tensor, dest_TK: torch.Tensor, buf_ptrs_G: torch.Tensor,
               buf_dtype: torch.dtype, w_TK: torch.Tensor | None = None, *, me: int = 0,
-              src_ptrs_G: torch.Tensor | None = None, P_cap: int = 0,
               own_RD: torch.Tensor | None = None, ret_PD: torch.Tensor | None = None) -> torch.Tensor | None:
     """Store each kept pair's row of x_TD (T, D) (``w · x[t]`` in fp32 when ``w_TK`` (T, K) fp32
-    is given) into its rank's receive buffer of ``buf_dtype``.
-
-    With ``src_ptrs_G`` also store ``me · P_cap + t · K + k`` into the destination's (R_cap,)
-    int64 source buffer at the same row. With ``own_RD`` (rows, D) and ``ret_PD`` (≥ T·K, D) also
-    return ``dw_TK`` (T, K) fp32 = ``<x[t], y>``, y the pair's row (``own_RD[row]`` where
-    ``dest == me``, else ``ret_PD[t·K + k]``); 0 for dropped pairs."""
+    is given) into its rank's buffer of ``buf_dtype``. With ``own_RD`` (rows, D) and ``ret_PD``
+    (≥ T·K, D) also return ``dw_TK`` (T, K) fp32 = ``<x[t], y>``, y the pair's row
+    (``own_RD[row]`` where ``dest == me``, else ``ret_PD[t·K + k]``); 0 for dropped pairs."""
     _check_pairs(row_TK, dest_TK)
     _check_ptrs("buf_ptrs_G", buf_ptrs_G)
     T, D = x_TD.shape
@@ -257,46 +354,47 @@ def push_rows(x_TD: torch.Tensor, row_TK: torch.Tensor, dest_TK: torch.Tensor, b
         _check_rows("ret_PD", ret_PD, None, D)
         if ret_PD.shape[0] < T * K:
             raise ValueError(f"ret_PD has {ret_PD.shape[0]} rows, fewer than the T·K = {T * K} pairs")
-    if src_ptrs_G is not None:
-        _check_ptrs("src_ptrs_G", src_ptrs_G)
-        if P_cap < T * K:
-            raise ValueError(f"P_cap = {P_cap} is below the T·K = {T * K} pairs")
-    device = x_TD.device
     x_TD = x_TD.contiguous()
-    dw_TK = torch.empty((T, K), dtype=torch.float32, device=device) if own_RD is not None else None
+    dw_TK = torch.empty((T, K), dtype=torch.float32, device=x_TD.device) if own_RD is not None else None
     if T:
-        buf_like = torch.empty(0, dtype=buf_dtype, device=device)
         _push_rows_kernel[(T,)](
-            x_TD, row_TK.contiguous(), dest_TK.contiguous(), buf_ptrs_G, buf_like,
+            x_TD, row_TK.contiguous(), dest_TK.contiguous(), buf_ptrs_G,
             x_TD if w_TK is None else w_TK.contiguous(), x_TD if dw_TK is None else dw_TK,
-            x_TD if own_RD is None else own_RD, x_TD if ret_PD is None else ret_PD,
-            buf_ptrs_G if src_ptrs_G is None else src_ptrs_G, me, P_cap, D, K,
-            SCALE=w_TK is not None, DW=own_RD is not None, SRC=src_ptrs_G is not None, BLOCK_D=_BLOCK_D, num_warps=4)
+            x_TD if own_RD is None else own_RD, x_TD if ret_PD is None else ret_PD, me, D, K,
+            OUT=_tl_dtype(buf_dtype), SCALE=w_TK is not None, DW=own_RD is not None, BLOCK_D=_BLOCK_D, num_warps=4)
     return dw_TK
 
 
 def push_back(y_RD: torch.Tensor, src_R: torch.Tensor, n_rows: torch.Tensor, ret_ptrs_G: torch.Tensor,
-              ret_dtype: torch.dtype, me: int, P_cap: int) -> None:
+              ret_dtype: torch.dtype, me: int, P_cap: int, flag_ptrs_G: torch.Tensor) -> int:
     """Send the valid rows of y_RD (R, D) home: row r < ``n_rows`` (a 1-element int32/int64 device
     tensor) with ``src_R[r] = s · P_cap + p`` and s ≠ ``me`` is stored at row p of rank s's return
-    buffer (of ``ret_dtype``). Rows from ``me`` stay (``sum_pairs`` reads them in place)."""
+    buffer (of ``ret_dtype``). Rows from ``me`` stay (``sum_pairs`` reads them in place). Then
+    every program adds 1 to every other rank's int64 flag (``flag_ptrs_G``).
+
+    Returns the signals each other rank receives from this call: the grid, a function of R only,
+    so every rank of a dispatcher (same R_cap) sends the same number."""
     if src_R.dtype != torch.int64 or src_R.dim() != 1 or src_R.shape[0] < y_RD.shape[0]:
         raise ValueError(f"src_R must be int64 with ≥ {y_RD.shape[0]} entries, got {src_R.dtype} {tuple(src_R.shape)}")
     if n_rows.numel() != 1 or n_rows.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"n_rows must be a 1-element int32/int64 tensor, got {n_rows.dtype} {tuple(n_rows.shape)}")
     _check_ptrs("ret_ptrs_G", ret_ptrs_G)
+    _check_ptrs("flag_ptrs_G", flag_ptrs_G)
     _check_rows("y_RD", y_RD, None, y_RD.shape[1] if y_RD.dim() == 2 else -1)
     R, D = y_RD.shape
-    if R:
-        _push_back_kernel[(R,)](y_RD, src_R, n_rows, ret_ptrs_G, torch.empty(0, dtype=ret_dtype, device=y_RD.device),
-                                me, P_cap, D, BLOCK_D=_BLOCK_D, num_warps=4)
+    grid = _grid(triton.cdiv(R, _BLOCK_ROWS))
+    _push_back_kernel[(grid,)](y_RD, src_R, n_rows, ret_ptrs_G, flag_ptrs_G, me, flag_ptrs_G.numel(), P_cap, D,
+                               OUT=_tl_dtype(ret_dtype), BLOCK_R=_BLOCK_ROWS, BLOCK_D=_BLOCK_D, num_warps=4)
+    return grid
 
 
 def sum_pairs(row_TK: torch.Tensor, dest_TK: torch.Tensor, own_RD: torch.Tensor, ret_PD: torch.Tensor, me: int,
-              w_TK: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+              w_TK: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+              flag: torch.Tensor | None = None, target: int = 0, timeout_ms: int = TIMEOUT_MS) -> torch.Tensor:
     """``out_TD[t] = Σ_k (w[t, k] ·) y`` over the kept pairs, y = ``own_RD[row]`` (R, D) where
     ``dest == me``, else ``ret_PD[t·K + k]`` (≥ T·K, D); fp32 sums cast to ``out_dtype`` (default
-    own_RD's dtype)."""
+    own_RD's dtype). With ``flag`` (1-element int64) it first waits until the flag reaches
+    ``target`` (the peers' ``push_back`` signals)."""
     _check_pairs(row_TK, dest_TK)
     T, K = row_TK.shape
     D = own_RD.shape[1] if own_RD.dim() == 2 else -1
@@ -305,25 +403,27 @@ def sum_pairs(row_TK: torch.Tensor, dest_TK: torch.Tensor, own_RD: torch.Tensor,
     if ret_PD.shape[0] < T * K:
         raise ValueError(f"ret_PD has {ret_PD.shape[0]} rows, fewer than the T·K = {T * K} pairs")
     _check_w(w_TK, T, K)
+    if flag is not None:
+        _check_flag(flag)
     out_TD = torch.empty((T, D), dtype=out_dtype or own_RD.dtype, device=own_RD.device)
-    if T:
-        _sum_pairs_kernel[(T,)](
+    # launched with T = 0 too when waiting: the wait is what orders this rank's later stores into
+    # the peers' buffers after the peers' reads of theirs
+    if T or flag is not None:
+        _sum_pairs_kernel[(_grid(triton.cdiv(T, _BLOCK_ROWS)),)](
             out_TD, row_TK.contiguous(), dest_TK.contiguous(), own_RD, ret_PD,
-            out_TD if w_TK is None else w_TK.contiguous(), me, D, K,
-            WEIGHTED=w_TK is not None, BLOCK_D=_BLOCK_D, num_warps=4)
+            out_TD if w_TK is None else w_TK.contiguous(), out_TD if flag is None else flag, target,
+            timeout_ms * 1_000_000, me, T, D, K,
+            WEIGHTED=w_TK is not None, WAIT=flag is not None, BLOCK_T=_BLOCK_ROWS, BLOCK_D=_BLOCK_D, num_warps=4)
     return out_TD
 
 
-def push_rows_reference(x_TD, row_TK, dest_TK, bufs, w_TK=None, *, me=0, srcs=None, P_cap=0, own_RD=None,
-                        ret_PD=None):
+def push_rows_reference(x_TD, row_TK, dest_TK, bufs, w_TK=None, *, me=0, own_RD=None, ret_PD=None):
     """PyTorch version of :func:`push_rows` over lists of buffers (one per rank)."""
     T, K = row_TK.shape
     kept = row_TK >= 0
     for t, k in kept.nonzero().tolist():
         v = x_TD[t].float() * (w_TK[t, k] if w_TK is not None else 1.0)
         bufs[dest_TK[t, k]][row_TK[t, k]] = v.to(bufs[0].dtype)
-        if srcs is not None:
-            srcs[dest_TK[t, k]][row_TK[t, k]] = me * P_cap + t * K + k
     if own_RD is None:
         return None
     dw = torch.zeros(T, K, dtype=torch.float32, device=x_TD.device)
@@ -334,7 +434,7 @@ def push_rows_reference(x_TD, row_TK, dest_TK, bufs, w_TK=None, *, me=0, srcs=No
 
 
 def push_back_reference(y_RD, src_R, n_rows, rets, me, P_cap):
-    """PyTorch version of :func:`push_back` over a list of return buffers (one per rank)."""
+    """PyTorch version of :func:`push_back` (the rows; no flags) over a list of return buffers."""
     for r in range(int(n_rows)):
         s, p = divmod(int(src_R[r]), P_cap)
         if s != me:

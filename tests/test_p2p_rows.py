@@ -1,15 +1,21 @@
 """Peer-store kernels (parallel/p2p_rows.py) and the P2P dispatcher's routes, in one process:
 G "ranks" are G local buffers whose addresses form the pointer table, as symmetric memory gives
-them. On CPU the kernels run in Triton's interpreter (fp32/fp16); the 2-GPU run of the whole
-dispatcher is in tests/test_parallel.py.
+them, and every rank's phase runs before the next phase (so every wait is already satisfied; the
+flags' counts are checked). On CPU the kernels run in Triton's interpreter (fp32/fp16); the 2-GPU
+run of the whole dispatcher is in tests/test_parallel.py.
 """
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from moe.capacity import plan_routing
 from parallel.p2p_rows import (
-    p2p_routes, p2p_routes_reference, push_back, push_back_reference, push_rows, push_rows_reference, put_counts, sum_pairs, sum_pairs_reference,
+    dispatch_rows, p2p_routes_reference, push_back, push_back_reference, push_rows, push_rows_reference, put_counts,
+    sum_pairs, sum_pairs_reference,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -25,10 +31,15 @@ CASES = {
     "one_token": ((1, 1, 1), 3, 2, None, "random"),
 }
 G = 3
+TIMEOUT_MS = 20_000  # a wrong target traps after this on a GPU instead of hanging the test run
 
 
 def _ptrs(bufs):
     return torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=DEVICE)
+
+
+def _flags(n=G):
+    return [torch.zeros(1, dtype=torch.int64, device=DEVICE) for _ in range(n)]
 
 
 def _plans(case, seed=0):
@@ -59,14 +70,14 @@ def test_dispatcher_data_flow_in_one_process(case):
     plans, experts = _plans(case)
     xs = [torch.randn(T, D, device=DEVICE) for T in tokens]
     counts = [torch.full((G, E), -1, dtype=torch.int64, device=DEVICE) for _ in range(G)]
+    counts_flags = _flags()
     for r in range(G):
-        put_counts(plans[r].kept_per_expert_E, _ptrs(counts), r)
-    routes = [p2p_routes(plans[r].order_P, counts[r], r, K) for r in range(G)]
+        put_counts(plans[r].kept_per_expert_E, _ptrs(counts), _ptrs(counts_flags), r)
+    assert [int(f) for f in counts_flags] == [G] * G
     recv = [torch.full((R_cap, D), float("nan"), device=DEVICE) for _ in range(G)]
     src = [torch.full((R_cap,), -1, dtype=torch.int64, device=DEVICE) for _ in range(G)]
-    for r in range(G):
-        push_rows(xs[r], routes[r][0], routes[r][1], _ptrs(recv), torch.float32, me=r, src_ptrs_G=_ptrs(src),
-                  P_cap=P_cap)
+    routes = [dispatch_rows(xs[r], plans[r].order_P, counts[r], counts_flags[r], G, _ptrs(recv), _ptrs(src),
+                            torch.float32, r, K, P_cap, timeout_ms=TIMEOUT_MS) for r in range(G)]
     for d in range(G):
         expected, origin, ends = [], [], []
         for s in [d] + [r for r in range(G) if r != d]:
@@ -86,25 +97,42 @@ def test_dispatcher_data_flow_in_one_process(case):
 
     ys = [2 * b + 1 for b in recv]  # padding rows stay NaN: nothing may read them
     ret = [torch.full((P_cap, D), float("nan"), device=DEVICE) for _ in range(G)]
-    for r in range(G):
-        push_back(ys[r], src[r], routes[r][2][-1:], _ptrs(ret), torch.float32, r, P_cap)
+    back_flags = _flags()
+    signals = [push_back(ys[r], src[r], routes[r][2][-1:], _ptrs(ret), torch.float32, r, P_cap, _ptrs(back_flags))
+               for r in range(G)]
+    assert len(set(signals)) == 1 and [int(f) for f in back_flags] == [(G - 1) * signals[0]] * G
+    target = (G - 1) * signals[0]
     gs = [torch.randn(T, D, device=DEVICE) for T in tokens]
     grad_rows = [torch.full((R_cap, D), float("nan"), device=DEVICE) for _ in range(G)]
     ws = [torch.rand(T, K, device=DEVICE) for T in tokens]
     for r in range(G):
         w = ws[r]
         kept = plans[r].kept_TK
-        out = sum_pairs(routes[r][0], routes[r][1], ys[r], ret[r], r, w)
+        out = sum_pairs(routes[r][0], routes[r][1], ys[r], ret[r], r, w, flag=back_flags[r], target=target,
+                        timeout_ms=TIMEOUT_MS)
         torch.testing.assert_close(out, (2 * xs[r] + 1) * (w * kept).sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
         dw = push_rows(gs[r], routes[r][0], routes[r][1], _ptrs(grad_rows), torch.float32, w, me=r,
                        own_RD=ys[r], ret_PD=ret[r])
         torch.testing.assert_close(dw, torch.where(kept, (gs[r] * (2 * xs[r] + 1)).sum(-1, keepdim=True), 0.0),
                                    rtol=1e-5, atol=1e-4)
     for r in range(G):  # identity experts' backward: the rows' gradient is what arrived
-        push_back(grad_rows[r], src[r], routes[r][2][-1:], _ptrs(ret), torch.float32, r, P_cap)
+        push_back(grad_rows[r], src[r], routes[r][2][-1:], _ptrs(ret), torch.float32, r, P_cap, _ptrs(back_flags))
     for r in range(G):
-        dx = sum_pairs(routes[r][0], routes[r][1], grad_rows[r], ret[r], r)
+        dx = sum_pairs(routes[r][0], routes[r][1], grad_rows[r], ret[r], r, flag=back_flags[r], target=2 * target,
+                       timeout_ms=TIMEOUT_MS)
         torch.testing.assert_close(dx, gs[r] * (ws[r] * plans[r].kept_TK).sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
+
+
+def _routes(order, counts, me, K):
+    """dispatch_rows' routes for a count matrix, its rows moved into scratch buffers (D = 1)."""
+    G_ = counts.shape[0]
+    T = order.numel() // K
+    rows = max(int(counts.sum()), 1)
+    recv = [torch.zeros(rows, 1, device=DEVICE) for _ in range(G_)]
+    src = [torch.zeros(rows, dtype=torch.int64, device=DEVICE) for _ in range(G_)]
+    flag = torch.ones(1, dtype=torch.int64, device=DEVICE)
+    return dispatch_rows(torch.zeros(T, 1, device=DEVICE), order.to(DEVICE), counts.to(DEVICE), flag, 1, _ptrs(recv),
+                         _ptrs(src), torch.float32, me, K, T * K, timeout_ms=TIMEOUT_MS)
 
 
 @pytest.mark.parametrize("G_, E, K", [(2, 8, 2), (3, 6, 3), (4, 12, 1), (5, 5, 2), (8, 64, 8)])
@@ -124,7 +152,7 @@ def test_routes_match_the_reference(G_, E, K):
         counts[G_ - 1] = 0
         counts[me] = torch.zeros(E, dtype=torch.int64).scatter_add_(0, experts[kept], torch.ones(int(kept.sum()), dtype=torch.int64))
         ref = p2p_routes_reference(order, counts, me, K)
-        got = p2p_routes(order.to(DEVICE), counts.to(DEVICE), me, K)
+        got = _routes(order, counts, me, K)
         for a, b in zip(got, ref):
             assert torch.equal(a.cpu(), b), (me, a, b)
 
@@ -151,15 +179,11 @@ def test_kernels_match_their_references(T, K, D, dtype):
     tol = TOLERANCE[dtype]
 
     bufs = [torch.zeros(rows, D, device=DEVICE, dtype=dtype) for _ in range(G)]
-    srcs = [torch.full((rows,), -1, dtype=torch.int64, device=DEVICE) for _ in range(G)]
-    ref_bufs, ref_srcs = [b.clone() for b in bufs], [s.clone() for s in srcs]
-    dw = push_rows(x, row, dest, _ptrs(bufs), dtype, w, me=me, src_ptrs_G=_ptrs(srcs), P_cap=P_cap, own_RD=own,
-                   ret_PD=ret)
-    dw_ref = push_rows_reference(x, row, dest, ref_bufs, w, me=me, srcs=ref_srcs, P_cap=P_cap, own_RD=own, ret_PD=ret)
+    ref_bufs = [b.clone() for b in bufs]
+    dw = push_rows(x, row, dest, _ptrs(bufs), dtype, w, me=me, own_RD=own, ret_PD=ret)
+    dw_ref = push_rows_reference(x, row, dest, ref_bufs, w, me=me, own_RD=own, ret_PD=ret)
     for b, r in zip(bufs, ref_bufs):
         torch.testing.assert_close(b.float(), r.float(), rtol=tol, atol=tol)
-    for s, r in zip(srcs, ref_srcs):
-        assert torch.equal(s, r)
     torch.testing.assert_close(dw, dw_ref, rtol=tol, atol=tol * D)
 
     y = torch.randn(rows, D, device=DEVICE).to(dtype)
@@ -167,10 +191,12 @@ def test_kernels_match_their_references(T, K, D, dtype):
     n = torch.tensor([rows - 2], dtype=torch.int32, device=DEVICE)
     rets = [torch.zeros(P_cap, D, device=DEVICE, dtype=dtype) for _ in range(G)]
     ref_rets = [r.clone() for r in rets]
-    push_back(y, src, n, _ptrs(rets), dtype, me, P_cap)
+    flags = _flags()
+    signals = push_back(y, src, n, _ptrs(rets), dtype, me, P_cap, _ptrs(flags))
     push_back_reference(y, src, n, ref_rets, me, P_cap)
     for a, b in zip(rets, ref_rets):
         assert torch.equal(a, b)
+    assert [int(f) for f in flags] == [0 if g == me else signals for g in range(G)]
 
     for out_dtype in (None, torch.float32):
         out = sum_pairs(row, dest, own, ret, me, w, out_dtype)
@@ -185,27 +211,63 @@ def test_put_counts_writes_one_row_of_every_buffer():
     E = 5
     bufs = [torch.full((G, E), -1, dtype=torch.int64, device=DEVICE) for _ in range(G)]
     counts = torch.arange(E, dtype=torch.int64, device=DEVICE) + 10
-    put_counts(counts, _ptrs(bufs), 1)
+    flags = _flags()
+    put_counts(counts, _ptrs(bufs), _ptrs(flags), 1)
     for b in bufs:
         assert torch.equal(b[1], counts) and (b[0] == -1).all() and (b[2] == -1).all()
+    assert [int(f) for f in flags] == [1] * G
 
 
 def test_bad_arguments_raise():
     row, dest = _random_pairs(4, 2, 10)
     ptrs = _ptrs([torch.zeros(10, 4, device=DEVICE)] * G)
     x = torch.randn(4, 4, device=DEVICE)
+    flag = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    counts = torch.zeros(G, 6, dtype=torch.int64, device=DEVICE)
+    order = torch.arange(8, device=DEVICE)
     with pytest.raises(ValueError, match="int64"):
         push_rows(x, row.int(), dest, ptrs, torch.float32)
     with pytest.raises(ValueError, match="tokens"):
         push_rows(x[:3], row, dest, ptrs, torch.float32)
+    with pytest.raises(ValueError, match="buffer dtype"):
+        push_rows(x, row, dest, ptrs, torch.int32)
     with pytest.raises(ValueError, match="w_TK"):
         sum_pairs(row, dest, x, torch.zeros(8, 4, device=DEVICE), 0, torch.rand(4, 3, device=DEVICE))
     with pytest.raises(ValueError, match="ret_PD"):
         sum_pairs(row, dest, x, torch.zeros(7, 4, device=DEVICE), 0)
+    with pytest.raises(ValueError, match="flag"):
+        sum_pairs(row, dest, x, torch.zeros(8, 4, device=DEVICE), 0, flag=flag.int(), target=1)
     with pytest.raises(ValueError, match="P_cap"):
-        push_rows(x, row, dest, ptrs, torch.float32, src_ptrs_G=ptrs, P_cap=7)
+        dispatch_rows(x, order, counts, flag, 0, ptrs, ptrs, torch.float32, 0, 2, 7)
+    with pytest.raises(ValueError, match="order_P"):
+        dispatch_rows(x, order[:7], counts, flag, 0, ptrs, ptrs, torch.float32, 0, 2, 8)
+    with pytest.raises(ValueError, match="counts_GE"):
+        dispatch_rows(x, order, counts[:, :5], flag, 0, ptrs, ptrs, torch.float32, 0, 2, 8)
     with pytest.raises(ValueError, match="n_rows"):
         push_back(x, torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(2, dtype=torch.int32), ptrs,
-                  torch.float32, 0, 8)
+                  torch.float32, 0, 8, ptrs)
     with pytest.raises(ValueError, match="counts_E"):
-        put_counts(torch.ones(3, dtype=torch.int32, device=DEVICE), ptrs, 0)
+        put_counts(torch.ones(3, dtype=torch.int32, device=DEVICE), ptrs, ptrs, 0)
+
+
+_NEVER_SIGNALLED = """
+import torch
+from parallel.p2p_rows import sum_pairs
+row = torch.zeros(2, 1, dtype=torch.int64, device="cuda")
+y = torch.ones(2, 4, device="cuda")
+flag = torch.zeros(1, dtype=torch.int64, device="cuda")
+sum_pairs(row, row, y, y, 0, flag=flag, target=1, timeout_ms=500)
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_wait_that_is_never_signalled_fails_instead_of_hanging():
+    """A peer that never signals (ranks disagreeing on the calls) ends in a CUDA error with the
+    kernel's message, after the timeout, not in a hang."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    proc = subprocess.run([sys.executable, "-c", _NEVER_SIGNALLED], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0
+    assert "P2P wait timed out" in proc.stdout + proc.stderr
