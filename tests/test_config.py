@@ -90,6 +90,9 @@ def test_yaml_errors_name_the_key(tmp_path, text, needle):
         (["--model.n_heads=3"], "model.dim"),
         (["--data.source=tokens"], "data.path"),
         (["--log.wandb_mode=sometimes"], "log.wandb_mode"),
+        (["--parallel.dispatcher=gloo"], "parallel.dispatcher"),
+        (["--parallel.dispatcher=p2p", "--parallel.device=cpu"], "parallel.dispatcher"),
+        (["--parallel.dispatcher=p2p", "--log.time_comm=true"], "log.time_comm"),  # the timer sees NCCL calls only
     ],
 )
 def test_cli_errors_name_the_key(args, needle):
@@ -117,6 +120,15 @@ def test_round_trip_yaml(tmp_path):
     cfg = apply_overrides(Config(), ["--model.dim=96", "--moe.capacity_factor=1.5"])
     back = from_yaml(_write(tmp_path, to_yaml(cfg)))
     assert back == cfg
+
+
+def test_dispatcher_key_from_yaml_and_cli(tmp_path):
+    assert Config().parallel.dispatcher == "nccl"
+    path = _write(tmp_path, "parallel:\n  ep: 2\n  dispatcher: p2p\n")
+    assert load_config(["--config", path], world_size=2).parallel.dispatcher == "p2p"
+    assert load_config(["--config", path, "--parallel.dispatcher=nccl"], world_size=2).parallel.dispatcher == "nccl"
+    cfg = load_config(["--parallel.dispatcher=p2p", "--parallel.device=cuda"], world_size=1)
+    assert from_yaml(_write(tmp_path, to_yaml(cfg), name="back.yaml")) == cfg
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml"))))

@@ -13,13 +13,15 @@ import numpy as np
 import pytest
 import torch
 
+from moe import moe_layers
 from train import checkpoint as ckpt
 from train.config import Config, apply_overrides, load_config
 from train.data import TokenStream, shard, stdlib_corpus, stdlib_files, val_batches
 from train.flops import forward_flops_per_token
 from train.logger import encode_png, load_heatmap
-from train.model import MoETransformer
+from train.model import MoETransformer, num_moe_blocks
 from train.optim import WarmupCosine, build_optimizer
+from train.runtime import Runtime
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # small and fast: 2 layers, D 64, seq 32
@@ -246,6 +248,24 @@ def test_checkpoint_keeps_the_newest(tmp_path):
     assert [os.path.basename(p) for p in ckpt.list_checkpoints(d)] == ["step_00000002", "step_00000003"]
 
 
+@pytest.mark.parametrize("n_layers, every", [(4, 1), (4, 2), (5, 2), (4, 3), (2, 3)])
+def test_num_moe_blocks_counts_the_models_moe_layers(n_layers, every):
+    cfg = load_config(SMALL[2:] + [f"--model.n_layers={n_layers}", f"--moe.every_n_layers={every}", "--model.dim=32",
+                                   "--moe.hidden_dim=16", "--model.dense_hidden_dim=16"])
+    assert num_moe_blocks(cfg) == len(moe_layers(MoETransformer(cfg)))
+
+
+def test_runtime_dispatcher_choice(monkeypatch):
+    one = Runtime(0, 0, 1, 1, torch.device("cpu"), None)
+    assert one.dispatcher("p2p", max_tokens=8, num_buffers=2) is None  # one process: the local path
+    fake_dims = object()  # never reached: the checks come before any group is touched
+    with pytest.raises(RuntimeError, match="parallel.dispatcher=p2p needs CUDA"):
+        Runtime(0, 0, 2, 2, torch.device("cpu"), fake_dims).dispatcher("p2p", max_tokens=8, num_buffers=2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # 2 nodes of 3 processes: rank 2's EP group spans both
+    with pytest.raises(RuntimeError, match="every EP group on one node"):
+        Runtime(0, 0, 6, 2, torch.device("cuda", 0), fake_dims).dispatcher("p2p", max_tokens=8, num_buffers=2)
+
+
 # ---------------------------------------------------------------- runs
 
 
@@ -360,6 +380,25 @@ def test_two_nodes_of_two_processes(tmp_path):
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
     assert "world 4 (ep 2, edp 2)" in "".join(outs)
     assert sorted(_losses(str(tmp_path / "tiny"))) == [1, 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_p2p_dispatcher_trains_like_nccl_on_two_gpus(tmp_path):
+    # fp32 so that the two transports differ only in summation order; grad_accum 2 and the
+    # validation passes take the buffer slots round-robin across forwards with and without grad
+    base = SMALL + ["--train.steps=4", "--train.grad_accum=2", "--train.precision=fp32", "--parallel.ep=2",
+                    "--parallel.device=cuda", f"--log.dir={tmp_path}"]
+    _torchrun(2, base + ["--parallel.dispatcher=nccl", "--log.run_name=nccl"])
+    proc = _torchrun(2, base + ["--parallel.dispatcher=p2p", "--log.run_name=p2p"])
+    assert "P2PDispatcher(ep_size=2, ep_rank=0, max_tokens=128, num_buffers=2)" in proc.stdout
+    nccl, p2p = _metrics(str(tmp_path / "nccl")), _metrics(str(tmp_path / "p2p"))
+    assert sorted(s for s in p2p if "train/loss" in p2p[s]) == [1, 2, 3, 4]
+    for s in (1, 2, 3, 4):
+        assert math.isfinite(p2p[s]["train/loss"])
+        assert p2p[s]["train/loss"] == pytest.approx(nccl[s]["train/loss"], rel=1e-3)
+    for s in (0, 4):
+        assert p2p[s]["val/loss"] == pytest.approx(nccl[s]["val/loss"], rel=1e-3)
 
 
 def test_nan_loss_stops_the_run_with_a_clear_error(tmp_path, monkeypatch):

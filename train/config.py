@@ -57,6 +57,9 @@ class MoEConfig:
 class ParallelConfig:
     ep: int = 1  # expert-parallel size; data parallel over the whole world, edp = world // ep
     device: str = "auto"  # auto (cuda if available) | cpu | cuda
+    # how MoE rows cross the EP group (ep > 1 only): nccl (all-to-all; any devices, any nodes) |
+    # p2p (NVLink stores into symmetric memory; CUDA, every EP group on one node)
+    dispatcher: str = "nccl"
 
 
 @dataclass
@@ -104,7 +107,8 @@ class LogConfig:
     heatmap_every: int = 50
     progress: bool = True
     # time the expert-parallel all-to-alls (CUDA events, read at log time): logs
-    # time/all_to_all_ms (per step, mean over ranks) and time/all_to_all_fraction of step time; ep > 1 only
+    # time/all_to_all_ms (per step, mean over ranks) and time/all_to_all_fraction of step time;
+    # ep > 1 and parallel.dispatcher=nccl only
     time_comm: bool = False
 
 
@@ -138,6 +142,7 @@ CHOICES = {
     "moe.activation": ("swiglu", "gelu"),
     "moe.score_func": ("softmax", "sigmoid"),
     "parallel.device": ("auto", "cpu", "cuda"),
+    "parallel.dispatcher": ("nccl", "p2p"),
     "data.source": ("stdlib", "tokens", "text"),
     "data.token_dtype": ("uint16", "uint32"),
     "train.precision": ("auto", "bf16", "fp32"),
@@ -295,6 +300,11 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(f"parallel.ep={cfg.parallel.ep} must divide the world size {world_size}")
     if cfg.moe.num_experts % cfg.parallel.ep:
         raise ConfigError(f"moe.num_experts={cfg.moe.num_experts} must be divisible by parallel.ep={cfg.parallel.ep}")
+    if cfg.parallel.dispatcher == "p2p" and cfg.parallel.device == "cpu":
+        raise ConfigError("parallel.dispatcher=p2p needs CUDA GPUs (symmetric memory), not parallel.device=cpu")
+    if cfg.parallel.dispatcher == "p2p" and cfg.log.time_comm:
+        # the timer brackets the NCCL all-to-alls; the P2P path makes none, so it would log 0 ms
+        raise ConfigError("log.time_comm=true times the NCCL all-to-alls only: not with parallel.dispatcher=p2p")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction: must be in (0, 1), got {cfg.data.val_fraction}")
     if cfg.data.source != "stdlib" and not cfg.data.path:

@@ -24,6 +24,15 @@ from moe import DenseMLP, GroupedExperts, MoELayer
 from train.config import Config
 
 
+def is_moe_block(cfg: Config, layer_idx: int) -> bool:
+    return (layer_idx + 1) % cfg.moe.every_n_layers == 0
+
+
+def num_moe_blocks(cfg: Config) -> int:
+    """MoE blocks in a model of ``cfg``: the dispatches one forward makes (P2P buffer slots)."""
+    return sum(is_moe_block(cfg, i) for i in range(cfg.model.n_layers))
+
+
 class Block(nn.Module):
     def __init__(self, cfg: Config, layer_idx: int, dispatcher=None):
         super().__init__()
@@ -32,7 +41,7 @@ class Block(nn.Module):
         self.attn_norm = nn.RMSNorm(m.dim, eps=m.norm_eps)
         self.attn = Attention(m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.rope_theta)
         self.ffn_norm = nn.RMSNorm(m.dim, eps=m.norm_eps)
-        self.is_moe = (layer_idx + 1) % e.every_n_layers == 0
+        self.is_moe = is_moe_block(cfg, layer_idx)
         if self.is_moe:
             self.ffn = MoELayer(
                 m.dim, e.hidden_dim, e.num_experts, e.top_k,

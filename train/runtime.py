@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parallel import ParallelDims, init_distributed
+from parallel import P2PDispatcher, ParallelDims, init_distributed
 
 
 @dataclass
@@ -43,8 +43,28 @@ class Runtime:
         dist.all_reduce(t)
         return (t / self.world_size).tolist()
 
-    def dispatcher(self):
-        return self.dims.dispatcher() if self.distributed and self.ep > 1 else None
+    def dispatcher(self, kind: str = "nccl", max_tokens: int = 0, num_buffers: int = 1):
+        """The MoE layers' expert-parallel dispatcher, None without one (one process or ep 1).
+
+        kind ``"nccl"``: the all-to-all :class:`~parallel.AllToAllDispatcher`. ``"p2p"``: the
+        :class:`~parallel.P2PDispatcher`, whose buffers hold ``max_tokens`` tokens per dispatch
+        in each of ``num_buffers`` slots (one per MoE layer).
+        """
+        if not self.distributed or self.ep == 1:
+            return None
+        if kind == "nccl":
+            return self.dims.dispatcher()
+        if kind != "p2p":
+            raise ValueError(f"parallel.dispatcher: unknown kind {kind!r} (nccl | p2p)")
+        if self.device.type != "cuda":
+            raise RuntimeError(f"parallel.dispatcher=p2p needs CUDA GPUs, but this run is on {self.device}")
+        # EP groups are consecutive ranks and torchrun starts as many on every node: each group
+        # lies within one node iff ep divides the processes per node
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        if per_node % self.ep:
+            raise RuntimeError(f"parallel.dispatcher=p2p needs every EP group on one node: "
+                               f"parallel.ep={self.ep} does not divide the {per_node} processes per node")
+        return P2PDispatcher(self.dims.ep_group, self.dims.world_group, max_tokens=max_tokens, num_buffers=num_buffers)
 
     def shutdown(self) -> None:
         if self.distributed:

@@ -35,7 +35,7 @@ from train.config import Config, ConfigError, load_config, to_yaml  # noqa: E402
 from train.data import TokenStream, load_splits, shard, val_batches  # noqa: E402
 from train.flops import param_counts, peak_flops, train_flops_per_token  # noqa: E402
 from train.logger import RunLogger  # noqa: E402
-from train.model import MoETransformer, expert_parameter_names  # noqa: E402
+from train.model import MoETransformer, expert_parameter_names, num_moe_blocks  # noqa: E402
 from train.optim import WarmupCosine, build_optimizer  # noqa: E402
 from train.runtime import Runtime, init_runtime  # noqa: E402
 
@@ -137,7 +137,11 @@ def main(argv: list[str]) -> dict:
     val_set = val_batches(shard(val_tokens, rt.rank, rt.world_size), d.seq_len, d.batch_size, d.val_batches)
 
     # ---- model, parallelized: the MoE layers get the EP dispatcher and hold E / ep experts
-    dispatcher = rt.dispatcher()
+    # (P2P buffers: a training and a validation micro-batch are both batch_size · seq_len tokens,
+    # and every MoE block holds a slot from its dispatch to its backward; a model without MoE
+    # blocks never dispatches, but a dispatcher has at least one slot)
+    dispatcher = rt.dispatcher(cfg.parallel.dispatcher, max_tokens=d.batch_size * d.seq_len,
+                               num_buffers=max(num_moe_blocks(cfg), 1))
     # all-to-all timing (ep > 1): every MoE layer shares this dispatcher, hence the one timer
     comm_timer = None
     if cfg.log.time_comm and dispatcher is not None:
@@ -173,6 +177,7 @@ def main(argv: list[str]) -> dict:
         f"world {rt.world_size} (ep {rt.ep}, edp {rt.world_size // rt.ep}) on {rt.device} | "
         f"params {counts['params_total'] / 1e6:.2f}M total, {counts['params_active'] / 1e6:.2f}M active | "
         f"{flops_per_token / 1e6:.1f} MFLOP/token (train) | {tokens_per_step} tokens/step"
+        + (f" | {dispatcher!r}" if dispatcher is not None else "")
         + (f" | resumed from {resume_from} at step {step}" if resume_from else "")
     )
     history = {"train_loss": {}, "val_loss": {}}
