@@ -30,6 +30,7 @@ A-vs-A column is ours / ours-again, the noise.
 
 import argparse
 import datetime
+import gc
 import os
 import platform
 import statistics
@@ -297,6 +298,11 @@ def main():
         for T in tokens:
             r = bench_row(make(T), dims, D, E, K, T, args.rounds, device, dtype, measure, args.backward,
                           nccl if p2p else None)
+            # free the row's buffers now: a P2P dispatcher's symmetric memory freed by a later garbage
+            # collection stalled one timing round of the next row (a 0.10 round, twice on 2×H200)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             last = f"{r['link_ratio']:.2f}" if p2p else f"{r['link_ms']:.3f}"
             lines.append(
                 f"| {name} | {T} | {r['mbytes']:.0f} | {r['ours_ms']:.3f} | {r['raw_ms']:.3f} | {r['ours_gbs']:.0f} | "

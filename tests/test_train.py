@@ -387,8 +387,9 @@ def test_two_nodes_of_two_processes(tmp_path):
 def test_p2p_dispatcher_trains_like_nccl_on_two_gpus(tmp_path):
     # fp32 so that the two transports differ only in summation order; grad_accum 2 and the
     # validation passes take the buffer slots round-robin across forwards with and without grad
-    base = SMALL + ["--train.steps=4", "--train.grad_accum=2", "--train.precision=fp32", "--parallel.ep=2",
-                    "--parallel.device=cuda", f"--log.dir={tmp_path}"]
+    # (2 heads: the GPU attention kernel takes head dims 32/64/128, SMALL's 4 heads of 16 run only on CPU)
+    base = SMALL + ["--model.n_heads=2", "--train.steps=4", "--train.grad_accum=2", "--train.precision=fp32",
+                    "--parallel.ep=2", "--parallel.device=cuda", f"--log.dir={tmp_path}"]
     _torchrun(2, base + ["--parallel.dispatcher=nccl", "--log.run_name=nccl"])
     proc = _torchrun(2, base + ["--parallel.dispatcher=p2p", "--log.run_name=p2p"])
     assert "P2PDispatcher(ep_size=2, ep_rank=0, max_tokens=128, num_buffers=2)" in proc.stdout
