@@ -11,14 +11,12 @@ grouped GEMM skips and zero-fills), so the host never needs R. Each dispatch hol
 buffers until its backward, taken round-robin from ``num_buffers`` slots; the same call order on
 every rank means every rank takes the same slot.
 
-``dispatch``:
-1. Every rank writes its per-expert counts into every rank's counts buffer and signals that
-   rank's counts flag (one tiny kernel).
-2. One kernel waits until all G ranks have signalled, computes from the (G, E) count matrix
-   where each of this rank's kept pairs lands and this rank's segment ends, and stores every kept
-   pair's row straight into its destination rank's receive buffer (own rows into its own)
-   together with where it came from (:func:`~parallel.p2p_rows.dispatch_rows`); then a barrier,
-   so the rows are complete when ``dispatch`` returns them.
+``dispatch``: one kernel (:func:`~parallel.p2p_rows.dispatch_rows`) writes this rank's
+per-expert counts into every rank's count matrix and signals that rank's counts flag, waits until
+all G ranks have signalled, computes from the (G, E) count matrix where each of this rank's kept
+pairs lands and this rank's segment ends, and stores every kept pair's row straight into its
+destination rank's receive buffer (own rows into its own) together with where it came from; then
+a barrier, so the rows are complete when ``dispatch`` returns them.
 
 ``combine``: every rank stores the valid rows of its expert output that came from another rank
 into that rank's return buffer, at the pair's place (the rows from itself stay), each program
@@ -31,7 +29,7 @@ per dispatcher, shared by the slots: it is consumed by the experts' backward bef
 combine backward) and computes ``dw`` in the same pass from the rows the forward received back;
 then a barrier.
 
-Ordering: 5 launches per forward (4 Triton kernels and one barrier), 4 per backward. Flags only
+Ordering: 4 launches per forward (3 Triton kernels and one barrier), 4 per backward. Flags only
 grow; the host keeps, per slot, the value each flag reaches after the signals sent so far (every
 rank makes the same calls, so every rank knows it). Writers never overrun readers: every rank's
 counts reach a peer only after that rank finished everything before its dispatch, and the
@@ -62,7 +60,7 @@ from torch.autograd.graph import increment_version
 from moe.capacity import RoutingPlan
 from moe.dispatch import LocalDispatchMeta
 from parallel.dispatcher import AllToAllDispatcher, _keep_in_graph
-from parallel.p2p_rows import dispatch_rows, push_back, push_rows, put_counts, sum_pairs
+from parallel.p2p_rows import dispatch_rows, push_back, push_rows, sum_pairs
 
 _BARRIER_TIMEOUT_MS = 120_000
 _ALIGN = 256
@@ -95,19 +93,21 @@ class _SymmetricBuffer:
 class _Slot:
     """The buffers one dispatch holds until its backward: ``recv`` (R_cap, D) rows received,
     ``src`` (R_cap,) int64 where each came from, ``ret`` (P_cap, D) this rank's pairs' rows sent
-    back, ``counts`` (G, E) int64, and two int64 flags (``counts_flag``, ``back_flag``) that the
-    peers' kernels signal. ``generation`` counts the dispatches that took the slot."""
+    back, ``counts`` (G, E) int64, two int64 flags (``counts_flag``, ``back_flag``) that the
+    peers' kernels signal and this rank's dispatch ``ticket``. ``generation`` counts the dispatches that took the slot."""
 
     def __init__(self, group, R_cap: int, P_cap: int, D: int, dtype: torch.dtype, G: int, E: int, device):
         self.buf = _SymmetricBuffer(group, {
             "recv": ((R_cap, D), dtype), "ret": ((P_cap, D), dtype),
             "src": ((R_cap,), torch.int64), "counts": ((G, E), torch.int64),
-            "counts_flag": ((1,), torch.int64), "back_flag": ((1,), torch.int64),
+            "counts_flag": ((1,), torch.int64), "back_flag": ((1,), torch.int64), "ticket": ((1,), torch.int64),
         }, device)
         self.generation = 0
-        # the values the flags reach once every signal sent so far has arrived (same on every rank)
+        # the values the flags reach once every signal sent so far has arrived (same on every
+        # rank), and the dispatch programs launched so far (this rank's ticket)
         self.counts_target = 0
         self.back_target = 0
+        self.tickets = 0
 
 
 @dataclass(frozen=True)
@@ -162,17 +162,20 @@ def _home_and_sum(route: _P2PRoute, y_RD: torch.Tensor, w_TK: torch.Tensor | Non
 
 
 class _P2PDispatchFn(torch.autograd.Function):
-    """x_TD (T, D), order_P (T·K,) -> rows_RD (R_cap, D), a view of the slot's receive buffer;
-    fills the route's row_TK, dest_TK and offsets_GL."""
+    """x_TD (T, D), order_P (T·K,), counts_E (E,) -> rows_RD (R_cap, D), a view of the slot's
+    receive buffer; fills the route's row_TK, dest_TK and offsets_GL."""
 
     @staticmethod
-    def forward(ctx, x_TD, order_P, route: _P2PRoute):
+    def forward(ctx, x_TD, order_P, counts_E, route: _P2PRoute):
         slot = route.slot
         bufs = slot.buf
-        dispatch_rows(x_TD, order_P, bufs.views["counts"], bufs.views["counts_flag"], slot.counts_target,
-                      bufs.ptrs["recv"], bufs.ptrs["src"], bufs.views["recv"].dtype, route.me,
-                      route.row_TK.shape[1], route.P_cap,
-                      out=(route.row_TK, route.dest_TK, route.offsets_GL))
+        slot.counts_target += bufs.ptrs["counts"].numel()
+        *_, programs = dispatch_rows(
+            x_TD, order_P, counts_E, bufs.ptrs["counts"], bufs.ptrs["counts_flag"], bufs.views["ticket"], slot.tickets,
+            bufs.views["counts"], bufs.views["counts_flag"], slot.counts_target, bufs.ptrs["recv"], bufs.ptrs["src"],
+            bufs.views["recv"].dtype, route.me, route.row_TK.shape[1], route.P_cap,
+            out=(route.row_TK, route.dest_TK, route.offsets_GL))
+        slot.tickets += programs
         bufs.barrier()
         ctx.route = route
         return bufs.views["recv"].view_as(bufs.views["recv"])
@@ -181,7 +184,7 @@ class _P2PDispatchFn(torch.autograd.Function):
     def backward(ctx, grad_RD):
         route = ctx.route
         route.check()
-        return _home_and_sum(route, grad_RD.contiguous()), None, None
+        return _home_and_sum(route, grad_RD.contiguous()), None, None, None
 
 
 class _P2PCombineFn(torch.autograd.Function):
@@ -280,14 +283,11 @@ class P2PDispatcher(AllToAllDispatcher):
         if T > self.max_tokens:
             raise ValueError(f"P2PDispatcher: {T} tokens on rank {me} exceed max_tokens={self.max_tokens}")
         slot, grad, index, P_cap = self._take_slot(x_TD.shape[1], x_TD.dtype, K, E, x_TD.device)
-        bufs = slot.buf
-        put_counts(plan.kept_per_expert_E.contiguous(), bufs.ptrs["counts"], bufs.ptrs["counts_flag"], me)
-        slot.counts_target += G
         device = x_TD.device
-        route = _P2PRoute(torch.empty((T, K), dtype=torch.int64, device=device),
-                          torch.empty((T, K), dtype=torch.int64, device=device),
-                          torch.empty(E, dtype=torch.int32, device=device), slot, slot.generation, grad, me, P_cap, index)
-        rows_RD = _P2PDispatchFn.apply(x_TD, plan.order_P, route)
+        route_2TK = torch.empty((2, T, K), dtype=torch.int64, device=device)
+        route = _P2PRoute(route_2TK[0], route_2TK[1], torch.empty(E, dtype=torch.int32, device=device), slot,
+                          slot.generation, grad, me, P_cap, index)
+        rows_RD = _P2PDispatchFn.apply(x_TD, plan.order_P, plan.kept_per_expert_E.contiguous(), route)
         return rows_RD, route.offsets_GL, P2PMeta(route)
 
     def combine(self, y_RD: torch.Tensor, meta, w_TK: torch.Tensor, out_dtype: torch.dtype | None = None):

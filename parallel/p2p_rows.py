@@ -14,20 +14,19 @@ int64, this rank's own included, so that one program can reach any rank's buffer
 Ordering between ranks without a barrier launch: a phase that stores into the peers' buffers
 ends each program with a CTA barrier and a release atomic add (system scope) on a *flag* of the
 receiver; the kernel that reads spins (acquire, system scope) until its own flag reaches a
-target the host knows: flags only grow, and each phase adds a fixed number of signals (put_counts
-one per rank; push_back one per program per peer, its grid fixed by R_cap, which every rank
+target the host knows: flags only grow, and each phase adds a fixed number of signals (the counts:
+one per rank; push_back: one per program per peer, its grid fixed by R_cap, which every rank
 shares). A wait that passes its timeout prints and traps (the process dies with a CUDA error
 instead of hanging). In Triton's interpreter (one process, the ranks run one after another) a
 wait does not spin: the tests run every rank's phase before the next and check the flags.
 Measured on 2×H200: the dispatch + combine at 4k tokens is bound by the host's launches
-(Triton ~40-70 µs each inside the loop), and two barrier launches per call go away this way.
+(Triton ~20-40 µs each), and two barrier launches and one kernel per call go away this way.
 
-- ``put_counts``: row ``me`` of every rank's (G, E) counts buffer = this rank's (E,) counts, one
-  signal to each rank's counts flag.
-- ``dispatch_rows``: waits for the count matrix, then from it each kept pair's row at its
-  destination and this rank's segment ends, and stores every kept pair's row of x into its
+- ``dispatch_rows``: row ``me`` of every rank's (G, E) count matrix = this rank's (E,) counts
+  (one program, a signal to each rank); then, once all counts are in, each kept pair's row at
+  its destination and this rank's segment ends, and every kept pair's row of x stored into its
   destination's receive buffer with where it came from. One launch where ~30 small torch ops
-  and two kernels were (the routes alone made the 4k dispatch 4× faster than those ops).
+  and three kernels were (the routes alone made the 4k dispatch 4× faster than those ops).
 - ``push_rows``: ``buf[dest][row] = w · x[t]`` for every kept pair, and with ``own_RD``/
   ``ret_PD`` also ``dw[t, k] = <x[t], y of the pair>`` (0 for dropped pairs): the combine's
   backward. One program per token.
@@ -84,23 +83,23 @@ def _wait(flag_ptr, target, timeout_ns):
 
 
 @triton.jit
-def _put_counts_kernel(counts_ptr, cnt_ptrs, flag_ptrs, me, E, BLOCK_E: tl.constexpr):
-    """Program p writes this rank's (E,) counts as row ``me`` of rank p's (G, E) buffer."""
-    p = tl.program_id(0)
-    dst = tl.load(cnt_ptrs + p).to(tl.pointer_type(counts_ptr.dtype.element_ty))
-    offs = tl.arange(0, BLOCK_E)
-    tl.store(dst + me * E + offs, tl.load(counts_ptr + offs, mask=offs < E), mask=offs < E)
-    _signal(flag_ptrs, p)
-
-
-@triton.jit
-def _dispatch_rows_kernel(x_ptr, order_ptr, counts_ptr, flag_ptr, target, timeout_ns, row_ptr, dest_ptr, offsets_ptr,
-                          recv_ptrs, src_ptrs, me, G, L, E, P, K, P_cap, D,
-                          OUT: tl.constexpr, GP: tl.constexpr, LP: tl.constexpr, BLOCK_P: tl.constexpr,
-                          BLOCK_D: tl.constexpr):
-    """Programs stride over tiles of BLOCK_P sorted positions of ``order``; every program derives
-    the few per-rank sums it needs from the (G, E) count matrix, program 0 also writes this
-    rank's segment ends."""
+def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, ticket_ptr, first_ticket, counts_ptr, flag_ptr,
+                          target, timeout_ns, row_ptr, dest_ptr, offsets_ptr, recv_ptrs, src_ptrs, me, G, L, E, P, K,
+                          P_cap, D, OUT: tl.constexpr, GP: tl.constexpr, LP: tl.constexpr, BLOCK_E: tl.constexpr,
+                          BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The program that starts first (it takes ticket ``first_ticket``: every launch takes one
+    ticket per program, so it is running, and the others may spin) writes this rank's counts
+    into every rank's count matrix and signals it. Then all wait for the G ranks' counts and
+    stride over tiles of BLOCK_P sorted positions of ``order``; every program derives the few
+    per-rank sums it needs from the (G, E) count matrix, program 0 also writes this rank's
+    segment ends."""
+    if tl.atomic_add(ticket_ptr, 1) == first_ticket:
+        e = tl.arange(0, BLOCK_E)
+        mine_E = tl.load(mine_ptr + e, mask=e < E)
+        for g in range(G):
+            dst = tl.load(cnt_ptrs + g).to(tl.pointer_type(tl.int64))
+            tl.store(dst + me * E + e, mine_E, mask=e < E)
+            _signal(flag_ptrs, g)
     _wait(flag_ptr, target, timeout_ns)
     s = tl.arange(0, GP)
     l = tl.arange(0, LP)
@@ -260,36 +259,35 @@ def _grid(tiles: int) -> int:
     return max(1, min(tiles, _MAX_PROGRAMS))
 
 
-def put_counts(counts_E: torch.Tensor, cnt_ptrs_G: torch.Tensor, flag_ptrs_G: torch.Tensor, me: int) -> None:
-    """Write ``counts_E`` (E,) int64 as row ``me`` of every rank's (G, E) int64 counts buffer, then
-    add 1 to every rank's int64 flag (``flag_ptrs_G``): G signals per call reach each rank."""
-    if counts_E.dtype != torch.int64 or not counts_E.is_contiguous():
-        raise ValueError("counts_E must be a contiguous int64 vector")
-    _check_ptrs("cnt_ptrs_G", cnt_ptrs_G)
-    _check_ptrs("flag_ptrs_G", flag_ptrs_G)
-    E = counts_E.numel()
-    _put_counts_kernel[(cnt_ptrs_G.numel(),)](counts_E, cnt_ptrs_G, flag_ptrs_G, me, E,
-                                              BLOCK_E=triton.next_power_of_2(E))
+def dispatch_rows(x_TD: torch.Tensor, order_P: torch.Tensor, counts_E: torch.Tensor, cnt_ptrs_G: torch.Tensor,
+                  flag_ptrs_G: torch.Tensor, ticket: torch.Tensor, first_ticket: int, counts_GE: torch.Tensor,
+                  flag: torch.Tensor, target: int, recv_ptrs_G: torch.Tensor, src_ptrs_G: torch.Tensor,
+                  recv_dtype: torch.dtype, me: int, K: int, P_cap: int,
+                  out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, timeout_ms: int = TIMEOUT_MS):
+    """Exchange the counts, then route and move this rank's kept pairs.
 
+    Counts: ``counts_E`` (E,) int64, what this rank keeps for each expert, becomes row ``me`` of
+    every rank's (G, E) int64 count matrix (``cnt_ptrs_G``), and every rank's int64 counts flag
+    (``flag_ptrs_G``) grows by 1: G signals per call reach each rank. ``ticket`` (1-element
+    int64, this rank's) counts the programs launched on it so far, ``first_ticket``: its value
+    at this launch. Then the kernel waits until this rank's ``flag`` reaches ``target`` (every
+    rank's counts are in ``counts_GE``, this rank's matrix: row s = what rank s keeps for each
+    expert, experts ``[d·L, (d+1)·L)`` on rank d).
 
-def dispatch_rows(x_TD: torch.Tensor, order_P: torch.Tensor, counts_GE: torch.Tensor, flag: torch.Tensor, target: int,
-                  recv_ptrs_G: torch.Tensor, src_ptrs_G: torch.Tensor, recv_dtype: torch.dtype, me: int, K: int,
-                  P_cap: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, timeout_ms: int = TIMEOUT_MS):
-    """Wait until ``flag`` (1-element int64, this rank's counts flag) reaches ``target``, then
-    route and move this rank's kept pairs.
+    Rows: ``order_P`` (P = T·K,) int64 holds the kept pairs sorted by expert, then the dropped
+    ones. A destination d stores its rows in blocks [from d itself; from the other ranks in rank
+    order], each block by local expert; every kept pair's row of x_TD (T, D) goes to row ``row``
+    of rank ``dest``'s receive buffer (``recv_ptrs_G``, of ``recv_dtype``) and ``me · P_cap +
+    t·K + k`` to the same row of its (R_cap,) int64 source buffer.
 
-    ``counts_GE`` (G, E) int64: row s = what rank s keeps for each expert, experts ``[d·L,
-    (d+1)·L)`` on rank d. ``order_P`` (P = T·K,) int64: the kept pairs sorted by expert, then the
-    dropped ones. A destination d stores its rows in blocks [from d itself; from the other ranks
-    in rank order], each block by local expert; every kept pair's row of x_TD (T, D) goes to
-    row ``row`` of rank ``dest``'s receive buffer (``recv_ptrs_G``, of ``recv_dtype``) and
-    ``me · P_cap + t·K + k`` to the same row of its (R_cap,) int64 source buffer.
-
-    Returns ``row_TK``, ``dest_TK`` (T, K) int64 (row -1: dropped) and this rank's segment ends
+    Returns ``row_TK``, ``dest_TK`` (T, K) int64 (row -1: dropped), this rank's segment ends
     ``offsets_GL`` (G·L,) int32, blocks as at any destination, segment b·L + l: block b, local
-    expert l; into ``out`` when given."""
+    expert l (into ``out`` when given), and the programs launched (``ticket`` grew by that)."""
     if counts_GE.dtype != torch.int64 or counts_GE.dim() != 2 or counts_GE.shape[1] % counts_GE.shape[0]:
         raise ValueError(f"counts_GE must be int64 (G, E) with G dividing E, got {counts_GE.dtype} {tuple(counts_GE.shape)}")
+    G, E = counts_GE.shape
+    if counts_E.dtype != torch.int64 or counts_E.shape != (E,) or not counts_E.is_contiguous():
+        raise ValueError(f"counts_E must be a contiguous int64 ({E},) vector, got {counts_E.dtype} {tuple(counts_E.shape)}")
     if x_TD.dim() != 2:
         raise ValueError(f"x_TD must be (T, D), got {tuple(x_TD.shape)}")
     T, D = x_TD.shape
@@ -299,9 +297,10 @@ def dispatch_rows(x_TD: torch.Tensor, order_P: torch.Tensor, counts_GE: torch.Te
     if P_cap < P:
         raise ValueError(f"P_cap = {P_cap} is below the T·K = {P} pairs")
     _check_flag(flag)
-    _check_ptrs("recv_ptrs_G", recv_ptrs_G)
-    _check_ptrs("src_ptrs_G", src_ptrs_G)
-    G, E = counts_GE.shape
+    _check_flag(ticket)
+    for name, ptrs in (("cnt_ptrs_G", cnt_ptrs_G), ("flag_ptrs_G", flag_ptrs_G), ("recv_ptrs_G", recv_ptrs_G),
+                       ("src_ptrs_G", src_ptrs_G)):
+        _check_ptrs(name, ptrs)
     L = E // G
     device = x_TD.device
     if out is None:
@@ -310,12 +309,13 @@ def dispatch_rows(x_TD: torch.Tensor, order_P: torch.Tensor, counts_GE: torch.Te
     row_TK, dest_TK, offsets_GL = out
     if row_TK.shape != (T, K) or dest_TK.shape != (T, K) or offsets_GL.shape != (G * L,):
         raise ValueError(f"out must be (T, K) = ({T}, {K}), ({T}, {K}) and ({G * L},) tensors")
-    _dispatch_rows_kernel[(_grid(triton.cdiv(P, _BLOCK_ROWS)),)](
-        x_TD.contiguous(), order_P, counts_GE.contiguous(), flag, target, timeout_ms * 1_000_000, row_TK, dest_TK,
-        offsets_GL, recv_ptrs_G, src_ptrs_G, me, G, L, E, P, K, P_cap, D,
-        OUT=_tl_dtype(recv_dtype), GP=triton.next_power_of_2(G), LP=triton.next_power_of_2(L), BLOCK_P=_BLOCK_ROWS,
-        BLOCK_D=_BLOCK_D, num_warps=4)
-    return row_TK, dest_TK, offsets_GL
+    grid = _grid(triton.cdiv(P, _BLOCK_ROWS))
+    _dispatch_rows_kernel[(grid,)](
+        x_TD.contiguous(), order_P, counts_E, cnt_ptrs_G, flag_ptrs_G, ticket, first_ticket, counts_GE, flag, target,
+        timeout_ms * 1_000_000, row_TK, dest_TK, offsets_GL, recv_ptrs_G, src_ptrs_G, me, G, L, E, P, K, P_cap, D,
+        OUT=_tl_dtype(recv_dtype), GP=triton.next_power_of_2(G), LP=triton.next_power_of_2(L),
+        BLOCK_E=triton.next_power_of_2(E), BLOCK_P=_BLOCK_ROWS, BLOCK_D=_BLOCK_D, num_warps=4)
+    return row_TK, dest_TK, offsets_GL, grid
 
 
 def p2p_routes_reference(order_P: torch.Tensor, counts_GE: torch.Tensor, me: int, K: int):

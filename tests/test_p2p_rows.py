@@ -1,7 +1,8 @@
 """Peer-store kernels (parallel/p2p_rows.py) and the P2P dispatcher's routes, in one process:
 G "ranks" are G local buffers whose addresses form the pointer table, as symmetric memory gives
 them, and every rank's phase runs before the next phase (so every wait is already satisfied; the
-flags' counts are checked). On CPU the kernels run in Triton's interpreter (fp32/fp16); the 2-GPU
+flags' counts are checked). The counts go out in the same kernel that reads everybody's, so the
+dispatch runs twice: the first pass completes the count matrices, the second routes by them. On CPU the kernels run in Triton's interpreter (fp32/fp16); the 2-GPU
 run of the whole dispatcher is in tests/test_parallel.py.
 """
 
@@ -14,8 +15,8 @@ import torch
 
 from moe.capacity import plan_routing
 from parallel.p2p_rows import (
-    dispatch_rows, p2p_routes_reference, push_back, push_back_reference, push_rows, push_rows_reference, put_counts,
-    sum_pairs, sum_pairs_reference,
+    dispatch_rows, p2p_routes_reference, push_back, push_back_reference, push_rows, push_rows_reference, sum_pairs,
+    sum_pairs_reference,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -69,15 +70,25 @@ def test_dispatcher_data_flow_in_one_process(case):
     R_cap = G * P_cap
     plans, experts = _plans(case)
     xs = [torch.randn(T, D, device=DEVICE) for T in tokens]
-    counts = [torch.full((G, E), -1, dtype=torch.int64, device=DEVICE) for _ in range(G)]
-    counts_flags = _flags()
-    for r in range(G):
-        put_counts(plans[r].kept_per_expert_E, _ptrs(counts), _ptrs(counts_flags), r)
-    assert [int(f) for f in counts_flags] == [G] * G
+    # zeros, not garbage: the first pass routes by a partial count matrix (within bounds)
+    counts = [torch.zeros((G, E), dtype=torch.int64, device=DEVICE) for _ in range(G)]
+    counts_flags, tickets = _flags(), _flags()
     recv = [torch.full((R_cap, D), float("nan"), device=DEVICE) for _ in range(G)]
     src = [torch.full((R_cap,), -1, dtype=torch.int64, device=DEVICE) for _ in range(G)]
-    routes = [dispatch_rows(xs[r], plans[r].order_P, counts[r], counts_flags[r], G, _ptrs(recv), _ptrs(src),
-                            torch.float32, r, K, P_cap, timeout_ms=TIMEOUT_MS) for r in range(G)]
+    launched = [0] * G
+    for rounds in (1, 2):
+        routes = []
+        for r in range(G):
+            *route, programs = dispatch_rows(
+                xs[r], plans[r].order_P, plans[r].kept_per_expert_E, _ptrs(counts), _ptrs(counts_flags), tickets[r],
+                launched[r], counts[r], counts_flags[r], rounds * G, _ptrs(recv), _ptrs(src), torch.float32, r, K, P_cap,
+                timeout_ms=TIMEOUT_MS)
+            routes.append(route)
+            launched[r] += programs
+        assert [int(f) for f in counts_flags] == [rounds * G] * G
+        assert [int(t) for t in tickets] == launched
+    for r in range(G):
+        assert torch.equal(counts[r], torch.stack([p.kept_per_expert_E for p in plans]))
     for d in range(G):
         expected, origin, ends = [], [], []
         for s in [d] + [r for r in range(G) if r != d]:
@@ -124,15 +135,19 @@ def test_dispatcher_data_flow_in_one_process(case):
 
 
 def _routes(order, counts, me, K):
-    """dispatch_rows' routes for a count matrix, its rows moved into scratch buffers (D = 1)."""
-    G_ = counts.shape[0]
+    """dispatch_rows' routes for a count matrix, its rows moved into scratch buffers (D = 1); its
+    own counts row goes to a scratch matrix."""
+    G_, E = counts.shape
     T = order.numel() // K
     rows = max(int(counts.sum()), 1)
     recv = [torch.zeros(rows, 1, device=DEVICE) for _ in range(G_)]
     src = [torch.zeros(rows, dtype=torch.int64, device=DEVICE) for _ in range(G_)]
-    flag = torch.ones(1, dtype=torch.int64, device=DEVICE)
-    return dispatch_rows(torch.zeros(T, 1, device=DEVICE), order.to(DEVICE), counts.to(DEVICE), flag, 1, _ptrs(recv),
-                         _ptrs(src), torch.float32, me, K, T * K, timeout_ms=TIMEOUT_MS)
+    scratch = [torch.zeros(G_, E, dtype=torch.int64, device=DEVICE) for _ in range(G_)]
+    flags = _flags(G_)
+    *route, _ = dispatch_rows(torch.zeros(T, 1, device=DEVICE), order.to(DEVICE), counts[me].to(DEVICE), _ptrs(scratch),
+                              _ptrs(flags), _flags(1)[0], 0, counts.to(DEVICE), flags[me], 1, _ptrs(recv), _ptrs(src),
+                              torch.float32, me, K, T * K, timeout_ms=TIMEOUT_MS)
+    return route
 
 
 @pytest.mark.parametrize("G_, E, K", [(2, 8, 2), (3, 6, 3), (4, 12, 1), (5, 5, 2), (8, 64, 8)])
@@ -207,15 +222,25 @@ def test_kernels_match_their_references(T, K, D, dtype):
     torch.testing.assert_close(plain.float(), sum_pairs_reference(row, dest, own, ret, me).float(), rtol=tol, atol=tol)
 
 
-def test_put_counts_writes_one_row_of_every_buffer():
-    E = 5
-    bufs = [torch.full((G, E), -1, dtype=torch.int64, device=DEVICE) for _ in range(G)]
-    counts = torch.arange(E, dtype=torch.int64, device=DEVICE) + 10
-    flags = _flags()
-    put_counts(counts, _ptrs(bufs), _ptrs(flags), 1)
-    for b in bufs:
-        assert torch.equal(b[1], counts) and (b[0] == -1).all() and (b[2] == -1).all()
-    assert [int(f) for f in flags] == [1] * G
+def test_dispatch_sends_its_counts_row_to_every_rank_once():
+    """The counts part of dispatch_rows: row ``me`` of every rank's matrix, one signal to every
+    rank's flag per call, one ticket per program (whatever the grid)."""
+    E, K, T, me = 6, 2, 5, 1
+    mats = [torch.zeros((G, E), dtype=torch.int64, device=DEVICE) for _ in range(G)]
+    counts = torch.tensor([2, 0, 3, 1, 0, 4], dtype=torch.int64, device=DEVICE)  # T·K pairs, all kept
+    flags, ticket = _flags(), _flags(1)[0]
+    order = torch.arange(T * K, device=DEVICE)
+    recv = [torch.zeros(T * K * G, 3, device=DEVICE) for _ in range(G)]
+    src = [torch.zeros(T * K * G, dtype=torch.int64, device=DEVICE) for _ in range(G)]
+    launched = 0
+    for call in (1, 2):
+        *_, programs = dispatch_rows(torch.zeros(T, 3, device=DEVICE), order, counts, _ptrs(mats), _ptrs(flags), ticket,
+                                     launched, mats[me], flags[me], 0, _ptrs(recv), _ptrs(src), torch.float32, me, K,
+                                     T * K, timeout_ms=TIMEOUT_MS)
+        launched += programs
+        for m in mats:
+            assert torch.equal(m[me], counts) and (m[0] == 0).all() and (m[2] == 0).all()
+        assert [int(f) for f in flags] == [call] * G and int(ticket) == launched
 
 
 def test_bad_arguments_raise():
@@ -237,17 +262,20 @@ def test_bad_arguments_raise():
         sum_pairs(row, dest, x, torch.zeros(7, 4, device=DEVICE), 0)
     with pytest.raises(ValueError, match="flag"):
         sum_pairs(row, dest, x, torch.zeros(8, 4, device=DEVICE), 0, flag=flag.int(), target=1)
+    def dispatch(order_=order, counts_E=counts[0], counts_GE=counts, P_cap=8):
+        return dispatch_rows(x, order_, counts_E, ptrs, ptrs, flag, 0, counts_GE, flag, 0, ptrs, ptrs, torch.float32, 0, 2,
+                             P_cap)
     with pytest.raises(ValueError, match="P_cap"):
-        dispatch_rows(x, order, counts, flag, 0, ptrs, ptrs, torch.float32, 0, 2, 7)
+        dispatch(P_cap=7)
     with pytest.raises(ValueError, match="order_P"):
-        dispatch_rows(x, order[:7], counts, flag, 0, ptrs, ptrs, torch.float32, 0, 2, 8)
+        dispatch(order_=order[:7])
     with pytest.raises(ValueError, match="counts_GE"):
-        dispatch_rows(x, order, counts[:, :5], flag, 0, ptrs, ptrs, torch.float32, 0, 2, 8)
+        dispatch(counts_GE=counts[:, :5])
+    with pytest.raises(ValueError, match="counts_E"):
+        dispatch(counts_E=counts[0].int())
     with pytest.raises(ValueError, match="n_rows"):
         push_back(x, torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(2, dtype=torch.int32), ptrs,
                   torch.float32, 0, 8, ptrs)
-    with pytest.raises(ValueError, match="counts_E"):
-        put_counts(torch.ones(3, dtype=torch.int32, device=DEVICE), ptrs, ptrs, 0)
 
 
 _NEVER_SIGNALLED = """
