@@ -2,7 +2,8 @@
 G "ranks" are G local buffers whose addresses form the pointer table, as symmetric memory gives
 them, and every rank's phase runs before the next phase (so every wait is already satisfied; the
 flags' counts are checked). The counts go out in the same kernel that reads everybody's, so the
-dispatch runs twice: the first pass completes the count matrices, the second routes by them. On CPU the kernels run in Triton's interpreter (fp32/fp16); the 2-GPU
+dispatch runs twice: the first pass (waiting for nothing) completes the count matrices, the
+second routes by them (waiting for the first pass's signals: on a GPU the waits are real). On CPU the kernels run in Triton's interpreter (fp32/fp16); the 2-GPU
 run of the whole dispatcher is in tests/test_parallel.py.
 """
 
@@ -81,8 +82,8 @@ def test_dispatcher_data_flow_in_one_process(case):
         for r in range(G):
             *route, programs = dispatch_rows(
                 xs[r], plans[r].order_P, plans[r].kept_per_expert_E, _ptrs(counts), _ptrs(counts_flags), tickets[r],
-                launched[r], counts[r], counts_flags[r], rounds * G, _ptrs(recv), _ptrs(src), torch.float32, r, K, P_cap,
-                timeout_ms=TIMEOUT_MS)
+                launched[r], counts[r], counts_flags[r], (rounds - 1) * G, _ptrs(recv), _ptrs(src), torch.float32, r, K,
+                P_cap, timeout_ms=TIMEOUT_MS)
             routes.append(route)
             launched[r] += programs
         assert [int(f) for f in counts_flags] == [rounds * G] * G
