@@ -2,7 +2,8 @@
 
 With ``--transport p2p`` ours is :class:`parallel.P2PDispatcher` (rows by NVLink stores into
 symmetric memory, no host sync; ``max_tokens`` = the row's tokens) and the NCCL dispatcher is
-timed in the same rounds in place of the link-bytes-only exchange (results/all_to_all_p2p.md).
+timed in the same rounds in place of the link-bytes-only exchange (results/all_to_all.md; the NCCL
+dispatcher's own tables: results/all_to_all_nccl.md).
 
 What is timed (forward only, no autograd): ours = ``dispatch`` (counts all-to-all, one
 device->host copy of the counts, rows for the other ranks packed while it travels, variable-split
@@ -23,14 +24,13 @@ estimated per process, and collectives need the same count on every rank). The c
 median over rounds of anchor_time / our_time (= our bandwidth / raw bandwidth; bar 0.85); the
 A-vs-A column is ours / ours-again, the noise.
 
-    torchrun --nproc_per_node=2 bench/all_to_all.py [--out bench/results/all_to_all.md]
+    torchrun --nproc_per_node=2 bench/all_to_all.py [--out bench/results/all_to_all_nccl.md]
     torchrun --nproc_per_node=2 bench/all_to_all.py --transport p2p [--backward]   # GPUs of one node
     torchrun --nproc_per_node=2 bench/all_to_all.py --smoke      # CPU/gloo, seconds, prints only
 """
 
 import argparse
 import datetime
-import gc
 import os
 import platform
 import statistics
@@ -264,14 +264,15 @@ def main():
     parser.add_argument("--transport", choices=("nccl", "p2p"), default="nccl",
                         help="AllToAllDispatcher (NCCL) or P2PDispatcher (symmetric memory, GPUs of one node)")
     parser.add_argument("--out", default=None,
-                        help="markdown table (default bench/results/all_to_all[_p2p].md; none with --smoke)")
+                        help="markdown table (default bench/results/all_to_all.md for p2p, all_to_all_nccl.md for "
+                             "nccl; none with --smoke)")
     args = parser.parse_args()
     rank, world, device = init_distributed("gloo" if args.smoke else None)
     if world < 2:
         raise SystemExit("run under torchrun with --nproc_per_node >= 2")
     if args.smoke:
         device = torch.device("cpu")
-    name = "all_to_all_p2p.md" if args.transport == "p2p" else "all_to_all.md"
+    name = "all_to_all.md" if args.transport == "p2p" else "all_to_all_nccl.md"
     out = args.out or (None if args.smoke else os.path.join(os.path.dirname(__file__), "results", name))
     dims = ParallelDims(world, ep=world).build_groups()
     nccl = dims.dispatcher()
@@ -298,11 +299,6 @@ def main():
         for T in tokens:
             r = bench_row(make(T), dims, D, E, K, T, args.rounds, device, dtype, measure, args.backward,
                           nccl if p2p else None)
-            # free the row's buffers now: a P2P dispatcher's symmetric memory freed by a later garbage
-            # collection stalled one timing round of the next row (a 0.10 round, twice on 2×H200)
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
             last = f"{r['link_ratio']:.2f}" if p2p else f"{r['link_ms']:.3f}"
             lines.append(
                 f"| {name} | {T} | {r['mbytes']:.0f} | {r['ours_ms']:.3f} | {r['raw_ms']:.3f} | {r['ours_gbs']:.0f} | "
