@@ -19,8 +19,9 @@ one per rank; push_back: one per program per peer, its grid fixed by R_cap, whic
 shares). A wait that passes its timeout prints and traps (the process dies with a CUDA error
 instead of hanging). In Triton's interpreter (one process, the ranks run one after another) a
 wait does not spin: the tests run every rank's phase before the next and check the flags.
-Measured on 2×H200: the dispatch + combine at 4k tokens is bound by the host's launches
-(Triton ~20-40 µs each), and two barrier launches and one kernel per call go away this way.
+Why: on 2×H200 a Mixtral-like dispatch + combine at 4k tokens took ~255 µs of GPU and ~275 µs of
+host per call (Triton launches cost 15-40 µs of host each); flags, and the counts and routes folded
+into the dispatch kernel, took it from 8 launches to 4.
 
 - ``dispatch_rows``: row ``me`` of every rank's (G, E) count matrix = this rank's (E,) counts
   (one program, a signal to each rank); then, once all counts are in, each kept pair's row at
