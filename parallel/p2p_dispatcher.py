@@ -94,7 +94,8 @@ class _Slot:
     """The buffers one dispatch holds until its backward: ``recv`` (R_cap, D) rows received,
     ``src`` (R_cap,) int64 where each came from, ``ret`` (P_cap, D) this rank's pairs' rows sent
     back, ``counts`` (G, E) int64, two int64 flags (``counts_flag``, ``back_flag``) that the
-    peers' kernels signal and this rank's dispatch ``ticket``. ``generation`` counts the dispatches that took the slot."""
+    peers' kernels signal and this rank's dispatch ``ticket``. ``generation`` counts the
+    dispatches that took the slot."""
 
     def __init__(self, group, R_cap: int, P_cap: int, D: int, dtype: torch.dtype, G: int, E: int, device):
         self.buf = _SymmetricBuffer(group, {
