@@ -327,6 +327,13 @@ class AllToAllDispatcher:
     def __repr__(self) -> str:
         return f"AllToAllDispatcher(ep_size={self.ep_size}, ep_rank={self.ep_rank})"
 
+    def _num_experts(self, plan: RoutingPlan) -> int:
+        """The plan's expert count E; raises unless the ep ranks hold E / ep each."""
+        num_experts = plan.kept_per_expert_E.numel()
+        if num_experts % self.ep_size:
+            raise ValueError(f"{type(self).__name__}: {num_experts} experts do not split over {self.ep_size} ranks")
+        return num_experts
+
     def dispatch(self, x_TD: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor, AllToAllMeta]:
         """x_TD (T, D) -> rows_RD (R, D) in blocks [own rows; each other source rank's rows], each
         block by local expert; offsets_GL (G·L,) int32 cumulative segment ends (segment b·L + l:
@@ -334,9 +341,7 @@ class AllToAllDispatcher:
         if self.ep_size == 1:
             return self._local.dispatch(x_TD, plan)
         G, me = self.ep_size, self.ep_rank
-        num_experts = plan.kept_per_expert_E.numel()
-        if num_experts % G:
-            raise ValueError(f"AllToAllDispatcher: {num_experts} experts do not split over {G} ranks")
+        num_experts = self._num_experts(plan)
         L = num_experts // G
         T, K = plan.kept_TK.shape
         send_counts_E = plan.kept_per_expert_E.contiguous()

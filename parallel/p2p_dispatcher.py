@@ -67,8 +67,8 @@ _ALIGN = 256
 
 
 class _SymmetricBuffer:
-    """One collectively allocated byte buffer carved into typed regions; ``ptrs(view)`` gives
-    the (G,) int64 addresses of that region on every rank."""
+    """One collectively allocated byte buffer carved into typed regions: ``views[name]``
+    is this rank's region, ``ptrs[name]`` the (G,) int64 addresses of that region on every rank."""
 
     def __init__(self, group, sizes: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device):
         import torch.distributed._symmetric_memory as symm_mem
@@ -276,15 +276,13 @@ class P2PDispatcher(AllToAllDispatcher):
         ``offsets[-1]``); raises ValueError when T > ``max_tokens``."""
         if self.ep_size == 1:
             return self._local.dispatch(x_TD, plan)
-        G, me = self.ep_size, self.ep_rank
-        E = plan.kept_per_expert_E.numel()
-        if E % G:
-            raise ValueError(f"P2PDispatcher: {E} experts do not split over {G} ranks")
+        me = self.ep_rank
+        E = self._num_experts(plan)
         T, K = plan.kept_TK.shape
         if T > self.max_tokens:
             raise ValueError(f"P2PDispatcher: {T} tokens on rank {me} exceed max_tokens={self.max_tokens}")
-        slot, grad, index, P_cap = self._take_slot(x_TD.shape[1], x_TD.dtype, K, E, x_TD.device)
         device = x_TD.device
+        slot, grad, index, P_cap = self._take_slot(x_TD.shape[1], x_TD.dtype, K, E, device)
         route_2TK = torch.empty((2, T, K), dtype=torch.int64, device=device)
         route = _P2PRoute(route_2TK[0], route_2TK[1], torch.empty(E, dtype=torch.int32, device=device), slot,
                           slot.generation, grad, me, P_cap, index)

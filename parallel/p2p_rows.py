@@ -236,9 +236,9 @@ def _check_ptrs(name: str, ptrs_G: torch.Tensor) -> None:
         raise ValueError(f"{name} must be an int64 vector of buffer addresses, got {ptrs_G.dtype} {tuple(ptrs_G.shape)}")
 
 
-def _check_flag(flag: torch.Tensor) -> None:
+def _check_flag(name: str, flag: torch.Tensor) -> None:
     if flag.dtype != torch.int64 or flag.numel() != 1:
-        raise ValueError(f"flag must be a 1-element int64 tensor, got {flag.dtype} {tuple(flag.shape)}")
+        raise ValueError(f"{name} must be a 1-element int64 tensor, got {flag.dtype} {tuple(flag.shape)}")
 
 
 def _check_w(w_TK: torch.Tensor | None, T: int, K: int) -> None:
@@ -299,8 +299,8 @@ def dispatch_rows(x_TD: torch.Tensor, order_P: torch.Tensor, counts_E: torch.Ten
         raise ValueError(f"order_P must be an int64 vector of T·K = {T * K} pairs, got {order_P.dtype} {tuple(order_P.shape)}")
     if P_cap < P:
         raise ValueError(f"P_cap = {P_cap} is below the T·K = {P} pairs")
-    _check_flag(flag)
-    _check_flag(ticket)
+    _check_flag("flag", flag)
+    _check_flag("ticket", ticket)
     for name, ptrs in (("cnt_ptrs_G", cnt_ptrs_G), ("flag_ptrs_G", flag_ptrs_G), ("recv_ptrs_G", recv_ptrs_G),
                        ("src_ptrs_G", src_ptrs_G)):
         _check_ptrs(name, ptrs)
@@ -411,7 +411,7 @@ def sum_pairs(row_TK: torch.Tensor, dest_TK: torch.Tensor, own_RD: torch.Tensor,
         raise ValueError(f"ret_PD has {ret_PD.shape[0]} rows, fewer than the T·K = {T * K} pairs")
     _check_w(w_TK, T, K)
     if flag is not None:
-        _check_flag(flag)
+        _check_flag("flag", flag)
     out_TD = torch.empty((T, D), dtype=out_dtype or own_RD.dtype, device=own_RD.device)
     # launched with T = 0 too when waiting: the wait is what orders this rank's later stores into
     # the peers' buffers after the peers' reads of theirs
