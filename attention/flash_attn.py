@@ -21,21 +21,21 @@ The kernels take arbitrary strides (last dim contiguous), so (B, S, H, Hd) tenso
 """
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from kernel_floor import INTERPRET
+
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _configs(space, interpreter_point):
     """Autotune space on a GPU; the interpreter cannot autotune, so it gets one small config."""
-    if _INTERPRET:
+    if INTERPRET:
         bm, bn = interpreter_point
         return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=1)]
     return [

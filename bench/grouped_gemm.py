@@ -103,7 +103,7 @@ def breakdown(x, w, w_anchor, dy, offsets):
 def wgrad_configs(x, dy, offsets):
     """Milliseconds of every wgrad config launched directly, each next to the anchor's wgrad in
     alternating rounds (the autotuner only reports the winner)."""
-    from moe.kernels.launch import sm_count, tma_ok, use_tensor_descriptors
+    from kernel_floor import sm_count, tma_ok, use_tensor_descriptors
     from moe.kernels.grouped_mm_wgrad import _configs
     xd = x.detach()
     M, K = xd.shape

@@ -45,19 +45,20 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from moe.kernels.launch import INTERPRET
+from kernel_floor import (
+    INTERPRET, ROW_BLOCK_D, check_pair_weights, check_rows, gather_sum, gather_sum_reference, scatter_rows,
+    scatter_rows_reference, tl_dtype,
+)
 
-# Tiles of the kernels: [_BLOCK_ROWS rows, _BLOCK_D] per step, at most _MAX_PROGRAMS programs
+# Tiles of the kernels: [_BLOCK_ROWS rows, ROW_BLOCK_D] per step, at most _MAX_PROGRAMS programs
 # striding over the rows. Per-kernel µs on 2×H200 at 16k tokens/rank (dispatch_rows, push_back,
 # sum_pairs), Mixtral-like / fine-grained: [1, 1024] × 4096 programs 414/407/110 and
 # 811/804/170; [4, 512] × 2048 432/415/133 and 849/833/212; [8, 256] × 2048 452/421/133 and
 # 804/825/214; [4, 1024] × 1056 458/427/154 and 875/878/257.
-_BLOCK_D = 64 if INTERPRET else 1024
 _BLOCK_ROWS = 2 if INTERPRET else 1
 _MAX_PROGRAMS = 4 if INTERPRET else 4096
 TIMEOUT_MS = 120_000
 _INTERPRET = tl.constexpr(INTERPRET)
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 @triton.jit
@@ -149,36 +150,6 @@ def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, ticke
 
 
 @triton.jit
-def _push_rows_kernel(x_ptr, row_ptr, dest_ptr, buf_ptrs, w_ptr, dw_ptr, own_ptr, ret_ptr, me, D, K,
-                      OUT: tl.constexpr, SCALE: tl.constexpr, DW: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_D)
-    for k in range(K):
-        pair = t * K + k
-        row = tl.load(row_ptr + pair).to(tl.int64)
-        if row >= 0:
-            dest = tl.load(dest_ptr + pair)
-            dst = tl.load(buf_ptrs + dest).to(tl.pointer_type(OUT))
-            dot = 0.0
-            for c in range(0, D, BLOCK_D):
-                ok = c + offs < D
-                v = tl.load(x_ptr + t * D + c + offs, mask=ok, other=0.0).to(tl.float32)
-                if DW:
-                    if dest == me:
-                        y = tl.load(own_ptr + row * D + c + offs, mask=ok, other=0.0).to(tl.float32)
-                    else:
-                        y = tl.load(ret_ptr + pair * D + c + offs, mask=ok, other=0.0).to(tl.float32)
-                    dot += tl.sum(v * y)
-                if SCALE:
-                    v = v * tl.load(w_ptr + pair)
-                tl.store(dst + row * D + c + offs, v.to(OUT), mask=ok)
-            if DW:
-                tl.store(dw_ptr + pair, dot)
-        elif DW:
-            tl.store(dw_ptr + pair, 0.0)
-
-
-@triton.jit
 def _push_back_kernel(y_ptr, src_ptr, n_ptr, ret_ptrs, flag_ptrs, me, G, P_cap, D,
                       OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     offs = tl.arange(0, BLOCK_D)
@@ -198,30 +169,22 @@ def _push_back_kernel(y_ptr, src_ptr, n_ptr, ret_ptrs, flag_ptrs, me, G, P_cap, 
             _signal(flag_ptrs, g)
 
 
-@triton.jit(do_not_specialize=["target"])
-def _sum_pairs_kernel(out_ptr, row_ptr, dest_ptr, own_ptr, ret_ptr, w_ptr, flag_ptr, target, timeout_ns, me, T, D, K,
-                      WEIGHTED: tl.constexpr, WAIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    if WAIT:
-        _wait(flag_ptr, target, timeout_ns)
-    offs = tl.arange(0, BLOCK_D)
-    for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
-        t = tile * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
-        for c in range(0, D, BLOCK_D):
-            ok_d = c + offs[None, :] < D
-            acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-            for k in range(K):
-                pair = t * K + k
-                row = tl.load(row_ptr + pair, mask=t < T, other=-1)
-                here = tl.load(dest_ptr + pair, mask=t < T, other=0) == me
-                v = tl.load(own_ptr + row[:, None] * D + c + offs[None, :], mask=((row >= 0) & here)[:, None] & ok_d,
-                            other=0.0).to(tl.float32)
-                v += tl.load(ret_ptr + pair[:, None] * D + c + offs[None, :], mask=((row >= 0) & ~here)[:, None] & ok_d,
-                             other=0.0).to(tl.float32)
-                if WEIGHTED:
-                    v = v * tl.load(w_ptr + pair, mask=t < T, other=0.0)[:, None]
-                acc += v
-            tl.store(out_ptr + t[:, None] * D + c + offs[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=(t < T)[:, None] & ok_d)
+@triton.jit
+def _locate_pair(pair, live, row_ptr, dest_ptr, me, _n):
+    """Where a kept pair's expert output is on this rank: ``own[row]`` when this rank holds its
+    expert, else ``ret[pair]`` (where ``push_back`` put it)."""
+    row = tl.load(row_ptr + pair, mask=live, other=-1)
+    here = tl.load(dest_ptr + pair, mask=live, other=0) == me
+    kept = row >= 0
+    return kept & here, kept & ~here, row, pair
+
+
+@triton.jit
+def _to_peer(pair, live, row_ptr, dest_ptr, me, _n):
+    """A kept pair's row goes to row ``row`` of rank ``dest``'s buffer (an index into the table)."""
+    row = tl.load(row_ptr + pair, mask=live, other=-1)
+    dest = tl.load(dest_ptr + pair, mask=live, other=0)
+    return tl.where(row >= 0, dest, -1), row
 
 
 def _check_pairs(row_TK: torch.Tensor, dest_TK: torch.Tensor) -> None:
@@ -239,23 +202,6 @@ def _check_ptrs(name: str, ptrs_G: torch.Tensor) -> None:
 def _check_flag(name: str, flag: torch.Tensor) -> None:
     if flag.dtype != torch.int64 or flag.numel() != 1:
         raise ValueError(f"{name} must be a 1-element int64 tensor, got {flag.dtype} {tuple(flag.shape)}")
-
-
-def _check_w(w_TK: torch.Tensor | None, T: int, K: int) -> None:
-    if w_TK is not None and (w_TK.shape != (T, K) or w_TK.dtype != torch.float32):
-        raise ValueError(f"w_TK must be fp32 ({T}, {K}), got {w_TK.dtype} {tuple(w_TK.shape)}")
-
-
-def _check_rows(name: str, t: torch.Tensor, rows: int | None, D: int) -> None:
-    if t.dim() != 2 or t.shape[1] != D or (rows is not None and t.shape[0] != rows) or not t.is_contiguous():
-        want = f"({rows}, {D})" if rows is not None else f"(rows, {D})"
-        raise ValueError(f"{name} must be contiguous {want}, got {tuple(t.shape)}")
-
-
-def _tl_dtype(dtype: torch.dtype):
-    if dtype not in _TL_DTYPES:
-        raise ValueError(f"buffer dtype must be one of {list(_TL_DTYPES)}, got {dtype}")
-    return _TL_DTYPES[dtype]
 
 
 def _grid(tiles: int) -> int:
@@ -316,8 +262,8 @@ def dispatch_rows(x_TD: torch.Tensor, order_P: torch.Tensor, counts_E: torch.Ten
     _dispatch_rows_kernel[(grid,)](
         x_TD.contiguous(), order_P, counts_E, cnt_ptrs_G, flag_ptrs_G, ticket, first_ticket, counts_GE, flag, target,
         timeout_ms * 1_000_000, row_TK, dest_TK, offsets_GL, recv_ptrs_G, src_ptrs_G, me, G, L, E, P, K, P_cap, D,
-        OUT=_tl_dtype(recv_dtype), GP=triton.next_power_of_2(G), LP=triton.next_power_of_2(L),
-        BLOCK_E=triton.next_power_of_2(E), BLOCK_P=_BLOCK_ROWS, BLOCK_D=_BLOCK_D, num_warps=4)
+        OUT=tl_dtype(recv_dtype), GP=triton.next_power_of_2(G), LP=triton.next_power_of_2(L),
+        BLOCK_E=triton.next_power_of_2(E), BLOCK_P=_BLOCK_ROWS, BLOCK_D=ROW_BLOCK_D, num_warps=4)
     return row_TK, dest_TK, offsets_GL, grid
 
 
@@ -353,22 +299,18 @@ def push_rows(x_TD: torch.Tensor, row_TK: torch.Tensor, dest_TK: torch.Tensor, b
     K = row_TK.shape[1]
     if row_TK.shape[0] != T:
         raise ValueError(f"row_TK has {row_TK.shape[0]} tokens, x_TD {T}")
-    _check_w(w_TK, T, K)
+    check_pair_weights("push_rows", w_TK, T, K)
     if (own_RD is None) != (ret_PD is None):
         raise ValueError("own_RD and ret_PD go together (the pairs' rows for dw)")
     if own_RD is not None:
-        _check_rows("own_RD", own_RD, None, D)
-        _check_rows("ret_PD", ret_PD, None, D)
+        check_rows("own_RD", own_RD, None, D)
+        check_rows("ret_PD", ret_PD, None, D)
         if ret_PD.shape[0] < T * K:
             raise ValueError(f"ret_PD has {ret_PD.shape[0]} rows, fewer than the T·K = {T * K} pairs")
-    x_TD = x_TD.contiguous()
     dw_TK = torch.empty((T, K), dtype=torch.float32, device=x_TD.device) if own_RD is not None else None
-    if T:
-        _push_rows_kernel[(T,)](
-            x_TD, row_TK.contiguous(), dest_TK.contiguous(), buf_ptrs_G,
-            x_TD if w_TK is None else w_TK.contiguous(), x_TD if dw_TK is None else dw_TK,
-            x_TD if own_RD is None else own_RD, x_TD if ret_PD is None else ret_PD, me, D, K,
-            OUT=_tl_dtype(buf_dtype), SCALE=w_TK is not None, DW=own_RD is not None, BLOCK_D=_BLOCK_D, num_warps=4)
+    scatter_rows(x_TD.contiguous(), _to_peer, _locate_pair, row_TK.contiguous(), dest_TK.contiguous(), me, 0,
+                 buf_ptrs_G, buf_dtype, D, K=K, peer_table=True, w_TK=None if w_TK is None else w_TK.contiguous(),
+                 ya_MD=own_RD, yb_MD=ret_PD, dw_TK=dw_TK, zero_dropped=True)
     return dw_TK
 
 
@@ -387,57 +329,54 @@ def push_back(y_RD: torch.Tensor, src_R: torch.Tensor, n_rows: torch.Tensor, ret
         raise ValueError(f"n_rows must be a 1-element int32/int64 tensor, got {n_rows.dtype} {tuple(n_rows.shape)}")
     _check_ptrs("ret_ptrs_G", ret_ptrs_G)
     _check_ptrs("flag_ptrs_G", flag_ptrs_G)
-    _check_rows("y_RD", y_RD, None, y_RD.shape[1] if y_RD.dim() == 2 else -1)
+    check_rows("y_RD", y_RD, None, y_RD.shape[1] if y_RD.dim() == 2 else -1)
     R, D = y_RD.shape
     grid = _grid(triton.cdiv(R, _BLOCK_ROWS))
     _push_back_kernel[(grid,)](y_RD, src_R, n_rows, ret_ptrs_G, flag_ptrs_G, me, flag_ptrs_G.numel(), P_cap, D,
-                               OUT=_tl_dtype(ret_dtype), BLOCK_R=_BLOCK_ROWS, BLOCK_D=_BLOCK_D, num_warps=4)
+                               OUT=tl_dtype(ret_dtype), BLOCK_R=_BLOCK_ROWS, BLOCK_D=ROW_BLOCK_D, num_warps=4)
     return grid
 
 
 def sum_pairs(row_TK: torch.Tensor, dest_TK: torch.Tensor, own_RD: torch.Tensor, ret_PD: torch.Tensor, me: int,
               w_TK: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
               flag: torch.Tensor | None = None, target: int = 0, timeout_ms: int = TIMEOUT_MS) -> torch.Tensor:
-    """``out_TD[t] = Σ_k (w[t, k] ·) y`` over the kept pairs, y = ``own_RD[row]`` (R, D) where
+    """``out_TD[t] = Σ_k (w[t, k] ·) y`` over the kept pairs, y = ``own_RD[row]`` (rows, D) where
     ``dest == me``, else ``ret_PD[t·K + k]`` (≥ T·K, D); fp32 sums cast to ``out_dtype`` (default
     own_RD's dtype). With ``flag`` (1-element int64) it first waits until the flag reaches
     ``target`` (the peers' ``push_back`` signals)."""
     _check_pairs(row_TK, dest_TK)
     T, K = row_TK.shape
     D = own_RD.shape[1] if own_RD.dim() == 2 else -1
-    _check_rows("own_RD", own_RD, None, D)
-    _check_rows("ret_PD", ret_PD, None, D)
+    check_rows("own_RD", own_RD, None, D)
+    check_rows("ret_PD", ret_PD, None, D)
     if ret_PD.shape[0] < T * K:
         raise ValueError(f"ret_PD has {ret_PD.shape[0]} rows, fewer than the T·K = {T * K} pairs")
-    _check_w(w_TK, T, K)
+    check_pair_weights("sum_pairs", w_TK, T, K)
     if flag is not None:
         _check_flag("flag", flag)
-    out_TD = torch.empty((T, D), dtype=out_dtype or own_RD.dtype, device=own_RD.device)
-    # launched with T = 0 too when waiting: the wait is what orders this rank's later stores into
+    # with a flag it runs for T = 0 too: the wait is what orders this rank's later stores into
     # the peers' buffers after the peers' reads of theirs
-    if T or flag is not None:
-        _sum_pairs_kernel[(_grid(triton.cdiv(T, _BLOCK_ROWS)),)](
-            out_TD, row_TK.contiguous(), dest_TK.contiguous(), own_RD, ret_PD,
-            out_TD if w_TK is None else w_TK.contiguous(), out_TD if flag is None else flag, target,
-            timeout_ms * 1_000_000, me, T, D, K,
-            WEIGHTED=w_TK is not None, WAIT=flag is not None, BLOCK_T=_BLOCK_ROWS, BLOCK_D=_BLOCK_D, num_warps=4)
-    return out_TD
+    return gather_sum(T, D, _locate_pair, row_TK.contiguous(), dest_TK.contiguous(), me, 0, own_RD, ret_PD,
+                      None if w_TK is None else w_TK.contiguous(), out_dtype or own_RD.dtype, K=K,
+                      prologue=None if flag is None else _wait, prologue_args=(flag, target, timeout_ms * 1_000_000),
+                      block_t=_BLOCK_ROWS, max_programs=_MAX_PROGRAMS)
+
+
+def locate_pair_reference(row_TK, dest_TK, me):
+    """PyTorch version of ``_locate_pair`` for every pair: (own?, returned?, own row, return row)."""
+    T, K = row_TK.shape
+    kept, here = row_TK >= 0, dest_TK == me
+    pair_TK = torch.arange(T * K, device=row_TK.device).view(T, K)
+    return kept & here, kept & ~here, row_TK, pair_TK
 
 
 def push_rows_reference(x_TD, row_TK, dest_TK, bufs, w_TK=None, *, me=0, own_RD=None, ret_PD=None):
     """PyTorch version of :func:`push_rows` over lists of buffers (one per rank)."""
-    T, K = row_TK.shape
-    kept = row_TK >= 0
-    for t, k in kept.nonzero().tolist():
-        v = x_TD[t].float() * (w_TK[t, k] if w_TK is not None else 1.0)
-        bufs[dest_TK[t, k]][row_TK[t, k]] = v.to(bufs[0].dtype)
-    if own_RD is None:
-        return None
-    dw = torch.zeros(T, K, dtype=torch.float32, device=x_TD.device)
-    for t, k in kept.nonzero().tolist():
-        y = own_RD[row_TK[t, k]] if dest_TK[t, k] == me else ret_PD[t * K + k]
-        dw[t, k] = (x_TD[t].float() * y.float()).sum()
-    return dw
+    dw_TK = None if own_RD is None else torch.empty(row_TK.shape, dtype=torch.float32, device=x_TD.device)
+    sent = (torch.where(row_TK >= 0, dest_TK, -1), row_TK)
+    scatter_rows_reference(x_TD, sent, locate_pair_reference(row_TK, dest_TK, me), bufs, w_TK, own_RD, ret_PD, dw_TK,
+                           zero_dropped=True)
+    return dw_TK
 
 
 def push_back_reference(y_RD, src_R, n_rows, rets, me, P_cap):
@@ -450,9 +389,5 @@ def push_back_reference(y_RD, src_R, n_rows, rets, me, P_cap):
 
 def sum_pairs_reference(row_TK, dest_TK, own_RD, ret_PD, me, w_TK=None, out_dtype=None):
     """PyTorch version of :func:`sum_pairs`."""
-    T, K = row_TK.shape
-    out = torch.zeros(T, own_RD.shape[1], dtype=torch.float32, device=own_RD.device)
-    for t, k in (row_TK >= 0).nonzero().tolist():
-        y = own_RD[row_TK[t, k]] if dest_TK[t, k] == me else ret_PD[t * K + k]
-        out[t] += y.float() * (w_TK[t, k] if w_TK is not None else 1.0)
-    return out.to(out_dtype or own_RD.dtype)
+    return gather_sum_reference(locate_pair_reference(row_TK, dest_TK, me), own_RD, ret_PD, w_TK,
+                                out_dtype or own_RD.dtype)

@@ -12,7 +12,7 @@ import torch
 
 from moe.kernels import DEFAULT_BLOCK_M, grouped_mm, grouped_mm_reference, grouped_mm_triton, row_tile_size
 from moe.kernels.grouped_mm_fwd import _grouped_mm_kernel
-from moe.kernels.launch import tma_ok, use_tensor_descriptors
+from kernel_floor import tma_ok, use_tensor_descriptors
 from moe.kernels.grouped_mm_wgrad import _configs as _wgrad_configs
 from moe.kernels.grouped_mm_wgrad import _grouped_mm_wgrad_kernel, grouped_mm_wgrad
 

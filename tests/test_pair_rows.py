@@ -44,7 +44,7 @@ CASES = [  # T, K, G, L, me, kwargs
 
 
 def _buffers(pos_TK, ends_G, me):
-    is_local, is_remote, _ = locate_reference(pos_TK, ends_G, me)
+    is_local, is_remote, *_ = locate_reference(pos_TK, ends_G, me)
     return int(is_local.sum()), int(is_remote.sum())
 
 
@@ -118,5 +118,5 @@ def test_bad_arguments_name_the_field():
         scatter_pairs(x_TD, pos_TK, ends_G, 2, torch.empty(8, 8, device=DEVICE), True)
     with pytest.raises(ValueError, match="w_TK"):
         gather_pairs_sum(x_TD, x_TD, pos_TK, ends_G, 0, torch.ones(4, 3, device=DEVICE))
-    with pytest.raises(ValueError, match="y_ND and dw_TK"):
-        scatter_pairs(x_TD, pos_TK, ends_G, 0, torch.empty(8, 8, device=DEVICE), True, y_ND=x_TD)
+    with pytest.raises(ValueError, match="y_MD and dw_TK"):
+        scatter_pairs(x_TD, pos_TK, ends_G, 0, torch.empty(8, 8, device=DEVICE), True, y_MD=x_TD)

@@ -6,13 +6,12 @@ The expert outputs come back in the order the dispatcher packed them (by expert,
 rank and expert); ``pair_R[r]`` names the (token, slot) pair of row r. Un-permuting them into
 pair order and then summing each token's K weighted rows reads and writes the P rows twice more
 than needed (and the PyTorch weighted sum in fp32 materialises two more (P, D) fp32
-temporaries). Here one Triton pass gathers each token's K rows by the inverse index and sums
-them in fp32:
+temporaries). Here the gather-sum family of :mod:`kernel_floor` does it in one pass each way,
+with the inverse index ``row_of_pair`` as the locator:
 
 - forward, one program per token: reads its K rows, writes one row;
-- backward, one program per row r of y: ``dy[r] = w[p] · dout[t]`` and
-  ``dw[p] = <dout[t], y[r]>`` (fp32) for its pair p = (t, k), one read of ``dout[t]`` and of
-  ``y[r]``, one write of ``dy[r]``: no atomics, deterministic.
+- backward, one program per token: ``dy[row] = w[p] · dout[t]`` and ``dw[p] = <dout[t], y[row]>``
+  (fp32) for each of its pairs p = (t, k): no atomics, deterministic.
 
 A pair with no row (dropped by the capacity, or not sent) contributes zero and gets ``dw = 0``.
 ``weighted_combine_reference`` is the plain PyTorch version beside it.
@@ -22,47 +21,22 @@ import torch
 import triton
 import triton.language as tl
 
-from moe.kernels.launch import INTERPRET, use_reference
-
-# 1024 bf16 columns over 4 warps: 8 per thread, 16-byte loads.
-_BLOCK_D = 64 if INTERPRET else 1024
+from kernel_floor import gather_sum, gather_sum_reference, scatter_rows, use_reference
 
 
 @triton.jit
-def _weighted_combine_fwd_kernel(y_ptr, row_of_pair_ptr, w_ptr, out_ptr, R, D, stride_y, stride_out,
-                                 K: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_D)
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + offs
-        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        for k in range(K):
-            row = tl.load(row_of_pair_ptr + t * K + k)
-            if (row >= 0) & (row < R):
-                wk = tl.load(w_ptr + t * K + k)
-                y = tl.load(y_ptr + row * stride_y + cols, mask=cols < D, other=0.0)
-                acc += wk * y.to(tl.float32)
-        tl.store(out_ptr + t.to(tl.int64) * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < D)
+def _locate_row(pair, live, row_of_pair_ptr, _unused_ptr, _me, R):
+    """The pair's row of y (``row_of_pair``; -1: none), one buffer."""
+    row = tl.load(row_of_pair_ptr + pair, mask=live, other=-1)
+    has = live & (row >= 0) & (row < R)
+    return has, has, row, row
 
 
 @triton.jit
-def _weighted_combine_bwd_kernel(dout_ptr, y_ptr, pair_ptr, w_ptr, dy_ptr, dw_ptr, D,
-                                 stride_dout, stride_y, stride_dy,
-                                 K: tl.constexpr, BLOCK_D: tl.constexpr):
-    r = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_D)
-    p = tl.load(pair_ptr + r)
-    wp = tl.load(w_ptr + p)
-    dout_row = dout_ptr + (p // K) * stride_dout
-    y_row = y_ptr + r.to(tl.int64) * stride_y
-    dot = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + offs
-        g = tl.load(dout_row + cols, mask=cols < D, other=0.0).to(tl.float32)
-        y = tl.load(y_row + cols, mask=cols < D, other=0.0).to(tl.float32)
-        tl.store(dy_ptr + r.to(tl.int64) * stride_dy + cols, (wp * g).to(dy_ptr.dtype.element_ty), mask=cols < D)
-        dot += g * y
-    tl.store(dw_ptr + p, tl.sum(dot, axis=0))
+def _to_row(pair, live, row_of_pair_ptr, _unused_ptr, _me, R):
+    """The pair's gradient row of y, buffer 0 (-1: the pair has no row)."""
+    has, _, row, _ = _locate_row(pair, live, row_of_pair_ptr, _unused_ptr, _me, R)
+    return tl.where(has, 0, -1), row
 
 
 def _check(y_RD: torch.Tensor, pair_R: torch.Tensor, w_TK: torch.Tensor) -> None:
@@ -93,37 +67,32 @@ class WeightedCombineFn(torch.autograd.Function):
         R, D = y_RD.shape
         y_RD = y_RD.contiguous()
         w_TK = w_TK.contiguous()
-        out_TD = y_RD.new_empty((T, D), dtype=out_dtype)
-        if T and D:
-            row_of_pair_P = row_of_pair(pair_R, T * K)
-            _weighted_combine_fwd_kernel[(T,)](y_RD, row_of_pair_P, w_TK, out_TD, R, D, y_RD.stride(0),
-                                               out_TD.stride(0), K=K, BLOCK_D=_BLOCK_D, num_warps=4)
-        ctx.save_for_backward(y_RD, pair_R, w_TK)
+        row_of_pair_P = row_of_pair(pair_R, T * K)
+        out_TD = gather_sum(T, D, _locate_row, row_of_pair_P, None, 0, R, y_RD, w_TK=w_TK, out_dtype=out_dtype, K=K)
+        ctx.save_for_backward(y_RD, row_of_pair_P, w_TK)
         return out_TD
 
     @staticmethod
     def backward(ctx, dout_TD):
-        y_RD, pair_R, w_TK = ctx.saved_tensors
-        T, K = w_TK.shape
-        R, D = y_RD.shape
+        y_RD, row_of_pair_P, w_TK = ctx.saved_tensors
+        K = w_TK.shape[1]
+        R = y_RD.shape[0]
         dout_TD = dout_TD.contiguous()
         dy_RD = torch.empty_like(y_RD)
-        dw_TK = torch.zeros_like(w_TK)
-        if R and D:
-            _weighted_combine_bwd_kernel[(R,)](dout_TD, y_RD, pair_R, w_TK, dy_RD, dw_TK, D,
-                                               dout_TD.stride(0), y_RD.stride(0), dy_RD.stride(0),
-                                               K=K, BLOCK_D=_BLOCK_D, num_warps=4)
+        dw_TK = torch.empty_like(w_TK)  # every entry written: the pair's dot, or 0 without a row
+        scatter_rows(dout_TD, _to_row, _locate_row, row_of_pair_P, None, 0, R, dy_RD, dy_RD.dtype,
+                     dy_RD.stride(0), K=K, w_TK=w_TK, ya_MD=y_RD, dw_TK=dw_TK, zero_dropped=True)
         return dy_RD, None, dw_TK, None
 
 
 def weighted_combine_reference(y_RD: torch.Tensor, pair_R: torch.Tensor, w_TK: torch.Tensor,
                                out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """PyTorch version: un-permute into pair order (zeros for pairs without a row), then the
-    weighted sum over the K slots in fp32."""
+    """PyTorch version: each pair's row (zeros for pairs without one), then the weighted sum over
+    the K slots in fp32 (:func:`kernel_floor.gather_sum_reference`)."""
     T, K = w_TK.shape
-    y_PD = y_RD.new_zeros((T * K, y_RD.shape[1])).index_copy(0, pair_R, y_RD)
-    out_TD = (y_PD.view(T, K, y_RD.shape[1]).float() * w_TK.unsqueeze(-1)).sum(dim=1)
-    return out_TD.to(out_dtype or y_RD.dtype)
+    row_TK = row_of_pair(pair_R, T * K).view(T, K)
+    has_TK = row_TK >= 0
+    return gather_sum_reference((has_TK, has_TK, row_TK, row_TK), y_RD, None, w_TK, out_dtype)
 
 
 def weighted_combine(y_RD: torch.Tensor, pair_R: torch.Tensor, w_TK: torch.Tensor,

@@ -25,10 +25,10 @@ synchronizes. Rows at or past ``offsets[-1]`` are zero in
 
 import torch
 
+from kernel_floor import use_reference
 from moe.kernels.activation import activation_backward
 from moe.kernels.grouped_mm_fwd import grouped_mm_forward
 from moe.kernels.grouped_mm_wgrad import grouped_mm_wgrad
-from moe.kernels.launch import use_reference
 from moe.kernels.reference import grouped_mm_reference
 
 

@@ -40,10 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernel_floor import AUTOTUNE, INTERPRET, band_swizzle, check_segments, fixed_config, sm_count, tma_ok
 from moe.kernels.activation import ACTIVATIONS, gelu_tanh, swiglu_forward
 from moe.kernels.grouped_mm_tma import TILE_M, grouped_mm_tma
-from moe.kernels.launch import AUTOTUNE, INTERPRET, fixed_config, sm_count, tma_ok
-from moe.kernels.reference import check_segments
 
 def _prune_configs(configs, named_args, **kwargs):
     if AUTOTUNE or INTERPRET:
@@ -137,14 +136,7 @@ def _grouped_mm_kernel(
         m_tiles = tl.cdiv(rows, BLOCK_M)
         group_tiles = m_tiles * n_tiles
         while tile < tiles_before + group_tiles:
-            # Swizzle: bands of GROUP_M m-tiles, m fastest inside a band.
-            local = tile - tiles_before
-            band_size = GROUP_M * n_tiles
-            band = local // band_size
-            first_m = band * GROUP_M
-            band_m = tl.minimum(m_tiles - first_m, GROUP_M)
-            tile_m = first_m + (local % band_size) % band_m
-            tile_n = (local % band_size) // band_m
+            tile_m, tile_n = band_swizzle(tile - tiles_before, m_tiles, n_tiles, GROUP_M)
 
             if g == S:
                 # Padding rows past offsets[-1]: zeros, nothing to multiply.

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kernel_floor import INTERPRET, band_swizzle, sm_count
 from moe.kernels.activation import gelu_tanh
-from moe.kernels.launch import INTERPRET, sm_count
 
 # Output tile (BLOCK_M x BLOCK_N) and reduction chunk per operand width. The interpreter runs
 # small tiles so that tests at sizes <= 128 still walk several tiles and K chunks.
@@ -99,13 +99,7 @@ def _grouped_mm_tma_kernel(
         tiles_before = tl.load(tile_end_ptr + seg - 1, mask=seg > 0, other=0)
         row_start = tl.load(offsets_ptr + seg - 1, mask=seg > 0, other=0).to(tl.int32)
         rows = tl.load(offsets_ptr + seg).to(tl.int32) - row_start
-        # Swizzle: bands of GROUP_M m-tiles, m fastest inside a band.
-        local = tile - tiles_before
-        band_size = GROUP_M * n_tiles
-        first_m = (local // band_size) * GROUP_M
-        band_m = tl.minimum(tl.cdiv(rows, BLOCK_M) - first_m, GROUP_M)
-        tile_m = first_m + (local % band_size) % band_m
-        tile_n = (local % band_size) // band_m
+        tile_m, tile_n = band_swizzle(tile - tiles_before, tl.cdiv(rows, BLOCK_M), n_tiles, GROUP_M)
         m0 = row_start + tile_m * BLOCK_M
         n0 = tile_n * BLOCK_N
         g = seg % G

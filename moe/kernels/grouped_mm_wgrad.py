@@ -27,9 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernel_floor import (
+    AUTOTUNE, INTERPRET, band_swizzle, check_segments, fixed_config, sm_count, tma_ok, use_tensor_descriptors,
+)
 from moe.kernels.grouped_mm_wgrad_tma import grouped_mm_wgrad_tma, segment_descriptors
-from moe.kernels.launch import AUTOTUNE, INTERPRET, fixed_config, sm_count, tma_ok, use_tensor_descriptors
-from moe.kernels.reference import check_segments
 
 # Interpreter: one small config with every feature on (tensor-descriptor loads where the
 # operands allow, persistent walk over 3 programs, TMA store).
@@ -90,7 +91,6 @@ def _grouped_mm_wgrad_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     n_tiles = tl.cdiv(N, BLOCK_N)
     group_size = k_tiles * n_tiles
-    band_size = GROUP_K * n_tiles
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -99,11 +99,7 @@ def _grouped_mm_wgrad_kernel(
                                             block_shape=[1, BLOCK_K, BLOCK_N])
     for tile in range(tl.program_id(0), G * group_size, tl.num_programs(0)):
         g = tile // group_size
-        local = tile % group_size
-        first_k = (local // band_size) * GROUP_K
-        band_k = tl.minimum(k_tiles - first_k, GROUP_K)
-        tile_k = first_k + (local % band_size) % band_k
-        tile_n = (local % band_size) // band_k
+        tile_k, tile_n = band_swizzle(tile % group_size, k_tiles, n_tiles, GROUP_K)
 
         acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
         for seg in range(g, S, G):

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from moe.kernels.launch import INTERPRET, sm_count, use_tensor_descriptors
+from kernel_floor import INTERPRET, band_swizzle, sm_count, use_tensor_descriptors
 
 # (BLOCK_K, BLOCK_N, BLOCK_M, GROUP_K): the general kernel's winning tile on the H100;
 # the interpreter walks small tiles so that tests at sizes <= 128 run several of each loop.
@@ -80,7 +80,6 @@ def _grouped_mm_wgrad_tma_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     n_tiles = tl.cdiv(N, BLOCK_N)
     group_size = k_tiles * n_tiles
-    band_size = GROUP_K * n_tiles
     slot = pid % TEAM
     for g in range(pid // TEAM, G, N_TEAMS):
         first = g * group_size
@@ -91,12 +90,7 @@ def _grouped_mm_wgrad_tma_kernel(
                                                         BLOCK_M, BLOCK_K, BLOCK_N)
             chunks = tl.cdiv(rows, BLOCK_M)
             for tile in tl.range(t0, first + group_size, TEAM, flatten=True, warp_specialize=WARP_SPECIALIZE):
-                # Swizzle: bands of GROUP_K k-tiles, k fastest inside a band.
-                local = tile - first
-                first_k = (local // band_size) * GROUP_K
-                band_k = tl.minimum(k_tiles - first_k, GROUP_K)
-                tile_k = first_k + (local % band_size) % band_k
-                tile_n = (local % band_size) // band_k
+                tile_k, tile_n = band_swizzle(tile - first, k_tiles, n_tiles, GROUP_K)
                 acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
                 for mt in range(0, chunks):
                     xt = x_desc.load([mt * BLOCK_M, tile_k * BLOCK_K]).T

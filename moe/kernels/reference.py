@@ -6,6 +6,8 @@ Legend: M packed rows (sorted by group), K input width, N output width, G groups
 import torch
 import torch.nn.functional as F
 
+from kernel_floor import check_segments
+
 
 def apply_activation(y_MN: torch.Tensor, activation: str | None) -> torch.Tensor:
     """Activation applied to a grouped-matmul output.
@@ -21,13 +23,6 @@ def apply_activation(y_MN: torch.Tensor, activation: str | None) -> torch.Tensor
     if activation == "gelu":
         return F.gelu(y_MN.float(), approximate="tanh").to(y_MN.dtype)
     raise ValueError(f"activation must be None, 'swiglu' or 'gelu', got {activation!r}")
-
-
-def check_segments(offsets_G: torch.Tensor, num_groups: int) -> None:
-    """``offsets_G`` lists S row segments, S a positive multiple of the ``num_groups`` weights."""
-    if num_groups <= 0 or offsets_G.dim() != 1 or offsets_G.shape[0] == 0 or offsets_G.shape[0] % num_groups:
-        raise ValueError(f"offsets_G must be 1-D with a multiple of the {num_groups} weight groups "
-                         f"(one entry per row segment), got shape {tuple(offsets_G.shape)}")
 
 
 def grouped_mm_reference(

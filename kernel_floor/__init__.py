@@ -1,0 +1,15 @@
+"""The kernel floor: what the Triton kernels of ``moe/kernels``, ``parallel`` and ``attention``
+share, written once (launch-time runtime facts, the gather-sum kernel family). The three import
+it by these public names."""
+
+from kernel_floor.gather_sum import gather_sum, gather_sum_reference, scatter_rows, scatter_rows_reference
+from kernel_floor.runtime import (
+    AUTOTUNE, BACKENDS, INTERPRET, ROW_BLOCK_D, TL_DTYPES, band_swizzle, check_pair_weights, check_rows,
+    check_segments, fixed_config, sm_count, tl_dtype, tma_ok, use_reference, use_tensor_descriptors,
+)
+
+__all__ = [
+    "AUTOTUNE", "BACKENDS", "INTERPRET", "ROW_BLOCK_D", "TL_DTYPES", "band_swizzle", "check_pair_weights",
+    "check_rows", "check_segments", "fixed_config", "gather_sum", "gather_sum_reference", "scatter_rows",
+    "scatter_rows_reference", "sm_count", "tl_dtype", "tma_ok", "use_reference", "use_tensor_descriptors",
+]

@@ -1,0 +1,129 @@
+"""What every Triton kernel of the project needs at launch time, written once: the interpreter
+flag, the backend switch, the SM count, tensor-descriptor eligibility and scratch, the
+fixed-config switch, the tile swizzle, element types, and the input checks that several
+launchers share.
+
+``moe/kernels``, ``parallel`` and ``attention`` import these by their public names from
+:mod:`kernel_floor`; none of them keeps a private copy.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+"""Triton's interpreter runs the kernels (CPU tests): small tiles, one config per kernel."""
+
+# MOE_AUTOTUNE=0: each grouped-GEMM kernel runs the first config of its list (the one that won
+# most bench shapes) whose pipelined tiles fit in shared memory for the operands' dtype.
+# Autotuning compiles and times every config for every new (N, I, dtype): on a fresh 2×H200
+# machine the NCCL equivalence test ran past 100 s with it and took 14.5 s without.
+AUTOTUNE = os.environ.get("MOE_AUTOTUNE", "1") != "0"
+# Hopper's shared memory per block, less 16 KB for the epilogue and barriers.
+_SMEM_BUDGET = 232448 - 16384
+
+# Columns a row-moving program handles per step: 1024 bf16 columns over 4 warps are 8 per
+# thread, 16-byte accesses; the interpreter takes 64 so that tests at D <= 128 loop.
+ROW_BLOCK_D = 64 if INTERPRET else 1024
+
+BACKENDS = ("auto", "triton", "reference")
+
+TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def fixed_config(configs, tile_elems, elem_bytes: int):
+    """MOE_AUTOTUNE=0: the first config whose ``num_stages · tile_elems(kwargs)`` elements of
+    ``elem_bytes`` fit in shared memory (fp32 operands need smaller tiles than bf16)."""
+    for c in configs:
+        if c.num_stages * tile_elems(c.kwargs) * elem_bytes <= _SMEM_BUDGET:
+            return [c]
+    return configs[-1:]
+
+
+def use_reference(backend: str, auto_reference: bool) -> bool:
+    """Whether a kernel's wrapper runs its PyTorch reference: ``backend`` is one of
+    :data:`BACKENDS` ("auto" picks the reference when ``auto_reference``, e.g. off CUDA)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend == "reference" or (backend == "auto" and auto_reference)
+
+
+def tl_dtype(dtype: torch.dtype):
+    """The Triton element type of a float ``dtype`` (for stores through raw addresses)."""
+    if dtype not in TL_DTYPES:
+        raise ValueError(f"buffer dtype must be one of {list(TL_DTYPES)}, got {dtype}")
+    return TL_DTYPES[dtype]
+
+
+_num_sms: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (cached); 3 off CUDA (the interpreter)."""
+    if device.type != "cuda":
+        return 3  # interpreter: a few programs, so that each one walks several tiles
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _num_sms:
+        _num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _num_sms[index]
+
+
+def _scratch(size: int, _alignment: int, _stream) -> torch.Tensor:
+    """Global scratch for the tensor descriptors the kernels build on the device. Triton's
+    allocator protocol also passes an alignment and a stream: the caching allocator's blocks are
+    512-byte aligned, and the scratch is used on the current stream it is allocated for."""
+    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors: Hopper or newer (or the interpreter), 16-byte aligned base and
+    non-unit strides (the unit stride is checked by the caller)."""
+    first = tensors[0]
+    if first.is_cuda:
+        if torch.cuda.get_device_capability(first.device)[0] < 9:
+            return False
+    elif not INTERPRET:
+        return False
+    for t in tensors:
+        if t.data_ptr() % 16 or any((st * t.element_size()) % 16 for st in t.stride() if st != 1):
+            return False
+    return True
+
+
+def use_tensor_descriptors() -> None:
+    """Install the descriptor scratch allocator; the allocator is a context variable, so this
+    runs before every launch (autograd's backward runs in another thread)."""
+    triton.set_allocator(_scratch)
+
+
+@triton.jit
+def band_swizzle(local, major_tiles, minor_tiles, BAND: tl.constexpr):
+    """Tile ``local`` of a ``major_tiles × minor_tiles`` grid, walked in bands of ``BAND`` major
+    tiles, major fastest inside a band: a wave of programs then shares a few rows of one operand
+    and a few column strips of the other in L2. Returns ``(tile_major, tile_minor)``."""
+    band_size = BAND * minor_tiles
+    first = (local // band_size) * BAND
+    in_band = tl.minimum(major_tiles - first, BAND)
+    return first + (local % band_size) % in_band, (local % band_size) // in_band
+
+
+def check_segments(offsets_G: torch.Tensor, num_groups: int) -> None:
+    """``offsets_G`` lists S row segments, S a positive multiple of the ``num_groups`` weights."""
+    if num_groups <= 0 or offsets_G.dim() != 1 or offsets_G.shape[0] == 0 or offsets_G.shape[0] % num_groups:
+        raise ValueError(f"offsets_G must be 1-D with a multiple of the {num_groups} weight groups "
+                         f"(one entry per row segment), got shape {tuple(offsets_G.shape)}")
+
+
+def check_rows(name: str, t: torch.Tensor, rows: int | None, D: int) -> None:
+    """``t`` must be a contiguous (rows, D) matrix (any row count when ``rows`` is None)."""
+    if t.dim() != 2 or t.shape[1] != D or (rows is not None and t.shape[0] != rows) or not t.is_contiguous():
+        want = f"({rows}, {D})" if rows is not None else f"(rows, {D})"
+        raise ValueError(f"{name} must be contiguous {want}, got {tuple(t.shape)}")
+
+
+def check_pair_weights(name: str, w_TK: torch.Tensor | None, T: int, K: int) -> None:
+    """Optional combine weights: an fp32 (T, K) tensor."""
+    if w_TK is not None and (w_TK.shape != (T, K) or w_TK.dtype != torch.float32):
+        raise ValueError(f"{name}: w_TK must be fp32 of shape ({T}, {K}), got {w_TK.dtype} {tuple(w_TK.shape)}")
