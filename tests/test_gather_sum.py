@@ -1,0 +1,281 @@
+"""The gather-sum family (kernel_floor.gather_sum): its one forward and one backward kernel under
+each of the three locators that use them, against the family's one PyTorch reference.
+
+- the local combine (``moe.kernels.combine.weighted_combine``): one buffer in dispatch order;
+- the NCCL dispatcher's pair rows (``parallel.pair_rows``): a local and a remote buffer;
+- the P2P dispatcher's sum and push (``parallel.p2p_rows``): the own rows and the return buffer,
+  stores through a table of G buffer addresses (G local buffers stand for the ranks).
+
+Every test runs the Triton kernels: on CPU through Triton's interpreter (fp32/fp16, small sizes),
+on a GPU compiled (bf16 too, and larger sizes in the ``gpu`` tests). Inputs are fresh random
+rows in a random order, with dropped pairs, empty buffers, one token and all pairs to one rank.
+"""
+
+import pytest
+import torch
+
+from moe.kernels.combine import weighted_combine, weighted_combine_reference
+from parallel.p2p_rows import push_rows, push_rows_reference, sum_pairs, sum_pairs_reference
+from parallel.pair_rows import (
+    gather_pairs_sum, gather_pairs_sum_reference, locate_reference, scatter_pairs, scatter_pairs_reference,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def _rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+# ---------------------------------------------------------------------------------------------
+# The local combine: one buffer, the inverse index row_of_pair as the locator.
+
+COMBINE_TOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _check_combine(T, K, D, num_rows, dtype, device=DEVICE, out_dtype=None):
+    gen = torch.Generator().manual_seed(T * 1000 + K * 10 + D)
+    pair_R = torch.randperm(T * K, generator=gen)[:num_rows].to(device)
+    y = torch.randn(num_rows, D, generator=gen).to(device, dtype).requires_grad_()
+    w = torch.rand(T, K, generator=gen).to(device).requires_grad_()
+    dout = torch.randn(T, D, generator=gen).to(device, out_dtype or dtype)
+
+    y_ref = y.detach().double().requires_grad_()
+    w_ref = w.detach().double().requires_grad_()
+    out_ref = weighted_combine_reference(y_ref, pair_R, w_ref.float(), torch.float64)
+    out = weighted_combine(y, pair_R, w, out_dtype=out_dtype, backend="triton")
+    assert out.shape == (T, D) and out.dtype == (out_dtype or dtype)
+    if T == 0:
+        return
+    out.backward(dout)
+    out_ref.backward(dout.double())
+    tol = COMBINE_TOL[dtype]
+    assert _rel_err(out, out_ref) < tol
+    if num_rows:
+        assert _rel_err(y.grad, y_ref.grad) < tol
+    # pairs without a row get exactly zero weight gradient
+    has_row = torch.zeros(T * K, dtype=torch.bool, device=device)
+    has_row[pair_R] = True
+    assert (w.grad.view(-1)[~has_row] == 0).all()
+    if num_rows:
+        assert _rel_err(w.grad.view(-1)[has_row], w_ref.grad.view(-1)[has_row]) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,K,D,num_rows", [
+    (13, 2, 70, 26),    # every pair has a row, D not a multiple of the block
+    (13, 4, 130, 37),   # 15 pairs dropped, D spans three blocks
+    (9, 1, 64, 9),      # top-1
+    (5, 3, 33, 0),      # nothing came back: zeros, zero gradients
+    (0, 2, 16, 0),      # no tokens
+])
+def test_combine_matches_reference(T, K, D, num_rows, dtype):
+    _check_combine(T, K, D, num_rows, dtype)
+
+
+def test_combine_out_dtype_is_respected():
+    _check_combine(7, 2, 40, 11, torch.float16, out_dtype=torch.float32)
+
+
+def test_combine_rejects_bad_arguments():
+    y = torch.randn(4, 8)
+    w = torch.rand(3, 2)
+    pair = torch.tensor([0, 2, 3, 5])
+    with pytest.raises(ValueError, match="pair_R"):
+        weighted_combine(y, pair[:3], w)
+    with pytest.raises(ValueError, match="pair_R"):
+        weighted_combine(y, pair.int(), w)
+    with pytest.raises(ValueError, match="w_TK"):
+        weighted_combine(y, pair, w.double())
+    with pytest.raises(ValueError, match="pairs"):
+        weighted_combine(torch.randn(7, 8), torch.arange(7), w)
+    with pytest.raises(ValueError, match="backend"):
+        weighted_combine(y, pair, w, backend="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,K,D,num_rows", [(1000, 8, 2048, 7001), (4097, 2, 4096, 8194), (3, 2, 100, 1)])
+def test_combine_gpu_bf16_matches_reference(T, K, D, num_rows):
+    _check_combine(T, K, D, num_rows, torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+# The NCCL dispatcher's pair rows: a local and a remote buffer, located by send position.
+
+# rows are copied or summed over at most K = 3 terms in fp32, then rounded once to the dtype
+PAIR_ROWS_TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def _pair_route(T, K, G, L, me, drop=0.25, to=None, seed=0):
+    """(pos_TK, ends_G): send positions of a random routing (kept pairs by expert, dropped last)."""
+    gen = torch.Generator().manual_seed(seed)
+    expert_P = torch.randint(0, G * L, (T * K,), generator=gen) if to is None else torch.full((T * K,), to)
+    kept_P = torch.rand(T * K, generator=gen) >= drop
+    key = torch.where(kept_P, expert_P, G * L)
+    order = torch.sort(key, stable=True).indices
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(T * K)
+    per_rank = torch.bincount(expert_P[kept_P] // L, minlength=G)
+    return pos.view(T, K).to(DEVICE), per_rank.cumsum(0).to(DEVICE)
+
+
+PAIR_CASES = [  # T, K, G, L, me, kwargs
+    (37, 2, 2, 3, 0, {}),
+    (37, 3, 3, 2, 1, {}),
+    (29, 1, 4, 1, 3, {"drop": 0.0}),
+    (16, 2, 2, 2, 1, {"to": 0}),       # every pair to rank 0: rank 1 has no own rows
+    (16, 2, 2, 2, 0, {"to": 1, "drop": 0.0}),  # ... and rank 0 keeps none, sends all
+    (16, 2, 2, 2, 0, {"to": 0}),       # rank 0 sends nothing away
+    (12, 2, 3, 2, 2, {"drop": 1.0}),   # every pair dropped
+    (1, 3, 2, 2, 1, {}),
+]
+
+
+def _pair_buffers(pos_TK, ends_G, me):
+    is_local, is_remote, *_ = locate_reference(pos_TK, ends_G, me)
+    return int(is_local.sum()), int(is_remote.sum())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,K,G,L,me,kw", PAIR_CASES)
+def test_scatter_pairs_matches_reference(T, K, G, L, me, kw, dtype):
+    D = 70  # not a multiple of the interpreter's 64-column block
+    pos_TK, ends_G = _pair_route(T, K, G, L, me, **kw)
+    n_local, n_remote = _pair_buffers(pos_TK, ends_G, me)
+    x_TD = torch.randn(T, D, device=DEVICE).to(dtype)
+    w_TK = torch.rand(T, K, device=DEVICE)
+    for local, rows in ((True, n_local), (False, n_remote + 5)):  # a remote buffer may be larger
+        y_ND = torch.randn(rows, D, device=DEVICE).to(dtype)
+        for with_w in (False, True):
+            w = w_TK if with_w else None
+            got, want = (torch.full((rows, D), 7.0, device=DEVICE, dtype=dtype) for _ in range(2))
+            dw_got, dw_want = (torch.full((T, K), -3.0, device=DEVICE) for _ in range(2))
+            scatter_pairs(x_TD, pos_TK, ends_G, me, got, local, w, y_ND, dw_got, backend="triton")
+            scatter_pairs_reference(x_TD, pos_TK, ends_G, me, want, local, w, y_ND, dw_want)
+            torch.testing.assert_close(got, want, rtol=PAIR_ROWS_TOL[dtype], atol=PAIR_ROWS_TOL[dtype])
+            torch.testing.assert_close(dw_got, dw_want, rtol=1e-3, atol=1e-3)
+        written = (got != 7.0).any(-1).sum().item()
+        assert written <= (n_local if local else n_remote)
+    # the two passes write every dw entry once (dropped pairs: 0, by the remote pass)
+    dw_TK = torch.full((T, K), float("nan"), device=DEVICE)
+    for local, rows in ((True, n_local), (False, n_remote)):
+        scatter_pairs(x_TD, pos_TK, ends_G, me, torch.empty(rows, D, device=DEVICE, dtype=dtype), local, w_TK,
+                      torch.randn(rows, D, device=DEVICE).to(dtype), dw_TK, backend="triton")
+    assert not dw_TK.isnan().any()
+    assert (dw_TK[pos_TK >= ends_G[-1]] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,K,G,L,me,kw", PAIR_CASES)
+def test_gather_pairs_sum_matches_reference(T, K, G, L, me, kw, dtype):
+    D = 70
+    pos_TK, ends_G = _pair_route(T, K, G, L, me, **kw)
+    n_local, n_remote = _pair_buffers(pos_TK, ends_G, me)
+    remote_ND = torch.randn(n_remote, D, device=DEVICE).to(dtype)
+    local_ND = torch.randn(n_local, D, device=DEVICE).to(dtype)
+    w_TK = torch.rand(T, K, device=DEVICE)
+    for w in (None, w_TK):
+        got = gather_pairs_sum(remote_ND, local_ND, pos_TK, ends_G, me, w, torch.float32, backend="triton")
+        want = gather_pairs_sum_reference(remote_ND, local_ND, pos_TK, ends_G, me, w, torch.float32)
+        torch.testing.assert_close(got, want, rtol=PAIR_ROWS_TOL[dtype], atol=PAIR_ROWS_TOL[dtype])
+
+
+def test_scatter_then_gather_is_the_weighted_sum_of_each_token_over_its_kept_pairs():
+    """Round trip through both buffers: independent of the reference's own locate logic."""
+    T, K, G, L, me, D = 23, 3, 3, 2, 1, 40
+    pos_TK, ends_G = _pair_route(T, K, G, L, me, seed=3)
+    n_local, n_remote = _pair_buffers(pos_TK, ends_G, me)
+    x_TD = torch.randn(T, D, device=DEVICE)
+    w_TK = torch.rand(T, K, device=DEVICE)
+    local_ND = torch.empty(n_local, D, device=DEVICE)
+    remote_ND = torch.empty(n_remote, D, device=DEVICE)
+    scatter_pairs(x_TD, pos_TK, ends_G, me, local_ND, True, backend="triton")
+    scatter_pairs(x_TD, pos_TK, ends_G, me, remote_ND, False, backend="triton")
+    got = gather_pairs_sum(remote_ND, local_ND, pos_TK, ends_G, me, w_TK, backend="triton")
+    kept_TK = pos_TK < ends_G[-1]
+    torch.testing.assert_close(got, x_TD * (w_TK * kept_TK).sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
+    assert 0 < n_local < kept_TK.sum() and n_local + n_remote == kept_TK.sum()
+
+
+def test_pair_rows_bad_arguments_name_the_field():
+    pos_TK, ends_G = _pair_route(4, 2, 2, 2, 0)
+    x_TD = torch.randn(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="pos_TK"):
+        scatter_pairs(x_TD, pos_TK.int(), ends_G, 0, torch.empty(8, 8, device=DEVICE), True)
+    with pytest.raises(ValueError, match="me=2"):
+        scatter_pairs(x_TD, pos_TK, ends_G, 2, torch.empty(8, 8, device=DEVICE), True)
+    with pytest.raises(ValueError, match="w_TK"):
+        gather_pairs_sum(x_TD, x_TD, pos_TK, ends_G, 0, torch.ones(4, 3, device=DEVICE))
+    with pytest.raises(ValueError, match="y_MD and dw_TK"):
+        scatter_pairs(x_TD, pos_TK, ends_G, 0, torch.empty(8, 8, device=DEVICE), True, y_MD=x_TD)
+
+
+# ---------------------------------------------------------------------------------------------
+# The P2P dispatcher's sum and push: own rows or the return buffer, stores through an address table.
+
+G = 3
+P2P_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _ptrs(bufs):
+    return torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=DEVICE)
+
+
+def _random_pairs(T, K, rows, dropped=0.25, seed=0):
+    """Distinct (dest, row) places for T·K pairs over G buffers of ``rows`` rows; some dropped."""
+    gen = torch.Generator().manual_seed(seed)
+    places = torch.randperm(G * rows, generator=gen)[:T * K]
+    dest = (places // rows).view(T, K)
+    row = (places % rows).view(T, K)
+    row[torch.rand(T, K, generator=gen) < dropped] = -1
+    return row.to(DEVICE), dest.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T, K, D", [(9, 3, 70), (1, 1, 5), (0, 2, 16), (13, 8, 130)])
+def test_p2p_push_rows_and_sum_pairs_match_their_references(T, K, D, dtype):
+    rows, me, P_cap = T * K + 3, 1, T * K + 2
+    row, dest = _random_pairs(T, K, rows)
+    x = torch.randn(T, D, device=DEVICE).to(dtype)
+    w = torch.rand(T, K, device=DEVICE)
+    own = torch.randn(rows, D, device=DEVICE).to(dtype)
+    ret = torch.randn(P_cap, D, device=DEVICE).to(dtype)
+    tol = P2P_TOL[dtype]
+
+    bufs = [torch.zeros(rows, D, device=DEVICE, dtype=dtype) for _ in range(G)]
+    ref_bufs = [b.clone() for b in bufs]
+    dw = push_rows(x, row, dest, _ptrs(bufs), dtype, w, me=me, own_RD=own, ret_PD=ret)
+    dw_ref = push_rows_reference(x, row, dest, ref_bufs, w, me=me, own_RD=own, ret_PD=ret)
+    for b, r in zip(bufs, ref_bufs):
+        torch.testing.assert_close(b.float(), r.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(dw, dw_ref, rtol=tol, atol=tol * D)
+
+    for out_dtype in (None, torch.float32):
+        out = sum_pairs(row, dest, own, ret, me, w, out_dtype)
+        ref = sum_pairs_reference(row, dest, own, ret, me, w, out_dtype)
+        assert out.dtype == ref.dtype
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    plain = sum_pairs(row, dest, own, ret, me)
+    torch.testing.assert_close(plain.float(), sum_pairs_reference(row, dest, own, ret, me).float(), rtol=tol, atol=tol)
+
+
+def test_p2p_bad_arguments_raise():
+    row, dest = _random_pairs(4, 2, 10)
+    ptrs = _ptrs([torch.zeros(10, 4, device=DEVICE)] * G)
+    x = torch.randn(4, 4, device=DEVICE)
+    flag = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="int64"):
+        push_rows(x, row.int(), dest, ptrs, torch.float32)
+    with pytest.raises(ValueError, match="tokens"):
+        push_rows(x[:3], row, dest, ptrs, torch.float32)
+    with pytest.raises(ValueError, match="buffer dtype"):
+        push_rows(x, row, dest, ptrs, torch.int32)
+    with pytest.raises(ValueError, match="w_TK"):
+        sum_pairs(row, dest, x, torch.zeros(8, 4, device=DEVICE), 0, torch.rand(4, 3, device=DEVICE))
+    with pytest.raises(ValueError, match="ret_PD"):
+        sum_pairs(row, dest, x, torch.zeros(7, 4, device=DEVICE), 0)
+    with pytest.raises(ValueError, match="flag"):
+        sum_pairs(row, dest, x, torch.zeros(8, 4, device=DEVICE), 0, flag=flag.int(), target=1)
