@@ -1,7 +1,7 @@
 """Mixture-of-Experts layer with expert parallelism."""
 
 from moe.capacity import RoutingPlan, expert_capacity, plan_routing
-from moe.dispatch import LocalDispatcher
+from moe.dispatch import Dispatcher, DispatchMeta, LocalDispatcher
 from moe.experts import GroupedExperts
 from moe.kernels import grouped_mm
 from moe.layer import MoEAux, MoELayer, moe_aux_loss, moe_layers, moe_stats, update_expert_biases
@@ -11,7 +11,7 @@ from moe.router import Router, RouterOutput
 from moe.stats import MoEStats
 
 __all__ = [
-    "DenseMLP", "GroupedExperts", "LocalDispatcher", "MoEAux", "MoELayer", "MoEStats", "Router",
-    "RouterOutput", "RoutingPlan", "expert_capacity", "grouped_mm", "load_balancing_loss",
+    "DenseMLP", "DispatchMeta", "Dispatcher", "GroupedExperts", "LocalDispatcher", "MoEAux", "MoELayer",
+    "MoEStats", "Router", "RouterOutput", "RoutingPlan", "expert_capacity", "grouped_mm", "load_balancing_loss",
     "moe_aux_loss", "moe_layers", "moe_stats", "plan_routing", "router_z_loss", "update_expert_biases",
 ]

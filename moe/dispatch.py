@@ -1,27 +1,16 @@
 """Dispatchers: move routed rows to their experts and back.
 
 Legend: T tokens, D model dim, K slots per token, P = T·K pairs, E experts, L experts on this
-rank, R rows for the local experts.
+rank, R rows for the local experts, S row segments.
 
-Model code never talks to the network: ``MoELayer`` hands the rows to a dispatcher. A dispatcher
-keeps no state between ``dispatch()`` and ``combine()``; everything ``combine()`` needs travels in
-the frozen metadata that ``dispatch()`` returns. Every dispatcher implements:
-
-- ``ep_size``, ``ep_rank``: the expert-parallel group; rank r holds experts ``[r·L, (r+1)·L)``.
-- ``dispatch(x_TD, plan) -> (rows_RD, offsets_S, meta)``: the rows for the local experts in S
-  segments and the cumulative end offset of each segment (int32, for the grouped GEMM); S is a
-  multiple of L and segment s belongs to local expert ``s % L`` (S = L: rows sorted by expert).
-- ``combine(y_RD, meta, w_TK, out_dtype=None) -> out_TD``: each token's K expert outputs summed
-  with the combine weights ``w_TK`` (T, K) fp32, in fp32, cast to ``out_dtype``; dropped pairs
-  contribute zero.
-- ``reduce_aux_inputs(routed_E, prob_sum_E, num_tokens)``: the load-balancing loss's inputs summed
-  over every rank that holds part of the batch, so the loss equals the one-process loss on the
-  concatenated batch (the token count may come back as an int or a 0-d tensor).
-- ``reduce_counts(counts_XE)``: per-expert counts (any leading dims) summed over the
-  expert-parallel group (the rows each rank's grouped GEMM really processes, and the global load
-  the user watches).
+Model code never talks to the network: ``MoELayer`` hands the rows to a :class:`Dispatcher`,
+whose abstract methods are the whole contract. A dispatcher keeps no state between ``dispatch()``
+and ``combine()``: everything ``combine()`` needs travels in the frozen :class:`DispatchMeta`
+that ``dispatch()`` returns, so any number of layers can be in flight at once.
+:class:`LocalDispatcher` is the one-process case; the expert-parallel ones are in ``parallel/``.
 """
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -31,14 +20,70 @@ from moe.kernels.combine import weighted_combine
 
 
 @dataclass(frozen=True)
-class LocalDispatchMeta:
+class DispatchMeta:
+    """Base of what ``combine`` needs from ``dispatch``; each dispatcher subclasses it with its
+    own fields. Frozen: a dispatch's metadata is read by its combine and by both backwards, so
+    nothing may change it in between."""
+
+
+class Dispatcher(ABC):
+    """How ``MoELayer`` moves the rows of its (token, slot) pairs to the experts and back."""
+
+    @property
+    @abstractmethod
+    def ep_size(self) -> int:
+        """Ranks of the expert-parallel group; rank r holds experts ``[r·L, (r+1)·L)``, L = E / ep_size."""
+
+    @property
+    @abstractmethod
+    def ep_rank(self) -> int:
+        """This process's rank in the expert-parallel group."""
+
+    @abstractmethod
+    def dispatch(self, x_TD: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor, DispatchMeta]:
+        """x_TD (T, D) and the routing plan -> (rows_RD, offsets_S, meta).
+
+        rows_RD (R, D): the rows for the local experts in S segments; offsets_S (S,) int32: the
+        cumulative end of each segment (what the grouped GEMM takes). S is a multiple of L and
+        segment s belongs to local expert ``s % L`` (S = L: rows sorted by expert). Rows past
+        ``offsets_S[-1]`` are padding, which the grouped GEMM writes as zeros.
+        """
+
+    @abstractmethod
+    def combine(self, y_RD: torch.Tensor, meta: DispatchMeta, w_TK: torch.Tensor,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """y_RD (R, D) expert outputs in dispatch order, w_TK (T, K) fp32 combine weights ->
+        out_TD (T, D): ``Σ_k w[t, k] · y[row of (t, k)]`` accumulated in fp32, cast to
+        ``out_dtype`` (default y's); dropped pairs contribute zero."""
+
+    @abstractmethod
+    def reduce_aux_inputs(self, routed_E: torch.Tensor, prob_sum_E: torch.Tensor,
+                          num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The load-balancing loss's inputs summed over every rank that holds part of the batch,
+        so the loss equals the one-process loss on the concatenated batch.
+
+        routed_E (E,) int64 pairs routed per expert, prob_sum_E (E,) fp32 router probabilities
+        summed over the tokens (differentiable), num_tokens T -> (routed_E, prob_sum_E,
+        num_tokens_0d): the token count a 0-d tensor of prob_sum_E's dtype, whatever the
+        dispatcher, made with no host sync. An all-reduced count lives on prob_sum_E's device;
+        a count known on the host is a CPU tensor (see :meth:`LocalDispatcher.reduce_aux_inputs`).
+        """
+
+    @abstractmethod
+    def reduce_counts(self, counts_XE: torch.Tensor) -> torch.Tensor:
+        """(..., E) per-expert counts summed over the expert-parallel group (no gradient): the
+        rows each rank's grouped GEMM really processes, and the global load the user watches."""
+
+
+@dataclass(frozen=True)
+class LocalDispatchMeta(DispatchMeta):
     """order_P: (P,) packing order of the pairs (kept first, by expert); top_k: K."""
 
     order_P: torch.Tensor
     top_k: int
 
 
-class LocalDispatcher:
+class LocalDispatcher(Dispatcher):
     """All experts on this process: dispatch is a gather, combine the inverse scatter.
 
     Every pair (dropped ones too) is packed, dropped pairs last, so shapes never depend on the
@@ -60,8 +105,13 @@ class LocalDispatcher:
         # row r holds pair order_P[r]; a dropped pair's row is zero (past the last offset)
         return weighted_combine(y_RD, meta.order_P, w_TK, out_dtype)
 
-    def reduce_aux_inputs(self, routed_E, prob_sum_E, num_tokens):
-        return routed_E, prob_sum_E, num_tokens
+    def reduce_aux_inputs(self, routed_E: torch.Tensor, prob_sum_E: torch.Tensor,
+                          num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The inputs as they are; T as a CPU 0-d tensor, which device arithmetic reads as a
+        number, like the Python int it replaces: CUDA divides by a CPU scalar as a multiply by its
+        reciprocal but by a device tensor as a true division, so a device T would move the
+        one-process loss by an ulp (and copying it there would wait for the stream)."""
+        return routed_E, prob_sum_E, torch.full((), num_tokens, dtype=prob_sum_E.dtype, device="cpu")
 
-    def reduce_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
-        return counts_E
+    def reduce_counts(self, counts_XE: torch.Tensor) -> torch.Tensor:
+        return counts_XE

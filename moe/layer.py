@@ -175,7 +175,7 @@ class MoELayer(nn.Module):
         routed_E, prob_sum_E, num_tokens = self.dispatcher.reduce_aux_inputs(
             plan.routed_per_expert_E, self._normalized(route.scores_TE).sum(0), T
         )
-        num_tokens = num_tokens.clamp_min(1) if torch.is_tensor(num_tokens) else max(num_tokens, 1)
+        num_tokens = num_tokens.clamp_min(1)
         lb_loss = load_balancing_loss(routed_E, prob_sum_E, num_tokens, K)
         z_loss = router_z_loss(route.logits_TE)
         # one collective for the three counts; the GEMM tiles each rank's rows of an expert

@@ -120,10 +120,6 @@ class ParallelDims:
     def ep_rank(self) -> int:
         return self.rank % self.ep
 
-    @property
-    def edp_rank(self) -> int:
-        return self.rank // self.ep
-
     def dispatcher(self):
         """An :class:`AllToAllDispatcher` over this rank's EP group (aux inputs over the world)."""
         return AllToAllDispatcher(self.ep_group, self.world_group)

@@ -58,8 +58,7 @@ import torch.distributed as dist
 from torch.autograd.graph import increment_version
 
 from moe.capacity import RoutingPlan
-from moe.dispatch import LocalDispatchMeta
-from parallel.dispatcher import AllToAllDispatcher, _keep_in_graph
+from parallel.ep_dispatcher import ExpertParallelDispatcher, ExpertParallelMeta
 from parallel.p2p_rows import dispatch_rows, push_back, push_rows, sum_pairs
 
 _BARRIER_TIMEOUT_MS = 120_000
@@ -142,7 +141,7 @@ class _P2PRoute:
 
 
 @dataclass(frozen=True)
-class P2PMeta:
+class P2PMeta(ExpertParallelMeta):
     """What ``combine`` needs from ``dispatch``."""
 
     route: _P2PRoute
@@ -216,14 +215,14 @@ class _P2PCombineFn(torch.autograd.Function):
         return dy_RD if dy_RD.dtype == ctx.y_dtype else dy_RD.to(ctx.y_dtype), dw_TK, None, None
 
 
-class P2PDispatcher(AllToAllDispatcher):
-    """:class:`~parallel.dispatcher.AllToAllDispatcher` with NVLink peer stores instead of NCCL for
-    the rows and no host sync (see the module docstring); the load-balancing loss and stats
-    reductions are inherited.
+class P2PDispatcher(ExpertParallelDispatcher):
+    """Dispatcher for :class:`moe.MoELayer` over an expert-parallel group on one node, the rows
+    moved by NVLink peer stores instead of NCCL and no host sync (see the module docstring); the
+    load-balancing loss and stats reductions are the base's.
 
     Args:
-        ep_group, world_group: as for :class:`AllToAllDispatcher`; every rank of ``ep_group`` on
-            one node.
+        ep_group, world_group: as for :class:`~parallel.ep_dispatcher.ExpertParallelDispatcher`;
+            every rank of ``ep_group`` on one node.
         max_tokens: the most tokens any rank passes to one ``dispatch``.
         num_buffers: slots of buffers, taken round-robin: at least the number of MoE layers whose
             dispatch runs before their backward (a model of N MoE layers: N). A dispatch whose
@@ -271,13 +270,11 @@ class P2PDispatcher(AllToAllDispatcher):
         increment_version(slot.buf.views["recv"])
         return slot, grad, index, P_cap
 
-    def dispatch(self, x_TD: torch.Tensor, plan: RoutingPlan):
-        """As :meth:`AllToAllDispatcher.dispatch`, but rows_RD has R_cap rows (padding past
+    def _dispatch_ep(self, x_TD: torch.Tensor, plan: RoutingPlan,
+                     num_experts: int) -> tuple[torch.Tensor, torch.Tensor, P2PMeta]:
+        """As :meth:`~moe.dispatch.Dispatcher.dispatch`, but rows_RD has R_cap rows (padding past
         ``offsets[-1]``); raises ValueError when T > ``max_tokens``."""
-        if self.ep_size == 1:
-            return self._local.dispatch(x_TD, plan)
-        me = self.ep_rank
-        E = self._num_experts(plan)
+        me, E = self.ep_rank, num_experts
         T, K = plan.kept_TK.shape
         if T > self.max_tokens:
             raise ValueError(f"P2PDispatcher: {T} tokens on rank {me} exceed max_tokens={self.max_tokens}")
@@ -289,14 +286,11 @@ class P2PDispatcher(AllToAllDispatcher):
         rows_RD = _P2PDispatchFn.apply(x_TD, plan.order_P, plan.kept_per_expert_E.contiguous(), route)
         return rows_RD, route.offsets_GL, P2PMeta(route)
 
-    def combine(self, y_RD: torch.Tensor, meta, w_TK: torch.Tensor, out_dtype: torch.dtype | None = None):
-        """As :meth:`AllToAllDispatcher.combine`; y_RD has the R_cap rows ``dispatch`` returned."""
-        if isinstance(meta, LocalDispatchMeta):
-            return self._local.combine(y_RD, meta, w_TK, out_dtype)
+    def _combine_ep(self, y_RD: torch.Tensor, meta: P2PMeta, w_TK: torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+        """As :meth:`~moe.dispatch.Dispatcher.combine`; y_RD has the R_cap rows ``dispatch`` returned."""
         R_cap = meta.route.slot.buf.views["recv"].shape[0]
         if y_RD.dim() != 2 or y_RD.shape[0] != R_cap:
             raise ValueError(f"P2PDispatcher.combine: y_RD must have the {R_cap} rows dispatch returned, "
                              f"got {tuple(y_RD.shape)}")
-        y_RD = _keep_in_graph(y_RD, None)
-        return _P2PCombineFn.apply(y_RD, w_TK, meta.route, out_dtype or y_RD.dtype)
-
+        return _P2PCombineFn.apply(y_RD, w_TK, meta.route, out_dtype)

@@ -20,9 +20,9 @@ import torch.nn as nn
 
 from moe import MoELayer, update_expert_biases
 from parallel import (
-    ParallelDims, all_reduce_sum, all_to_all, global_moe_stats, run_distributed, sync_gradients,
-    update_expert_biases_global,
+    ParallelDims, all_reduce_sum, all_to_all, global_moe_stats, sync_gradients, update_expert_biases_global,
 )
+from tests.distributed import run_distributed
 
 # max |ours - reference| / max |reference|, per (device type, dtype). fp32 on CUDA: Triton's
 # fp32 dot may run in TF32, and the tile config may differ between row counts.

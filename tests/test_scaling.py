@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from moe import MoELayer
-from parallel import ParallelDims, run_distributed
-from parallel.dispatcher import CommTimer
+from parallel import CommTimer, ParallelDims
+from tests.distributed import run_distributed
 from tests.test_parallel import Case, _check_case, _check_not_divisible, _run_cases
 from tests.test_train import REPO, _metrics, _torchrun
 from train.config import ConfigError, load_config

@@ -27,8 +27,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from moe import moe_aux_loss, moe_layers, update_expert_biases  # noqa: E402
-from parallel import sync_gradients  # noqa: E402
-from parallel.dispatcher import CommTimer  # noqa: E402
+from parallel import CommTimer, sync_gradients  # noqa: E402
 from parallel.stats import global_moe_stats, update_expert_biases_global  # noqa: E402
 from train import checkpoint as ckpt  # noqa: E402
 from train.config import Config, ConfigError, load_config, to_yaml  # noqa: E402
