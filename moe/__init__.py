@@ -1,6 +1,7 @@
 """Mixture-of-Experts layer with expert parallelism."""
 
 from moe.capacity import RoutingPlan, expert_capacity, plan_routing
+from moe.config import MoEConfig
 from moe.dispatch import Dispatcher, DispatchMeta, LocalDispatcher
 from moe.experts import GroupedExperts
 from moe.kernels import grouped_mm
@@ -11,7 +12,7 @@ from moe.router import Router, RouterOutput
 from moe.stats import MoEStats
 
 __all__ = [
-    "DenseMLP", "DispatchMeta", "Dispatcher", "GroupedExperts", "LocalDispatcher", "MoEAux", "MoELayer",
+    "DenseMLP", "DispatchMeta", "Dispatcher", "GroupedExperts", "LocalDispatcher", "MoEAux", "MoEConfig", "MoELayer",
     "MoEStats", "Router", "RouterOutput", "RoutingPlan", "expert_capacity", "grouped_mm", "load_balancing_loss",
     "moe_aux_loss", "moe_layers", "moe_stats", "plan_routing", "router_z_loss", "update_expert_biases",
 ]

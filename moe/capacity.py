@@ -6,11 +6,14 @@ anything is padded to.
 """
 
 import math
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-DROP_POLICIES = ("probs", "position")
+DropPolicy = Literal["probs", "position"]
+DROP_POLICIES = typing.get_args(DropPolicy)
 
 
 def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float | None) -> int | None:
@@ -37,14 +40,12 @@ class RoutingPlan:
     kept_TK: (T, K) bool.
     kept_per_expert_E: (E,) int64 pairs each expert keeps.
     routed_per_expert_E: (E,) int64 pairs routed to each expert before the cap.
-    capacity: C, or None (dropless).
     """
 
     order_P: torch.Tensor
     kept_TK: torch.Tensor
     kept_per_expert_E: torch.Tensor
     routed_per_expert_E: torch.Tensor
-    capacity: int | None
 
 
 def _count(index: torch.Tensor, num_bins: int, values: torch.Tensor | None = None) -> torch.Tensor:
@@ -58,7 +59,7 @@ def plan_routing(
     priority_TK: torch.Tensor,
     num_experts: int,
     capacity: int | None,
-    drop_policy: str = "probs",
+    drop_policy: DropPolicy = "probs",
     capacity_groups: int = 1,
 ) -> RoutingPlan:
     """Apply the capacity and sort the pairs by expert. No host synchronisation.
@@ -102,4 +103,4 @@ def plan_routing(
     sort_key_P = torch.where(kept_P, expert_P, num_experts)
     order_P = torch.argsort(sort_key_P, stable=True)
     kept_E = _count(expert_P, num_experts, kept_P)
-    return RoutingPlan(order_P, kept_P.view(T, K), kept_E, routed_E, capacity)
+    return RoutingPlan(order_P, kept_P.view(T, K), kept_E, routed_E)

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from moe.kernels import grouped_mm, row_tile_size
-from moe.mlp import ACTIVATIONS
+from moe.mlp import ACTIVATIONS, Activation
 
 
 class GroupedExperts(nn.Module):
@@ -18,7 +18,7 @@ class GroupedExperts(nn.Module):
     run in the autocast dtype (the grouped GEMM takes bf16/fp16 operands, fp32 accumulation).
     """
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int, activation: str = "swiglu", *, device=None, dtype=None):
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, activation: Activation = "swiglu", *, device=None, dtype=None):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")

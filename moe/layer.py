@@ -4,17 +4,19 @@ Legend: T tokens (all leading dims flattened), D model dim, F expert hidden dim,
 K experts per token, P = T·K pairs, L experts on this rank, R rows for the local experts.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from moe.capacity import DROP_POLICIES, expert_capacity, plan_routing
+from moe.capacity import expert_capacity, plan_routing
+from moe.config import MoEConfig, check_positive_int
 from moe.dispatch import LocalDispatcher
 from moe.experts import GroupedExperts
 from moe.losses import load_balancing_loss, router_z_loss
-from moe.mlp import ACTIVATIONS, DenseMLP
-from moe.router import SCORE_FUNCS, Router
+from moe.mlp import DenseMLP
+from moe.router import Router
 from moe.stats import MoEStats, compute_stats
 
 
@@ -32,38 +34,18 @@ class MoEAux:
     stats: MoEStats
 
 
-def _check_positive(**values):
-    for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"MoELayer: {name} must be a positive int, got {value!r}")
-
-
 class MoELayer(nn.Module):
     """A Mixture-of-Experts feed-forward layer: ``(..., D) -> (..., D)``.
 
-    Args:
+    The options are one :class:`MoEConfig` (its docstring says what each does), given either
+    as ``config=`` or, for convenience, as arguments: ``hidden_dim``, ``num_experts`` (both
+    required then) and ``top_k`` by position or keyword, any other field of
+    :class:`MoEConfig` by keyword (``capacity_factor=1.25``, ``activation="gelu"``, ...), the rest
+    at MoEConfig's defaults. Not both: options beside ``config=`` raise TypeError. The layer keeps
+    its own validated copy as ``self.config`` (later edits of the caller's config change nothing).
+
+    Args besides the options:
         dim: D, model width.
-        hidden_dim: F, each expert's hidden width.
-        num_experts: E, routed experts (over the whole expert-parallel group).
-        top_k: K, experts per token (``1 <= K <= E``).
-        capacity_factor: ``C = ceil(capacity_factor · T · K / E)`` pairs per expert and rank;
-            ``None`` (default) is dropless. Must be > 0.
-        drop_policy: over capacity, ``"probs"`` keeps an expert's highest-scoring pairs,
-            ``"position"`` its earliest tokens. Dropped pairs contribute zero (the residual
-            carries the token) and are counted in the stats.
-        capacity_groups: split the tokens into this many equal contiguous groups and cap each
-            separately (to reproduce N ranks' per-rank capacity in one process). Default 1.
-        activation: ``"swiglu"`` (gate and up in one GEMM of width 2F) or ``"gelu"``.
-        score_func: ``"softmax"`` or ``"sigmoid"`` router scores.
-        renormalize: renormalise the K chosen scores to sum to 1 (default True).
-        expert_bias: keep a selection-only bias for aux-loss-free balancing (see
-            :meth:`Router.update_expert_bias` and :func:`update_expert_biases`).
-        bias_update_rate: step of that bias rule (default 1e-3).
-        num_shared_experts: dense experts every token goes through (default 0), fused into one
-            MLP of width ``num_shared_experts · shared_hidden_dim``.
-        shared_hidden_dim: hidden width of one shared expert (default F).
-        aux_loss_coef: coefficient of the load-balancing loss in :attr:`MoEAux.loss` (0.01).
-        z_loss_coef: coefficient of the router z-loss (0.001).
         dispatcher: how rows reach experts; default :class:`LocalDispatcher` (all experts here).
             An expert-parallel dispatcher from ``parallel`` makes this rank hold E / ep_size experts.
         check_finite: raise if the input holds NaN/Inf (costs one host sync per call).
@@ -76,70 +58,46 @@ class MoELayer(nn.Module):
     def __init__(
         self,
         dim: int,
-        hidden_dim: int,
-        num_experts: int,
-        top_k: int = 2,
+        hidden_dim: int | None = None,
+        num_experts: int | None = None,
+        top_k: int | None = None,
         *,
-        capacity_factor: float | None = None,
-        drop_policy: str = "probs",
-        capacity_groups: int = 1,
-        activation: str = "swiglu",
-        score_func: str = "softmax",
-        renormalize: bool = True,
-        expert_bias: bool = False,
-        bias_update_rate: float = 1e-3,
-        num_shared_experts: int = 0,
-        shared_hidden_dim: int | None = None,
-        aux_loss_coef: float = 0.01,
-        z_loss_coef: float = 0.001,
+        config: MoEConfig | None = None,
         dispatcher=None,
         check_finite: bool = False,
         device=None,
         dtype=None,
+        **options,
     ):
         super().__init__()
-        _check_positive(dim=dim, hidden_dim=hidden_dim, num_experts=num_experts, top_k=top_k, capacity_groups=capacity_groups)
-        if top_k > num_experts:
-            raise ValueError(f"MoELayer: top_k={top_k} must be <= num_experts={num_experts}")
-        if capacity_factor is not None and not capacity_factor > 0:
-            raise ValueError(f"MoELayer: capacity_factor must be > 0 or None, got {capacity_factor!r}")
-        if drop_policy not in DROP_POLICIES:
-            raise ValueError(f"MoELayer: drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"MoELayer: activation must be one of {ACTIVATIONS}, got {activation!r}")
-        if score_func not in SCORE_FUNCS:
-            raise ValueError(f"MoELayer: score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
-        if not isinstance(num_shared_experts, int) or num_shared_experts < 0:
-            raise ValueError(f"MoELayer: num_shared_experts must be an int >= 0, got {num_shared_experts!r}")
-        if shared_hidden_dim is not None:
-            _check_positive(shared_hidden_dim=shared_hidden_dim)
-        for name, coef in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
-            if coef < 0:
-                raise ValueError(f"MoELayer: {name} must be >= 0, got {coef}")
+        given = {k: v for k, v in (("hidden_dim", hidden_dim), ("num_experts", num_experts), ("top_k", top_k)) if v is not None}
+        given.update(options)
+        if config is not None and given:
+            raise TypeError(f"MoELayer: options go in config= or as arguments, not both (got config= and {', '.join(given)})")
+        if config is None:
+            missing = [k for k in ("hidden_dim", "num_experts") if k not in given]
+            if missing:
+                raise TypeError(f"MoELayer: missing {' and '.join(missing)} (or pass config=MoEConfig(...))")
+            config = MoEConfig(**given)
+        check_positive_int("MoELayer: dim", dim)
+        self.config = cfg = dataclasses.replace(config).validate("MoELayer: ")
         self.dispatcher = LocalDispatcher() if dispatcher is None else dispatcher
-        if num_experts % self.dispatcher.ep_size:
+        if cfg.num_experts % self.dispatcher.ep_size:
             raise ValueError(
-                f"MoELayer: num_experts={num_experts} must be divisible by the expert-parallel size {self.dispatcher.ep_size}"
+                f"MoELayer: num_experts={cfg.num_experts} must be divisible by the expert-parallel size {self.dispatcher.ep_size}"
             )
         self.dim = dim
-        self.num_experts = num_experts
-        self.top_k = top_k
-        self.capacity_factor = capacity_factor
-        self.drop_policy = drop_policy
-        self.capacity_groups = capacity_groups
-        self.aux_loss_coef = aux_loss_coef
-        self.z_loss_coef = z_loss_coef
         self.check_finite = check_finite
-        self.num_local_experts = num_experts // self.dispatcher.ep_size
+        self.num_local_experts = cfg.num_experts // self.dispatcher.ep_size
         self.router = Router(
-            dim, num_experts, top_k, score_func=score_func, renormalize=renormalize,
-            expert_bias=expert_bias, bias_update_rate=bias_update_rate, device=device,
+            dim, cfg.num_experts, cfg.top_k, score_func=cfg.score_func, renormalize=cfg.renormalize,
+            expert_bias=cfg.expert_bias, bias_update_rate=cfg.bias_update_rate, device=device,
         )
-        self.experts = GroupedExperts(self.num_local_experts, dim, hidden_dim, activation, device=device, dtype=dtype)
+        self.experts = GroupedExperts(self.num_local_experts, dim, cfg.hidden_dim, cfg.activation, device=device, dtype=dtype)
         self.shared_experts = None
-        if num_shared_experts:
-            width = num_shared_experts * (shared_hidden_dim or hidden_dim)
-            self.shared_experts = DenseMLP(dim, width, activation, device=device, dtype=dtype)
+        if cfg.num_shared_experts:
+            width = cfg.num_shared_experts * (cfg.shared_hidden_dim or cfg.hidden_dim)
+            self.shared_experts = DenseMLP(dim, width, cfg.activation, device=device, dtype=dtype)
         self.last_aux: MoEAux | None = None
 
     def _check_input(self, x: torch.Tensor) -> None:
@@ -155,14 +113,15 @@ class MoELayer(nn.Module):
     def forward_with_aux(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
         """x (..., D) float -> ((..., D) same dtype, MoEAux)."""
         self._check_input(x)
+        cfg = self.config
         x_TD = x.reshape(-1, self.dim)
-        T, K = x_TD.shape[0], self.top_k
-        if T % self.capacity_groups:
-            raise ValueError(f"MoELayer: {T} tokens do not split into capacity_groups={self.capacity_groups}")
+        T, K = x_TD.shape[0], cfg.top_k
+        if T % cfg.capacity_groups:
+            raise ValueError(f"MoELayer: {T} tokens do not split into capacity_groups={cfg.capacity_groups}")
 
         route = self.router(x_TD)
-        capacity = expert_capacity(T // self.capacity_groups, self.num_experts, K, self.capacity_factor)
-        plan = plan_routing(route.experts_TK, route.priority_TK, self.num_experts, capacity, self.drop_policy, self.capacity_groups)
+        capacity = expert_capacity(T // cfg.capacity_groups, cfg.num_experts, K, cfg.capacity_factor)
+        plan = plan_routing(route.experts_TK, route.priority_TK, cfg.num_experts, capacity, cfg.drop_policy, cfg.capacity_groups)
 
         rows_RD, offsets_S, meta = self.dispatcher.dispatch(x_TD, plan)
         y_RD = self.experts(rows_RD, offsets_S)
@@ -184,7 +143,7 @@ class MoELayer(nn.Module):
         tiles_E = (plan.kept_per_expert_E + block_m - 1) // block_m
         counts_3E = self.dispatcher.reduce_counts(torch.stack([plan.routed_per_expert_E, plan.kept_per_expert_E, tiles_E]))
         stats = compute_stats(counts_3E[0], counts_3E[1], route.scores_TE, capacity, block_m, counts_3E[2])
-        aux = MoEAux(lb_loss, z_loss, self.aux_loss_coef * lb_loss + self.z_loss_coef * z_loss, stats)
+        aux = MoEAux(lb_loss, z_loss, cfg.aux_loss_coef * lb_loss + cfg.z_loss_coef * z_loss, stats)
         return out_TD.view(x.shape), aux
 
     @staticmethod

@@ -3,18 +3,22 @@
 Legend: D model dim, F hidden dim, N leading dims.
 """
 
+import typing
+from typing import Literal
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-ACTIVATIONS = ("swiglu", "gelu")
+Activation = Literal["swiglu", "gelu"]
+ACTIVATIONS = typing.get_args(Activation)
 
 
 class DenseMLP(nn.Module):
     """``swiglu``: ``W2 (silu(x W_gate) * (x W_up))`` with gate and up in one matmul of width 2F;
     ``gelu``: ``W2 gelu(x W1)``. No biases."""
 
-    def __init__(self, dim: int, hidden_dim: int, activation: str = "swiglu", *, device=None, dtype=None):
+    def __init__(self, dim: int, hidden_dim: int, activation: Activation = "swiglu", *, device=None, dtype=None):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")

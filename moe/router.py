@@ -3,13 +3,16 @@
 Legend: T tokens, D model dim, E experts, K experts per token.
 """
 
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-SCORE_FUNCS = ("softmax", "sigmoid")
+ScoreFunc = Literal["softmax", "sigmoid"]
+SCORE_FUNCS = typing.get_args(ScoreFunc)
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class Router(nn.Module):
         num_experts: int,
         top_k: int,
         *,
-        score_func: str = "softmax",
+        score_func: ScoreFunc = "softmax",
         renormalize: bool = True,
         expert_bias: bool = False,
         bias_update_rate: float = 1e-3,

@@ -24,7 +24,7 @@ def naive_moe(layer, x, capacity_groups=1):
     """Returns (out in fp32, kept as a set of (t, k), router logits)."""
     D = layer.dim
     x_TD = x.reshape(-1, D)
-    T, E, K = x_TD.shape[0], layer.num_experts, layer.top_k
+    T, E, K = x_TD.shape[0], layer.config.num_experts, layer.config.top_k
     logits = x_TD.float() @ layer.router.weight.float().t()
     if layer.router.score_func == "softmax":
         scores = torch.softmax(logits, -1)
@@ -34,13 +34,13 @@ def naive_moe(layer, x, capacity_groups=1):
     chosen = [torch.topk(select[t], K).indices.tolist() for t in range(T)]
     # capacity, pair by pair
     kept = set((t, k) for t in range(T) for k in range(K))
-    if layer.capacity_factor is not None:
+    if layer.config.capacity_factor is not None:
         group_T = T // capacity_groups
-        C = math.ceil(layer.capacity_factor * group_T * K / E)
+        C = math.ceil(layer.config.capacity_factor * group_T * K / E)
         for g in range(capacity_groups):
             for e in range(E):
                 pairs = [(t, k) for t in range(g * group_T, (g + 1) * group_T) for k in range(K) if chosen[t][k] == e]
-                if layer.drop_policy == "probs":
+                if layer.config.drop_policy == "probs":
                     pairs.sort(key=lambda p: (-scores[p[0], e].item(), p[0]))
                 for p in pairs[C:]:
                     kept.discard(p)

@@ -90,6 +90,8 @@ def test_yaml_errors_name_the_key(tmp_path, text, needle):
         (["--model.n_heads=3"], "model.dim"),
         (["--data.source=tokens"], "data.path"),
         (["--log.wandb_mode=sometimes"], "log.wandb_mode"),
+        (["--moe.capacity_factor=0"], "moe.capacity_factor"),  # MoEConfig's own check, named as a config key
+        (["--moe.capacity_groups=3"], "moe.capacity_groups"),  # 8 · 128 tokens do not split in 3
         (["--parallel.dispatcher=gloo"], "parallel.dispatcher"),
         (["--parallel.dispatcher=p2p", "--parallel.device=cpu"], "parallel.dispatcher"),
         (["--parallel.dispatcher=p2p", "--log.time_comm=true"], "log.time_comm"),  # the timer sees NCCL calls only

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moe import MoELayer
+from moe import MoEConfig, MoELayer
 
 
 @pytest.mark.parametrize(
@@ -29,6 +29,22 @@ def test_bad_construction(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         MoELayer(**args)
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(top_k=9), "top_k=9 must be <= num_experts=8"), (dict(drop_policy="random"), "drop_policy")])
+def test_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MoELayer(8, config=MoEConfig(**kwargs))
+
+
+def test_config_and_option_arguments_do_not_mix():
+    with pytest.raises(TypeError, match="not both .*top_k"):
+        MoELayer(8, config=MoEConfig(), top_k=1)
+
+
+def test_option_arguments_need_hidden_dim_and_num_experts():
+    with pytest.raises(TypeError, match="missing num_experts"):
+        MoELayer(8, hidden_dim=16)
 
 
 def test_wrong_last_dim():

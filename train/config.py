@@ -1,9 +1,11 @@
 """Training configuration: nested dataclasses <-> YAML <-> ``--section.key=value`` overrides.
 
 Precedence: command line > YAML file > dataclass defaults. Every value is type-checked against
-its field's annotation (``int``, ``float``, ``bool``, ``str``, ``X | None``, ``list[X]``), and an
-unknown section or key raises :class:`ConfigError` naming ``section.key``. All of this happens
-before any process group starts, so a typo fails fast on every rank with the same message.
+its field's annotation (``int``, ``float``, ``bool``, ``str``, ``Literal[...]`` for a choice,
+``X | None``, ``list[X]``), and an unknown section or key raises :class:`ConfigError` naming
+``section.key``. All of this happens before any process group starts, so a typo fails fast on
+every rank with the same message. The ``moe`` section is :class:`moe.MoEConfig` itself: its
+fields, choices and checks are the layer's, not restated here.
 """
 
 import dataclasses
@@ -11,8 +13,11 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
+from typing import Literal
 
 import yaml
+
+from moe import MoEConfig
 
 
 class ConfigError(ValueError):
@@ -35,38 +40,19 @@ class ModelConfig:
 
 
 @dataclass
-class MoEConfig:
-    num_experts: int = 8
-    top_k: int = 2
-    hidden_dim: int = 256
-    every_n_layers: int = 1  # block i is an MoE block when (i + 1) % every_n_layers == 0
-    capacity_factor: float | None = None  # None: dropless
-    drop_policy: str = "probs"
-    activation: str = "swiglu"
-    score_func: str = "softmax"
-    renormalize: bool = True
-    num_shared_experts: int = 0
-    shared_hidden_dim: int | None = None
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.001
-    expert_bias: bool = False
-    bias_update_rate: float = 1e-3
-
-
-@dataclass
 class ParallelConfig:
     ep: int = 1  # expert-parallel size; data parallel over the whole world, edp = world // ep
-    device: str = "auto"  # auto (cuda if available) | cpu | cuda
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda if available
     # how MoE rows cross the EP group (ep > 1 only): nccl (all-to-all; any devices, any nodes) |
     # p2p (NVLink stores into symmetric memory; CUDA, every EP group on one node)
-    dispatcher: str = "nccl"
+    dispatcher: Literal["nccl", "p2p"] = "nccl"
 
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"  # stdlib (bytes of Python's own sources) | tokens (memmap) | text
+    source: Literal["stdlib", "tokens", "text"] = "stdlib"  # stdlib: bytes of Python's own sources; tokens: memmap
     path: str | None = None  # the token or text file
-    token_dtype: str = "uint16"  # uint16 | uint32, for source=tokens
+    token_dtype: Literal["uint16", "uint32"] = "uint16"  # for source=tokens
     max_bytes: int = 8_000_000  # stdlib corpus size cap
     val_fraction: float = 0.05
     seq_len: int = 128
@@ -93,7 +79,7 @@ class TrainConfig:
     steps: int = 300
     grad_accum: int = 1
     seed: int = 0
-    precision: str = "auto"  # auto (bf16 autocast on cuda, fp32 on cpu) | bf16 | fp32
+    precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on cuda, fp32 on cpu
     eval_every: int = 50  # 0: validate only at the start and the end
 
 
@@ -103,7 +89,7 @@ class LogConfig:
     dir: str = "runs"
     run_name: str | None = None  # None: the config file's stem
     project: str = "moe-ep"
-    wandb_mode: str | None = None  # online | offline | disabled; None: online iff WANDB_API_KEY is set
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None  # None: online iff WANDB_API_KEY is set
     heatmap_every: int = 50
     progress: bool = True
     # time the expert-parallel all-to-alls (CUDA events, read at log time): logs
@@ -137,19 +123,6 @@ class Config:
         return dataclasses.asdict(self)
 
 
-CHOICES = {
-    "moe.drop_policy": ("probs", "position"),
-    "moe.activation": ("swiglu", "gelu"),
-    "moe.score_func": ("softmax", "sigmoid"),
-    "parallel.device": ("auto", "cpu", "cuda"),
-    "parallel.dispatcher": ("nccl", "p2p"),
-    "data.source": ("stdlib", "tokens", "text"),
-    "data.token_dtype": ("uint16", "uint32"),
-    "train.precision": ("auto", "bf16", "fp32"),
-    "log.wandb_mode": ("online", "offline", "disabled", None),
-}
-
-
 def _type_name(tp) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
@@ -169,6 +142,11 @@ def _coerce(value, tp, key: str):
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         return [_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is Literal:
+        allowed = list(typing.get_args(tp))
+        if value in allowed:
+            return value
+        raise ConfigError(f"{key}: must be one of {allowed}, got {value!r}")
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -231,10 +209,19 @@ def from_yaml(path: str, cfg: Config | None = None) -> Config:
     return apply_dict(cfg or Config(), data, source=path)
 
 
+def _is_text(tp) -> bool:
+    """``str``, or a choice among strings."""
+    return tp is str or (typing.get_origin(tp) is Literal and all(isinstance(a, str) for a in typing.get_args(tp)))
+
+
 def _parse_value(text: str, tp):
-    """A command-line value: strings stay as typed, everything else is read as YAML."""
-    base = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
-    if base == [str] and text.lower() not in ("none", "null", "~"):
+    """A command-line value: strings (and choices among strings) stay as typed, everything else
+    is read as YAML."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        base = [a for a in typing.get_args(tp) if a is not type(None)]
+    else:
+        base = [tp]
+    if len(base) == 1 and _is_text(base[0]) and text.lower() not in ("none", "null", "~"):
         return text
     if text.lower() in ("none", "null"):
         return None
@@ -266,16 +253,10 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
 
 def validate(cfg: Config, world_size: int = 1) -> Config:
     """Cross-field checks, before any process group starts. Raises ConfigError."""
-    for dotted, allowed in CHOICES.items():
-        sec, key = dotted.split(".")
-        value = getattr(getattr(cfg, sec), key)
-        if value not in allowed:
-            raise ConfigError(f"{dotted}: must be one of {[a for a in allowed if a is not None]}, got {value!r}")
     positive = {
         "model.vocab_size": cfg.model.vocab_size, "model.dim": cfg.model.dim, "model.n_layers": cfg.model.n_layers,
         "model.n_heads": cfg.model.n_heads, "model.dense_hidden_dim": cfg.model.dense_hidden_dim,
-        "moe.num_experts": cfg.moe.num_experts, "moe.top_k": cfg.moe.top_k, "moe.hidden_dim": cfg.moe.hidden_dim,
-        "moe.every_n_layers": cfg.moe.every_n_layers, "parallel.ep": cfg.parallel.ep,
+        "parallel.ep": cfg.parallel.ep,
         "data.seq_len": cfg.data.seq_len, "data.batch_size": cfg.data.batch_size, "data.val_batches": cfg.data.val_batches,
         "train.steps": cfg.train.steps, "train.grad_accum": cfg.train.grad_accum, "log.every": cfg.log.every,
     }
@@ -290,12 +271,14 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
     if head_dim <= 0:
         raise ConfigError(f"model.head_dim: must be > 0, got {head_dim}")
-    if cfg.moe.top_k > cfg.moe.num_experts:
-        raise ConfigError(f"moe.top_k={cfg.moe.top_k} must be <= moe.num_experts={cfg.moe.num_experts}")
-    if cfg.moe.capacity_factor is not None and cfg.moe.capacity_factor <= 0:
-        raise ConfigError(f"moe.capacity_factor: must be > 0 or null, got {cfg.moe.capacity_factor}")
-    if cfg.moe.num_shared_experts < 0:
-        raise ConfigError(f"moe.num_shared_experts: must be >= 0, got {cfg.moe.num_shared_experts}")
+    try:
+        cfg.moe.validate("moe.")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    if tokens % cfg.moe.capacity_groups:
+        raise ConfigError(f"moe.capacity_groups={cfg.moe.capacity_groups} must divide the {tokens} tokens of a micro-batch "
+                          "(data.batch_size · data.seq_len)")
     if world_size % cfg.parallel.ep:
         raise ConfigError(f"parallel.ep={cfg.parallel.ep} must divide the world size {world_size}")
     if cfg.moe.num_experts % cfg.parallel.ep:

@@ -43,7 +43,7 @@ def forward_flops_per_token(cfg: Config) -> float:
     for i in range(m.n_layers):
         flops += 2 * D * (H + 2 * Hkv) * Hd + 2 * H * Hd * D
         flops += 2 * 2 * H * Hd * (S + 1) / 2
-        if (i + 1) % e.every_n_layers == 0:
+        if e.is_moe_layer(i):
             flops += 2 * D * e.num_experts
             flops += e.top_k * 2 * D * e.hidden_dim * mlp_mults
             if e.num_shared_experts:

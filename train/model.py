@@ -3,8 +3,8 @@
 Legend: B batch, S sequence, D model dim, V vocabulary, E experts (global), L experts on this rank.
 
 A block is pre-norm: ``x + Attention(RMSNorm(x))`` then ``x + FFN(RMSNorm(x))``, where the FFN
-is an :class:`moe.MoELayer` in every ``moe.every_n_layers``-th block (block i when
-``(i + 1) % every_n_layers == 0``) and a dense :class:`moe.DenseMLP` otherwise.
+is an :class:`moe.MoELayer` built from the ``moe`` section in every ``moe.every_n_layers``-th
+block (:meth:`moe.MoEConfig.is_moe_layer`) and a dense :class:`moe.DenseMLP` otherwise.
 
 Initialisation is seeded and independent of the expert-parallel size: dense weights come from
 one generator seeded by ``seed`` (identical on every rank), and global expert e of layer l is
@@ -24,13 +24,9 @@ from moe import DenseMLP, GroupedExperts, MoELayer
 from train.config import Config
 
 
-def is_moe_block(cfg: Config, layer_idx: int) -> bool:
-    return (layer_idx + 1) % cfg.moe.every_n_layers == 0
-
-
 def num_moe_blocks(cfg: Config) -> int:
     """MoE blocks in a model of ``cfg``: the dispatches one forward makes (P2P buffer slots)."""
-    return sum(is_moe_block(cfg, i) for i in range(cfg.model.n_layers))
+    return sum(cfg.moe.is_moe_layer(i) for i in range(cfg.model.n_layers))
 
 
 class Block(nn.Module):
@@ -41,16 +37,9 @@ class Block(nn.Module):
         self.attn_norm = nn.RMSNorm(m.dim, eps=m.norm_eps)
         self.attn = Attention(m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.rope_theta)
         self.ffn_norm = nn.RMSNorm(m.dim, eps=m.norm_eps)
-        self.is_moe = is_moe_block(cfg, layer_idx)
+        self.is_moe = e.is_moe_layer(layer_idx)
         if self.is_moe:
-            self.ffn = MoELayer(
-                m.dim, e.hidden_dim, e.num_experts, e.top_k,
-                capacity_factor=e.capacity_factor, drop_policy=e.drop_policy, activation=e.activation,
-                score_func=e.score_func, renormalize=e.renormalize, expert_bias=e.expert_bias,
-                bias_update_rate=e.bias_update_rate, num_shared_experts=e.num_shared_experts,
-                shared_hidden_dim=e.shared_hidden_dim, aux_loss_coef=e.aux_loss_coef,
-                z_loss_coef=e.z_loss_coef, dispatcher=dispatcher,
-            )
+            self.ffn = MoELayer(m.dim, config=e, dispatcher=dispatcher)
         else:
             self.ffn = DenseMLP(m.dim, m.dense_hidden_dim, e.activation)
 
@@ -131,5 +120,5 @@ def expert_ranges(model: nn.Module) -> dict[str, tuple[int, int, int]]:
         if isinstance(mod, MoELayer):
             first = mod.dispatcher.ep_rank * mod.num_local_experts
             for p, _ in mod.experts.named_parameters():
-                out[f"{mod_name}.experts.{p}"] = (first, mod.num_local_experts, mod.num_experts)
+                out[f"{mod_name}.experts.{p}"] = (first, mod.num_local_experts, mod.config.num_experts)
     return out

@@ -1,0 +1,100 @@
+"""The options of an MoE layer, written once: :class:`MoEConfig`.
+
+:class:`moe.MoELayer` takes one (``config=``) or builds one from its keyword arguments, and the
+training config embeds it as its ``moe`` section, so each option's type, choices, default and
+check live here and nowhere else. Choices are ``Literal`` annotations (the training config's
+parser reads them from there); their lists belong to the modules that implement them.
+"""
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+
+from moe.capacity import DropPolicy
+from moe.mlp import Activation
+from moe.router import ScoreFunc
+
+
+def check_positive_int(name: str, value) -> None:
+    """Raise ValueError ``"<name> must be a positive int"`` unless ``value`` is an int > 0 (a
+    bool is not an int here: ``True`` experts is a mistake, not 1)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclass
+class MoEConfig:
+    """What an MoE layer computes (the model width and where its weights live are the layer's).
+
+    num_experts: E, routed experts (over the whole expert-parallel group).
+    top_k: K, experts per token (``1 <= K <= E``).
+    hidden_dim: F, each expert's hidden width.
+    every_n_layers: a model option: block i is an MoE block when ``(i + 1) % every_n_layers == 0``
+        (:meth:`is_moe_layer`), a dense one otherwise.
+    capacity_factor: ``C = ceil(capacity_factor · T · K / E)`` pairs per expert and rank; ``None``
+        is dropless. Must be > 0.
+    drop_policy: over capacity, ``"probs"`` keeps an expert's highest-scoring pairs,
+        ``"position"`` its earliest tokens. Dropped pairs contribute zero (the residual carries
+        the token) and are counted in the stats.
+    capacity_groups: split the tokens into this many equal contiguous groups and cap each
+        separately (to reproduce N ranks' per-rank capacity in one process).
+    activation: ``"swiglu"`` (gate and up in one GEMM of width 2F) or ``"gelu"``.
+    score_func: ``"softmax"`` or ``"sigmoid"`` router scores.
+    renormalize: renormalise the K chosen scores to sum to 1.
+    num_shared_experts: dense experts every token goes through, fused into one MLP of width
+        ``num_shared_experts · shared_hidden_dim``.
+    shared_hidden_dim: hidden width of one shared expert; ``None`` is F.
+    aux_loss_coef: coefficient of the load-balancing loss in :attr:`moe.MoEAux.loss`.
+    z_loss_coef: coefficient of the router z-loss.
+    expert_bias: keep a selection-only bias for aux-loss-free balancing (see
+        :meth:`moe.Router.update_expert_bias` and :func:`moe.update_expert_biases`).
+    bias_update_rate: step of that bias rule.
+    """
+
+    num_experts: int = 8
+    top_k: int = 2
+    hidden_dim: int = 256
+    every_n_layers: int = 1
+    capacity_factor: float | None = None
+    drop_policy: DropPolicy = "probs"
+    capacity_groups: int = 1
+    activation: Activation = "swiglu"
+    score_func: ScoreFunc = "softmax"
+    renormalize: bool = True
+    num_shared_experts: int = 0
+    shared_hidden_dim: int | None = None
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    expert_bias: bool = False
+    bias_update_rate: float = 1e-3
+
+    def validate(self, prefix: str = "MoEConfig: ") -> "MoEConfig":
+        """Raise ValueError unless every option is in range; return self.
+
+        Each message is ``prefix`` + the offending field's name + the problem, so the caller
+        says where the options came from (``"MoELayer: "``, the training config's ``"moe."``).
+        """
+        for name in ("num_experts", "top_k", "hidden_dim", "every_n_layers", "capacity_groups"):
+            check_positive_int(prefix + name, getattr(self, name))
+        if self.top_k > self.num_experts:
+            raise ValueError(f"{prefix}top_k={self.top_k} must be <= num_experts={self.num_experts}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"{prefix}capacity_factor must be > 0 or None, got {self.capacity_factor!r}")
+        hints = typing.get_type_hints(MoEConfig)
+        for f in dataclasses.fields(self):
+            allowed = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is typing.Literal else None
+            if allowed and getattr(self, f.name) not in allowed:
+                raise ValueError(f"{prefix}{f.name} must be one of {allowed}, got {getattr(self, f.name)!r}")
+        if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
+            raise ValueError(f"{prefix}num_shared_experts must be an int >= 0, got {self.num_shared_experts!r}")
+        if self.shared_hidden_dim is not None:
+            check_positive_int(prefix + "shared_hidden_dim", self.shared_hidden_dim)
+        for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{prefix}{name} must be >= 0, got {getattr(self, name)}")
+        return self
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether block ``layer_idx`` (0-based) of a model is an MoE block: every
+        ``every_n_layers``-th, counting from 1, so the last of each run of n."""
+        return (layer_idx + 1) % self.every_n_layers == 0
