@@ -23,8 +23,6 @@ import zlib
 import numpy as np
 import torch
 
-BYTE_VOCAB = 256
-
 
 def stdlib_files(root: str | None = None) -> list[str]:
     """Relative paths of the standard library's ``*.py`` files, sorted."""

@@ -67,7 +67,9 @@ class WarmupCosine:
         self.step_count += 1
 
     def state_dict(self) -> dict:
-        return {"step_count": self.step_count, "warmup": self.warmup, "total": self.total, "min_ratio": self.min_ratio}
+        """The position only: warmup, total and min_ratio come from the config of the run that
+        resumes (a resumed run may set a new ``train.steps``)."""
+        return {"step_count": self.step_count}
 
     def load_state_dict(self, state: dict) -> None:
         self.step_count = int(state["step_count"])

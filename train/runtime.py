@@ -24,10 +24,6 @@ class Runtime:
     dims: ParallelDims | None  # None: a single process without a process group
 
     @property
-    def ep_rank(self) -> int:
-        return self.rank % self.ep
-
-    @property
     def distributed(self) -> bool:
         return self.dims is not None
 
