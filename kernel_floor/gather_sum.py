@@ -109,7 +109,9 @@ def _scatter_rows_kernel(x_ptr, dst_ptr, w_ptr, ya_ptr, yb_ptr, dw_ptr, idx0_ptr
                     to_rows = dst_ptr + row * stride_dst
                 if SCALE:
                     wk = tl.load(w_ptr + pair, mask=go, other=0.0)
-                dot = tl.zeros((BLOCK_T,), dtype=tl.float32)
+                # products summed over the columns once, after the loop: a reduction per chunk
+                # would cross the warps (shared memory and a barrier) D / BLOCK_D times
+                dot = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
                 for d0 in range(0, D, BLOCK_D):
                     cols = d0 + offs
                     ok = go[:, None] & (cols < D)[None, :]
@@ -120,12 +122,12 @@ def _scatter_rows_kernel(x_ptr, dst_ptr, w_ptr, ya_ptr, yb_ptr, dw_ptr, idx0_ptr
                         if yb_ptr is not None:
                             y += tl.load(yb_ptr + row_b[:, None] * stride_yb + cols[None, :],
                                          mask=ok & in_b[:, None], other=0.0).to(tl.float32)
-                        dot += tl.sum(v * y, axis=1)
+                        dot += v * y
                     if SCALE:
                         v = v * wk[:, None]
                     tl.store(to_rows[:, None] + cols[None, :], v.to(OUT), mask=ok)
                 if DW:
-                    tl.store(dw_ptr + pair, dot, mask=go)
+                    tl.store(dw_ptr + pair, tl.sum(dot, axis=1), mask=go)
 
 
 def _grid(T: int, max_programs: int | None, block_t: int) -> tuple[int]:
@@ -199,16 +201,23 @@ def scatter_rows(x_TD: torch.Tensor, dest, locate, idx0: torch.Tensor, idx1: tor
         DW=dw_TK is not None, ZERO_DROPPED=zero_dropped, BLOCK_T=block_t, BLOCK_D=ROW_BLOCK_D, num_warps=4)
 
 
+def _rows_of_pairs(in_TK: torch.Tensor, row_TK: torch.Tensor, y_MD: torch.Tensor) -> torch.Tensor:
+    """(T, K, D) fp32: ``y[row]`` where ``in_TK``, else 0. A gather of clamped rows and a select,
+    not boolean indexing: no host sync, and it is the reference's hot path on CPU."""
+    if y_MD.shape[0] == 0:
+        return y_MD.new_zeros((*in_TK.shape, y_MD.shape[1]), dtype=torch.float32)
+    rows_TKD = y_MD[row_TK.clamp(0, y_MD.shape[0] - 1)].float()
+    return torch.where(in_TK.unsqueeze(-1), rows_TKD, 0.0)
+
+
 def gather_sum_reference(located, a_MD: torch.Tensor, b_MD: torch.Tensor | None = None,
                          w_TK: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """PyTorch version of :func:`gather_sum`; ``located`` = ``(in_a, in_b, row_a, row_b)``, each
     (T, K), from a PyTorch version of the locator."""
     in_a, in_b, row_a, row_b = located
-    T, K = in_a.shape
-    y_TKD = a_MD.new_zeros((T, K, a_MD.shape[1]), dtype=torch.float32)
-    y_TKD[in_a] = a_MD[row_a[in_a]].float()
+    y_TKD = _rows_of_pairs(in_a, row_a, a_MD)
     if b_MD is not None:
-        y_TKD[in_b] = b_MD[row_b[in_b]].float()
+        y_TKD = y_TKD + _rows_of_pairs(in_b, row_b, b_MD)
     if w_TK is not None:
         y_TKD = y_TKD * w_TK.unsqueeze(-1)
     return y_TKD.sum(1).to(out_dtype or a_MD.dtype)
@@ -236,7 +245,7 @@ def scatter_rows_reference(x_TD: torch.Tensor, sent, located, dsts: list[torch.T
     y_TKD = torch.zeros(*in_a.shape, x_TD.shape[1], dtype=torch.float32, device=x_TD.device)
     for in_y, row_y, y_MD in ((in_a & go, row_a, ya_MD), (in_b & go, row_b, yb_MD)):
         if y_MD is not None:
-            y_TKD[in_y] = y_MD[row_y[in_y]].float()
+            y_TKD = y_TKD + _rows_of_pairs(in_y, row_y, y_MD)
     dw_TK[go] = (x_TD.float().unsqueeze(1) * y_TKD).sum(-1)[go]
     if zero_dropped:
         dw_TK[~in_a & ~in_b] = 0.0
