@@ -1,14 +1,14 @@
 """FlashAttention forward and backward in Triton (FlashAttention-2 scheme), with GQA.
 
-Shape legend: B batch, H query heads, Hkv key/value heads (H % Hkv == 0, G = H / Hkv query heads
-per key/value head), S sequence (queries and keys have the same length), Hd head dim.
+Shape legend: B batch, H query heads, Hkv key/value heads (H % Hkv == 0, each key/value head serving
+H / Hkv query heads), S sequence (queries and keys have the same length), Hd head dim.
 
 - ``_attn_fwd_kernel``: one program per (query block, b, h); streams key/value blocks through an
   online softmax, writes O and the per-row log-sum-exp (fp32, base 2, of the scaled scores).
   The S×S score matrix never exists in memory.
 - ``_attn_bwd_delta_kernel``: delta = rowsum(dO ∘ O) in fp32.
 - ``_attn_bwd_dkdv_kernel``: one program per (key block, b, hkv); recomputes the scores of every
-  query block of all G query heads of its group and accumulates dK, dV in registers, so the GQA
+  query block of all H / Hkv query heads of its group and accumulates dK, dV in registers, so the GQA
   sum over the group needs no atomics.
 - ``_attn_bwd_dq_kernel``: one program per (query block, b, h); recomputes the scores against
   every key block and accumulates dQ in registers. No atomics anywhere: repeated backward passes

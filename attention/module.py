@@ -37,15 +37,15 @@ class Attention(nn.Module):
         """x_BSD: (B, S, D) -> (B, S, D), causal."""
         B, S, _ = x_BSD.shape
         H, Hkv, Hd = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv_BSND = self.qkv(x_BSD).view(B, S, H + 2 * Hkv, Hd)
-        q_BSHD, k_BSHD, v_BSHD = qkv_BSND.split((H, Hkv, Hkv), dim=2)
-        cos_SF, sin_SF = rope_cos_sin(S, Hd, self.rope_theta, device=x_BSD.device)
-        q_BSHD = apply_rope(q_BSHD, cos_SF, sin_SF)
-        k_BSHD = apply_rope(k_BSHD, cos_SF, sin_SF)
+        qkv = self.qkv(x_BSD).view(B, S, H + 2 * Hkv, Hd)
+        q_BSHHd, k_BSHkvHd, v_BSHkvHd = qkv.split((H, Hkv, Hkv), dim=2)
+        cos_table, sin_table = rope_cos_sin(S, Hd, self.rope_theta, device=x_BSD.device)
+        q_BSHHd = apply_rope(q_BSHHd, cos_table, sin_table)
+        k_BSHkvHd = apply_rope(k_BSHkvHd, cos_table, sin_table)
         # (B, S, H, Hd) memory viewed as (B, H, S, Hd): the kernel takes strides, no copy.
-        q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSHD, v_BSHD))
+        q, k, v = (t.transpose(1, 2) for t in (q_BSHHd, k_BSHkvHd, v_BSHkvHd))
         if x_BSD.is_cuda:
-            o_BHSD = flash_attention(q, k, v, causal=True)
+            o_BHSHd = flash_attention(q, k, v, causal=True)
         else:
-            o_BHSD = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)
-        return self.out(o_BHSD.transpose(1, 2).reshape(B, S, H * Hd))
+            o_BHSHd = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)
+        return self.out(o_BHSHd.transpose(1, 2).reshape(B, S, H * Hd))

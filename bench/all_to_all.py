@@ -129,25 +129,25 @@ def bench_row(dispatcher, dims, D, E, K, T, rounds, device, dtype, measure, back
     with torch.no_grad():
         _, _, meta = (nccl or dispatcher).dispatch(x_TD, plan)
     send_splits, recv_splits = meta.send_splits, meta.recv_splits
-    send_SD = torch.randn(sum(send_splits), D, device=device, dtype=dtype, generator=gen)
+    send_MD = torch.randn(sum(send_splits), D, device=device, dtype=dtype, generator=gen)
     recv_RD = torch.empty(sum(recv_splits), D, device=device, dtype=dtype)
-    back_SD = torch.empty_like(send_SD)
+    back_MD = torch.empty_like(send_MD)
 
     def raw():
         for _ in range(2 if backward else 1):  # backward: the same two exchanges once more
-            dist.all_to_all_single(recv_RD, send_SD, recv_splits, send_splits, group=dims.ep_group)
-            dist.all_to_all_single(back_SD, recv_RD, send_splits, recv_splits, group=dims.ep_group)
+            dist.all_to_all_single(recv_RD, send_MD, recv_splits, send_splits, group=dims.ep_group)
+            dist.all_to_all_single(back_MD, recv_RD, send_splits, recv_splits, group=dims.ep_group)
 
     me = dims.ep_rank
     link_send = [0 if g == me else n for g, n in enumerate(send_splits)]
     link_recv = [0 if g == me else n for g, n in enumerate(recv_splits)]
-    link_send_SD, link_recv_RD = send_SD[:sum(link_send)], recv_RD[:sum(link_recv)]
-    link_back_SD = back_SD[:sum(link_send)]
+    link_send_MD, link_recv_RD = send_MD[:sum(link_send)], recv_RD[:sum(link_recv)]
+    link_back_MD = back_MD[:sum(link_send)]
 
     def raw_link():
         for _ in range(2 if backward else 1):
-            dist.all_to_all_single(link_recv_RD, link_send_SD, link_recv, link_send, group=dims.ep_group)
-            dist.all_to_all_single(link_back_SD, link_recv_RD, link_send, link_recv, group=dims.ep_group)
+            dist.all_to_all_single(link_recv_RD, link_send_MD, link_recv, link_send, group=dims.ep_group)
+            dist.all_to_all_single(link_back_MD, link_recv_RD, link_send, link_recv, group=dims.ep_group)
 
     if nccl is not None:
         raw_link = _layer_call(nccl, D, E, K, T, device, dtype, 1000 + dist.get_rank(), backward)[3]

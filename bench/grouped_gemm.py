@@ -153,7 +153,7 @@ def sass_report():
 
 def heat(seconds):
     """Run bf16 matmuls for ``seconds`` so that the first shape is timed on a warm GPU: without
-    it Mixtral (timed first) read A-vs-A 0.930 and 0.944 in two H100 runs (2026-11-22), the
+    it Mixtral (timed first) read A-vs-A 0.930 and 0.944 in two H100 runs, the
     clock falling as the chip heated within each round."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     start = time.perf_counter()

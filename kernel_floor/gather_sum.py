@@ -1,7 +1,7 @@
 """The gather-sum family: every "sum each token's K weighted rows" and its scatter-back in the
 project, one forward kernel and one backward kernel, with where a pair's row lives passed in.
 
-Legend: T tokens, K slots per token, P = T·K (token, slot) pairs, pair p = t·K + k, D row
+Legend: T tokens, K experts per token (top-k), P = T·K (token, slot) pairs, pair p = t·K + k, D row
 width, M rows of a buffer.
 
 An MoE layer hands each kept (token, slot) pair's row to an expert and sums the K expert

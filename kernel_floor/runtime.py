@@ -109,11 +109,11 @@ def band_swizzle(local, major_tiles, minor_tiles, BAND: tl.constexpr):
     return first + (local % band_size) % in_band, (local % band_size) // in_band
 
 
-def check_segments(offsets_G: torch.Tensor, num_groups: int) -> None:
-    """``offsets_G`` lists S row segments, S a positive multiple of the ``num_groups`` weights."""
-    if num_groups <= 0 or offsets_G.dim() != 1 or offsets_G.shape[0] == 0 or offsets_G.shape[0] % num_groups:
-        raise ValueError(f"offsets_G must be 1-D with a multiple of the {num_groups} weight groups "
-                         f"(one entry per row segment), got shape {tuple(offsets_G.shape)}")
+def check_segments(offsets_J: torch.Tensor, num_groups: int) -> None:
+    """``offsets_J`` lists J row segments, J a positive multiple of the ``num_groups`` weights."""
+    if num_groups <= 0 or offsets_J.dim() != 1 or offsets_J.shape[0] == 0 or offsets_J.shape[0] % num_groups:
+        raise ValueError(f"offsets_J must be 1-D with a multiple of the {num_groups} weight groups "
+                         f"(one entry per row segment), got shape {tuple(offsets_J.shape)}")
 
 
 def check_rows(name: str, t: torch.Tensor, rows: int | None, D: int) -> None:

@@ -1,6 +1,7 @@
 """Expert capacity and the token-drop policy.
 
-Legend: T tokens, K slots per token, P = T·K (token, slot) pairs, E experts, G capacity groups.
+Legend: T tokens, K experts per token (top-k), P = T·K (token, slot) pairs, E experts, C capacity
+per expert, Q capacity groups.
 A pair is ``p = t·K + k``. The capacity is a cap on the pairs an expert keeps, never a size that
 anything is padded to.
 """
@@ -70,9 +71,10 @@ def plan_routing(
         capacity: C per expert and capacity group, or None.
         drop_policy: ``"probs"`` keeps each expert's C highest-priority pairs (equal priorities:
             the earlier token wins); ``"position"`` keeps its C earliest tokens.
-        capacity_groups: G; the T tokens are G equal contiguous groups (one per data-parallel
-            shard) and the cap applies within each. One process with G = N on the concatenated
-            batch drops exactly what N ranks drop on their shards.
+        capacity_groups: Q; the T tokens are Q equal contiguous groups (one per data-parallel
+            shard) and the cap applies within each. One process with Q = the number of
+            data-parallel ranks, on the concatenated batch, drops exactly what those ranks drop
+            on their shards.
     """
     if drop_policy not in DROP_POLICIES:
         raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")

@@ -37,7 +37,7 @@ class MoEConfig:
         ``"position"`` its earliest tokens. Dropped pairs contribute zero (the residual carries
         the token) and are counted in the stats.
     capacity_groups: split the tokens into this many equal contiguous groups and cap each
-        separately (to reproduce N ranks' per-rank capacity in one process).
+        separately (to reproduce several ranks' per-rank capacity in one process).
     activation: ``"swiglu"`` (gate and up in one GEMM of width 2F) or ``"gelu"``.
     score_func: ``"softmax"`` or ``"sigmoid"`` router scores.
     renormalize: renormalise the K chosen scores to sum to 1.

@@ -1,7 +1,7 @@
 """Dispatchers: move routed rows to their experts and back.
 
-Legend: T tokens, D model dim, K slots per token, P = T·K pairs, E experts, L experts on this
-rank, R rows for the local experts, S row segments.
+Legend: T tokens, D model dim, K experts per token (top-k), P = T·K pairs, E experts, L experts
+on this rank, R rows for the local experts, J row segments.
 
 Model code never talks to the network: ``MoELayer`` hands the rows to a :class:`Dispatcher`,
 whose abstract methods are the whole contract. A dispatcher keeps no state between ``dispatch()``
@@ -41,12 +41,12 @@ class Dispatcher(ABC):
 
     @abstractmethod
     def dispatch(self, x_TD: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor, DispatchMeta]:
-        """x_TD (T, D) and the routing plan -> (rows_RD, offsets_S, meta).
+        """x_TD (T, D) and the routing plan -> (rows_RD, offsets_J, meta).
 
-        rows_RD (R, D): the rows for the local experts in S segments; offsets_S (S,) int32: the
-        cumulative end of each segment (what the grouped GEMM takes). S is a multiple of L and
-        segment s belongs to local expert ``s % L`` (S = L: rows sorted by expert). Rows past
-        ``offsets_S[-1]`` are padding, which the grouped GEMM writes as zeros.
+        rows_RD (R, D): the rows for the local experts in J segments; offsets_J (J,) int32: the
+        cumulative end of each segment (what the grouped GEMM takes). J is a multiple of L and
+        segment s belongs to local expert ``s % L`` (J = L: rows sorted by expert). Rows past
+        ``offsets_J[-1]`` are padding, which the grouped GEMM writes as zeros.
         """
 
     @abstractmethod
@@ -70,7 +70,7 @@ class Dispatcher(ABC):
         """
 
     @abstractmethod
-    def reduce_counts(self, counts_XE: torch.Tensor) -> torch.Tensor:
+    def reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """(..., E) per-expert counts summed over the expert-parallel group (no gradient): the
         rows each rank's grouped GEMM really processes, and the global load the user watches."""
 
@@ -113,5 +113,5 @@ class LocalDispatcher(Dispatcher):
         one-process loss by an ulp (and copying it there would wait for the stream)."""
         return routed_E, prob_sum_E, torch.full((), num_tokens, dtype=prob_sum_E.dtype, device="cpu")
 
-    def reduce_counts(self, counts_XE: torch.Tensor) -> torch.Tensor:
-        return counts_XE
+    def reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        return counts

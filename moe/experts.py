@@ -1,6 +1,7 @@
 """The routed experts: one MLP per expert, weights stacked, run as grouped matmuls.
 
-Legend: R packed rows (sorted by expert), D model dim, F expert hidden dim, L experts held here.
+Legend: R packed rows (sorted by expert), D model dim, F expert hidden dim, U width of the first
+matmul (2F for SwiGLU, F for GELU), L experts held here, J row segments.
 """
 
 import torch
@@ -13,8 +14,8 @@ from moe.mlp import ACTIVATIONS, Activation
 class GroupedExperts(nn.Module):
     """L expert MLPs over packed rows.
 
-    Weights: ``w1_LDH`` (L, D, 2F) for SwiGLU (``[gate | up]`` along the last dim, one GEMM of
-    width 2F) or (L, D, F) for GELU; ``w2_LFD`` (L, F, D). Under autocast the rows and weights
+    Weights: ``w1_LDU`` (L, D, U): U = 2F for SwiGLU (``[gate | up]`` along the last dim, one
+    GEMM of width 2F), U = F for GELU; ``w2_LFD`` (L, F, D). Under autocast the rows and weights
     run in the autocast dtype (the grouped GEMM takes bf16/fp16 operands, fp32 accumulation).
     """
 
@@ -25,12 +26,12 @@ class GroupedExperts(nn.Module):
         self.activation = activation
         self.num_experts = num_experts
         width = 2 * hidden_dim if activation == "swiglu" else hidden_dim
-        self.w1_LDH = nn.Parameter(torch.empty(num_experts, dim, width, device=device, dtype=dtype))
+        self.w1_LDU = nn.Parameter(torch.empty(num_experts, dim, width, device=device, dtype=dtype))
         self.w2_LFD = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, device=device, dtype=dtype))
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        nn.init.normal_(self.w1_LDH, std=std)
+        nn.init.normal_(self.w1_LDU, std=std)
         nn.init.normal_(self.w2_LFD, std=std)
 
     def compute_dtype(self, x_RD: torch.Tensor) -> torch.dtype:
@@ -40,13 +41,13 @@ class GroupedExperts(nn.Module):
 
     def row_tile_size(self, dtype: torch.dtype) -> int:
         """BLOCK_M of the first (largest) grouped GEMM: the tile the tile-utilization stat counts."""
-        return row_tile_size(self.w1_LDH.shape[1], self.w1_LDH.shape[2], dtype)
+        return row_tile_size(self.w1_LDU.shape[1], self.w1_LDU.shape[2], dtype)
 
-    def forward(self, x_RD: torch.Tensor, offsets_S: torch.Tensor) -> torch.Tensor:
-        """x_RD (R, D) rows in S segments; offsets_S (S,) int32 cumulative segment ends, S a
-        multiple of L, segment s run by expert ``s % L`` (S = L: rows sorted by expert).
-        Returns (R, D) in the compute dtype; rows past ``offsets_S[-1]`` come back zero."""
+    def forward(self, x_RD: torch.Tensor, offsets_J: torch.Tensor) -> torch.Tensor:
+        """x_RD (R, D) rows in J segments; offsets_J (J,) int32 cumulative segment ends, J a
+        multiple of L, segment s run by expert ``s % L`` (J = L: rows sorted by expert).
+        Returns (R, D) in the compute dtype; rows past ``offsets_J[-1]`` come back zero."""
         dtype = self.compute_dtype(x_RD)
         x_RD = x_RD.to(dtype)
-        h_RF = grouped_mm(x_RD, self.w1_LDH.to(dtype), offsets_S, activation=self.activation)
-        return grouped_mm(h_RF, self.w2_LFD.to(dtype), offsets_S)
+        h_RF = grouped_mm(x_RD, self.w1_LDU.to(dtype), offsets_J, activation=self.activation)
+        return grouped_mm(h_RF, self.w2_LFD.to(dtype), offsets_J)

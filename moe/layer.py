@@ -1,7 +1,7 @@
 """MoELayer: router → capacity → dispatch → grouped-GEMM experts → combine.
 
 Legend: T tokens (all leading dims flattened), D model dim, F expert hidden dim, E experts,
-K experts per token, P = T·K pairs, L experts on this rank, R rows for the local experts.
+K experts per token (top-k), P = T·K pairs, L experts on this rank, R rows for the local experts.
 """
 
 import dataclasses
@@ -123,8 +123,8 @@ class MoELayer(nn.Module):
         capacity = expert_capacity(T // cfg.capacity_groups, cfg.num_experts, K, cfg.capacity_factor)
         plan = plan_routing(route.experts_TK, route.priority_TK, cfg.num_experts, capacity, cfg.drop_policy, cfg.capacity_groups)
 
-        rows_RD, offsets_S, meta = self.dispatcher.dispatch(x_TD, plan)
-        y_RD = self.experts(rows_RD, offsets_S)
+        rows_RD, offsets_J, meta = self.dispatcher.dispatch(x_TD, plan)
+        y_RD = self.experts(rows_RD, offsets_J)
         # fp32 accumulation of the K weighted expert outputs; dropped pairs weigh zero
         w_TK = route.weights_TK * plan.kept_TK
         out_TD = self.dispatcher.combine(y_RD, meta, w_TK, x.dtype)

@@ -1,4 +1,4 @@
-"""Router losses. Legend: T tokens, E experts, K slots per token."""
+"""Router losses. Legend: T tokens, E experts, K experts per token (top-k)."""
 
 import torch
 

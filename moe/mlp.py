@@ -1,6 +1,6 @@
 """Dense feed-forward block: the shared experts of an MoE layer (every token goes through it).
 
-Legend: D model dim, F hidden dim, N leading dims.
+Legend: T tokens (any leading dims), D model dim, F hidden dim.
 """
 
 import typing
@@ -27,8 +27,8 @@ class DenseMLP(nn.Module):
         self.w1 = nn.Linear(dim, width, bias=False, device=device, dtype=dtype)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False, device=device, dtype=dtype)
 
-    def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
-        h = self.w1(x_ND)
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        h = self.w1(x_TD)
         if self.activation == "swiglu":
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up

@@ -1,6 +1,6 @@
 """Top-k router, computed in fp32.
 
-Legend: T tokens, D model dim, E experts, K experts per token.
+Legend: T tokens, D model dim, E experts, K experts per token (top-k).
 """
 
 import typing

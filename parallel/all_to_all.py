@@ -54,8 +54,8 @@ class AllReduceSumFn(torch.autograd.Function):
     """Sum over the group; the backward sums the gradients over the group.
 
     Why the backward sums: when every rank adds the same reduced value to its loss and the
-    data-parallel sync later averages the dense gradients over the N ranks, the gradient that
-    reaches rank r's local input is ``(1/N) · Σ_ranks dℓ/d(sum) = dℓ/d(sum)``: exactly the
+    data-parallel sync later averages the dense gradients over the W ranks, the gradient that
+    reaches rank r's local input is ``(1/W) · Σ_ranks dℓ/d(sum) = dℓ/d(sum)``: exactly the
     one-process gradient of the loss formed from the global sum.
     """
 

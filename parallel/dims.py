@@ -1,12 +1,12 @@
 """ParallelDims: the data-parallel × expert-parallel layout of the world, and its process groups.
 
-World = N ranks, all data-parallel (each reads its own shard). The experts of a layer are split
+World = W ranks, all data-parallel (each reads its own shard). The experts of a layer are split
 over an expert-parallel (EP) group of ``ep`` consecutive ranks: ranks ``[g·ep, (g+1)·ep)`` form
-EP group g, and EP rank i holds experts ``[i·L, (i+1)·L)`` with ``L = E / ep``. The ``edp = N / ep``
+EP group g, and EP rank i holds experts ``[i·L, (i+1)·L)`` with ``L = E / ep``. The ``edp = W / ep``
 ranks that hold the same expert shard (same ``rank % ep``) form its expert-data-parallel (EDP)
 group, over which that shard's gradients are reduced.
 
-Example, N = 4, ep = 2: EP groups [0, 1] and [2, 3]; EDP groups [0, 2] and [1, 3].
+Example, W = 4, ep = 2: EP groups [0, 1] and [2, 3]; EDP groups [0, 2] and [1, 3].
 """
 
 import torch.distributed as dist
@@ -23,8 +23,8 @@ class ParallelDims:
     """Validated ``world_size = edp · ep`` layout; builds the process groups once.
 
     Args:
-        world_size: N, all ranks (every one data-parallel).
-        ep: expert-parallel size; must divide N (and, per layer, the expert count: see
+        world_size: W, all ranks (every one data-parallel).
+        ep: expert-parallel size (G); must divide W (and, per layer, the expert count: see
             :meth:`check_experts`).
 
     The constructor only validates (no communication), so a bad layout fails before any

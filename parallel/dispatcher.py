@@ -1,8 +1,8 @@
 """The NCCL expert-parallel dispatcher: tokens travel to their expert's rank by all-to-all, and back.
 
-Legend: T tokens, D model dim, K slots per token, P = T·K pairs, E experts, G ranks of the
-expert-parallel group, L = E / G experts per rank, S pairs this rank keeps and sends, R rows it
-receives for its L experts.
+Legend: T tokens, D model dim, K experts per token (top-k), P = T·K pairs, E experts, G ranks of
+the expert-parallel group, L = E / G experts per rank, M rows of a send/return buffer (the pairs
+this rank keeps and sends), R rows it receives for its L experts.
 
 ``dispatch``:
 1. ``plan.order_P`` lists the kept pairs sorted by expert, hence by destination rank (rank g holds
@@ -25,7 +25,7 @@ token's K rows, from the received buffer or straight from the own rows, with the
 in one pass. The backward of each is the other's forward with the roles swapped: the dispatch
 backward is a reverse exchange plus one summing pass, the combine backward packs ``w · dout``
 for the remote pairs, exchanges it and writes the own pairs' rows during the exchange.
-History, measured on 2×H200 (bench/all_to_all.py, 2026-11-22): regrouping by expert and
+Measured on 2×H200 (bench/all_to_all.py; bench/results/all_to_all.md): regrouping by expert and
 un-permuting into pair order reached 0.41–0.65× the raw exchange's bandwidth at 4k–32k tokens;
 the version with a gather (K reads of each token row) before the exchange and a fused combine
 after it, both on the critical path, reached 0.22–0.81×.
@@ -63,33 +63,33 @@ class AllToAllMeta(ExpertParallelMeta):
     recv_splits: list[int]
 
 
-def _timed_all_to_all(out_ND, in_ND, out_splits, in_splits, group, timer: "CommTimer | None") -> None:
+def _timed_all_to_all(out_MD, in_MD, out_splits, in_splits, group, timer: "CommTimer | None") -> None:
     """``all_to_all_single`` on the current stream, its span added to ``timer`` when there is one
     (synchronous op: since torch 2.8 NCCL then runs on the caller's stream with no event
     handshakes; ``async_op=True`` goes through an internal stream and, measured on 2×H200,
     doubled the time of a 4k-token dispatch + combine)."""
-    begin = timer.start(in_ND.device) if timer is not None else None
-    dist.all_to_all_single(out_ND, in_ND, out_splits, in_splits, group=group)
+    begin = timer.start(in_MD.device) if timer is not None else None
+    dist.all_to_all_single(out_MD, in_MD, out_splits, in_splits, group=group)
     if begin is not None:
         timer.stop(begin)
 
 
-def _exchange(out_ND, in_ND, out_splits, in_splits, route: "_Route") -> None:
+def _exchange(out_MD, in_MD, out_splits, in_splits, route: "_Route") -> None:
     """:func:`_timed_all_to_all` over the route's group and timer."""
-    _timed_all_to_all(out_ND, in_ND, out_splits, in_splits, route.group, route.timer)
+    _timed_all_to_all(out_MD, in_MD, out_splits, in_splits, route.group, route.timer)
 
 
-def _exchange_beside(route: "_Route", out_ND, in_ND, out_splits, in_splits, fn) -> None:
+def _exchange_beside(route: "_Route", out_MD, in_MD, out_splits, in_splits, fn) -> None:
     """:func:`_exchange` on the current stream while ``fn`` runs on the route's side stream (see
     :func:`~parallel.comm.run_beside`)."""
-    run_beside(route.stream, lambda: _exchange(out_ND, in_ND, out_splits, in_splits, route), fn)
+    run_beside(route.stream, lambda: _exchange(out_MD, in_MD, out_splits, in_splits, route), fn)
 
 
 @dataclass(frozen=True)
 class _Route:
     """Where each pair's row goes (see :mod:`parallel.pair_rows`) and who moves it.
 
-    pos_TK: (T, K) int64 send position of each pair (>= S: dropped); ends_G: (G,) int64 cumulative
+    pos_TK: (T, K) int64 send position of each pair (>= M: dropped); ends_G: (G,) int64 cumulative
     end of each destination rank's positions; me: this rank in the group; stream: the side stream
     for the own rows' pass (None on CPU).
     """
@@ -127,8 +127,8 @@ class _DispatchFn(torch.autograd.Function):
         T, D = x_TD.shape
         K, me = route.pos_TK.shape[1], route.me
         x_TD = x_TD.contiguous()
-        send_ND = x_TD.new_empty((T * K, D))  # upper bound: S is not on the host yet
-        scatter_pairs(x_TD, route.pos_TK, route.ends_G, me, send_ND, local=False)
+        send_MD = x_TD.new_empty((T * K, D))  # upper bound: M is not on the host yet
+        scatter_pairs(x_TD, route.pos_TK, route.ends_G, me, send_MD, local=False)
         if copied is not None:
             copied.synchronize()
         splits_2G = counts_2GL.sum(-1)
@@ -136,7 +136,7 @@ class _DispatchFn(torch.autograd.Function):
         num_own = send_splits[me]
         remote_send, remote_recv = _remote(send_splits, me), _remote(recv_splits, me)
         rows_RD = x_TD.new_empty((sum(recv_splits), D))
-        _exchange_beside(route, rows_RD[num_own:], send_ND[:sum(remote_send)], remote_recv, remote_send,
+        _exchange_beside(route, rows_RD[num_own:], send_MD[:sum(remote_send)], remote_recv, remote_send,
                          lambda: scatter_pairs(x_TD, route.pos_TK, route.ends_G, me, rows_RD[:num_own], local=True))
         ctx.route, ctx.splits, ctx.num_own = route, (remote_send, remote_recv), num_own
         ctx.mark_non_differentiable(splits_2G)
@@ -146,9 +146,9 @@ class _DispatchFn(torch.autograd.Function):
     def backward(ctx, grad_RD, _):
         route, (remote_send, remote_recv), num_own = ctx.route, ctx.splits, ctx.num_own
         grad_RD = grad_RD.contiguous()
-        back_ND = grad_RD.new_empty((sum(remote_send), grad_RD.shape[1]))
-        _exchange(back_ND, grad_RD[num_own:], remote_send, remote_recv, route)
-        grad_TD = gather_pairs_sum(back_ND, grad_RD[:num_own], route.pos_TK, route.ends_G, route.me)
+        back_MD = grad_RD.new_empty((sum(remote_send), grad_RD.shape[1]))
+        _exchange(back_MD, grad_RD[num_own:], remote_send, remote_recv, route)
+        grad_TD = gather_pairs_sum(back_MD, grad_RD[:num_own], route.pos_TK, route.ends_G, route.me)
         return grad_TD, None, None, None
 
 
@@ -158,26 +158,26 @@ class _CombineFn(torch.autograd.Function):
     Forward: the reverse exchange of the remote rows, then one pass over both buffers. Backward:
     ``dy = w · dout`` packed for the remote pairs, exchanged, and written for the own pairs while
     the exchange runs; ``dw = <dout, y>`` in the same passes. For dw the received rows and a copy
-    of the own rows (made while the forward exchange runs) are kept, S rows in all.
+    of the own rows (made while the forward exchange runs) are kept, M rows in all.
     """
 
     @staticmethod
     def forward(ctx, y_RD, w_TK, route: _Route, splits: tuple, out_dtype):
         remote_send, remote_recv, num_own = splits
         y_RD = y_RD.contiguous()
-        back_ND = y_RD.new_empty((sum(remote_send), y_RD.shape[1]))
+        back_MD = y_RD.new_empty((sum(remote_send), y_RD.shape[1]))
         if ctx.needs_input_grad[1]:
-            own_ND = y_RD.new_empty((num_own, y_RD.shape[1]))
-            _exchange_beside(route, back_ND, y_RD[num_own:], remote_send, remote_recv,
-                             lambda: own_ND.copy_(y_RD[:num_own]))
+            own_MD = y_RD.new_empty((num_own, y_RD.shape[1]))
+            _exchange_beside(route, back_MD, y_RD[num_own:], remote_send, remote_recv,
+                             lambda: own_MD.copy_(y_RD[:num_own]))
         else:
-            own_ND = None
-            _exchange(back_ND, y_RD[num_own:], remote_send, remote_recv, route)
-        out_TD = gather_pairs_sum(back_ND, y_RD[:num_own], route.pos_TK, route.ends_G, route.me, w_TK, out_dtype)
+            own_MD = None
+            _exchange(back_MD, y_RD[num_own:], remote_send, remote_recv, route)
+        out_TD = gather_pairs_sum(back_MD, y_RD[:num_own], route.pos_TK, route.ends_G, route.me, w_TK, out_dtype)
         ctx.route, ctx.splits, ctx.rows = route, splits, y_RD.shape[0]
         ctx.y_dtype = y_RD.dtype
-        if own_ND is not None:
-            ctx.save_for_backward(w_TK, back_ND, own_ND)
+        if own_MD is not None:
+            ctx.save_for_backward(w_TK, back_MD, own_MD)
         else:
             ctx.save_for_backward(w_TK)
         return out_TD
@@ -186,16 +186,16 @@ class _CombineFn(torch.autograd.Function):
     def backward(ctx, dout_TD):
         route, (remote_send, remote_recv, num_own) = ctx.route, ctx.splits
         w_TK, *kept = ctx.saved_tensors
-        back_ND, own_ND = kept if kept else (None, None)
+        back_MD, own_MD = kept if kept else (None, None)
         dout_TD = dout_TD.contiguous()
-        dw_TK = torch.empty_like(w_TK) if back_ND is not None else None  # both passes write all of it
+        dw_TK = torch.empty_like(w_TK) if back_MD is not None else None  # both passes write all of it
         dy_RD = dout_TD.new_empty((ctx.rows, dout_TD.shape[1]), dtype=ctx.y_dtype)
-        send_ND = dy_RD.new_empty((sum(remote_send), dout_TD.shape[1]))
-        scatter_pairs(dout_TD, route.pos_TK, route.ends_G, route.me, send_ND, local=False, w_TK=w_TK,
-                      y_MD=back_ND, dw_TK=dw_TK)
-        _exchange_beside(route, dy_RD[num_own:], send_ND, remote_recv, remote_send,
+        send_MD = dy_RD.new_empty((sum(remote_send), dout_TD.shape[1]))
+        scatter_pairs(dout_TD, route.pos_TK, route.ends_G, route.me, send_MD, local=False, w_TK=w_TK,
+                      y_MD=back_MD, dw_TK=dw_TK)
+        _exchange_beside(route, dy_RD[num_own:], send_MD, remote_recv, remote_send,
                          lambda: scatter_pairs(dout_TD, route.pos_TK, route.ends_G, route.me, dy_RD[:num_own],
-                                               local=True, w_TK=w_TK, y_MD=own_ND, dw_TK=dw_TK))
+                                               local=True, w_TK=w_TK, y_MD=own_MD, dw_TK=dw_TK))
         return dy_RD, dw_TK, None, None, None
 
 

@@ -106,10 +106,10 @@ class ExpertParallelDispatcher(Dispatcher):
         num_experts = plan.kept_per_expert_E.numel()
         if num_experts % self.ep_size:
             raise ValueError(f"{type(self).__name__}: {num_experts} experts do not split over {self.ep_size} ranks")
-        rows_RD, offsets_S, meta = self._dispatch_ep(x_TD, plan, num_experts)
+        rows_RD, offsets_J, meta = self._dispatch_ep(x_TD, plan, num_experts)
         if rows_RD.shape[0] == 0:
             meta = replace(meta, empty_rows_RD=rows_RD)
-        return rows_RD, offsets_S, meta
+        return rows_RD, offsets_J, meta
 
     def combine(self, y_RD: torch.Tensor, meta: DispatchMeta, w_TK: torch.Tensor,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -148,10 +148,10 @@ class ExpertParallelDispatcher(Dispatcher):
         routed = total[num_experts:2 * num_experts].detach().round().to(routed_E.dtype)
         return routed, prob_sum, total[-1].detach().to(prob_sum_E.dtype)
 
-    def reduce_counts(self, counts_XE: torch.Tensor) -> torch.Tensor:
+    def reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """(..., E) per-expert counts summed over the expert-parallel group (no gradient)."""
         if self.ep_size == 1:
-            return counts_XE
-        total = counts_XE.detach().clone()
+            return counts
+        total = counts.detach().clone()
         dist.all_reduce(total, group=self.ep_group)
         return total

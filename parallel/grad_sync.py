@@ -1,14 +1,14 @@
 """Gradient synchronisation for data × expert parallelism.
 
 Every rank's loss is a mean over its own tokens; the target is the gradient of the mean of the
-N ranks' losses, i.e. one process trained on the concatenated batch (equal shards).
+W ranks' losses, i.e. one process trained on the concatenated batch (equal shards).
 
 - Dense parameters (everything outside a :class:`moe.experts.GroupedExperts`) are replicated on
-  all N ranks: sum over the world, divide by N.
+  all W ranks: sum over the world, divide by W.
 - Expert parameters: rank r's shard already holds, through the all-to-all backward, the
   contributions of every token of its EP group. The EDP group holds the other copies of that
-  shard, one per EP group, so the sum over the EDP group covers all N ranks' losses: divide by
-  N (not by the EDP size).
+  shard, one per EP group, so the sum over the EDP group covers all W ranks' losses: divide by
+  W (not by the EDP size).
 
 Tensors are flattened into one buffer per (device, dtype) and bucket, so a model costs a few
 all-reduces, not one per parameter. A parameter that requires grad but has none on this rank (a
@@ -86,7 +86,7 @@ def sync_gradients(model: nn.Module, dims) -> None:
 
     Call once per optimizer step, after the last backward (with gradient accumulation the
     reduction is linear, so one sync of the summed gradients suffices). Dense gradients: world
-    sum / N. Expert gradients: EDP-group sum / N.
+    sum / W. Expert gradients: EDP-group sum / W.
     """
     experts = expert_parameters(model)
     expert_ids = {id(p) for p in experts}

@@ -1,7 +1,7 @@
 """Expert-parallel dispatcher for the GPUs of one node: rows move by NVLink peer stores into
 symmetric memory, not by NCCL, and the host never waits for the GPU.
 
-Legend: T tokens, D model dim, K slots per token, E experts, G ranks of the expert-parallel
+Legend: T tokens, D model dim, K experts per token (top-k), E experts, G ranks of the expert-parallel
 group, L = E / G experts per rank, R_cap = G · max_tokens · K rows a rank can receive at most,
 P_cap = max_tokens · K pairs a rank can send at most.
 
@@ -225,7 +225,7 @@ class P2PDispatcher(ExpertParallelDispatcher):
             every rank of ``ep_group`` on one node.
         max_tokens: the most tokens any rank passes to one ``dispatch``.
         num_buffers: slots of buffers, taken round-robin: at least the number of MoE layers whose
-            dispatch runs before their backward (a model of N MoE layers: N). A dispatch whose
+            dispatch runs before their backward (a model of n MoE layers: n). A dispatch whose
             slot was taken again before its backward raises (never silently reads newer rows).
 
     ``dispatch`` returns R_cap = ep · max_tokens · K rows, whatever the routing; rows past

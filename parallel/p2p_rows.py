@@ -2,8 +2,9 @@
 ranks' symmetric-memory buffers (NVLink peer stores), each with a plain PyTorch reference beside
 it.
 
-Legend: T tokens, K slots per token, D model dim, G ranks, E experts, R_cap rows of each rank's
-receive buffer, P_cap = max_tokens · K pair places of each rank's return buffer.
+Legend: T tokens, K experts per token (top-k), D model dim, G ranks of the expert-parallel group,
+E experts, R_cap rows of each rank's receive buffer, P_cap = max_tokens · K pair places of each
+rank's return buffer.
 
 A pair (t, k) of a source rank that is kept has a place ``row_TK[t, k]`` in the receive buffer of
 rank ``dest_TK[t, k]`` (-1: dropped, it goes nowhere). A received row r remembers where it came

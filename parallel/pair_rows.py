@@ -1,6 +1,6 @@
 """Token rows to send order and back, with this rank's own rows kept out of the exchange.
 
-Legend: T tokens, D row width, K slots per token, P = T·K pairs, G ranks of the expert-parallel
+Legend: T tokens, D row width, K experts per token (top-k), P = T·K pairs, G ranks of the expert-parallel
 group, M rows a buffer holds.
 
 The all-to-all dispatcher orders the kept (token, slot) pairs by destination rank then expert:

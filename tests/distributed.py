@@ -1,4 +1,4 @@
-"""Run a test function on N local processes: spawn, init, collect, tear down.
+"""Run a test function on W local processes: spawn, init, collect, tear down.
 
 A rank that raises reports its traceback; the parent raises with every rank's report. Nothing
 hangs: collectives time out (``timeout_s``), the parent waits at most ``timeout_s`` plus start-up

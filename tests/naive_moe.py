@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 
-def naive_expert(x_D, w1_DH, w2_FD, activation):
-    h = x_D.float() @ w1_DH.float()
+def naive_expert(x_D, w1_DU, w2_FD, activation):
+    h = x_D.float() @ w1_DU.float()
     if activation == "swiglu":
         half = h.shape[-1] // 2
         h = F.silu(h[:half]) * h[half:]
@@ -44,7 +44,7 @@ def naive_moe(layer, x, capacity_groups=1):
                     pairs.sort(key=lambda p: (-scores[p[0], e].item(), p[0]))
                 for p in pairs[C:]:
                     kept.discard(p)
-    w1, w2 = layer.experts.w1_LDH, layer.experts.w2_LFD
+    w1, w2 = layer.experts.w1_LDU, layer.experts.w2_LFD
     rows = []
     for t in range(T):
         prio = torch.stack([scores[t, e] for e in chosen[t]])

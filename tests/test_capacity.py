@@ -113,7 +113,7 @@ def test_layer_losses_match_formulas_and_reach_router():
     assert aux.loss.item() == pytest.approx(0.5 * lb.item() + 0.25 * z.item(), rel=1e-5)
     aux.loss.backward()
     assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
-    assert layer.experts.w1_LDH.grad is None  # the losses touch only the router
+    assert layer.experts.w1_LDU.grad is None  # the losses touch only the router
 
 
 def test_stats_tile_utilization_hand_case():

@@ -148,13 +148,13 @@ def test_scatter_pairs_matches_reference(T, K, G, L, me, kw, dtype):
     x_TD = torch.randn(T, D, device=DEVICE).to(dtype)
     w_TK = torch.rand(T, K, device=DEVICE)
     for local, rows in ((True, n_local), (False, n_remote + 5)):  # a remote buffer may be larger
-        y_ND = torch.randn(rows, D, device=DEVICE).to(dtype)
+        y_MD = torch.randn(rows, D, device=DEVICE).to(dtype)
         for with_w in (False, True):
             w = w_TK if with_w else None
             got, want = (torch.full((rows, D), 7.0, device=DEVICE, dtype=dtype) for _ in range(2))
             dw_got, dw_want = (torch.full((T, K), -3.0, device=DEVICE) for _ in range(2))
-            scatter_pairs(x_TD, pos_TK, ends_G, me, got, local, w, y_ND, dw_got, backend="triton")
-            scatter_pairs_reference(x_TD, pos_TK, ends_G, me, want, local, w, y_ND, dw_want)
+            scatter_pairs(x_TD, pos_TK, ends_G, me, got, local, w, y_MD, dw_got, backend="triton")
+            scatter_pairs_reference(x_TD, pos_TK, ends_G, me, want, local, w, y_MD, dw_want)
             torch.testing.assert_close(got, want, rtol=PAIR_ROWS_TOL[dtype], atol=PAIR_ROWS_TOL[dtype])
             torch.testing.assert_close(dw_got, dw_want, rtol=1e-3, atol=1e-3)
         written = (got != 7.0).any(-1).sum().item()
@@ -174,12 +174,12 @@ def test_gather_pairs_sum_matches_reference(T, K, G, L, me, kw, dtype):
     D = 70
     pos_TK, ends_G = _pair_route(T, K, G, L, me, **kw)
     n_local, n_remote = _pair_buffers(pos_TK, ends_G, me)
-    remote_ND = torch.randn(n_remote, D, device=DEVICE).to(dtype)
-    local_ND = torch.randn(n_local, D, device=DEVICE).to(dtype)
+    remote_MD = torch.randn(n_remote, D, device=DEVICE).to(dtype)
+    local_MD = torch.randn(n_local, D, device=DEVICE).to(dtype)
     w_TK = torch.rand(T, K, device=DEVICE)
     for w in (None, w_TK):
-        got = gather_pairs_sum(remote_ND, local_ND, pos_TK, ends_G, me, w, torch.float32, backend="triton")
-        want = gather_pairs_sum_reference(remote_ND, local_ND, pos_TK, ends_G, me, w, torch.float32)
+        got = gather_pairs_sum(remote_MD, local_MD, pos_TK, ends_G, me, w, torch.float32, backend="triton")
+        want = gather_pairs_sum_reference(remote_MD, local_MD, pos_TK, ends_G, me, w, torch.float32)
         torch.testing.assert_close(got, want, rtol=PAIR_ROWS_TOL[dtype], atol=PAIR_ROWS_TOL[dtype])
 
 
@@ -190,11 +190,11 @@ def test_scatter_then_gather_is_the_weighted_sum_of_each_token_over_its_kept_pai
     n_local, n_remote = _pair_buffers(pos_TK, ends_G, me)
     x_TD = torch.randn(T, D, device=DEVICE)
     w_TK = torch.rand(T, K, device=DEVICE)
-    local_ND = torch.empty(n_local, D, device=DEVICE)
-    remote_ND = torch.empty(n_remote, D, device=DEVICE)
-    scatter_pairs(x_TD, pos_TK, ends_G, me, local_ND, True, backend="triton")
-    scatter_pairs(x_TD, pos_TK, ends_G, me, remote_ND, False, backend="triton")
-    got = gather_pairs_sum(remote_ND, local_ND, pos_TK, ends_G, me, w_TK, backend="triton")
+    local_MD = torch.empty(n_local, D, device=DEVICE)
+    remote_MD = torch.empty(n_remote, D, device=DEVICE)
+    scatter_pairs(x_TD, pos_TK, ends_G, me, local_MD, True, backend="triton")
+    scatter_pairs(x_TD, pos_TK, ends_G, me, remote_MD, False, backend="triton")
+    got = gather_pairs_sum(remote_MD, local_MD, pos_TK, ends_G, me, w_TK, backend="triton")
     kept_TK = pos_TK < ends_G[-1]
     torch.testing.assert_close(got, x_TD * (w_TK * kept_TK).sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
     assert 0 < n_local < kept_TK.sum() and n_local + n_remote == kept_TK.sum()

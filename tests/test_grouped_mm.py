@@ -130,11 +130,11 @@ def test_all_segments_empty_keeps_the_graph(activation):
 def test_segments_must_be_a_multiple_of_the_groups():
     x = torch.randn(10, 8, device=DEVICE).to(torch.float16)
     w = torch.randn(2, 8, 6, device=DEVICE).to(torch.float16)
-    with pytest.raises(ValueError, match="offsets_G"):
+    with pytest.raises(ValueError, match="offsets_J"):
         grouped_mm_triton(x, w, _offsets([4, 3, 3], DEVICE))
-    with pytest.raises(ValueError, match="offsets_G"):
+    with pytest.raises(ValueError, match="offsets_J"):
         grouped_mm_reference(x, w, _offsets([4, 3, 3], DEVICE))
-    with pytest.raises(ValueError, match="offsets_G"):
+    with pytest.raises(ValueError, match="offsets_J"):
         grouped_mm_wgrad(x, torch.randn(10, 6, device=DEVICE).to(torch.float16), _offsets([4, 3, 3], DEVICE), 2)
 
 
@@ -160,7 +160,7 @@ def test_launcher_rejects_bad_arguments():
     offsets = _offsets([4, 6], DEVICE)
     with pytest.raises(ValueError, match="dtype"):
         grouped_mm_triton(x.float(), w, offsets)
-    with pytest.raises(ValueError, match="offsets_G"):
+    with pytest.raises(ValueError, match="offsets_J"):
         grouped_mm_triton(x, w, offsets[:1])
     with pytest.raises(ValueError, match="swiglu"):
         grouped_mm_triton(x, w[:, :, :5], offsets, "swiglu")
@@ -168,10 +168,10 @@ def test_launcher_rejects_bad_arguments():
         grouped_mm(x, w, offsets, backend="cuda")
 
 
-def grouped_mm_wgrad_reference(x_MK, dy_MN, offsets_G):
+def grouped_mm_wgrad_reference(x_MI, dy_MN, offsets_J):
     """dw[g] = x_gᵀ @ dy_g, group by group."""
-    bounds = [0] + offsets_G.tolist()
-    return torch.stack([x_MK[a:b].t() @ dy_MN[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
+    bounds = [0] + offsets_J.tolist()
+    return torch.stack([x_MI[a:b].t() @ dy_MN[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
 
 
 def _check_bf16_dw(dw, x, dy, offsets, sizes, label=""):

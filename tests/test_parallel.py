@@ -146,7 +146,7 @@ def _equivalence(case: Case, dims: ParallelDims, device, dtype, transport: str =
     loss_ref = ((out_ref.float() - target_all.float()) ** 2).mean(-1).mean() + ref.moe.last_aux.loss
     loss_ref.backward()
 
-    # N ranks: each loss is (N / total) · Σ over its tokens, so the mean over ranks is the global mean
+    # W ranks: each loss is (W / total) · Σ over its tokens, so the mean over ranks is the global mean
     x = x_all[start:start + tokens[rank]].clone().requires_grad_()
     out = par(x)
     per_token = ((out.float() - target_all[start:start + tokens[rank]].float()) ** 2).mean(-1)

@@ -335,7 +335,7 @@ def test_two_process_ep2_and_resume_exact_and_into_ep1(tmp_path):
     shards = sorted(os.listdir(tmp_path / "part" / "checkpoints" / "step_00000003"))
     assert shards == ["dense.pt", "meta.json", "rank00000.pt", "rank00001.pt"]
     saved = [torch.load(tmp_path / "part" / "checkpoints" / "step_00000003" / s, weights_only=True) for s in shards[2:]]
-    name = "blocks.0.ffn.experts.w1_LDH"
+    name = "blocks.0.ffn.experts.w1_LDU"
     assert [s["expert_range"][name] for s in saved] == [(0, 4, 8), (4, 4, 8)]  # each rank its own experts
     # resume the same checkpoint into EP=1 (experts reassembled from both shards) ...
     os.makedirs(tmp_path / "ep1")

@@ -1,7 +1,8 @@
 """Training data with no download: byte-level tokens of Python's own standard library sources
 (present on every machine with Python), or a memory-mapped token file, or a plain text file.
 
-Legend: B sequences per micro-batch, S sequence length, N tokens.
+Legend: B sequences per micro-batch, S sequence length, W ranks of the world; a split holds n
+tokens.
 
 Splits. ``stdlib``: the ``*.py`` files under ``sysconfig.get_paths()['stdlib']`` (site-packages
 excluded), sorted by relative path, taken in that order until ``max_bytes``; a file goes to
@@ -10,7 +11,7 @@ rule of the file name. The bytes differ between Python versions, so the corpus (
 losses) is deterministic for a given Python installation, not across installations.
 ``tokens`` / ``text``: the last ``val_fraction`` of the tokens (bytes) is validation.
 
-Sharding: rank r of W reads tokens ``[r·N/W, (r+1)·N/W)`` of each split. A rank's training
+Sharding: rank r of W reads tokens ``[r·n/W, (r+1)·n/W)`` of each split. A rank's training
 stream cuts its shard into non-overlapping windows of S+1 tokens (inputs and next-token targets)
 and visits them in a permutation seeded by (seed, epoch, rank); the position ``(epoch, cursor)``
 is the stream's whole state, saved in checkpoints, so a resumed run sees the same batches.

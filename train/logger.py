@@ -63,10 +63,10 @@ def load_heatmap(load_LE: np.ndarray, cell: int = 16) -> np.ndarray:
     return np.repeat(np.repeat(rgb.round().astype(np.uint8), cell, axis=0), cell, axis=1)
 
 
-def encode_png(rgb_HW3: np.ndarray) -> bytes:
+def encode_png(rgb: np.ndarray) -> bytes:
     """Minimal PNG encoder (8-bit RGB, no filtering)."""
-    h, w, _ = rgb_HW3.shape
-    raw = b"".join(b"\x00" + rgb_HW3[y].tobytes() for y in range(h))
+    h, w, _ = rgb.shape
+    raw = b"".join(b"\x00" + rgb[y].tobytes() for y in range(h))
 
     def chunk(tag: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)

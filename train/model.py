@@ -1,6 +1,6 @@
 """The MoE transformer language model: embeddings → blocks → final norm → LM head.
 
-Legend: B batch, S sequence, D model dim, V vocabulary, E experts (global), L experts on this rank.
+Legend: B batch, S sequence length, D model dim, V vocabulary, E experts (global), L experts on this rank.
 
 A block is pre-norm: ``x + Attention(RMSNorm(x))`` then ``x + FFN(RMSNorm(x))``, where the FFN
 is an :class:`moe.MoELayer` built from the ``moe`` section in every ``moe.every_n_layers``-th
@@ -97,10 +97,10 @@ class MoETransformer(nn.Module):
 def _init_experts(layer: MoELayer, seed: int, layer_idx: int, std: float, out_std: float) -> None:
     experts: GroupedExperts = layer.experts
     first = layer.dispatcher.ep_rank * layer.num_local_experts
-    device = experts.w1_LDH.device
+    device = experts.w1_LDU.device
     for local in range(layer.num_local_experts):
         g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + layer_idx * 65_537 + first + local)
-        experts.w1_LDH[local].normal_(0.0, std, generator=g)
+        experts.w1_LDU[local].normal_(0.0, std, generator=g)
         experts.w2_LFD[local].normal_(0.0, out_std, generator=g)
 
 

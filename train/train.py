@@ -1,6 +1,6 @@
 """Train an MoE transformer with data × expert parallelism.
 
-    torchrun --nproc_per_node=N train/train.py --config configs/<name>.yaml [--section.key=value ...]
+    torchrun --nproc_per_node=W train/train.py --config configs/<name>.yaml [--section.key=value ...]
     python train/train.py --config configs/tiny.yaml          # one process, no torchrun
 
 Sections: config → distributed init → data → model → parallelize → optimizer → (resume) →

@@ -1,6 +1,7 @@
 """Triton elementwise passes of the grouped matmul's activations.
 
-Legend: M rows, N pre-activation width (2F for SwiGLU), F = N/2.
+Legend: M rows, N pre-activation width (the output width of the experts' first matmul, U: 2F
+for SwiGLU, F for GELU), F = N/2 for SwiGLU.
 
 Forward (SwiGLU only; GELU is fused into the GEMM epilogue): ``h = silu(gate) · up`` from the
 GEMM output ``z = [gate | up]``, one read of z and one write of h, math in fp32.

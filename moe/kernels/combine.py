@@ -1,6 +1,6 @@
 """The combine's weighted sum, fused with the un-permute: ``out[t] = Σ_k w[t, k] · y[row of (t, k)]``.
 
-Legend: R expert-output rows, D model dim, T tokens, K slots per token, P = T·K pairs.
+Legend: R expert-output rows, D model dim, T tokens, K experts per token (top-k), P = T·K pairs.
 
 The expert outputs come back in the order the dispatcher packed them (by expert, or by source
 rank and expert); ``pair_R[r]`` names the (token, slot) pair of row r. Un-permuting them into

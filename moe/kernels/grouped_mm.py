@@ -1,10 +1,10 @@
 """Differentiable grouped matmul over packed rows, Triton on CUDA, PyTorch reference on CPU.
 
-Legend: M packed rows, K input width, N weight output width, G weight groups, S row segments
-(a multiple of G), F = N/2 for SwiGLU.
+Legend: M packed rows, I input width, N weight output width, L weight
+groups, J row segments (a multiple of L), F = N/2 for SwiGLU.
 
-``y = act(x[rows of s] @ w[s % G])`` with segment s holding rows ``offsets[s-1]:offsets[s]``.
-S = G is the usual grouped matmul (rows sorted by group); S = P·G lets an expert-parallel
+``y = act(x[rows of s] @ w[s % L])`` with segment s holding rows ``offsets[s-1]:offsets[s]``.
+J = L is the usual grouped matmul (rows sorted by group); J = G·L lets an expert-parallel
 dispatcher hand over rows in the (source rank, local expert) order they arrive in.
 Forward: one persistent Triton GEMM (on Hopper with aligned rows after a tiny launch that lists
 the tiles on the device, see ``grouped_mm_tma``; GELU fused into its epilogue; SwiGLU as one more
@@ -17,7 +17,7 @@ and wgrad ``dw[g] = x_gᵀ @ dz_g`` (its own kernels, reduction over the group's
 Host syncs: none once tuned (checked on an H100 with ``torch.cuda.set_sync_debug_mode("error")``
 in tests/test_grouped_mm.py). Group sizes are only read by the kernels on the device; the
 kernels' grids depend on shapes and the SM count alone. The one exception is the first call
-for a new (N, K, dtype) of an autotuned kernel (the pointer-load forward and the general wgrad;
+for a new (N, I, dtype) of an autotuned kernel (the pointer-load forward and the general wgrad;
 the Hopper TMA kernels run one fixed config): Triton's autotuner then times its configs, which
 synchronizes. Rows at or past ``offsets[-1]`` are zero in
 ``y`` and ``dx`` and contribute nothing to ``dw``.
@@ -37,51 +37,51 @@ class GroupedMMFn(torch.autograd.Function):
     """Autograd wrapper: Triton forward, Triton activation-backward + dgrad + wgrad."""
 
     @staticmethod
-    def forward(ctx, x_MK, w_GKN, offsets_G, activation):
-        needs_grad = x_MK.requires_grad or w_GKN.requires_grad
-        y, z = grouped_mm_forward(x_MK, w_GKN, offsets_G, activation, save_preact=needs_grad)
+    def forward(ctx, x_MI, w_LIN, offsets_J, activation):
+        needs_grad = x_MI.requires_grad or w_LIN.requires_grad
+        y, z = grouped_mm_forward(x_MI, w_LIN, offsets_J, activation, save_preact=needs_grad)
         ctx.activation = activation
-        ctx.save_for_backward(x_MK, w_GKN, offsets_G, z)
+        ctx.save_for_backward(x_MI, w_LIN, offsets_J, z)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x_MK, w_GKN, offsets_G, z = ctx.saved_tensors
+        x_MI, w_LIN, offsets_J, z = ctx.saved_tensors
         dy = dy.contiguous()
         dz = activation_backward(z, dy, ctx.activation) if ctx.activation is not None else dy
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx, _ = grouped_mm_forward(dz, w_GKN.transpose(1, 2), offsets_G, record_tile=False)
+            dx, _ = grouped_mm_forward(dz, w_LIN.transpose(1, 2), offsets_J, record_tile=False)
         if ctx.needs_input_grad[1]:
-            dw = grouped_mm_wgrad(x_MK, dz, offsets_G, w_GKN.shape[0])
+            dw = grouped_mm_wgrad(x_MI, dz, offsets_J, w_LIN.shape[0])
         return dx, dw, None, None
 
 
 def grouped_mm_triton(
-    x_MK: torch.Tensor,
-    w_GKN: torch.Tensor,
-    offsets_G: torch.Tensor,
+    x_MI: torch.Tensor,
+    w_LIN: torch.Tensor,
+    offsets_J: torch.Tensor,
     activation: str | None = None,
 ) -> torch.Tensor:
     """The Triton path, differentiable in x and w (on CPU only under ``TRITON_INTERPRET=1``)."""
-    return GroupedMMFn.apply(x_MK, w_GKN, offsets_G, activation)
+    return GroupedMMFn.apply(x_MI, w_LIN, offsets_J, activation)
 
 
 def grouped_mm(
-    x_MK: torch.Tensor,
-    w_GKN: torch.Tensor,
-    offsets_G: torch.Tensor,
+    x_MI: torch.Tensor,
+    w_LIN: torch.Tensor,
+    offsets_J: torch.Tensor,
     activation: str | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """``y[rows of s] = act(x[rows of s] @ w[s % G])``, differentiable in x and w.
+    """``y[rows of s] = act(x[rows of s] @ w[s % L])``, differentiable in x and w.
 
     Args:
-        x_MK: (M, K) bf16/fp16 packed rows sorted by group, row-major (fp32 runs the reference
+        x_MI: (M, I) bf16/fp16 packed rows sorted by group, row-major (fp32 runs the reference
             under ``"auto"``: the kernels' tiles are tuned for 16-bit operands).
-        w_GKN: (G, K, N) same dtype; for ``"swiglu"`` N = 2F holds ``[gate | up]``.
-        offsets_G: (S,) int32/int64 cumulative end offsets of the row segments on x's device,
-            non-decreasing, ``offsets[-1] <= M``; S a multiple of G, segment s uses ``w[s % G]``;
+        w_LIN: (L, I, N) same dtype; for ``"swiglu"`` N = 2F holds ``[gate | up]``.
+        offsets_J: (J,) int32/int64 cumulative end offsets of the row segments on x's device,
+            non-decreasing, ``offsets[-1] <= M``; J a multiple of L, segment s uses ``w[s % L]``;
             empty segments allowed.
         activation: None, ``"swiglu"`` (output width F, ``silu(gate) * up`` in fp32) or
             ``"gelu"`` (tanh approximation).
@@ -94,7 +94,7 @@ def grouped_mm(
     """
     # fp32 stays on the reference under "auto": the kernels' tuned tiles are sized for 16-bit
     # operands, and an fp32 run of the NCCL test on 2×H200 hit "out of resource: shared memory"
-    # with the first forward config (262160 B needed, 232448 B available; 2026-11-22).
-    if use_reference(backend, not x_MK.is_cuda or x_MK.dtype == torch.float32):
-        return grouped_mm_reference(x_MK, w_GKN, offsets_G, activation)
-    return grouped_mm_triton(x_MK, w_GKN, offsets_G, activation)
+    # with the first forward config (262160 B needed, 232448 B available).
+    if use_reference(backend, not x_MI.is_cuda or x_MI.dtype == torch.float32):
+        return grouped_mm_reference(x_MI, w_LIN, offsets_J, activation)
+    return grouped_mm_triton(x_MI, w_LIN, offsets_J, activation)

@@ -1,24 +1,25 @@
 """Persistent Triton grouped matmul over packed rows: the forward pass and the input gradient.
 
-``out[rows of s] = act(a[rows of s] @ b[s % G])`` where the rows of ``a`` come in S segments,
-segment s holding rows ``offsets[s-1]:offsets[s]``, and S is a multiple of the G weight groups.
-With S = G a segment is a group; with S = P·G (P ranks of an expert-parallel group) the rows
+``out[rows of s] = act(a[rows of s] @ b[s % L])`` where the rows of ``a`` come in J segments,
+segment s holding rows ``offsets[s-1]:offsets[s]``, and J is a multiple of the L weight groups.
+With J = L a segment is a group; with J = G·L (G ranks of an expert-parallel group) the rows
 can stay in the order an all-to-all delivers them, (source rank, local expert), and need no
 regrouping by expert. The same kernel computes the forward
-(``a = x_MK``, ``b[g] = w[g]``, ``(K, N)``) and dgrad (``a = dy_MN``, ``b[g] = w[g]ᵀ``, read
+(``a = x_MI``, ``b[l] = w[l]``, ``(I, N)``) and dgrad (``a = dy_MN``, ``b[l] = w[l]ᵀ``, read
 through swapped strides, no copy).
 
-Legend: M packed rows, K reduction width, N output width, G weight groups, S = multiple of G
-row segments, F = N/2 for SwiGLU.
+Legend: M packed rows, I reduction width, N output width, L weight groups, J row segments (a
+multiple of L), F = N/2 for SwiGLU. The kernel's own parameters keep the matmul names: ``K`` is
+I, ``S`` is J, ``G`` is L.
 
-Two kernels. Hopper with 16-byte aligned rows (K and N multiples of 8 in bf16) and b with a
+Two kernels. Hopper with 16-byte aligned rows (I and N multiples of 8 in bf16) and b with a
 unit stride: ``moe.kernels.grouped_mm_tma`` (whole-tensor tensor descriptors, flattened and
 warp-specialized tile loop). Otherwise the pointer-load kernel below.
 
 Scheduling of the pointer-load kernel: ``grid = #SMs`` programs; each walks the work list ``(group, m-tile, n-tile)`` with
-a stride of the grid size. The list is never materialised: every program scans the G group
+a stride of the grid size. The list is never materialised: every program scans the J segment
 offsets on the device, counting tiles per group, so the launch path reads no group size on the
-host (no host sync). After the G groups comes one more pseudo-group, the rows
+host (no host sync). After the J segments comes one more pseudo-group, the rows
 ``offsets[-1]:M``, whose tiles store zeros: padding rows are zero in the output without a host
 read of ``offsets[-1]``. Within a group the tiles are swizzled in bands of ``GROUP_M`` m-tiles
 so that a wave of programs shares a few rows of ``a`` and a few column strips of ``b[g]`` in L2.
@@ -30,7 +31,7 @@ Activations. ``"gelu"``: fused into the epilogue (fp32, on the accumulator); wit
 ``save_preact`` the pre-activation ``z`` is stored too. ``"swiglu"``: the GEMM writes
 ``z = [gate | up]`` (M, 2F) and one fused elementwise Triton pass (``moe.kernels.activation``)
 makes ``silu(gate) * up``; ``z`` is what the backward needs anyway. Why not the epilogue:
-measured on an H100 (bf16, bench/grouped_gemm.py, 2026-11-22), an epilogue version with two
+measured on an H100 (bf16, bench/grouped_gemm.py), an epilogue version with two
 accumulators (gate and up tiles of one output tile) had to run on pointer loads (its
 tensor-descriptor build died with "illegal instruction", triton 3.6) and its forward was
 0.65-0.99x the speed of a TMA GEMM followed by PyTorch's silu·mul on all four bench shapes.
@@ -178,52 +179,52 @@ def _grouped_mm_kernel(
 _ran_block_m: dict[tuple[int, int, torch.dtype], int] = {}
 
 
-def row_tile_size(K: int, N: int, dtype: torch.dtype) -> int:
-    """BLOCK_M the forward kernel ran with for a weight of shape (G, K, N) in ``dtype``.
+def row_tile_size(I: int, N: int, dtype: torch.dtype) -> int:
+    """BLOCK_M the forward kernel ran with for a weight of shape (L, I, N) in ``dtype``.
 
     This is the autotuned choice once a forward with these shapes has run (for SwiGLU pass the
     weight's N = 2F), and ``DEFAULT_BLOCK_M`` (128) before that, on CPU, or with the reference.
     """
-    return _ran_block_m.get((int(K), int(N), dtype), DEFAULT_BLOCK_M)
+    return _ran_block_m.get((int(I), int(N), dtype), DEFAULT_BLOCK_M)
 
 
-def _check_operands(a_MK: torch.Tensor, b_GKN: torch.Tensor, offsets_G: torch.Tensor) -> None:
-    if a_MK.dim() != 2:
-        raise ValueError(f"a_MK must be 2-D (M, K), got shape {tuple(a_MK.shape)}")
-    if b_GKN.dim() != 3:
-        raise ValueError(f"b_GKN must be 3-D (G, K, N), got shape {tuple(b_GKN.shape)}")
-    if a_MK.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"a_MK dtype must be bf16, fp16 or fp32, got {a_MK.dtype}")
-    if b_GKN.dtype != a_MK.dtype:
-        raise ValueError(f"b_GKN dtype {b_GKN.dtype} differs from a_MK dtype {a_MK.dtype}")
-    if a_MK.shape[1] != b_GKN.shape[1]:
-        raise ValueError(f"a_MK has K={a_MK.shape[1]} but b_GKN has K={b_GKN.shape[1]}")
-    check_segments(offsets_G, b_GKN.shape[0])
-    if offsets_G.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"offsets_G must be int32 or int64, got {offsets_G.dtype}")
-    if not (a_MK.device == b_GKN.device == offsets_G.device):
-        raise ValueError(f"a_MK, b_GKN, offsets_G on different devices: "
-                         f"{a_MK.device}, {b_GKN.device}, {offsets_G.device}")
-    if a_MK.stride(1) != 1:
-        raise ValueError(f"a_MK must be row-major (stride(1) == 1), got strides {a_MK.stride()}")
+def _check_operands(a_MI: torch.Tensor, b_LIN: torch.Tensor, offsets_J: torch.Tensor) -> None:
+    if a_MI.dim() != 2:
+        raise ValueError(f"a_MI must be 2-D (M, I), got shape {tuple(a_MI.shape)}")
+    if b_LIN.dim() != 3:
+        raise ValueError(f"b_LIN must be 3-D (L, I, N), got shape {tuple(b_LIN.shape)}")
+    if a_MI.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"a_MI dtype must be bf16, fp16 or fp32, got {a_MI.dtype}")
+    if b_LIN.dtype != a_MI.dtype:
+        raise ValueError(f"b_LIN dtype {b_LIN.dtype} differs from a_MI dtype {a_MI.dtype}")
+    if a_MI.shape[1] != b_LIN.shape[1]:
+        raise ValueError(f"a_MI has I={a_MI.shape[1]} but b_LIN has I={b_LIN.shape[1]}")
+    check_segments(offsets_J, b_LIN.shape[0])
+    if offsets_J.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"offsets_J must be int32 or int64, got {offsets_J.dtype}")
+    if not (a_MI.device == b_LIN.device == offsets_J.device):
+        raise ValueError(f"a_MI, b_LIN, offsets_J on different devices: "
+                         f"{a_MI.device}, {b_LIN.device}, {offsets_J.device}")
+    if a_MI.stride(1) != 1:
+        raise ValueError(f"a_MI must be row-major (stride(1) == 1), got strides {a_MI.stride()}")
 
 
 def grouped_mm_forward(
-    a_MK: torch.Tensor,
-    b_GKN: torch.Tensor,
-    offsets_G: torch.Tensor,
+    a_MI: torch.Tensor,
+    b_LIN: torch.Tensor,
+    offsets_J: torch.Tensor,
     activation: str | None = None,
     save_preact: bool = False,
     record_tile: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the persistent grouped matmul: ``y = act(a[rows of g] @ b[g])``.
+    """Launch the persistent grouped matmul: ``y = act(a[rows of s] @ b[s % L])``.
 
     Args:
-        a_MK: (M, K) bf16/fp16/fp32, row-major, rows sorted by group.
-        b_GKN: (G, K, N) same dtype, any strides (dgrad passes ``w.transpose(1, 2)``).
-        offsets_G: (S,) int32/int64 cumulative end offsets of the S row segments on a's
+        a_MI: (M, I) bf16/fp16/fp32, row-major, rows sorted by group.
+        b_LIN: (L, I, N) same dtype, any strides (dgrad passes ``w.transpose(1, 2)``).
+        offsets_J: (J,) int32/int64 cumulative end offsets of the J row segments on a's
             device, non-decreasing, ``offsets[-1] <= M`` (not checked: that would need a host
-            sync); S a multiple of G, segment s multiplies by ``b[s % G]``.
+            sync); J a multiple of L, segment s multiplies by ``b[s % L]``.
         activation: None, ``"swiglu"`` (N even, output N/2 = silu(gate) * up) or ``"gelu"``.
         save_preact: also return the pre-activation ``z`` (M, N) (None without activation).
         record_tile: remember the BLOCK_M the kernel ran with, for ``row_tile_size``.
@@ -231,37 +232,37 @@ def grouped_mm_forward(
     Returns:
         ``(y, z)``: y (M, N or N/2) in a's dtype, rows at or past ``offsets[-1]`` zero; z or None.
     """
-    _check_operands(a_MK, b_GKN, offsets_G)
+    _check_operands(a_MI, b_LIN, offsets_J)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be None, 'swiglu' or 'gelu', got {activation!r}")
-    M, K = a_MK.shape
-    G, _, N = b_GKN.shape
+    M, I = a_MI.shape
+    L, _, N = b_LIN.shape
     if activation == "swiglu":
         if N % 2:
             raise ValueError(f"swiglu needs an even N ([gate | up]), got N={N}")
-        z, _ = grouped_mm_forward(a_MK, b_GKN, offsets_G, None, record_tile=record_tile)
+        z, _ = grouped_mm_forward(a_MI, b_LIN, offsets_J, None, record_tile=record_tile)
         return swiglu_forward(z), (z if save_preact else None)
-    y = a_MK.new_empty(M, N)
+    y = a_MI.new_empty(M, N)
     save_z = save_preact and activation is not None
-    z = a_MK.new_empty(M, N) if save_z else None
+    z = a_MI.new_empty(M, N) if save_z else None
     if M == 0 or N == 0:
         return y, z
-    b_trans = b_GKN.stride(2) != 1
-    # b must have one unit stride for tensor descriptors: (G, K, N) row-major or its transpose.
-    if (b_GKN.stride(1) == 1 if b_trans else True) and tma_ok(a_MK, b_GKN):
-        grouped_mm_tma(a_MK, b_GKN, offsets_G, y, z, ACTIVATIONS[activation])
+    b_trans = b_LIN.stride(2) != 1
+    # b must have one unit stride for tensor descriptors: (L, I, N) row-major or its transpose.
+    if (b_LIN.stride(1) == 1 if b_trans else True) and tma_ok(a_MI, b_LIN):
+        grouped_mm_tma(a_MI, b_LIN, offsets_J, y, z, ACTIVATIONS[activation])
         block_m = TILE_M
     else:
-        _grouped_mm_kernel[(sm_count(a_MK.device),)](
-            a_MK, b_GKN, offsets_G, y, z if save_z else y,
-            M, N, K, offsets_G.shape[0], G,
-            a_MK.stride(0), a_MK.stride(1),
-            b_GKN.stride(0), b_GKN.stride(1), b_GKN.stride(2),
+        _grouped_mm_kernel[(sm_count(a_MI.device),)](
+            a_MI, b_LIN, offsets_J, y, z if save_z else y,
+            M, N, I, offsets_J.shape[0], L,
+            a_MI.stride(0), a_MI.stride(1),
+            b_LIN.stride(0), b_LIN.stride(1), b_LIN.stride(2),
             y.stride(0), z.stride(0) if save_z else 0,
             ACT=ACTIVATIONS[activation], SAVE_Z=save_z,
-            DOT_PRECISION="ieee" if a_MK.dtype == torch.float32 else "tf32",
+            DOT_PRECISION="ieee" if a_MI.dtype == torch.float32 else "tf32",
         )
         block_m = _grouped_mm_kernel.best_config.kwargs["BLOCK_M"]
     if record_tile:
-        _ran_block_m[(K, N, a_MK.dtype)] = block_m
+        _ran_block_m[(I, N, a_MI.dtype)] = block_m
     return y, z

@@ -1,27 +1,28 @@
 """Hopper grouped matmul (forward and dgrad) on whole-tensor TMA descriptors, warp-specialized.
 
-``out[rows of s] = act(a[rows of s] @ b[s % G])`` as in ``grouped_mm_fwd``, for operands that
+``out[rows of s] = act(a[rows of s] @ b[s % L])`` as in ``grouped_mm_fwd``, for operands that
 tensor descriptors can read (Hopper, 16-byte aligned rows).
 
-Legend: M packed rows, K reduction width, N output width, G weight groups, S row segments
-(a multiple of G), T output tiles.
+Legend: M packed rows, I reduction width, N output width, L weight groups, J row segments
+(a multiple of L). The kernels' own parameters keep the matmul names: ``K`` is I, ``S`` is J,
+``G`` is L.
 
 Two launches, no host sync:
-1. ``_segment_tiles_kernel``: program 0 writes ``tile_end_S``, the inclusive prefix sum of the
+1. ``_segment_tiles_kernel``: program 0 writes ``tile_end`` (J,), the inclusive prefix sum of the
    segments' tile counts ``cdiv(rows_s, BLOCK_M) · cdiv(N, BLOCK_N)`` (so the tile list is
    known on the device only); the other programs zero the padding rows ``offsets[-1]:M`` of
    the output, each one block of rows (blocks wholly before ``offsets[-1]`` return at once).
 2. ``_grouped_mm_tma_kernel``: one program per SM walks tiles ``pid, pid + #SMs, ...`` up to
-   ``tile_end[S-1]`` (read on the device); a tile finds its segment by binary search in
+   ``tile_end[J-1]`` (read on the device); a tile finds its segment by binary search in
    ``tile_end``; within a segment, tiles are swizzled in bands of ``GROUP_M`` m-tiles.
 
 Why whole-tensor descriptors, built on the host once per call: the previous kernel built two
 descriptors on the device per tile (row bound = the segment's end) and restarted its pipeline
 per tile. Here a tile's last m-tile reads rows of the next segment, whose products are computed
 and not stored (masked store), so no per-tile descriptor is needed, the tile loop has a
-loop-invariant inner trip count (``cdiv(K, BLOCK_K)``) and Triton can flatten it and
+loop-invariant inner trip count (``cdiv(I, BLOCK_K)``) and Triton can flatten it and
 warp-specialize it (a producer warp issues the TMA loads, running ahead across tiles). Measured
-on an H100 (bf16, 3 rounds of A/B against ``torch._grouped_mm`` in one run, 2026-11-22; table
+on an H100 (bf16, 3 rounds of A/B against ``torch._grouped_mm`` in one run; table
 in bench/results/grouped_gemm.md), forward / dgrad, anchor time over ours: Mixtral 1.012 /
 1.071, OLMoE 1.055 / 1.028, Qwen3 1.032 / 1.045, DeepSeek-V3 1.156 / 1.114, against
 0.939–1.124 / 0.936–1.015 for the per-tile-descriptor kernel; 4 stages lost on Mixtral and
@@ -37,7 +38,7 @@ from kernel_floor import INTERPRET, band_swizzle, sm_count
 from moe.kernels.activation import gelu_tanh
 
 # Output tile (BLOCK_M x BLOCK_N) and reduction chunk per operand width. The interpreter runs
-# small tiles so that tests at sizes <= 128 still walk several tiles and K chunks.
+# small tiles so that tests at sizes <= 128 still walk several tiles and reduction chunks.
 TILE_M, TILE_N = (32, 32) if INTERPRET else (128, 256)
 _BLOCK_K = {2: 16, 4: 16} if INTERPRET else {2: 64, 4: 32}
 _GROUP_M = 2 if INTERPRET else 8
@@ -126,39 +127,39 @@ def _grouped_mm_tma_kernel(
         tl.store(y_ptr + rows64[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def grouped_mm_tma(a_MK: torch.Tensor, b_GKN: torch.Tensor, offsets_G: torch.Tensor, y: torch.Tensor,
+def grouped_mm_tma(a_MI: torch.Tensor, b_LIN: torch.Tensor, offsets_J: torch.Tensor, y: torch.Tensor,
                    z: torch.Tensor | None, act: int) -> None:
     """Write ``y`` (and ``z``) for operands already checked by ``grouped_mm_forward``.
 
     Args:
-        a_MK: (M, K) row-major, 16-byte aligned rows.
-        b_GKN: (G, K, N) with ``stride(2) == 1`` (forward) or ``stride(1) == 1`` (dgrad's
+        a_MI: (M, I) row-major, 16-byte aligned rows.
+        b_LIN: (L, I, N) with ``stride(2) == 1`` (forward) or ``stride(1) == 1`` (dgrad's
             ``w.transpose(1, 2)``, read as stored).
-        offsets_G: (S,) int32/int64 cumulative segment ends on a's device.
+        offsets_J: (J,) int32/int64 cumulative segment ends on a's device.
         y: (M, N) output; z: (M, N) pre-activation output or None; act: 0 or 2 (GELU).
     """
-    M, K = a_MK.shape
-    G, _, N = b_GKN.shape
-    S = offsets_G.shape[0]
-    block_k = _BLOCK_K[a_MK.element_size()]
-    b_trans = b_GKN.stride(2) != 1
-    tile_end = torch.empty(S, dtype=torch.int32, device=a_MK.device)
+    M, I = a_MI.shape
+    L, _, N = b_LIN.shape
+    J = offsets_J.shape[0]
+    block_k = _BLOCK_K[a_MI.element_size()]
+    b_trans = b_LIN.stride(2) != 1
+    tile_end = torch.empty(J, dtype=torch.int32, device=a_MI.device)
     _segment_tiles_kernel[(1 + triton.cdiv(M, _ZERO_ROWS),)](
-        offsets_G, tile_end, y, S, M, N, triton.cdiv(N, TILE_N), y.stride(0),
-        BLOCK_M=TILE_M, BLOCK_S=triton.next_power_of_2(S), ZERO_ROWS=_ZERO_ROWS, ZERO_COLS=_ZERO_COLS)
-    a_desc = TensorDescriptor(a_MK, list(a_MK.shape), list(a_MK.stride()), [TILE_M, block_k])
+        offsets_J, tile_end, y, J, M, N, triton.cdiv(N, TILE_N), y.stride(0),
+        BLOCK_M=TILE_M, BLOCK_S=triton.next_power_of_2(J), ZERO_ROWS=_ZERO_ROWS, ZERO_COLS=_ZERO_COLS)
+    a_desc = TensorDescriptor(a_MI, list(a_MI.shape), list(a_MI.stride()), [TILE_M, block_k])
     if b_trans:
-        w = b_GKN.transpose(1, 2)
+        w = b_LIN.transpose(1, 2)
         b_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [1, TILE_N, block_k])
     else:
-        b_desc = TensorDescriptor(b_GKN, list(b_GKN.shape), list(b_GKN.stride()), [1, block_k, TILE_N])
-    num_sms = sm_count(a_MK.device)
+        b_desc = TensorDescriptor(b_LIN, list(b_LIN.shape), list(b_LIN.stride()), [1, block_k, TILE_N])
+    num_sms = sm_count(a_MI.device)
     _grouped_mm_tma_kernel[(num_sms,)](
-        a_desc, b_desc, y, y if z is None else z, offsets_G, tile_end,
-        N, K, S, G, y.stride(0), 0 if z is None else z.stride(0),
+        a_desc, b_desc, y, y if z is None else z, offsets_J, tile_end,
+        N, I, J, L, y.stride(0), 0 if z is None else z.stride(0),
         ACT=act, SAVE_Z=z is not None, B_TRANS=b_trans,
-        DOT_PRECISION="ieee" if a_MK.dtype == torch.float32 else "tf32",
-        LOG_S=max(S.bit_length(), 1), NUM_SMS=num_sms,
+        DOT_PRECISION="ieee" if a_MI.dtype == torch.float32 else "tf32",
+        LOG_S=max(J.bit_length(), 1), NUM_SMS=num_sms,
         BLOCK_M=TILE_M, BLOCK_N=TILE_N, BLOCK_K=block_k, GROUP_M=_GROUP_M,
         WARP_SPECIALIZE=not INTERPRET, num_stages=3, num_warps=8,
     )

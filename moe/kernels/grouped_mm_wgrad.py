@@ -1,13 +1,14 @@
-"""Triton weight gradient of the grouped matmul: ``dw[g] = Σ_{s % G = g} x_sᵀ @ dy_s``.
+"""Triton weight gradient of the grouped matmul: ``dw[l] = Σ_{s % L = l} x_sᵀ @ dy_s``.
 
 With one segment per group, 16-bit operands and tensor descriptors available, the launcher
 hands over to ``moe.kernels.grouped_mm_wgrad_tma`` (group-major loops, flattened tile loop);
-the kernel here serves the rest (S = P·G segments, fp32, unaligned rows, pre-Hopper).
+the kernel here serves the rest (J = G·L segments, fp32, unaligned rows, pre-Hopper).
 
-Legend: M packed rows in S row segments, K input width, N output width, G weight groups
-(S a multiple of G; segment s belongs to weight group s % G, see ``grouped_mm_fwd``).
+Legend: M packed rows in J row segments, I input width, N output width, L weight groups
+(J a multiple of L; segment s belongs to weight group s % L, see ``grouped_mm_fwd``). The
+kernel's own parameters keep the matmul names: ``K`` is I, ``S`` is J, ``G`` is L.
 
-Work list: the ``G * k_tiles * n_tiles`` output tiles ``(group, k-tile, n-tile)`` of ``dw``,
+Work list: the ``L * k_tiles * n_tiles`` output tiles ``(group, k-tile, n-tile)`` of ``dw``,
 group-major, the tiles of one group swizzled in bands of ``GROUP_K`` k-tiles, so that the
 programs resident at one time share the group's rows of x and dy in L2. A tile's program loops
 over the rows of its group's segments in chunks of ``BLOCK_M``, each segment bounded by its
@@ -17,7 +18,7 @@ host sync; a tile of an empty group runs no iteration and stores zeros.
 Two schedules (autotuned): one program per tile, or ``PERSISTENT``: one program per SM walking
 the list with a stride of the grid. The persistent form pays off with the ``STORE_TMA``
 epilogue: the tile is written by an asynchronous TMA store from shared memory (a 3-D descriptor
-over ``dw``, clipped at K and N), which Triton waits for only before the next tile's store, so
+over ``dw``, clipped at I and N), which Triton waits for only before the next tile's store, so
 the write of one tile overlaps the next tile's main loop. DeepSeek-V3's wgrad writes a 7.5 GB
 ``dw`` (256 × 7168 × 2048 bf16) from ~256-row reductions: at 3.35 TB/s that write alone is
 2.2 ms of the 5.2 ms cuBLAS takes, so an epilogue that stalls the SM on it is what lost.
@@ -46,7 +47,7 @@ def _configs():
                        "PERSISTENT": persistent, "STORE_TMA": store_tma},
                       num_stages=stages, num_warps=warps)
         for bk, bn, bm, stages, warps, tma, persistent, store_tma in [
-            # H100, bench/grouped_gemm.py --wgrad-configs (2026-11-22), ms ours / cuBLAS:
+            # H100, bench/grouped_gemm.py --wgrad-configs, ms ours / cuBLAS:
             # persistent + TMA store won Mixtral 3.15/2.90, OLMoE 0.97/0.92, Qwen3 0.79/0.79 with
             # TMA loads and DeepSeek-V3 5.89/5.27 with pointer loads (per-tile descriptors cost
             # more on its ~256-row groups); the one-program-per-tile form with a pointer store
@@ -146,55 +147,55 @@ def _grouped_mm_wgrad_kernel(
             tl.store(dw_ptrs, out, mask=(offs_kt < K)[:, None] & (offs_nt < N)[None, :])
 
 
-def grouped_mm_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_G: torch.Tensor,
+def grouped_mm_wgrad(x_MI: torch.Tensor, dy_MN: torch.Tensor, offsets_J: torch.Tensor,
                      num_groups: int | None = None) -> torch.Tensor:
-    """``dw[g] = Σ_{s % G = g} x[rows of s]ᵀ @ dy[rows of s]``; groups with no rows give zeros.
+    """``dw[l] = Σ_{s % L = l} x[rows of s]ᵀ @ dy[rows of s]``; groups with no rows give zeros.
 
     Args:
-        x_MK: (M, K) bf16/fp16/fp32, row-major, rows sorted by group.
+        x_MI: (M, I) bf16/fp16/fp32, row-major, rows sorted by group.
         dy_MN: (M, N) same dtype, row-major.
-        offsets_G: (S,) int32/int64 cumulative end offsets of the row segments on x's device
+        offsets_J: (J,) int32/int64 cumulative end offsets of the row segments on x's device
             (rows at or past ``offsets[-1]`` are ignored).
-        num_groups: G, the weight groups (default S); S must be a multiple of it.
+        num_groups: L, the weight groups (default J); J must be a multiple of it.
 
     Returns:
-        dw_GKN: (G, K, N) contiguous, x's dtype, accumulated in fp32.
+        dw_LIN: (L, I, N) contiguous, x's dtype, accumulated in fp32.
     """
-    if x_MK.dim() != 2 or dy_MN.dim() != 2 or x_MK.shape[0] != dy_MN.shape[0]:
-        raise ValueError(f"x_MK (M, K) and dy_MN (M, N) must share M, got {tuple(x_MK.shape)} and "
+    if x_MI.dim() != 2 or dy_MN.dim() != 2 or x_MI.shape[0] != dy_MN.shape[0]:
+        raise ValueError(f"x_MI (M, I) and dy_MN (M, N) must share M, got {tuple(x_MI.shape)} and "
                          f"{tuple(dy_MN.shape)}")
-    if x_MK.dtype != dy_MN.dtype or x_MK.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"x_MK and dy_MN must share a bf16/fp16/fp32 dtype, got {x_MK.dtype}, {dy_MN.dtype}")
-    if x_MK.stride(1) != 1 or dy_MN.stride(1) != 1:
-        raise ValueError(f"x_MK and dy_MN must be row-major, got strides {x_MK.stride()}, {dy_MN.stride()}")
-    if offsets_G.dim() != 1 or offsets_G.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"offsets_G must be a 1-D int32/int64 tensor, got {offsets_G.dtype} {tuple(offsets_G.shape)}")
-    if not (x_MK.device == dy_MN.device == offsets_G.device):
-        raise ValueError(f"x_MK, dy_MN, offsets_G on different devices: {x_MK.device}, {dy_MN.device}, "
-                         f"{offsets_G.device}")
-    K, N, S = x_MK.shape[1], dy_MN.shape[1], offsets_G.shape[0]
-    G = S if num_groups is None else num_groups
-    check_segments(offsets_G, G)
-    dw = x_MK.new_empty(G, K, N)
+    if x_MI.dtype != dy_MN.dtype or x_MI.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x_MI and dy_MN must share a bf16/fp16/fp32 dtype, got {x_MI.dtype}, {dy_MN.dtype}")
+    if x_MI.stride(1) != 1 or dy_MN.stride(1) != 1:
+        raise ValueError(f"x_MI and dy_MN must be row-major, got strides {x_MI.stride()}, {dy_MN.stride()}")
+    if offsets_J.dim() != 1 or offsets_J.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"offsets_J must be a 1-D int32/int64 tensor, got {offsets_J.dtype} {tuple(offsets_J.shape)}")
+    if not (x_MI.device == dy_MN.device == offsets_J.device):
+        raise ValueError(f"x_MI, dy_MN, offsets_J on different devices: {x_MI.device}, {dy_MN.device}, "
+                         f"{offsets_J.device}")
+    I, N, J = x_MI.shape[1], dy_MN.shape[1], offsets_J.shape[0]
+    L = J if num_groups is None else num_groups
+    check_segments(offsets_J, L)
+    dw = x_MI.new_empty(L, I, N)
     if dw.numel() == 0:
         return dw
-    tma = tma_ok(x_MK, dy_MN, dw)
-    if tma and S == G and x_MK.dtype != torch.float32:
-        grouped_mm_wgrad_tma(x_MK, dy_MN, offsets_G, dw)
+    tma = tma_ok(x_MI, dy_MN, dw)
+    if tma and J == L and x_MI.dtype != torch.float32:
+        grouped_mm_wgrad_tma(x_MI, dy_MN, offsets_J, dw)
         return dw
     if tma:
         use_tensor_descriptors()
-    num_sms = sm_count(x_MK.device)
+    num_sms = sm_count(x_MI.device)
 
     def grid(meta):
-        tiles = G * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"])
+        tiles = L * triton.cdiv(I, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"])
         return (min(tiles, num_sms) if meta["PERSISTENT"] else tiles,)
 
     _grouped_mm_wgrad_kernel[grid](
-        x_MK, dy_MN, offsets_G, dw,
-        N, K, S, G,
-        x_MK.stride(0), dy_MN.stride(0),
+        x_MI, dy_MN, offsets_J, dw,
+        N, I, J, L,
+        x_MI.stride(0), dy_MN.stride(0),
         dw.stride(0), dw.stride(1),
-        DOT_PRECISION="ieee" if x_MK.dtype == torch.float32 else "tf32", TMA_OK=tma,
+        DOT_PRECISION="ieee" if x_MI.dtype == torch.float32 else "tf32", TMA_OK=tma,
     )
     return dw

@@ -1,7 +1,8 @@
 """Hopper weight gradient of the grouped matmul, one row segment per group: ``dw[g] = x_gᵀ @ dy_g``.
 
-Legend: M packed rows, K input width, N output width, G groups (= row segments), T_g = the
-``k_tiles · n_tiles`` output tiles of one group's ``dw[g]``.
+Legend: M packed rows, I input width, N output width, L weight groups (= row segments);
+``group_size`` = the ``k_tiles · n_tiles`` output tiles of one group's ``dw[l]``. The kernels' own
+parameters keep the matmul names: ``K`` is I, ``G`` is L.
 
 The general kernel (``grouped_mm_wgrad``) walks tiles and restarts its software pipeline at
 every tile: a tile's reduction loop runs over its group's rows, a trip count that changes from
@@ -16,23 +17,24 @@ Work split: the grid (one program per SM, rounded down to a multiple of the team
 ``n_teams`` teams; team t takes groups ``t, t + n_teams, ...`` and its programs share each
 group's tiles with a stride of the team size. Few teams keep few groups' rows in L2 at once;
 enough tiles per program and group (~6) amortize the pipeline fill, hence
-``n_teams = clamp(round(6 · grid / T_g), 1, 8)``. Measured on an H100 (bf16, 3 rounds against
-``torch._grouped_mm`` in one run, 2026-11-22), anchor time over ours: DeepSeek-V3 (T_g = 448)
-1.010 with 2 teams, 0.948 with 1, 0.851 for the general kernel; OLMoE (T_g = 64) 0.996 with 8
-teams, 0.96 with 1, 0.82 with 12; Mixtral (T_g = 1792) 0.976 with 1 team, 0.868 general.
+``n_teams = clamp(round(6 · grid / group_size), 1, 8)``. Measured on an H100 (bf16, 3 rounds
+against ``torch._grouped_mm`` in one run; table in bench/results/grouped_gemm.md), anchor time
+over ours: DeepSeek-V3 (group_size = 448) 1.010 with 2 teams, 0.948 with 1, 0.851 for the
+general kernel; OLMoE (group_size = 64) 0.996 with 8 teams, 0.96 with 1, 0.82 with 12; Mixtral
+(group_size = 1792) 0.976 with 1 team, 0.868 general.
 
 Pipeline depth: with many teams each program walks only ~6 tiles of a group between two
 restarts of its pipeline (new descriptors, new chunk count), and a deeper, warp-specialized
 pipeline (4 stages, a producer warp issuing the loads) hides more of each restart; with few teams
 the plain 3-stage loop is as fast or faster. Measured on an H100 (bf16, 5 rounds against
-``torch._grouped_mm``'s wgrad in one run, 2026-11-22), anchor time over ours, 3 stages plain →
-4 stages warp-specialized: OLMoE (8 teams) 0.959 → 1.004, Qwen3 (8 teams) 0.944 → 0.995,
+``torch._grouped_mm``'s wgrad in one run; table in bench/results/grouped_gemm.md), anchor time
+over ours, 3 stages plain → 4 stages warp-specialized: OLMoE (8 teams) 0.959 → 1.004, Qwen3 (8 teams) 0.944 → 0.995,
 Mixtral (1 team) 1.004 → 0.985, DeepSeek-V3 (2 teams) 1.034 → 1.014. Four stages of
 (64×128 + 64×256) bf16 fit shared memory only with the epilogue stored in two 128×128 halves
 (192 + 32 KB); the halves cost nothing measurable at 3 stages (0.94–1.01 either way).
 
-Only for one segment per group (S = G) and 16-bit operands: with S = P·G segments a tile
-reduces over P segments, each needing its own descriptors, and fp32 tiles do not fit shared
+Only for one segment per group (J = L) and 16-bit operands: with J = G·L segments a tile
+reduces over G segments, each needing its own descriptors, and fp32 tiles do not fit shared
 memory with the TMA-store epilogue. Those cases run the general kernel.
 """
 
@@ -103,27 +105,27 @@ def _grouped_mm_wgrad_tma_kernel(
                               right.to(dw_desc.dtype).reshape(1, BLOCK_K, BLOCK_N // 2))
 
 
-def wgrad_tma_plan(G: int, K: int, N: int, device: torch.device) -> tuple[int, int, bool]:
-    """(programs per team, teams, deep pipeline) for ``dw`` of shape (G, K, N)."""
+def wgrad_tma_plan(L: int, I: int, N: int, device: torch.device) -> tuple[int, int, bool]:
+    """(programs per team, teams, deep pipeline) for ``dw`` of shape (L, I, N)."""
     block_k, block_n = _TILE[:2]
-    group_size = triton.cdiv(K, block_k) * triton.cdiv(N, block_n)
-    grid = min(sm_count(device), G * group_size)
+    group_size = triton.cdiv(I, block_k) * triton.cdiv(N, block_n)
+    grid = min(sm_count(device), L * group_size)
     n_teams = max(1, min(_MAX_TEAMS, round(_TILES_PER_PROGRAM * grid / group_size), grid))
     return grid // n_teams, n_teams, n_teams >= _DEEP_FROM_TEAMS
 
 
-def grouped_mm_wgrad_tma(x_MK: torch.Tensor, dy_MN: torch.Tensor, offsets_G: torch.Tensor,
-                         dw_GKN: torch.Tensor) -> None:
-    """Fill ``dw_GKN`` (G, K, N) for operands checked by ``grouped_mm_wgrad``: 16-bit, row-major,
-    16-byte aligned rows, one segment per group (``offsets_G`` has G entries)."""
-    G, K, N = dw_GKN.shape
+def grouped_mm_wgrad_tma(x_MI: torch.Tensor, dy_MN: torch.Tensor, offsets_J: torch.Tensor,
+                         dw_LIN: torch.Tensor) -> None:
+    """Fill ``dw_LIN`` (L, I, N) for operands checked by ``grouped_mm_wgrad``: 16-bit, row-major,
+    16-byte aligned rows, one segment per group (``offsets_J`` has L entries)."""
+    L, I, N = dw_LIN.shape
     block_k, block_n, block_m, group_k = _TILE
-    team, n_teams, deep = wgrad_tma_plan(G, K, N, x_MK.device)
+    team, n_teams, deep = wgrad_tma_plan(L, I, N, x_MI.device)
     use_tensor_descriptors()
-    dw_desc = TensorDescriptor(dw_GKN, list(dw_GKN.shape), list(dw_GKN.stride()), [1, block_k, block_n // 2])
+    dw_desc = TensorDescriptor(dw_LIN, list(dw_LIN.shape), list(dw_LIN.stride()), [1, block_k, block_n // 2])
     _grouped_mm_wgrad_tma_kernel[(team * n_teams,)](
-        x_MK, dy_MN, dw_desc, offsets_G,
-        N, K, G, team, n_teams, x_MK.stride(0), dy_MN.stride(0),
+        x_MI, dy_MN, dw_desc, offsets_J,
+        N, I, L, team, n_teams, x_MI.stride(0), dy_MN.stride(0),
         BLOCK_K=block_k, BLOCK_N=block_n, BLOCK_M=block_m, GROUP_K=group_k, WARP_SPECIALIZE=deep,
         num_stages=4 if deep else 3, num_warps=8,
     )
