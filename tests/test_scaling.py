@@ -1,4 +1,4 @@
-"""The 8-GPU scaling configs, at the sizes a CPU allows (issue 7).
+"""The 8-GPU scaling configs, at the sizes a CPU allows.
 
 - configs/olmoe_ep8.yaml and configs/olmoe_ep4_dp2.yaml are the model of
   configs/olmoe_bench.yaml with EP=8 and EP=4 × EDP=2, valid at world 8 only;

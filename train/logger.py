@@ -24,7 +24,7 @@ import numpy as np
 
 try:
     import wandb
-except ImportError:  # the GPU image has no wandb: metrics file + console only
+except ImportError:  # without wandb: metrics file + console only
     wandb = None
 
 try:
