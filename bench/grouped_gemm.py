@@ -35,8 +35,8 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe.kernels import apply_activation, grouped_mm_triton  # noqa: E402
-from moe.kernels.grouped_mm_fwd import _grouped_mm_kernel  # noqa: E402
-from moe.kernels.grouped_mm_wgrad import _grouped_mm_wgrad_kernel  # noqa: E402
+from moe.kernels.grouped_mm_fwd import grouped_mm_kernel  # noqa: E402
+from moe.kernels.grouped_mm_wgrad import grouped_mm_wgrad_kernel  # noqa: E402
 
 # name, experts E, model dim D, expert hidden F, tokens T, top-k
 SHAPES = [
@@ -104,23 +104,23 @@ def wgrad_configs(x, dy, offsets):
     """Milliseconds of every wgrad config launched directly, each next to the anchor's wgrad in
     alternating rounds (the autotuner only reports the winner)."""
     from kernel_floor import sm_count, tma_ok, use_tensor_descriptors
-    from moe.kernels.grouped_mm_wgrad import _configs
+    from moe.kernels.grouped_mm_wgrad import wgrad_configs as kernel_configs
     xd = x.detach()
-    M, K = xd.shape
-    N, G = dy.shape[1], offsets.shape[0]
-    dw = xd.new_empty(G, K, N)
+    M, I = xd.shape
+    N, L = dy.shape[1], offsets.shape[0]
+    dw = xd.new_empty(L, I, N)
     tma = tma_ok(xd, dy, dw)
     use_tensor_descriptors()
 
     def launcher(cfg):
-        tiles = G * triton.cdiv(K, cfg.kwargs["BLOCK_K"]) * triton.cdiv(N, cfg.kwargs["BLOCK_N"])
+        tiles = L * triton.cdiv(I, cfg.kwargs["BLOCK_K"]) * triton.cdiv(N, cfg.kwargs["BLOCK_N"])
         grid = (min(tiles, sm_count(xd.device)) if cfg.kwargs["PERSISTENT"] else tiles,)
-        return lambda: _grouped_mm_wgrad_kernel.fn[grid](
-            xd, dy, offsets, dw, N, K, G, G, xd.stride(0), dy.stride(0), dw.stride(0), dw.stride(1),
+        return lambda: grouped_mm_wgrad_kernel.fn[grid](
+            xd, dy, offsets, dw, N, I, L, L, xd.stride(0), dy.stride(0), dw.stride(0), dw.stride(1),
             DOT_PRECISION="tf32", TMA_OK=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.kwargs)
 
     anchor = lambda: torch._grouped_mm(xd.t(), dy, offs=offsets)  # noqa: E731
-    for cfg in _configs():
+    for cfg in kernel_configs():
         try:
             t_o, t_a, ratio, noise = rounds(launcher(cfg), anchor, 3)
             print(f"  wgrad {cfg}: {t_o:.3f} ms, anchor {t_a:.3f} ms, anchor/ours {ratio:.3f}, A-vs-A {noise:.3f}",
@@ -270,9 +270,9 @@ def main():
         torch.cuda.empty_cache()
         write_table(rows, args)
 
-    print("autotuned forward/dgrad configs:", {k: str(v) for k, v in _grouped_mm_kernel.cache.items()})
-    print("autotuned wgrad configs:", {k: str(v) for k, v in _grouped_mm_wgrad_kernel.cache.items()})
-    print("last autotune timings:", {str(c): t for c, t in getattr(_grouped_mm_wgrad_kernel, "configs_timings", {}).items()})
+    print("autotuned forward/dgrad configs:", {k: str(v) for k, v in grouped_mm_kernel.cache.items()})
+    print("autotuned wgrad configs:", {k: str(v) for k, v in grouped_mm_wgrad_kernel.cache.items()})
+    print("last autotune timings:", {str(c): t for c, t in getattr(grouped_mm_wgrad_kernel, "configs_timings", {}).items()})
     if args.sass:
         sass_report()
     print(Path(args.out).read_text())

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from moe.capacity import expert_capacity, plan_routing
 from moe.config import MoEConfig, check_positive_int
-from moe.dispatch import LocalDispatcher
+from moe.dispatch import Dispatcher, LocalDispatcher
 from moe.experts import GroupedExperts
 from moe.losses import load_balancing_loss, router_z_loss
 from moe.mlp import DenseMLP
@@ -63,7 +63,7 @@ class MoELayer(nn.Module):
         top_k: int | None = None,
         *,
         config: MoEConfig | None = None,
-        dispatcher=None,
+        dispatcher: Dispatcher | None = None,
         check_finite: bool = False,
         device=None,
         dtype=None,

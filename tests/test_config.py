@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from train.config import Config, ConfigError, _coerce, apply_overrides, from_yaml, load_config, to_yaml, validate
+from train.config import Config, ConfigError, coerce, apply_overrides, from_yaml, load_config, to_yaml, validate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -109,13 +109,13 @@ def test_ep_must_divide_world():
 
 
 def test_list_and_optional_coercion():
-    assert _coerce([1, 2], list[int], "k") == [1, 2]
-    assert _coerce([1, 2.5], list[float], "k") == [1.0, 2.5]
-    assert _coerce(None, list[int] | None, "k") is None
+    assert coerce([1, 2], list[int], "k") == [1, 2]
+    assert coerce([1, 2.5], list[float], "k") == [1.0, 2.5]
+    assert coerce(None, list[int] | None, "k") is None
     with pytest.raises(ConfigError, match=r"k\[1\]"):
-        _coerce([1, "x"], list[int], "k")
+        coerce([1, "x"], list[int], "k")
     with pytest.raises(ConfigError, match="expected a list"):
-        _coerce(3, list[int], "k")
+        coerce(3, list[int], "k")
 
 
 def test_round_trip_yaml(tmp_path):

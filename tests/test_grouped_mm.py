@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from moe.kernels import DEFAULT_BLOCK_M, grouped_mm, grouped_mm_reference, grouped_mm_triton, row_tile_size
-from moe.kernels.grouped_mm_fwd import _grouped_mm_kernel
+from moe.kernels.grouped_mm_fwd import grouped_mm_kernel
 from kernel_floor import tma_ok, use_tensor_descriptors
-from moe.kernels.grouped_mm_wgrad import _configs as _wgrad_configs
-from moe.kernels.grouped_mm_wgrad import _grouped_mm_wgrad_kernel, grouped_mm_wgrad
+from moe.kernels.grouped_mm_wgrad import grouped_mm_wgrad, grouped_mm_wgrad_kernel, wgrad_configs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -34,14 +33,14 @@ def _rel_err(out, ref):
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _check(sizes, padding, K, N, activation, dtype, device=DEVICE, offsets_dtype=torch.int64, num_groups=None):
+def _check(sizes, padding, I, N, activation, dtype, device=DEVICE, offsets_dtype=torch.int64, num_groups=None):
     """Forward and both gradients of the Triton path against the float64 reference. ``sizes``
-    are the row segments; with ``num_groups`` G, segment s uses weight s % G."""
-    G = len(sizes) if num_groups is None else num_groups
+    are the row segments; with ``num_groups`` L, segment s uses weight s % L."""
+    L = len(sizes) if num_groups is None else num_groups
     M = sum(sizes) + padding
     offsets = _offsets(sizes, device, offsets_dtype)
-    x = torch.randn(M, K, device=device).to(dtype)
-    w = (torch.randn(G, K, N, device=device) / K**0.5).to(dtype)
+    x = torch.randn(M, I, device=device).to(dtype)
+    w = (torch.randn(L, I, N, device=device) / I**0.5).to(dtype)
     n_out = N // 2 if activation == "swiglu" else N
     dy = torch.randn(M, n_out, device=device).to(dtype)  # padding rows of dy are not zero
 
@@ -62,8 +61,8 @@ def _check(sizes, padding, K, N, activation, dtype, device=DEVICE, offsets_dtype
     assert (x.grad[end:] == 0).all(), "padding rows of dx must be zero"
     assert _rel_err(y[:end], y_ref[:end]) < tol
     assert _rel_err(x.grad[:end], x_ref.grad[:end]) < tol
-    for g in range(G):
-        if sum(sizes[g::G]) == 0:
+    for g in range(L):
+        if sum(sizes[g::L]) == 0:
             assert (w.grad[g] == 0).all(), f"empty group {g} must get dw = 0"
         else:
             assert _rel_err(w.grad[g], w_ref.grad[g]) < tol, f"dw of group {g}"
@@ -77,39 +76,39 @@ CPU_CASES = {
 }
 
 
-# (K, N): neither is a multiple of the interpreter's 16/32 blocks. (40, 54): rows of 108 bytes
+# (I, N): neither is a multiple of the interpreter's 16/32 blocks. (40, 54): rows of 108 bytes
 # in fp16, not 16-byte aligned, so the pointer-load path; (56, 80): aligned, tensor descriptors.
-CPU_KN = {"pointer_loads": (40, 54), "tensor_descriptors": (56, 80)}
+CPU_IN = {"pointer_loads": (40, 54), "tensor_descriptors": (56, 80)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("case", list(CPU_CASES))
-@pytest.mark.parametrize("loads", list(CPU_KN))
+@pytest.mark.parametrize("loads", list(CPU_IN))
 def test_interpreter_matches_reference(loads, case, activation, dtype):
     sizes, padding = CPU_CASES[case]
-    K, N = CPU_KN[loads]
-    _check(sizes, padding, K=K, N=N, activation=activation, dtype=dtype)
+    I, N = CPU_IN[loads]
+    _check(sizes, padding, I=I, N=N, activation=activation, dtype=dtype)
 
 
 def test_interpreter_block_multiples_int32_offsets():
-    # K and N multiples of the blocks (the unmasked K/N paths), int32 offsets.
-    _check([33, 0, 64, 1], 3, K=64, N=128, activation="swiglu", dtype=torch.float16,
+    # I and N multiples of the blocks (the unmasked I/N paths), int32 offsets.
+    _check([33, 0, 64, 1], 3, I=64, N=128, activation="swiglu", dtype=torch.float16,
            offsets_dtype=torch.int32)
 
 
 def test_interpreter_wgrad_one_team_walks_several_tiles_per_group():
-    # K = N = 128: 16 dw tiles per group on 3 interpreter programs, so the group-major wgrad runs
+    # I = N = 128: 16 dw tiles per group on 3 interpreter programs, so the group-major wgrad runs
     # one team whose programs each take several tiles of a group (the flattened tile loop).
-    _check([33, 0, 64, 1], 5, K=128, N=128, activation=None, dtype=torch.float16)
+    _check([33, 0, 64, 1], 5, I=128, N=128, activation=None, dtype=torch.float16)
 
 
-@pytest.mark.parametrize("loads", list(CPU_KN))
+@pytest.mark.parametrize("loads", list(CPU_IN))
 def test_interpreter_segments_share_weights(loads):
     # 3 source ranks x 2 weight groups: segment s uses w[s % 2]; group 1 gets rows only from
     # its last segment, one segment holds a single row.
-    K, N = CPU_KN[loads]
-    _check([9, 0, 1, 0, 30, 17], 4, K=K, N=N, activation="swiglu", dtype=torch.float16, num_groups=2)
+    I, N = CPU_IN[loads]
+    _check([9, 0, 1, 0, 30, 17], 4, I=I, N=N, activation="swiglu", dtype=torch.float16, num_groups=2)
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
@@ -143,7 +142,7 @@ def test_row_tile_size_reports_the_launched_config():
     x = torch.randn(50, 24, device=DEVICE).to(torch.float16)
     w = torch.randn(3, 24, 34, device=DEVICE).to(torch.float16)
     grouped_mm_triton(x, w, _offsets([10, 0, 40], DEVICE), "swiglu")
-    assert row_tile_size(24, 34, torch.float16) == _grouped_mm_kernel.best_config.kwargs["BLOCK_M"]
+    assert row_tile_size(24, 34, torch.float16) == grouped_mm_kernel.best_config.kwargs["BLOCK_M"]
 
 
 def test_auto_backend_on_cpu_is_the_reference():
@@ -196,8 +195,8 @@ GPU_CASES = {
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_gpu_bf16_matches_reference(case, activation):
     sizes, padding = GPU_CASES[case]
-    # K=520, N=2*300: not multiples of 64/128.
-    _check(sizes, padding, K=520, N=600, activation=activation, dtype=torch.bfloat16)
+    # I=520, N=2*300: not multiples of 64/128.
+    _check(sizes, padding, I=520, N=600, activation=activation, dtype=torch.bfloat16)
 
 
 @pytest.mark.gpu
@@ -205,48 +204,48 @@ def test_gpu_bf16_matches_reference(case, activation):
 def test_gpu_bf16_segments_share_weights(activation):
     # 4 source ranks x 3 weight groups, as an expert-parallel dispatcher hands them over.
     sizes = [300, 0, 77, 1, 513, 0, 0, 129, 2, 640, 0, 5]
-    _check(sizes, 17, K=520, N=600, activation=activation, dtype=torch.bfloat16, num_groups=3)
+    _check(sizes, 17, I=520, N=600, activation=activation, dtype=torch.bfloat16, num_groups=3)
 
 
 @pytest.mark.gpu
 def test_gpu_bf16_block_multiples_int32_offsets():
-    _check([700, 0, 1, 1347], 64, K=1024, N=1536, activation="swiglu", dtype=torch.bfloat16,
+    _check([700, 0, 1, 1347], 64, I=1024, N=1536, activation="swiglu", dtype=torch.bfloat16,
            offsets_dtype=torch.int32)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("index", range(len(_wgrad_configs())))
+@pytest.mark.parametrize("index", range(len(wgrad_configs())))
 def test_gpu_every_wgrad_config_matches_reference(index):
     """Each wgrad config, launched directly (autotuning would only check the one that wins)."""
     import triton
-    config = _wgrad_configs()[index]
+    config = wgrad_configs()[index]
     sizes, padding = GPU_CASES["many_small"]
     offsets = _offsets(sizes, "cuda", torch.int32)
-    M, K, N = sum(sizes) + padding, 520, 600
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    M, I, N = sum(sizes) + padding, 520, 600
+    x = torch.randn(M, I, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-    dw = torch.full((len(sizes), K, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-    tiles = len(sizes) * triton.cdiv(K, config.kwargs["BLOCK_K"]) * triton.cdiv(N, config.kwargs["BLOCK_N"])
+    dw = torch.full((len(sizes), I, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    tiles = len(sizes) * triton.cdiv(I, config.kwargs["BLOCK_K"]) * triton.cdiv(N, config.kwargs["BLOCK_N"])
     grid = (min(tiles, 7) if config.kwargs["PERSISTENT"] else tiles,)
     use_tensor_descriptors()
-    _grouped_mm_wgrad_kernel.fn[grid](
-        x, dy, offsets, dw, N, K, len(sizes), len(sizes), x.stride(0), dy.stride(0), dw.stride(0), dw.stride(1),
+    grouped_mm_wgrad_kernel.fn[grid](
+        x, dy, offsets, dw, N, I, len(sizes), len(sizes), x.stride(0), dy.stride(0), dw.stride(0), dw.stride(1),
         DOT_PRECISION="tf32", TMA_OK=tma_ok(x, dy, dw), num_warps=config.num_warps,
         num_stages=config.num_stages, **config.kwargs)
     _check_bf16_dw(dw, x, dy, offsets, sizes, f" ({config})")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("K, N, sizes, deep", [
+@pytest.mark.parametrize("I, N, sizes, deep", [
     (520, 600, GPU_CASES["many_small"][0], True),  # 15 tiles per group: 8 teams
     (4096, 2048, [700, 0, 1, 1347], False),  # 256 tiles per group: 3 teams
 ])
-def test_gpu_wgrad_tma_both_pipelines(K, N, sizes, deep):
+def test_gpu_wgrad_tma_both_pipelines(I, N, sizes, deep):
     """The Hopper wgrad's 4-stage warp-specialized pipeline (many teams) and its 3-stage one."""
     from moe.kernels.grouped_mm_wgrad_tma import wgrad_tma_plan
-    assert wgrad_tma_plan(len(sizes), K, N, torch.device("cuda"))[2] is deep
+    assert wgrad_tma_plan(len(sizes), I, N, torch.device("cuda"))[2] is deep
     offsets = _offsets(sizes, "cuda", torch.int32)
-    x = torch.randn(sum(sizes) + 9, K, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(sum(sizes) + 9, I, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(x.shape[0], N, device="cuda", dtype=torch.bfloat16)
     dw = grouped_mm_wgrad(x, dy, offsets)
     _check_bf16_dw(dw, x, dy, offsets, sizes)

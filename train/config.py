@@ -127,7 +127,7 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _coerce(value, tp, key: str):
+def coerce(value, tp, key: str):
     """``value`` checked (and losslessly converted) against annotation ``tp``."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -136,12 +136,12 @@ def _coerce(value, tp, key: str):
             return None
         inner = [a for a in args if a is not type(None)]
         if len(inner) == 1:
-            return _coerce(value, inner[0], key)
+            return coerce(value, inner[0], key)
     if origin is list:
         (elem,) = typing.get_args(tp)
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return [_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is Literal:
         allowed = list(typing.get_args(tp))
         if value in allowed:
@@ -186,7 +186,7 @@ def _set(cfg: Config, dotted: str, value) -> None:
     types_ = _field_types(section)
     if key not in types_:
         raise ConfigError(f"{dotted}: unknown key {key!r} in section {sec_name!r} (known: {', '.join(types_)})")
-    setattr(section, key, _coerce(value, types_[key], dotted))
+    setattr(section, key, coerce(value, types_[key], dotted))
 
 
 def apply_dict(cfg: Config, data: dict, source: str = "config") -> Config:

@@ -106,7 +106,7 @@ def _tile_ptrs(base_ptr, stride_m, row_start, rows, N, tile_m, tile_n, offs_m, o
     "EVEN_N": lambda args: args["N"] % args["BLOCK_N"] == 0,
 })
 @triton.jit
-def _grouped_mm_kernel(
+def grouped_mm_kernel(
     a_ptr, b_ptr, offsets_ptr, y_ptr, z_ptr,
     M, N, K, S, G,
     stride_am, stride_ak,
@@ -253,7 +253,7 @@ def grouped_mm_forward(
         grouped_mm_tma(a_MI, b_LIN, offsets_J, y, z, ACTIVATIONS[activation])
         block_m = TILE_M
     else:
-        _grouped_mm_kernel[(sm_count(a_MI.device),)](
+        grouped_mm_kernel[(sm_count(a_MI.device),)](
             a_MI, b_LIN, offsets_J, y, z if save_z else y,
             M, N, I, offsets_J.shape[0], L,
             a_MI.stride(0), a_MI.stride(1),
@@ -262,7 +262,7 @@ def grouped_mm_forward(
             ACT=ACTIVATIONS[activation], SAVE_Z=save_z,
             DOT_PRECISION="ieee" if a_MI.dtype == torch.float32 else "tf32",
         )
-        block_m = _grouped_mm_kernel.best_config.kwargs["BLOCK_M"]
+        block_m = grouped_mm_kernel.best_config.kwargs["BLOCK_M"]
     if record_tile:
         _ran_block_m[(I, N, a_MI.dtype)] = block_m
     return y, z

@@ -39,7 +39,8 @@ _INTERPRET_CONFIG = triton.Config({"BLOCK_K": 32, "BLOCK_N": 32, "BLOCK_M": 16, 
                                    "PERSISTENT": True, "STORE_TMA": True})
 
 
-def _configs():
+def wgrad_configs():
+    """The kernel's autotune configs (public: tests and bench/grouped_gemm.py time each one)."""
     if INTERPRET:
         return [_INTERPRET_CONFIG]
     return [
@@ -71,13 +72,13 @@ def _prune_configs(configs, named_args, **kwargs):
     return fixed_config(configs, tile, named_args["x_ptr"].element_size())
 
 
-@triton.autotune(configs=_configs(), key=["N", "K"], prune_configs_by={"early_config_prune": _prune_configs})
+@triton.autotune(configs=wgrad_configs(), key=["N", "K"], prune_configs_by={"early_config_prune": _prune_configs})
 @triton.heuristics({
     "EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
     "EVEN_N": lambda args: args["N"] % args["BLOCK_N"] == 0,
 })
 @triton.jit
-def _grouped_mm_wgrad_kernel(
+def grouped_mm_wgrad_kernel(
     x_ptr, dy_ptr, offsets_ptr, dw_ptr,
     N, K, S, G,
     stride_xm, stride_dym,
@@ -191,7 +192,7 @@ def grouped_mm_wgrad(x_MI: torch.Tensor, dy_MN: torch.Tensor, offsets_J: torch.T
         tiles = L * triton.cdiv(I, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"])
         return (min(tiles, num_sms) if meta["PERSISTENT"] else tiles,)
 
-    _grouped_mm_wgrad_kernel[grid](
+    grouped_mm_wgrad_kernel[grid](
         x_MI, dy_MN, offsets_J, dw,
         N, I, J, L,
         x_MI.stride(0), dy_MN.stride(0),
