@@ -85,26 +85,27 @@ CPU_IN = {"pointer_loads": (40, 54), "tensor_descriptors": (56, 80)}
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("case", list(CPU_CASES))
 @pytest.mark.parametrize("loads", list(CPU_IN))
-def test_interpreter_matches_reference(loads, case, activation, dtype):
+def test_matches_reference(loads, case, activation, dtype):
     sizes, padding = CPU_CASES[case]
     I, N = CPU_IN[loads]
     _check(sizes, padding, I=I, N=N, activation=activation, dtype=dtype)
 
 
-def test_interpreter_block_multiples_int32_offsets():
+def test_block_multiples_int32_offsets():
     # I and N multiples of the blocks (the unmasked I/N paths), int32 offsets.
     _check([33, 0, 64, 1], 3, I=64, N=128, activation="swiglu", dtype=torch.float16,
            offsets_dtype=torch.int32)
 
 
-def test_interpreter_wgrad_one_team_walks_several_tiles_per_group():
-    # I = N = 128: 16 dw tiles per group on 3 interpreter programs, so the group-major wgrad runs
-    # one team whose programs each take several tiles of a group (the flattened tile loop).
+def test_wgrad_one_team_walks_several_tiles_per_group():
+    # I = N = 128: in the interpreter, 16 dw tiles per group on 3 programs, so the group-major
+    # wgrad runs one team whose programs each take several tiles of a group (the flattened tile
+    # loop); compiled on a GPU the same check runs with one program per SM.
     _check([33, 0, 64, 1], 5, I=128, N=128, activation=None, dtype=torch.float16)
 
 
 @pytest.mark.parametrize("loads", list(CPU_IN))
-def test_interpreter_segments_share_weights(loads):
+def test_segments_share_weights(loads):
     # 3 source ranks x 2 weight groups: segment s uses w[s % 2]; group 1 gets rows only from
     # its last segment, one segment holds a single row.
     I, N = CPU_IN[loads]
@@ -116,10 +117,10 @@ def test_all_segments_empty_keeps_the_graph(activation):
     """Rows but no segment (a rank that received nothing, padding only): zeros that still
     depend on x and w, on both paths, so the backward reaches the dispatch on every rank (its
     exchange is collective)."""
-    offsets = torch.zeros(4, dtype=torch.int32)
+    offsets = torch.zeros(4, dtype=torch.int32, device=DEVICE)
     for fn in (grouped_mm_reference, grouped_mm_triton):
-        x = torch.randn(5, 16, requires_grad=True)
-        w = torch.randn(2, 16, 32, requires_grad=True)
+        x = torch.randn(5, 16, device=DEVICE).to(torch.float16).requires_grad_()
+        w = torch.randn(2, 16, 32, device=DEVICE).to(torch.float16).requires_grad_()
         y = fn(x, w, offsets, activation)
         assert y.requires_grad and not y.detach().any()
         y.sum().backward()
