@@ -11,7 +11,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 # one kernel config per shape: the NCCL test touches a dozen GEMM shapes in two dtypes, and
-# autotuning all of them on a fresh machine ran past 100 s (2×H200, 2026-11-22)
+# autotuning all of them on a fresh machine ran past 100 s (2×H200)
 MOE_AUTOTUNE=0 timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_parallel.py tests/test_moe_layer.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
 [ "${ONLY_TESTS:-0}" = 1 ] && exit 0
 timeout ${A2A_TIMEOUT:-120} python3 -m torch.distributed.run --standalone --nproc_per_node=2 bench/all_to_all.py \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7 on one host with 8 GPUs, in one call:
+# The 8-GPU runs on one host, in one call:
 #   1. the world-8 equivalence test with NCCL (EP=8 × DP=1 and EP=4 × DP=2 equal one process, fp32
 #      and bf16: tests/test_scaling.py::test_nccl_eight_gpus_equals_one_process);
 #   2. weak scaling of the OLMoE-shaped model, the same 4 × 2048 tokens per GPU in every run, the
@@ -26,7 +26,7 @@ if [ "$NGPU" -lt 8 ]; then
 fi
 
 # 1. equivalence at world 8 (one GEMM config per shape: autotuning a dozen shapes in two dtypes
-# ran past 100 s on the 2-GPU test, 2×H200, 2026-11-22)
+# ran past 100 s on the 2-GPU test, 2×H200)
 MOE_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -rs \
     tests/test_scaling.py::test_nccl_eight_gpus_equals_one_process 2>&1 | tail -8 | tee "$OUT/equivalence8.log"
 TEST_RC=${PIPESTATUS[0]}

@@ -1,12 +1,11 @@
 """Token rows to send order and back, with this rank's own rows kept out of the exchange.
 
-Legend: T tokens, D row width, K experts per token (top-k), P = T·K pairs, G ranks of the expert-parallel
-group, M rows a buffer holds.
+Legend: T tokens, D row width, K experts per token (top-k), P = T·K pairs, G ranks of the
+expert-parallel group, M rows a buffer holds.
 
 The all-to-all dispatcher orders the kept (token, slot) pairs by destination rank then expert:
-pair (t, k) sits at send position ``pos[t, k]`` (``>= ends[G-1]``, the kept pairs: dropped,
-goes nowhere), and
-destination rank g owns positions ``[ends[g-1], ends[g])``. The pairs bound for this rank (``me``)
+pair (t, k) sits at send position ``pos[t, k]`` (``>= ends[G-1]``, the number of kept pairs:
+dropped, it goes nowhere), and destination rank g owns positions ``[ends[g-1], ends[g])``. The pairs bound for this rank (``me``)
 never enter the all-to-all; they are split off into a *local* buffer, the others packed into a
 *remote* one, so a pair's row in its buffer is
 
@@ -125,6 +124,9 @@ def scatter_pairs(x_TD: torch.Tensor, pos_TK: torch.Tensor, ends_G: torch.Tensor
                          f"(T={T}, D) and (M, D)")
     if (y_MD is None) != (dw_TK is None):
         raise ValueError("scatter_pairs: y_MD and dw_TK go together")
+    if dw_TK is not None and (dw_TK.shape != (T, K) or dw_TK.dtype != torch.float32 or not dw_TK.is_contiguous()):
+        raise ValueError(f"scatter_pairs: dw_TK must be a contiguous fp32 ({T}, {K}) tensor (written in place), got "
+                         f"{dw_TK.dtype} {tuple(dw_TK.shape)}")
     if not dst_MD.is_contiguous():
         raise ValueError("scatter_pairs: dst_MD must be contiguous (written in place)")
     if use_reference(backend, not x_TD.is_cuda):
@@ -132,7 +134,8 @@ def scatter_pairs(x_TD: torch.Tensor, pos_TK: torch.Tensor, ends_G: torch.Tensor
         return
     y_MD = None if y_MD is None else y_MD.contiguous()
     scatter_rows(x_TD.contiguous(), _to_local if local else _to_remote, _locate, pos_TK.contiguous(), ends_G, me,
-                 ends_G.numel(), dst_MD, dst_MD.dtype, dst_MD.stride(0), K=K, w_TK=w_TK,
+                 ends_G.numel(), dst_MD, dst_MD.dtype, dst_MD.stride(0), K=K,
+                 w_TK=None if w_TK is None else w_TK.contiguous(),
                  ya_MD=y_MD if local else None, yb_MD=None if local else y_MD, dw_TK=dw_TK, zero_dropped=not local)
 
 
@@ -154,4 +157,5 @@ def gather_pairs_sum(remote_MD: torch.Tensor, local_MD: torch.Tensor, pos_TK: to
         return gather_pairs_sum_reference(remote_MD, local_MD, pos_TK, ends_G, me, w_TK, out_dtype)
     T, K = pos_TK.shape
     return gather_sum(T, remote_MD.shape[1], _locate, pos_TK.contiguous(), ends_G, me, ends_G.numel(),
-                      local_MD.contiguous(), remote_MD.contiguous(), w_TK, out_dtype or remote_MD.dtype, K=K)
+                      local_MD.contiguous(), remote_MD.contiguous(), None if w_TK is None else w_TK.contiguous(),
+                      out_dtype or remote_MD.dtype, K=K)

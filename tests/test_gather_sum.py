@@ -76,6 +76,26 @@ def test_combine_matches_reference(T, K, D, num_rows, dtype):
     _check_combine(T, K, D, num_rows, dtype)
 
 
+def test_combine_of_identical_rows_is_the_row_times_the_kept_weights():
+    """Closed form, independent of any locator: when every row of token t is x[t], the
+    combine is x[t] · Σ_k w[t, k] over the pairs that have a row, and dw[t, k] = <dout[t], x[t]>
+    for those pairs, 0 for the others."""
+    T, K, D = 11, 3, 40
+    x_TD = torch.randn(T, D, device=DEVICE)
+    pair_R = torch.randperm(T * K, device=DEVICE)[:25]
+    y_RD = x_TD[pair_R // K].clone().requires_grad_()
+    w_TK = torch.rand(T, K, device=DEVICE).requires_grad_()
+    out = weighted_combine(y_RD, pair_R, w_TK, backend="triton")
+    has_TK = torch.zeros(T * K, dtype=torch.bool, device=DEVICE)
+    has_TK[pair_R] = True
+    has_TK = has_TK.view(T, K)
+    torch.testing.assert_close(out, x_TD * (w_TK * has_TK).sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
+    dout = torch.randn(T, D, device=DEVICE)
+    out.backward(dout)
+    torch.testing.assert_close(w_TK.grad, torch.where(has_TK, (dout * x_TD).sum(-1, keepdim=True), 0.0),
+                               rtol=1e-5, atol=1e-4)
+
+
 def test_combine_out_dtype_is_respected():
     _check_combine(7, 2, 40, 11, torch.float16, out_dtype=torch.float32)
 
@@ -209,6 +229,9 @@ def test_pair_rows_bad_arguments_name_the_field():
         scatter_pairs(x_TD, pos_TK, ends_G, 2, torch.empty(8, 8, device=DEVICE), True)
     with pytest.raises(ValueError, match="w_TK"):
         gather_pairs_sum(x_TD, x_TD, pos_TK, ends_G, 0, torch.ones(4, 3, device=DEVICE))
+    with pytest.raises(ValueError, match="dw_TK must be a contiguous"):
+        scatter_pairs(x_TD, pos_TK, ends_G, 0, torch.empty(8, 8, device=DEVICE), True, y_MD=x_TD,
+                      dw_TK=torch.empty(2, 4, device=DEVICE).t())
     with pytest.raises(ValueError, match="y_MD and dw_TK"):
         scatter_pairs(x_TD, pos_TK, ends_G, 0, torch.empty(8, 8, device=DEVICE), True, y_MD=x_TD)
 

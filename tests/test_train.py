@@ -208,6 +208,29 @@ def _one_step(model, opt):
     opt.zero_grad()
 
 
+def test_checkpoint_saved_under_a_renamed_parameter_loads(tmp_path):
+    """``experts.w1_LDH`` became ``experts.w1_LDU`` (the shape legend): a checkpoint written
+    before the rename loads, parameters and optimizer state."""
+    cfg, model, opt, sched = _tiny_model()
+    _one_step(model, opt)
+    path = ckpt.save_checkpoint(str(tmp_path / "ck"), 1, model, opt, sched, {"epoch": 0, "cursor": 0}, _OneProcess())
+    for file in os.listdir(path):
+        if file.endswith(".pt"):
+            saved = torch.load(os.path.join(path, file), weights_only=True)
+            for section in ("model", "optim", "experts", "expert_range"):
+                if section in saved:
+                    saved[section] = {n.replace("w1_LDU", "w1_LDH"): v for n, v in saved[section].items()}
+            torch.save(saved, os.path.join(path, file))
+    assert any("w1_LDH" in n for n in torch.load(os.path.join(path, "rank00000.pt"), weights_only=True)["experts"])
+    _, model2, opt2, sched2 = _tiny_model(seed=1)
+    ckpt.load_checkpoint(path, model2, opt2, sched2, _OneProcess())
+    for (n, a), (_, b) in zip(model.state_dict().items(), model2.state_dict().items()):
+        assert torch.equal(a, b), n
+    p1, p2 = dict(model.named_parameters()), dict(model2.named_parameters())
+    for n in p1:
+        assert torch.equal(opt.state[p1[n]]["exp_avg"], opt2.state[p2[n]]["exp_avg"]), n
+
+
 def test_checkpoint_round_trip_and_crash_safety(tmp_path):
     cfg, model, opt, sched = _tiny_model()
     _one_step(model, opt)

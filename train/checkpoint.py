@@ -156,8 +156,25 @@ def find_checkpoint(ckpt_dir: str, resume: str) -> str | None:
     return found[-1] if found else None
 
 
+# Parameters renamed since checkpoints were first written: old name suffix -> new. A checkpoint
+# saved under an old name loads under the new one (its tensors are the same).
+RENAMED_PARAMETERS = {".experts.w1_LDH": ".experts.w1_LDU"}
+
+
+def _current_name(name: str) -> str:
+    for old, new in RENAMED_PARAMETERS.items():
+        if name.endswith(old):
+            return name[:-len(old)] + new
+    return name
+
+
 def _load(path: str) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    """One checkpoint file, its parameter-keyed sections under today's parameter names."""
+    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    for section in ("model", "optim", "experts", "expert_range"):
+        if isinstance(saved.get(section), dict):
+            saved[section] = {_current_name(name): v for name, v in saved[section].items()}
+    return saved
 
 
 def _gather_expert_slice(shards: list[dict], key: str, name: str, first: int, count: int, sub: str | None = None) -> torch.Tensor:
