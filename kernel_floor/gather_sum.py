@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_floor.runtime import ROW_BLOCK_D, tl_dtype
+from kernel_floor.runtime import ROW_BLOCK_D, grid_programs, tl_dtype
 
 
 # the prologue's per-call values (the P2P flag target) are not specialized on: a value crossing
@@ -131,8 +131,7 @@ def _scatter_rows_kernel(x_ptr, dst_ptr, w_ptr, ya_ptr, yb_ptr, dw_ptr, idx0_ptr
 
 
 def _grid(T: int, max_programs: int | None, block_t: int) -> tuple[int]:
-    tiles = triton.cdiv(T, block_t)
-    return (max(1, tiles if max_programs is None else min(tiles, max_programs)),)
+    return (grid_programs(triton.cdiv(T, block_t), max_programs),)
 
 
 def gather_sum(T: int, D: int, locate, idx0: torch.Tensor, idx1: torch.Tensor | None, me: int, n: int,

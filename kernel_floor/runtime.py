@@ -33,6 +33,13 @@ BACKENDS = ("auto", "triton", "reference")
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
+def grid_programs(tiles: int, max_programs: int | None = None) -> int:
+    """Programs of a grid-stride launch over ``tiles`` tiles: one per tile, at most
+    ``max_programs`` (None: no cap), and at least one (a launch may have work besides its tiles,
+    e.g. a wait or a signal)."""
+    return max(1, tiles if max_programs is None else min(tiles, max_programs))
+
+
 def fixed_config(configs, tile_elems, elem_bytes: int):
     """MOE_AUTOTUNE=0: the first config whose ``num_stages · tile_elems(kwargs)`` elements of
     ``elem_bytes`` fit in shared memory (fp32 operands need smaller tiles than bf16)."""

@@ -47,8 +47,8 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
 from kernel_floor import (
-    INTERPRET, ROW_BLOCK_D, check_pair_weights, check_rows, gather_sum, gather_sum_reference, scatter_rows,
-    scatter_rows_reference, tl_dtype,
+    INTERPRET, ROW_BLOCK_D, check_pair_weights, check_rows, gather_sum, gather_sum_reference, grid_programs,
+    scatter_rows, scatter_rows_reference, tl_dtype,
 )
 
 # Tiles of the kernels: [_BLOCK_ROWS rows, ROW_BLOCK_D] per step, at most _MAX_PROGRAMS programs
@@ -205,10 +205,6 @@ def _check_flag(name: str, flag: torch.Tensor) -> None:
         raise ValueError(f"{name} must be a 1-element int64 tensor, got {flag.dtype} {tuple(flag.shape)}")
 
 
-def _grid(tiles: int) -> int:
-    return max(1, min(tiles, _MAX_PROGRAMS))
-
-
 def dispatch_rows(x_TD: torch.Tensor, order_P: torch.Tensor, counts_E: torch.Tensor, cnt_ptrs_G: torch.Tensor,
                   flag_ptrs_G: torch.Tensor, ticket: torch.Tensor, first_ticket: int, counts_GE: torch.Tensor,
                   flag: torch.Tensor, target: int, recv_ptrs_G: torch.Tensor, src_ptrs_G: torch.Tensor,
@@ -259,7 +255,7 @@ def dispatch_rows(x_TD: torch.Tensor, order_P: torch.Tensor, counts_E: torch.Ten
     row_TK, dest_TK, offsets_GL = out
     if row_TK.shape != (T, K) or dest_TK.shape != (T, K) or offsets_GL.shape != (G * L,):
         raise ValueError(f"out must be (T, K) = ({T}, {K}), ({T}, {K}) and ({G * L},) tensors")
-    grid = _grid(triton.cdiv(P, _BLOCK_ROWS))
+    grid = grid_programs(triton.cdiv(P, _BLOCK_ROWS), _MAX_PROGRAMS)
     _dispatch_rows_kernel[(grid,)](
         x_TD.contiguous(), order_P, counts_E, cnt_ptrs_G, flag_ptrs_G, ticket, first_ticket, counts_GE, flag, target,
         timeout_ms * 1_000_000, row_TK, dest_TK, offsets_GL, recv_ptrs_G, src_ptrs_G, me, G, L, E, P, K, P_cap, D,
@@ -332,7 +328,7 @@ def push_back(y_RD: torch.Tensor, src_R: torch.Tensor, n_rows: torch.Tensor, ret
     _check_ptrs("flag_ptrs_G", flag_ptrs_G)
     check_rows("y_RD", y_RD, None, y_RD.shape[1] if y_RD.dim() == 2 else -1)
     R, D = y_RD.shape
-    grid = _grid(triton.cdiv(R, _BLOCK_ROWS))
+    grid = grid_programs(triton.cdiv(R, _BLOCK_ROWS), _MAX_PROGRAMS)
     _push_back_kernel[(grid,)](y_RD, src_R, n_rows, ret_ptrs_G, flag_ptrs_G, me, flag_ptrs_G.numel(), P_cap, D,
                                OUT=tl_dtype(ret_dtype), BLOCK_R=_BLOCK_ROWS, BLOCK_D=ROW_BLOCK_D, num_warps=4)
     return grid

@@ -19,6 +19,7 @@ from parallel.p2p_rows import push_rows, push_rows_reference, sum_pairs, sum_pai
 from parallel.pair_rows import (
     gather_pairs_sum, gather_pairs_sum_reference, locate_reference, scatter_pairs, scatter_pairs_reference,
 )
+from tests.peers import G, buffer_ptrs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -239,12 +240,8 @@ def test_pair_rows_bad_arguments_name_the_field():
 # ---------------------------------------------------------------------------------------------
 # The P2P dispatcher's sum and push: own rows or the return buffer, stores through an address table.
 
-G = 3
 P2P_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
-
-def _ptrs(bufs):
-    return torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=DEVICE)
 
 
 def _random_pairs(T, K, rows, dropped=0.25, seed=0):
@@ -270,7 +267,7 @@ def test_p2p_push_rows_and_sum_pairs_match_their_references(T, K, D, dtype):
 
     bufs = [torch.zeros(rows, D, device=DEVICE, dtype=dtype) for _ in range(G)]
     ref_bufs = [b.clone() for b in bufs]
-    dw = push_rows(x, row, dest, _ptrs(bufs), dtype, w, me=me, own_RD=own, ret_PD=ret)
+    dw = push_rows(x, row, dest, buffer_ptrs(bufs), dtype, w, me=me, own_RD=own, ret_PD=ret)
     dw_ref = push_rows_reference(x, row, dest, ref_bufs, w, me=me, own_RD=own, ret_PD=ret)
     for b, r in zip(bufs, ref_bufs):
         torch.testing.assert_close(b.float(), r.float(), rtol=tol, atol=tol)
@@ -287,7 +284,7 @@ def test_p2p_push_rows_and_sum_pairs_match_their_references(T, K, D, dtype):
 
 def test_p2p_bad_arguments_raise():
     row, dest = _random_pairs(4, 2, 10)
-    ptrs = _ptrs([torch.zeros(10, 4, device=DEVICE)] * G)
+    ptrs = buffer_ptrs([torch.zeros(10, 4, device=DEVICE)] * G)
     x = torch.randn(4, 4, device=DEVICE)
     flag = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="int64"):

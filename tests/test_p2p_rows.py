@@ -18,6 +18,7 @@ from moe.capacity import plan_routing
 from parallel.p2p_rows import (
     dispatch_rows, p2p_routes_reference, push_back, push_back_reference, push_rows, sum_pairs,
 )
+from tests.peers import G, buffer_ptrs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float32, torch.float16]
@@ -30,12 +31,8 @@ CASES = {
     "all_to_one_expert": ((5, 4, 3), 6, 1, None, "one_expert"),
     "one_token": ((1, 1, 1), 3, 2, None, "random"),
 }
-G = 3
 TIMEOUT_MS = 20_000  # a wrong target traps after this on a GPU instead of hanging the test run
 
-
-def _ptrs(bufs):
-    return torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=DEVICE)
 
 
 def _flags(n=G):
@@ -79,8 +76,8 @@ def test_dispatcher_data_flow_in_one_process(case):
         routes = []
         for r in range(G):
             *route, programs = dispatch_rows(
-                xs[r], plans[r].order_P, plans[r].kept_per_expert_E, _ptrs(counts), _ptrs(counts_flags), tickets[r],
-                launched[r], counts[r], counts_flags[r], (rounds - 1) * G, _ptrs(recv), _ptrs(src), torch.float32, r, K,
+                xs[r], plans[r].order_P, plans[r].kept_per_expert_E, buffer_ptrs(counts), buffer_ptrs(counts_flags), tickets[r],
+                launched[r], counts[r], counts_flags[r], (rounds - 1) * G, buffer_ptrs(recv), buffer_ptrs(src), torch.float32, r, K,
                 P_cap, timeout_ms=TIMEOUT_MS)
             routes.append(route)
             launched[r] += programs
@@ -108,7 +105,7 @@ def test_dispatcher_data_flow_in_one_process(case):
     ys = [2 * b + 1 for b in recv]  # padding rows stay NaN: nothing may read them
     ret = [torch.full((P_cap, D), float("nan"), device=DEVICE) for _ in range(G)]
     back_flags = _flags()
-    signals = [push_back(ys[r], src[r], routes[r][2][-1:], _ptrs(ret), torch.float32, r, P_cap, _ptrs(back_flags))
+    signals = [push_back(ys[r], src[r], routes[r][2][-1:], buffer_ptrs(ret), torch.float32, r, P_cap, buffer_ptrs(back_flags))
                for r in range(G)]
     assert len(set(signals)) == 1 and [int(f) for f in back_flags] == [(G - 1) * signals[0]] * G
     target = (G - 1) * signals[0]
@@ -121,12 +118,12 @@ def test_dispatcher_data_flow_in_one_process(case):
         out = sum_pairs(routes[r][0], routes[r][1], ys[r], ret[r], r, w, flag=back_flags[r], target=target,
                         timeout_ms=TIMEOUT_MS)
         torch.testing.assert_close(out, (2 * xs[r] + 1) * (w * kept).sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
-        dw = push_rows(gs[r], routes[r][0], routes[r][1], _ptrs(grad_rows), torch.float32, w, me=r,
+        dw = push_rows(gs[r], routes[r][0], routes[r][1], buffer_ptrs(grad_rows), torch.float32, w, me=r,
                        own_RD=ys[r], ret_PD=ret[r])
         torch.testing.assert_close(dw, torch.where(kept, (gs[r] * (2 * xs[r] + 1)).sum(-1, keepdim=True), 0.0),
                                    rtol=1e-5, atol=1e-4)
     for r in range(G):  # identity experts' backward: the rows' gradient is what arrived
-        push_back(grad_rows[r], src[r], routes[r][2][-1:], _ptrs(ret), torch.float32, r, P_cap, _ptrs(back_flags))
+        push_back(grad_rows[r], src[r], routes[r][2][-1:], buffer_ptrs(ret), torch.float32, r, P_cap, buffer_ptrs(back_flags))
     for r in range(G):
         dx = sum_pairs(routes[r][0], routes[r][1], grad_rows[r], ret[r], r, flag=back_flags[r], target=2 * target,
                        timeout_ms=TIMEOUT_MS)
@@ -143,8 +140,8 @@ def _routes(order, counts, me, K):
     src = [torch.zeros(rows, dtype=torch.int64, device=DEVICE) for _ in range(G_)]
     scratch = [torch.zeros(G_, E, dtype=torch.int64, device=DEVICE) for _ in range(G_)]
     flags = _flags(G_)
-    *route, _ = dispatch_rows(torch.zeros(T, 1, device=DEVICE), order.to(DEVICE), counts[me].to(DEVICE), _ptrs(scratch),
-                              _ptrs(flags), _flags(1)[0], 0, counts.to(DEVICE), flags[me], 1, _ptrs(recv), _ptrs(src),
+    *route, _ = dispatch_rows(torch.zeros(T, 1, device=DEVICE), order.to(DEVICE), counts[me].to(DEVICE), buffer_ptrs(scratch),
+                              buffer_ptrs(flags), _flags(1)[0], 0, counts.to(DEVICE), flags[me], 1, buffer_ptrs(recv), buffer_ptrs(src),
                               torch.float32, me, K, T * K, timeout_ms=TIMEOUT_MS)
     return route
 
@@ -182,7 +179,7 @@ def test_push_back_matches_its_reference(T, K, D, dtype):
     rets = [torch.zeros(P_cap, D, device=DEVICE, dtype=dtype) for _ in range(G)]
     ref_rets = [r.clone() for r in rets]
     flags = _flags()
-    signals = push_back(y, src, n, _ptrs(rets), dtype, me, P_cap, _ptrs(flags))
+    signals = push_back(y, src, n, buffer_ptrs(rets), dtype, me, P_cap, buffer_ptrs(flags))
     push_back_reference(y, src, n, ref_rets, me, P_cap)
     for a, b in zip(rets, ref_rets):
         assert torch.equal(a, b)
@@ -201,8 +198,8 @@ def test_dispatch_sends_its_counts_row_to_every_rank_once():
     src = [torch.zeros(T * K * G, dtype=torch.int64, device=DEVICE) for _ in range(G)]
     launched = 0
     for call in (1, 2):
-        *_, programs = dispatch_rows(torch.zeros(T, 3, device=DEVICE), order, counts, _ptrs(mats), _ptrs(flags), ticket,
-                                     launched, mats[me], flags[me], 0, _ptrs(recv), _ptrs(src), torch.float32, me, K,
+        *_, programs = dispatch_rows(torch.zeros(T, 3, device=DEVICE), order, counts, buffer_ptrs(mats), buffer_ptrs(flags), ticket,
+                                     launched, mats[me], flags[me], 0, buffer_ptrs(recv), buffer_ptrs(src), torch.float32, me, K,
                                      T * K, timeout_ms=TIMEOUT_MS)
         launched += programs
         for m in mats:
@@ -212,7 +209,7 @@ def test_dispatch_sends_its_counts_row_to_every_rank_once():
 
 def test_bad_arguments_raise():
     """(push_rows' and sum_pairs' checks: tests/test_gather_sum.py)"""
-    ptrs = _ptrs([torch.zeros(10, 4, device=DEVICE)] * G)
+    ptrs = buffer_ptrs([torch.zeros(10, 4, device=DEVICE)] * G)
     x = torch.randn(4, 4, device=DEVICE)
     flag = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     counts = torch.zeros(G, 6, dtype=torch.int64, device=DEVICE)
