@@ -97,8 +97,8 @@ class LocalDispatcher(Dispatcher):
     def dispatch(self, x_TD: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchMeta]:
         top_k = plan.kept_TK.shape[1]
         rows_RD = x_TD.index_select(0, plan.order_P // top_k)
-        offsets_E = torch.cumsum(plan.kept_per_expert_E, 0).to(torch.int32)
-        return rows_RD, offsets_E, LocalDispatchMeta(plan.order_P, top_k)
+        offsets_J = torch.cumsum(plan.kept_per_expert_E, 0).to(torch.int32)
+        return rows_RD, offsets_J, LocalDispatchMeta(plan.order_P, top_k)
 
     def combine(self, y_RD: torch.Tensor, meta: LocalDispatchMeta, w_TK: torch.Tensor,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:

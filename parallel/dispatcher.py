@@ -219,7 +219,7 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
     def _dispatch_ep(self, x_TD: torch.Tensor, plan: RoutingPlan,
                      num_experts: int) -> tuple[torch.Tensor, torch.Tensor, AllToAllMeta]:
         """x_TD (T, D) -> rows_RD (R, D) in blocks [own rows; each other source rank's rows], each
-        block by local expert; offsets_GL (G·L,) int32 cumulative segment ends (segment b·L + l:
+        block by local expert; offsets_J (G·L,) int32 cumulative segment ends (segment b·L + l:
         block b, local expert l); and the metadata for :meth:`combine`."""
         G, me = self.ep_size, self.ep_rank
         L = num_experts // G
@@ -241,10 +241,10 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         # segments: own rows first, then each other source rank's; local expert l within each
         recv_GL = recv_counts_E.view(G, L)
         blocks_GL = recv_GL if me == 0 else torch.cat([recv_GL[me:me + 1], recv_GL[:me], recv_GL[me + 1:]])
-        offsets_GL = blocks_GL.flatten().cumsum(0, dtype=torch.int32)
+        offsets_J = blocks_GL.flatten().cumsum(0, dtype=torch.int32)
         rows_RD, splits_2G = _DispatchFn.apply(x_TD, route, counts_2GL, copied)
         send_splits, recv_splits = splits_2G.tolist()
-        return rows_RD, offsets_GL, AllToAllMeta(route=route, send_splits=send_splits, recv_splits=recv_splits)
+        return rows_RD, offsets_J, AllToAllMeta(route=route, send_splits=send_splits, recv_splits=recv_splits)
 
     def _combine_ep(self, y_RD: torch.Tensor, meta: AllToAllMeta, w_TK: torch.Tensor,
                     out_dtype: torch.dtype) -> torch.Tensor:

@@ -113,13 +113,13 @@ class _Slot:
 @dataclass(frozen=True)
 class _P2PRoute:
     """One dispatch: ``row_TK`` (T, K) int64 row of each pair in rank ``dest_TK[t, k]``'s receive
-    buffer (-1: dropped); ``offsets_GL`` (G·L,) int32 this rank's segment ends (all three filled on
+    buffer (-1: dropped); ``offsets_J`` (G·L,) int32 this rank's segment ends (all three filled on
     the device by the dispatch); the slot and the generation that wrote it; the dispatcher's
     gradient buffer."""
 
     row_TK: torch.Tensor
     dest_TK: torch.Tensor
-    offsets_GL: torch.Tensor
+    offsets_J: torch.Tensor
     slot: _Slot
     generation: int
     grad: _SymmetricBuffer
@@ -130,7 +130,7 @@ class _P2PRoute:
     @property
     def n_rows(self) -> torch.Tensor:
         """(1,) int32 device count of the valid rows received."""
-        return self.offsets_GL[-1:]
+        return self.offsets_J[-1:]
 
     def check(self) -> None:
         if self.slot.generation != self.generation:
@@ -163,7 +163,7 @@ def _home_and_sum(route: _P2PRoute, y_RD: torch.Tensor, w_TK: torch.Tensor | Non
 
 class _P2PDispatchFn(torch.autograd.Function):
     """x_TD (T, D), order_P (T·K,), counts_E (E,) -> rows_RD (R_cap, D), a view of the slot's
-    receive buffer; fills the route's row_TK, dest_TK and offsets_GL."""
+    receive buffer; fills the route's row_TK, dest_TK and offsets_J."""
 
     @staticmethod
     def forward(ctx, x_TD, order_P, counts_E, route: _P2PRoute):
@@ -174,7 +174,7 @@ class _P2PDispatchFn(torch.autograd.Function):
             x_TD, order_P, counts_E, bufs.ptrs["counts"], bufs.ptrs["counts_flag"], bufs.views["ticket"], slot.tickets,
             bufs.views["counts"], bufs.views["counts_flag"], slot.counts_target, bufs.ptrs["recv"], bufs.ptrs["src"],
             bufs.views["recv"].dtype, route.me, route.row_TK.shape[1], route.P_cap,
-            out=(route.row_TK, route.dest_TK, route.offsets_GL))
+            out=(route.row_TK, route.dest_TK, route.offsets_J))
         slot.tickets += programs
         bufs.barrier()
         ctx.route = route
@@ -284,7 +284,7 @@ class P2PDispatcher(ExpertParallelDispatcher):
         route = _P2PRoute(route_2TK[0], route_2TK[1], torch.empty(E, dtype=torch.int32, device=device), slot,
                           slot.generation, grad, me, P_cap, index)
         rows_RD = _P2PDispatchFn.apply(x_TD, plan.order_P, plan.kept_per_expert_E.contiguous(), route)
-        return rows_RD, route.offsets_GL, P2PMeta(route)
+        return rows_RD, route.offsets_J, P2PMeta(route)
 
     def _combine_ep(self, y_RD: torch.Tensor, meta: P2PMeta, w_TK: torch.Tensor,
                     out_dtype: torch.dtype) -> torch.Tensor:

@@ -227,7 +227,7 @@ def dispatch_rows(x_TD: torch.Tensor, order_P: torch.Tensor, counts_E: torch.Ten
     t·K + k`` to the same row of its (R_cap,) int64 source buffer.
 
     Returns ``row_TK``, ``dest_TK`` (T, K) int64 (row -1: dropped), this rank's segment ends
-    ``offsets_GL`` (G·L,) int32, blocks as at any destination, segment b·L + l: block b, local
+    ``offsets_J`` (G·L,) int32, blocks as at any destination, segment b·L + l: block b, local
     expert l (into ``out`` when given), and the programs launched (``ticket`` grew by that)."""
     if counts_GE.dtype != torch.int64 or counts_GE.dim() != 2 or counts_GE.shape[1] % counts_GE.shape[0]:
         raise ValueError(f"counts_GE must be int64 (G, E) with G dividing E, got {counts_GE.dtype} {tuple(counts_GE.shape)}")
@@ -252,16 +252,16 @@ def dispatch_rows(x_TD: torch.Tensor, order_P: torch.Tensor, counts_E: torch.Ten
     if out is None:
         out = (torch.empty((T, K), dtype=torch.int64, device=device), torch.empty((T, K), dtype=torch.int64, device=device),
                torch.empty(G * L, dtype=torch.int32, device=device))
-    row_TK, dest_TK, offsets_GL = out
-    if row_TK.shape != (T, K) or dest_TK.shape != (T, K) or offsets_GL.shape != (G * L,):
+    row_TK, dest_TK, offsets_J = out
+    if row_TK.shape != (T, K) or dest_TK.shape != (T, K) or offsets_J.shape != (G * L,):
         raise ValueError(f"out must be (T, K) = ({T}, {K}), ({T}, {K}) and ({G * L},) tensors")
     grid = grid_programs(triton.cdiv(P, _BLOCK_ROWS), _MAX_PROGRAMS)
     _dispatch_rows_kernel[(grid,)](
         x_TD.contiguous(), order_P, counts_E, cnt_ptrs_G, flag_ptrs_G, ticket, first_ticket, counts_GE, flag, target,
-        timeout_ms * 1_000_000, row_TK, dest_TK, offsets_GL, recv_ptrs_G, src_ptrs_G, me, G, L, E, P, K, P_cap, D,
+        timeout_ms * 1_000_000, row_TK, dest_TK, offsets_J, recv_ptrs_G, src_ptrs_G, me, G, L, E, P, K, P_cap, D,
         OUT=tl_dtype(recv_dtype), GP=triton.next_power_of_2(G), LP=triton.next_power_of_2(L),
         BLOCK_E=triton.next_power_of_2(E), BLOCK_P=_BLOCK_ROWS, BLOCK_D=ROW_BLOCK_D, num_warps=4)
-    return row_TK, dest_TK, offsets_GL, grid
+    return row_TK, dest_TK, offsets_J, grid
 
 
 def p2p_routes_reference(order_P: torch.Tensor, counts_GE: torch.Tensor, me: int, K: int):

@@ -52,7 +52,7 @@ def resolve_wandb_mode(configured: str | None) -> str:
 
 
 def load_heatmap(load_LE: np.ndarray, cell: int = 16) -> np.ndarray:
-    """(layers, experts) counts -> (H, W, 3) uint8 image, ``cell`` pixels per entry."""
+    """(layers, experts) counts -> (height, width, 3) uint8 image, ``cell`` pixels per entry."""
     load_LE = np.asarray(load_LE, dtype=np.float64)
     mean_L1 = load_LE.mean(axis=1, keepdims=True)
     rel = np.divide(load_LE, mean_L1, out=np.ones_like(load_LE), where=mean_L1 > 0)
