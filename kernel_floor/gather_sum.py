@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_floor.runtime import ROW_BLOCK_D, grid_programs, tl_dtype
+from kernel_floor.runtime import ROW_BLOCK_D, ROW_BLOCK_T, grid_programs, tl_dtype
 
 
 # the prologue's per-call values (the P2P flag target) are not specialized on: a value crossing
@@ -137,7 +137,7 @@ def _grid(T: int, max_programs: int | None, block_t: int) -> tuple[int]:
 def gather_sum(T: int, D: int, locate, idx0: torch.Tensor, idx1: torch.Tensor | None, me: int, n: int,
                a_MD: torch.Tensor, b_MD: torch.Tensor | None = None, w_TK: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None, *, K: int, prologue=None, prologue_args=(0, 0, 0),
-               block_t: int = 1, max_programs: int | None = None) -> torch.Tensor:
+               block_t: int = ROW_BLOCK_T, max_programs: int | None = None) -> torch.Tensor:
     """Launch the forward: ``out_TD[t] = Σ_k (w[t, k] ·) row of (t, k)`` in fp32, cast to
     ``out_dtype`` (default a's dtype).
 
@@ -170,7 +170,7 @@ def gather_sum(T: int, D: int, locate, idx0: torch.Tensor, idx1: torch.Tensor | 
 def scatter_rows(x_TD: torch.Tensor, dest, locate, idx0: torch.Tensor, idx1: torch.Tensor | None, me: int, n: int,
                  dst: torch.Tensor, dst_dtype: torch.dtype, stride_dst: int, *, K: int, peer_table: bool = False,
                  w_TK: torch.Tensor | None = None, ya_MD: torch.Tensor | None = None, yb_MD: torch.Tensor | None = None,
-                 dw_TK: torch.Tensor | None = None, zero_dropped: bool = False, block_t: int = 1,
+                 dw_TK: torch.Tensor | None = None, zero_dropped: bool = False, block_t: int = ROW_BLOCK_T,
                  max_programs: int | None = None) -> None:
     """Launch the backward: ``dst[buffer][row] = (w[t, k] ·) x[t]`` for every pair ``dest`` sends
     somewhere, and with ``dw_TK`` (T, K) fp32 also ``dw[t, k] = <x[t], row of (t, k)>`` (rows

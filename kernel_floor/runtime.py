@@ -27,6 +27,10 @@ _SMEM_BUDGET = 232448 - 16384
 # Columns a row-moving program handles per step: 1024 bf16 columns over 4 warps are 8 per
 # thread, 16-byte accesses; the interpreter takes 64 so that tests at D <= 128 loop.
 ROW_BLOCK_D = 64 if INTERPRET else 1024
+# Tokens a row-moving program handles per step by default: one on a GPU (one program per token,
+# as the combine was measured); four in the interpreter, where every program costs Python time
+# (the CPU tests then also walk blocks with a ragged tail).
+ROW_BLOCK_T = 4 if INTERPRET else 1
 
 BACKENDS = ("auto", "triton", "reference")
 
