@@ -11,12 +11,12 @@ from parallel.dims import ParallelDims
 from parallel.dispatcher import AllToAllDispatcher, AllToAllMeta
 from parallel.env import init_distributed
 from parallel.ep_dispatcher import ExpertParallelDispatcher, ExpertParallelMeta
-from parallel.grad_sync import expert_parameters, sync_gradients
+from parallel.grad_sync import clip_grad_norm_, expert_parameters, sync_gradients
 from parallel.p2p_dispatcher import P2PDispatcher, P2PMeta
 from parallel.stats import global_moe_stats, update_expert_biases_global
 
 __all__ = [
     "AllToAllDispatcher", "AllToAllMeta", "CommTimer", "ExpertParallelDispatcher", "ExpertParallelMeta",
-    "P2PDispatcher", "P2PMeta", "ParallelDims", "all_reduce_sum", "all_to_all", "expert_parameters",
-    "global_moe_stats", "init_distributed", "sync_gradients", "update_expert_biases_global",
+    "P2PDispatcher", "P2PMeta", "ParallelDims", "all_reduce_sum", "all_to_all", "clip_grad_norm_",
+    "expert_parameters", "global_moe_stats", "init_distributed", "sync_gradients", "update_expert_biases_global",
 ]

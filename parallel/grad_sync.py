@@ -77,6 +77,37 @@ def all_reduce_mean_(grads: list[torch.Tensor], group, divisor: int) -> None:
             g.copy_(part.view_as(g))
 
 
+def clip_grad_norm_(model: nn.Module, max_norm: float, dims=None) -> torch.Tensor:
+    """The gradient norm of one process on the global batch, and clipping to ``max_norm``.
+
+    Call after :func:`sync_gradients`. Dense gradients are then the same on every rank; each rank
+    of an expert-parallel group holds different experts, so the experts' squared norms are summed
+    over the EP group (``dims``: a :class:`~parallel.dims.ParallelDims`, None for one process).
+    Every gradient is scaled by ``max_norm / norm`` when that is below 1 (``max_norm`` 0: no
+    clipping). Returns the norm as a device tensor: read it only when logging, so no host sync
+    per step.
+    """
+    expert_ids = {id(p) for p in expert_parameters(model)}
+    dense, experts = [], []
+    for p in model.parameters():
+        if p.grad is not None:
+            (experts if id(p) in expert_ids else dense).append(p.grad)
+    device = next(model.parameters()).device
+
+    def squared_norm(grads):
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
+
+    dense_sq, expert_sq = squared_norm(dense), squared_norm(experts)
+    if dims is not None and dims.ep > 1:
+        dist.all_reduce(expert_sq, group=dims.ep_group)
+    norm = (dense_sq + expert_sq).sqrt()
+    if max_norm > 0:
+        torch._foreach_mul_(dense + experts, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm
+
+
 def sync_gradients(model: nn.Module, dims) -> None:
     """Make ``model``'s gradients those of one process on the concatenated batch.
 

@@ -326,6 +326,18 @@ def test_token_file_run_and_vocab_check(tmp_path):
     assert sorted(hist["train_loss"]) == [1, 2]
 
 
+def test_python_dash_m_train_is_the_script():
+    """``python -m train`` runs the same command line: --help lists the config keys, a bad key
+    is one line and exit status 2."""
+    ok = subprocess.run([sys.executable, "-m", "train", "--help"], cwd=REPO, env=_env(), capture_output=True,
+                        text=True, timeout=120)
+    assert ok.returncode == 0 and "moe:" in ok.stdout and "every_n_layers" in ok.stdout, ok.stderr[-2000:]
+    bad = subprocess.run([sys.executable, "-m", "train", "--moe.top_kk=2"], cwd=REPO, env=_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [bad.stderr.strip()], bad.stderr[-2000:]
+    assert "moe.top_kk" in bad.stderr
+
+
 def test_wandb_offline_run_has_the_keys(tmp_path):
     pytest.importorskip("wandb")
     # a subprocess, as a user runs it (python train/train.py, world 1); in-process, pytest's

@@ -1,6 +1,7 @@
 """Train an MoE transformer with data × expert parallelism.
 
     torchrun --nproc_per_node=W train/train.py --config configs/<name>.yaml [--section.key=value ...]
+    torchrun --nproc_per_node=W -m train --config configs/<name>.yaml        # the same, as a module
     python train/train.py --config configs/tiny.yaml          # one process, no torchrun
 
 Sections: config → distributed init → data → model → parallelize → optimizer → (resume) →
@@ -27,14 +28,14 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from moe import moe_aux_loss, moe_layers, update_expert_biases  # noqa: E402
-from parallel import CommTimer, sync_gradients  # noqa: E402
+from parallel import CommTimer, clip_grad_norm_, sync_gradients  # noqa: E402
 from parallel.stats import global_moe_stats, update_expert_biases_global  # noqa: E402
 from train import checkpoint as ckpt  # noqa: E402
 from train.config import Config, ConfigError, load_config, to_yaml  # noqa: E402
 from train.data import TokenStream, load_splits, shard, val_batches  # noqa: E402
 from train.flops import param_counts, peak_flops, train_flops_per_token  # noqa: E402
 from train.logger import RunLogger  # noqa: E402
-from train.model import MoETransformer, expert_parameter_names, num_moe_blocks  # noqa: E402
+from train.model import MoETransformer, num_moe_blocks  # noqa: E402
 from train.optim import WarmupCosine, build_optimizer  # noqa: E402
 from train.runtime import Runtime, init_runtime  # noqa: E402
 
@@ -44,29 +45,6 @@ def autocast_context(cfg: Config, device: torch.device):
     if bf16:
         return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
-
-
-def grad_norm_and_clip(model, rt: Runtime, expert_names: set[str], max_norm: float) -> torch.Tensor:
-    """Global gradient norm (dense grads are replicated; expert grads are summed over the EP
-    group, whose ranks hold different experts), then scale to ``max_norm`` if above it."""
-    dense, experts = [], []
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            (experts if name in expert_names else dense).append(p.grad)
-
-    def sq(grads):
-        if not grads:
-            return torch.zeros((), dtype=torch.float32, device=rt.device)
-        return torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
-
-    dense_sq, expert_sq = sq(dense), sq(experts)
-    if rt.distributed and rt.ep > 1:
-        torch.distributed.all_reduce(expert_sq, group=rt.dims.ep_group)
-    norm = (dense_sq + expert_sq).sqrt()
-    if max_norm > 0:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(dense + experts, scale)
-    return norm  # a device tensor: read only when logged, so no host sync per step
 
 
 @torch.no_grad()
@@ -148,7 +126,6 @@ def main(argv: list[str]) -> dict:
     with rt.device:  # built on the device: a large model never materialises on the host
         model = MoETransformer(cfg, dispatcher=dispatcher)
     model.init_weights(cfg.train.seed)
-    expert_names = expert_parameter_names(model)
     autocast = autocast_context(cfg, rt.device)
 
     # ---- optimizer and schedule
@@ -212,7 +189,7 @@ def main(argv: list[str]) -> dict:
                 zl[n] += m.last_aux.z_loss.detach() / cfg.train.grad_accum
         if rt.distributed:
             sync_gradients(model, rt.dims)
-        grad_norm = grad_norm_and_clip(model, rt, expert_names, cfg.optim.grad_clip)
+        grad_norm = clip_grad_norm_(model, cfg.optim.grad_clip, rt.dims)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if cfg.moe.expert_bias and rt.distributed:
@@ -279,12 +256,18 @@ def main(argv: list[str]) -> dict:
     return history
 
 
-if __name__ == "__main__":
-    if {"-h", "--help"} & set(sys.argv[1:]):
+def cli(argv: list[str]) -> None:
+    """The command line of ``train/train.py`` and ``python -m train``: ``--help`` prints every
+    config key with its default; a config error is one line and exit status 2."""
+    if {"-h", "--help"} & set(argv):
         print(__doc__.strip() + "\n\nEvery key of the config tree, with its default:\n\n" + to_yaml(Config()))
         sys.exit(0)
     try:
-        main(sys.argv[1:])
+        main(argv)
     except ConfigError as err:  # a bad key or value: one line naming it, no traceback
         print(f"config error: {err}", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])
