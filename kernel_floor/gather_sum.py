@@ -155,6 +155,7 @@ def gather_sum(T: int, D: int, locate, idx0: torch.Tensor, idx1: torch.Tensor | 
     out_TD = a_MD.new_empty((T, D), dtype=out_dtype or a_MD.dtype)
     if (T == 0 or D == 0) and prologue is None:
         return out_TD
+    w_TK = None if w_TK is None else w_TK.contiguous()  # indexed by pair t·K + k
     # an empty buffer is never read (no pair locates there), but Triton rejects its null pointer
     a_MD = a_MD if a_MD.numel() else out_TD
     if b_MD is not None and not b_MD.numel():
@@ -187,6 +188,7 @@ def scatter_rows(x_TD: torch.Tensor, dest, locate, idx0: torch.Tensor, idx1: tor
     T, D = x_TD.shape
     if T == 0 or (not peer_table and dst.numel() == 0 and dw_TK is None):
         return
+    w_TK = None if w_TK is None else w_TK.contiguous()  # indexed by pair t·K + k
     # empty buffers are never touched (no pair goes there), but Triton rejects their null pointers
     dst = dst if dst.numel() else x_TD
     ya_MD = x_TD if ya_MD is None or not ya_MD.numel() else ya_MD

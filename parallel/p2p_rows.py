@@ -306,7 +306,7 @@ def push_rows(x_TD: torch.Tensor, row_TK: torch.Tensor, dest_TK: torch.Tensor, b
             raise ValueError(f"ret_PD has {ret_PD.shape[0]} rows, fewer than the T·K = {T * K} pairs")
     dw_TK = torch.empty((T, K), dtype=torch.float32, device=x_TD.device) if own_RD is not None else None
     scatter_rows(x_TD.contiguous(), _to_peer, _locate_pair, row_TK.contiguous(), dest_TK.contiguous(), me, 0,
-                 buf_ptrs_G, buf_dtype, D, K=K, peer_table=True, w_TK=None if w_TK is None else w_TK.contiguous(),
+                 buf_ptrs_G, buf_dtype, D, K=K, peer_table=True, w_TK=w_TK,
                  ya_MD=own_RD, yb_MD=ret_PD, dw_TK=dw_TK, zero_dropped=True)
     return dw_TK
 
@@ -354,7 +354,7 @@ def sum_pairs(row_TK: torch.Tensor, dest_TK: torch.Tensor, own_RD: torch.Tensor,
     # with a flag it runs for T = 0 too: the wait is what orders this rank's later stores into
     # the peers' buffers after the peers' reads of theirs
     return gather_sum(T, D, _locate_pair, row_TK.contiguous(), dest_TK.contiguous(), me, 0, own_RD, ret_PD,
-                      None if w_TK is None else w_TK.contiguous(), out_dtype or own_RD.dtype, K=K,
+                      w_TK, out_dtype or own_RD.dtype, K=K,
                       prologue=None if flag is None else _wait, prologue_args=(flag, target, timeout_ms * 1_000_000),
                       block_t=_BLOCK_ROWS, max_programs=_MAX_PROGRAMS)
 

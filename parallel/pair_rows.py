@@ -134,8 +134,7 @@ def scatter_pairs(x_TD: torch.Tensor, pos_TK: torch.Tensor, ends_G: torch.Tensor
         return
     y_MD = None if y_MD is None else y_MD.contiguous()
     scatter_rows(x_TD.contiguous(), _to_local if local else _to_remote, _locate, pos_TK.contiguous(), ends_G, me,
-                 ends_G.numel(), dst_MD, dst_MD.dtype, dst_MD.stride(0), K=K,
-                 w_TK=None if w_TK is None else w_TK.contiguous(),
+                 ends_G.numel(), dst_MD, dst_MD.dtype, dst_MD.stride(0), K=K, w_TK=w_TK,
                  ya_MD=y_MD if local else None, yb_MD=None if local else y_MD, dw_TK=dw_TK, zero_dropped=not local)
 
 
@@ -157,5 +156,4 @@ def gather_pairs_sum(remote_MD: torch.Tensor, local_MD: torch.Tensor, pos_TK: to
         return gather_pairs_sum_reference(remote_MD, local_MD, pos_TK, ends_G, me, w_TK, out_dtype)
     T, K = pos_TK.shape
     return gather_sum(T, remote_MD.shape[1], _locate, pos_TK.contiguous(), ends_G, me, ends_G.numel(),
-                      local_MD.contiguous(), remote_MD.contiguous(), None if w_TK is None else w_TK.contiguous(),
-                      out_dtype or remote_MD.dtype, K=K)
+                      local_MD.contiguous(), remote_MD.contiguous(), w_TK, out_dtype or remote_MD.dtype, K=K)
