@@ -46,6 +46,18 @@ class ParallelConfig:
     # how MoE rows cross the EP group (ep > 1 only): nccl (all-to-all; any devices, any nodes) |
     # p2p (NVLink stores into symmetric memory; CUDA, every EP group on one node)
     dispatcher: Literal["nccl", "p2p"] = "nccl"
+    # how the data-parallel copies hold their state: replicate (every rank a full copy of the dense
+    # parameters, gradients all-reduced after the backward) | fsdp (FSDP2: dense state sharded
+    # over the world, each expert shard's state over its expert-data-parallel group, gradients
+    # reduce-scattered during the backward)
+    data_parallel: Literal["replicate", "fsdp"] = "replicate"
+    # fsdp: free each block's gathered parameters after its forward (ZeRO-3-like, less memory) or
+    # keep them until the backward (ZeRO-2-like, one all-gather per step fewer)
+    reshard_after_forward: bool = True
+    # fsdp: the dtype parameters are gathered and computed in (auto: bf16 iff training in bf16)
+    # and the dtype gradients are reduced in; the router always runs in fp32
+    param_dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
 
 
 @dataclass
@@ -81,6 +93,10 @@ class TrainConfig:
     seed: int = 0
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on cuda, fp32 on cpu
     eval_every: int = 50  # 0: validate only at the start and the end
+    # recompute activations in the backward instead of keeping them: none | selective (each
+    # block's attention and its experts' MLP; the dispatch, and its all-to-all, runs once) |
+    # full (every block: its forward, all-to-alls included, runs again in the backward)
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
 
 
 @dataclass
