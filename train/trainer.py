@@ -1,0 +1,318 @@
+"""The training run as one object: :class:`Trainer` holds the sections of ``train/train.py``'s
+job in order.
+
+``Trainer(cfg, argv)`` builds them: distributed init → data → model (:meth:`Trainer.build_model`:
+the MoE layers get the expert-parallel dispatcher) → optimizer and schedule → resume → logger and
+run files. :meth:`Trainer.fit` runs the loop: :meth:`Trainer.train_step` (forward, loss + aux
+losses, backward over ``train.grad_accum`` micro-batches, gradient sync, clip, step, expert
+biases, schedule), :meth:`Trainer.log_step` (train metrics, :meth:`Trainer.validate`),
+:meth:`Trainer.save_checkpoint`. :meth:`Trainer.close` ends the run on every rank.
+"""
+
+import contextlib
+import json
+import math
+import os
+import platform
+import resource
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from moe import moe_aux_loss, moe_layers, update_expert_biases
+from parallel import CommTimer, clip_grad_norm_, sync_gradients
+from parallel.stats import global_moe_stats, update_expert_biases_global
+from train import checkpoint as ckpt
+from train.config import Config, to_yaml
+from train.data import TokenStream, load_splits, shard, val_batches
+from train.flops import param_counts, peak_flops, train_flops_per_token
+from train.logger import RunLogger
+from train.model import MoETransformer, num_moe_blocks
+from train.optim import WarmupCosine, build_optimizer
+from train.runtime import Runtime, init_runtime
+
+
+def autocast_context(cfg: Config, device: torch.device):
+    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
+    if bf16:
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+@torch.no_grad()
+def evaluate(model, batches, rt: Runtime, autocast) -> float:
+    total = 0.0
+    for x, y in batches:
+        with autocast():
+            logits = model(x.to(rt.device))
+        total += F.cross_entropy(logits.flatten(0, 1), y.to(rt.device).flatten()).item()
+    return rt.all_reduce_mean([total / len(batches)])[0]
+
+
+def moe_metrics(model, rt: Runtime, lb_losses: dict, z_losses: dict) -> tuple[dict, list, list]:
+    """Per-layer scalars of the latest micro-batch, over the whole world (collective)."""
+    stats = global_moe_stats(model, rt.dims) if rt.distributed else {n: m.last_aux.stats for n, m in moe_layers(model).items()}
+    metrics, names, values = {}, [], []
+    for i, (name, s) in enumerate(stats.items()):
+        sc = s.scalars()
+        key = f"moe/layer{i}"
+        metrics.update({
+            f"{key}/dropped_fraction": sc["dropped_fraction"], f"{key}/tile_utilization": sc["tile_utilization"],
+            f"{key}/load_max": sc["max_load"], f"{key}/load_mean": sc["mean_load"],
+            f"{key}/load_imbalance": sc["load_imbalance"], f"{key}/router_entropy": sc["router_entropy"],
+            f"{key}/aux_loss": lb_losses[name], f"{key}/z_loss": z_losses[name],
+        })
+        names.append(name)
+        values.append(s)
+    if values:
+        routed = sum(float(s.routed_per_expert.sum()) for s in values)
+        kept = sum(float(s.tokens_per_expert.sum()) for s in values)
+        metrics["moe/dropped_fraction"] = (routed - kept) / max(routed, 1.0)
+        metrics["moe/load_imbalance"] = max(metrics[f"moe/layer{i}/load_imbalance"] for i in range(len(values)))
+        metrics["moe/tile_utilization"] = sum(metrics[f"moe/layer{i}/tile_utilization"] for i in range(len(values))) / len(values)
+    return metrics, names, values
+
+
+def write_run_info(run_dir, argv, rt: Runtime, counts, flops_per_token, peak, tokens_per_step) -> None:
+    info = {
+        "argv": argv, "device": torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else platform.processor() or "cpu",
+        "device_type": rt.device.type, "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "world_size": rt.world_size, "ep": rt.ep, **counts,
+        "train_flops_per_token": flops_per_token, "peak_flops_per_gpu": peak, "tokens_per_step": tokens_per_step,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    with open(os.path.join(run_dir, "run_info.json"), "w") as f:
+        json.dump(info, f, indent=1)
+
+
+@dataclass
+class StepScalars:
+    """What :meth:`Trainer.train_step` returns: the step's scalars, left on the device (reading
+    one syncs the host, so only logging steps read them)."""
+
+    lr: float  # the learning rate the step used
+    ce_sum: torch.Tensor  # () cross-entropy, summed over the micro-batches
+    aux_sum: torch.Tensor  # () aux losses (coefficients applied), summed over the micro-batches
+    grad_norm: torch.Tensor  # () the global gradient norm before clipping
+    lb_losses: dict[str, torch.Tensor]  # MoE layer name → load-balancing loss, mean over the micro-batches
+    z_losses: dict[str, torch.Tensor]  # MoE layer name → z-loss, mean over the micro-batches
+
+
+class Trainer:
+    """One training run on this rank; every method that talks to other ranks is called by all.
+
+    ``history`` is what :meth:`fit` returns: ``{"train_loss": {step: loss}, "val_loss": {step:
+    loss}}`` of the logged and validated steps.
+    """
+
+    def __init__(self, cfg: Config, argv: list[str]):
+        """Builds the run from a validated config (``argv``: the command line, for run_info.json)
+        and resumes from ``checkpoint.resume`` when it finds one."""
+        self.cfg = cfg
+        self.rt = rt = init_runtime(cfg.parallel.ep, cfg.parallel.device)
+        torch.manual_seed(cfg.train.seed + rt.rank)
+        self.run_dir = os.path.join(cfg.log.dir, cfg.log.run_name)
+        self.ckpt_dir = cfg.checkpoint.dir or os.path.join(self.run_dir, "checkpoints")
+        self.build_data()
+        self.model = self.build_model()
+        self.moe_layers = moe_layers(self.model)
+        self.autocast = autocast_context(cfg, rt.device)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.schedule = WarmupCosine(self.optimizer, cfg.optim.warmup_steps, cfg.train.steps, cfg.optim.min_lr_ratio)
+
+        self.step = 0
+        resume_from = ckpt.find_checkpoint(self.ckpt_dir, cfg.checkpoint.resume)
+        if resume_from is not None:
+            info = ckpt.load_checkpoint(resume_from, self.model, self.optimizer, self.schedule, rt)
+            self.step = info["step"]
+            self.stream.load_state_dict(info["data"])
+        # checkpoint.stop_after ends this launch early (a preemptible slot); the schedule still
+        # runs to train.steps
+        stop_after = cfg.checkpoint.stop_after
+        self.stop_at = min(cfg.train.steps, self.step + stop_after) if stop_after else cfg.train.steps
+
+        self.log = RunLogger(cfg, rt.rank, self.run_dir, cfg.train.steps, start_step=self.step)
+        self.flops_per_token = train_flops_per_token(cfg)
+        self.peak = peak_flops(rt.device)
+        self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * cfg.train.grad_accum * rt.world_size
+        self._write_run_files(argv, resume_from)
+        self.history = {"train_loss": {}, "val_loss": {}}
+
+    def build_data(self) -> None:
+        """The token stream and validation batches of this rank's shard: every rank reads its own."""
+        cfg, rt, d = self.cfg, self.rt, self.cfg.data
+        train_tokens, val_tokens = load_splits(d.source, d.path, d.token_dtype, d.max_bytes, d.val_fraction)
+        if d.source == "tokens":  # one pass over the memmap; an id past the table would fail deep in the embedding
+            top = int(max(train_tokens.max(initial=0), val_tokens.max(initial=0)))
+            if top >= cfg.model.vocab_size:
+                raise ValueError(f"model.vocab_size={cfg.model.vocab_size} but {d.path} holds token id {top}")
+        self.stream = TokenStream(shard(train_tokens, rt.rank, rt.world_size), d.seq_len, d.batch_size, cfg.train.seed, rt.rank)
+        self.val_set = val_batches(shard(val_tokens, rt.rank, rt.world_size), d.seq_len, d.batch_size, d.val_batches)
+
+    def build_model(self) -> torch.nn.Module:
+        """The model, parallelized: its MoE layers get the EP dispatcher and hold E / ep experts.
+
+        Every wrapping of the model belongs here, before the optimizer and the checkpoint see it.
+        Sets ``dispatcher`` (None: one process or ep 1) and ``comm_timer`` (None unless
+        ``log.time_comm`` and a dispatcher).
+        """
+        cfg, rt, d = self.cfg, self.rt, self.cfg.data
+        # P2P buffers: a training and a validation micro-batch are both batch_size · seq_len tokens,
+        # and every MoE block holds a slot from its dispatch to its backward; a model without MoE
+        # blocks never dispatches, but a dispatcher has at least one slot
+        self.dispatcher = rt.dispatcher(cfg.parallel.dispatcher, max_tokens=d.batch_size * d.seq_len,
+                                        num_buffers=max(num_moe_blocks(cfg), 1))
+        # all-to-all timing (ep > 1): every MoE layer shares this dispatcher, hence the one timer
+        self.comm_timer = None
+        if cfg.log.time_comm and self.dispatcher is not None:
+            self.comm_timer = self.dispatcher.comm_timer = CommTimer()
+        with rt.device:  # built on the device: a large model never materialises on the host
+            model = MoETransformer(cfg, dispatcher=self.dispatcher)
+        model.init_weights(cfg.train.seed)
+        return model
+
+    def _write_run_files(self, argv: list[str], resume_from: str | None) -> None:
+        """config.yaml and run_info.json (rank 0), and the run's one-line summary."""
+        rt, dispatcher = self.rt, self.dispatcher
+        counts = param_counts(self.model, self.cfg, rt.ep)
+        if rt.rank == 0:
+            with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
+                f.write(to_yaml(self.cfg))
+            write_run_info(self.run_dir, argv, rt, counts, self.flops_per_token, self.peak, self.tokens_per_step)
+        self.log.print(
+            f"world {rt.world_size} (ep {rt.ep}, edp {rt.world_size // rt.ep}) on {rt.device} | "
+            f"params {counts['params_total'] / 1e6:.2f}M total, {counts['params_active'] / 1e6:.2f}M active | "
+            f"{self.flops_per_token / 1e6:.1f} MFLOP/token (train) | {self.tokens_per_step} tokens/step"
+            + (f" | {dispatcher!r}" if dispatcher is not None else "")
+            + (f" | resumed from {resume_from} at step {self.step}" if resume_from else "")
+        )
+
+    def fit(self) -> dict:
+        """Train from ``step`` to ``stop_at`` (validating first on a fresh run); returns ``history``."""
+        if self.step == 0:
+            self.log.log(0, {"val/loss": self.validate()})
+        self._start_window()
+        while self.step < self.stop_at:
+            scalars = self.train_step()
+            self.log_step(scalars)
+            every = self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0
+            final = self.step == self.stop_at and (self.cfg.checkpoint.save_final or self.stop_at < self.cfg.train.steps)
+            if every or final:
+                self.save_checkpoint()
+        return self.history
+
+    def train_step(self) -> StepScalars:
+        """One optimizer step over ``train.grad_accum`` micro-batches; advances ``step``."""
+        cfg, rt, model, accum = self.cfg, self.rt, self.model, self.cfg.train.grad_accum
+        lr = self.schedule.apply()
+        ce_sum, aux_sum = torch.zeros((), device=rt.device), torch.zeros((), device=rt.device)
+        lb = {n: 0.0 for n in self.moe_layers}
+        zl = {n: 0.0 for n in self.moe_layers}
+        for _ in range(accum):
+            x_BS, y_BS = self.stream.next_batch()
+            x_BS, y_BS = x_BS.to(rt.device, non_blocking=True), y_BS.to(rt.device, non_blocking=True)
+            with self.autocast():
+                logits_BSV = model(x_BS)
+            ce = F.cross_entropy(logits_BSV.flatten(0, 1), y_BS.flatten())
+            aux = moe_aux_loss(model).to(ce.device)
+            ((ce + aux) / accum).backward()
+            ce_sum += ce.detach()
+            aux_sum += aux.detach()
+            for n, m in self.moe_layers.items():
+                lb[n] += m.last_aux.load_balancing_loss.detach() / accum
+                zl[n] += m.last_aux.z_loss.detach() / accum
+        # the summed micro-batch gradients of this rank → those of one process on the global batch
+        if rt.distributed:
+            sync_gradients(model, rt.dims)
+        grad_norm = clip_grad_norm_(model, cfg.optim.grad_clip, rt.dims)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if cfg.moe.expert_bias and rt.distributed:
+            update_expert_biases_global(model, rt.dims)
+        elif cfg.moe.expert_bias:
+            update_expert_biases(model)
+        self.schedule.step()
+        self.step += 1
+        return StepScalars(lr, ce_sum, aux_sum, grad_norm, lb, zl)
+
+    def _start_window(self) -> None:
+        """Throughput is measured over the steps between two logged ones, validation time excluded."""
+        self._window_start, self._window_tokens, self._eval_time = time.perf_counter(), 0, 0.0
+
+    def log_step(self, scalars: StepScalars) -> None:
+        """Log the step just taken: the train metrics every ``log.every`` steps, at ``stop_at``
+        and on validation steps; ``val/loss`` every ``train.eval_every`` steps and at the last.
+        Collective on the steps it logs."""
+        cfg, step = self.cfg, self.step
+        self._window_tokens += self.tokens_per_step
+        self.log.advance()
+        do_val = step == cfg.train.steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
+        do_log = step % cfg.log.every == 0 or step == self.stop_at or do_val
+        metrics = self._train_metrics(scalars) if do_log else {}
+        if do_val:
+            t0 = time.perf_counter()
+            metrics["val/loss"] = self.validate()
+            self._eval_time += time.perf_counter() - t0
+        if metrics:
+            self.log.log(step, metrics)
+
+    def _train_metrics(self, scalars: StepScalars) -> dict:
+        """Reads the step's scalars (mean over ranks) and the window's throughput, records the
+        loss in ``history``, writes the expert heatmap when due, and starts the next window.
+        Raises FloatingPointError on a non-finite loss."""
+        cfg, rt, step, accum = self.cfg, self.rt, self.step, self.cfg.train.grad_accum
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - self._window_start - self._eval_time
+        steps = max(self._window_tokens // self.tokens_per_step, 1)
+        loss, aux_mean = rt.all_reduce_mean([scalars.ce_sum.item() / accum, scalars.aux_sum.item() / accum])
+        if not math.isfinite(loss):  # checked where the loss is read anyway: no extra host sync
+            raise FloatingPointError(f"train/loss is {loss} at step {step}: stopping before it reaches a checkpoint")
+        tok_s = self._window_tokens / max(elapsed, 1e-9)
+        metrics = {
+            "train/loss": loss, "train/aux_loss": aux_mean, "train/lr": scalars.lr, "train/grad_norm": scalars.grad_norm.item(),
+            "train/tokens": step * self.tokens_per_step, "perf/tokens_per_s": tok_s,
+            "perf/mfu": tok_s * self.flops_per_token / (self.peak * rt.world_size) if not math.isnan(self.peak) else math.nan,
+            "perf/step_time_s": elapsed / steps,
+        }
+        if self.comm_timer is not None:  # mean over ranks of the window's all-to-all time
+            a2a_ms = rt.all_reduce_mean([self.comm_timer.read_ms()])[0]
+            metrics["time/all_to_all_ms"] = a2a_ms / steps
+            metrics["time/all_to_all_fraction"] = a2a_ms / max(elapsed * 1e3, 1e-9)
+        if rt.device.type == "cuda":
+            metrics["perf/max_mem_gb"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
+        else:
+            metrics["perf/max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        mm, names, stats = moe_metrics(self.model, rt, {n: float(v) for n, v in scalars.lb_losses.items()},
+                                       {n: float(v) for n, v in scalars.z_losses.items()})
+        metrics.update(mm)
+        self.history["train_loss"][step] = loss
+        if cfg.log.heatmap_every and (step % cfg.log.heatmap_every == 0 or step == cfg.train.steps) and stats:
+            self.log.log_experts(step, names, stats)
+        self._start_window()
+        return metrics
+
+    def validate(self) -> float:
+        """val/loss at ``step``: mean over the rank's validation batches, then over ranks
+        (collective); recorded in ``history``."""
+        val = evaluate(self.model, self.val_set, self.rt, self.autocast)
+        self.history["val_loss"][self.step] = val
+        if self.comm_timer is not None:
+            self.comm_timer.read_ms()  # validation's exchanges are outside the step time
+        return val
+
+    def save_checkpoint(self) -> str:
+        """The model, optimizer, schedule and data position at ``step`` (collective); returns its path."""
+        path = ckpt.save_checkpoint(self.ckpt_dir, self.step, self.model, self.optimizer, self.schedule,
+                                    self.stream.state_dict(), self.rt, self.cfg.checkpoint.keep)
+        self.log.print(f"saved {path}")
+        return path
+
+    def close(self) -> None:
+        """Flush the logs and leave the process group, together with every rank."""
+        self.log.finish()
+        self.rt.barrier()
+        self.rt.shutdown()
