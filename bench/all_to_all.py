@@ -274,7 +274,7 @@ def main():
         device = torch.device("cpu")
     name = "all_to_all.md" if args.transport == "p2p" else "all_to_all_nccl.md"
     out = args.out or (None if args.smoke else os.path.join(os.path.dirname(__file__), "results", name))
-    dims = ParallelDims(world, ep=world).build_groups()
+    dims = ParallelDims(world, ep=world).build_mesh("cuda")
     nccl = dims.dispatcher()
 
     def make(T):

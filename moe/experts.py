@@ -6,6 +6,7 @@ matmul (2F for SwiGLU, F for GELU), L experts held here, J row segments.
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from moe.kernels import grouped_mm, row_tile_size
 from moe.mlp import ACTIVATIONS, Activation
@@ -17,6 +18,11 @@ class GroupedExperts(nn.Module):
     Weights: ``w1_LDU`` (L, D, U): U = 2F for SwiGLU (``[gate | up]`` along the last dim, one
     GEMM of width 2F), U = F for GELU; ``w2_LFD`` (L, F, D). Under autocast the rows and weights
     run in the autocast dtype (the grouped GEMM takes bf16/fp16 operands, fp32 accumulation).
+
+    ``recompute`` (attribute, default False): keep only the rows and offsets for the backward and
+    run the two GEMMs again there (activation checkpointing of the expert MLP: the (R, U)
+    pre-activation and (R, F) hidden rows, the largest tensors of a fine-grained MoE layer, are
+    not kept).
     """
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, activation: Activation = "swiglu", *, device=None, dtype=None):
@@ -28,6 +34,7 @@ class GroupedExperts(nn.Module):
         width = 2 * hidden_dim if activation == "swiglu" else hidden_dim
         self.w1_LDU = nn.Parameter(torch.empty(num_experts, dim, width, device=device, dtype=dtype))
         self.w2_LFD = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, device=device, dtype=dtype))
+        self.recompute = False
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -47,6 +54,11 @@ class GroupedExperts(nn.Module):
         """x_RD (R, D) rows in J segments; offsets_J (J,) int32 cumulative segment ends, J a
         multiple of L, segment s run by expert ``s % L`` (J = L: rows sorted by expert).
         Returns (R, D) in the compute dtype; rows past ``offsets_J[-1]`` come back zero."""
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._mlp, x_RD, offsets_J, use_reentrant=False)
+        return self._mlp(x_RD, offsets_J)
+
+    def _mlp(self, x_RD: torch.Tensor, offsets_J: torch.Tensor) -> torch.Tensor:
         dtype = self.compute_dtype(x_RD)
         x_RD = x_RD.to(dtype)
         h_RF = grouped_mm(x_RD, self.w1_LDU.to(dtype), offsets_J, activation=self.activation)

@@ -1,4 +1,4 @@
-"""Data × expert parallelism: process groups, gradient sync, and the expert-parallel dispatchers.
+"""Data × expert parallelism: the device mesh, FSDP2 and gradient sync, and the expert-parallel dispatchers.
 
 The dispatchers: :class:`ExpertParallelDispatcher` (groups, one-rank fallback, global reductions)
 and its two transports, :class:`AllToAllDispatcher` (NCCL all-to-all, any topology) and
@@ -10,6 +10,7 @@ from parallel.comm import CommTimer
 from parallel.dims import ParallelDims
 from parallel.dispatcher import AllToAllDispatcher, AllToAllMeta
 from parallel.env import init_distributed
+from parallel.fsdp import fully_shard_moe
 from parallel.ep_dispatcher import ExpertParallelDispatcher, ExpertParallelMeta
 from parallel.grad_sync import clip_grad_norm_, expert_parameters, sync_gradients
 from parallel.p2p_dispatcher import P2PDispatcher, P2PMeta
@@ -18,5 +19,5 @@ from parallel.stats import global_moe_stats, update_expert_biases_global
 __all__ = [
     "AllToAllDispatcher", "AllToAllMeta", "CommTimer", "ExpertParallelDispatcher", "ExpertParallelMeta",
     "P2PDispatcher", "P2PMeta", "ParallelDims", "all_reduce_sum", "all_to_all", "clip_grad_norm_",
-    "expert_parameters", "global_moe_stats", "init_distributed", "sync_gradients", "update_expert_biases_global",
+    "expert_parameters", "fully_shard_moe", "global_moe_stats", "init_distributed", "sync_gradients", "update_expert_biases_global",
 ]

@@ -1,4 +1,4 @@
-"""ParallelDims: the data-parallel × expert-parallel layout of the world, and its process groups.
+"""ParallelDims: the data-parallel × expert-parallel layout of the world, as one DeviceMesh.
 
 World = W ranks, all data-parallel (each reads its own shard). The experts of a layer are split
 over an expert-parallel (EP) group of ``ep`` consecutive ranks: ranks ``[g·ep, (g+1)·ep)`` form
@@ -10,6 +10,7 @@ Example, W = 4, ep = 2: EP groups [0, 1] and [2, 3]; EDP groups [0, 2] and [1, 3
 """
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallel.dispatcher import AllToAllDispatcher
 
@@ -20,17 +21,17 @@ def _check_int(name: str, value, minimum: int) -> None:
 
 
 class ParallelDims:
-    """Validated ``world_size = edp · ep`` layout; builds the process groups once.
+    """Validated ``world_size = edp · ep`` layout; builds the device mesh once.
 
     Args:
         world_size: W, all ranks (every one data-parallel).
-        ep: expert-parallel size (G); must divide W (and, per layer, the expert count: see
+        ep: expert-parallel size (P); must divide W (and, per layer, the expert count: see
             :meth:`check_experts`).
 
     The constructor only validates (no communication), so a bad layout fails before any
-    process group exists. :meth:`build_groups` is a collective: every rank calls it once, after
-    ``torch.distributed.init_process_group``, and it creates every group in the same order on all
-    ranks (``dist.new_group`` requires that).
+    process group exists. :meth:`build_mesh` is a collective: every rank calls it once, after
+    ``torch.distributed.init_process_group``; the groups of the dispatchers, the gradient
+    reductions and FSDP all come from that one mesh.
     """
 
     def __init__(self, world_size: int, ep: int = 1):
@@ -41,7 +42,7 @@ class ParallelDims:
         self.world_size = world_size
         self.ep = ep
         self.edp = world_size // ep
-        self._groups = None
+        self._mesh = None
 
     def __repr__(self) -> str:
         return f"ParallelDims(world_size={self.world_size}, ep={self.ep}, edp={self.edp})"
@@ -65,51 +66,66 @@ class ParallelDims:
         """Global ranks holding the same expert shard as ``rank``."""
         return list(range(rank % self.ep, self.world_size, self.ep))
 
-    def build_groups(self) -> "ParallelDims":
-        """Create the EP and EDP groups (collective; call once on every rank). Returns self."""
-        if self._groups is not None:
-            raise RuntimeError("ParallelDims.build_groups() was already called")
+    def build_mesh(self, device_type: str = "cpu") -> "ParallelDims":
+        """Build the one :class:`DeviceMesh` of the run (collective; call once on every rank).
+
+        The mesh is ``arange(W).view(edp, ep)`` named ``("edp", "ep")``: a row is an EP group
+        (consecutive ranks), a column an EDP group; ``"dp"``, both dims flattened, is the whole
+        world, over which the dense parameters are data-parallel. ``device_type``: ``"cuda"``
+        (NCCL) or ``"cpu"`` (gloo), the backend of the process group already initialised.
+        Returns self.
+        """
+        if self._mesh is not None:
+            raise RuntimeError("ParallelDims.build_mesh() was already called")
         if not dist.is_initialized():
-            raise RuntimeError("ParallelDims.build_groups() needs torch.distributed.init_process_group() first")
+            raise RuntimeError("ParallelDims.build_mesh() needs torch.distributed.init_process_group() first")
         if dist.get_world_size() != self.world_size:
             raise ValueError(
                 f"ParallelDims: world_size={self.world_size} but the process group has {dist.get_world_size()} ranks"
             )
-        rank = dist.get_rank()
-        world = dist.group.WORLD
-        ep_group = self._new_groups([self.ep_ranks(g * self.ep) for g in range(self.edp)], rank)
-        edp_group = self._new_groups([self.edp_ranks(i) for i in range(self.ep)], rank)
-        self._groups = (world, ep_group, edp_group)
+        mesh = init_device_mesh(device_type, (self.edp, self.ep), mesh_dim_names=("edp", "ep"))
+        # the flattened "dp" dim reuses the world's communicator when it spans the world (torch
+        # keeps one group per flattened mesh), so dense collectives need no extra group
+        self._mesh = (mesh, mesh["edp", "ep"]._flatten("dp"))
         return self
 
-    def _new_groups(self, all_ranks: list[list[int]], rank: int):
-        if len(all_ranks) == 1:  # the group is the whole world: reuse it, no new communicator
-            return dist.group.WORLD
-        mine = None
-        for ranks in all_ranks:  # every rank creates every group, in the same order
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                mine = group
-        return mine
-
     def _built(self):
-        if self._groups is None:
-            raise RuntimeError("ParallelDims: call build_groups() first")
-        return self._groups
+        if self._mesh is None:
+            raise RuntimeError("ParallelDims: call build_mesh() first")
+        return self._mesh
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The 2-D ``("edp", "ep")`` mesh."""
+        return self._built()[0]
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The whole world as one dim: the dense parameters' data-parallel mesh."""
+        return self._built()[1]
+
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        return self.mesh["ep"]
+
+    @property
+    def edp_mesh(self) -> DeviceMesh:
+        """The ranks holding this rank's expert shard: its FSDP mesh."""
+        return self.mesh["edp"]
 
     @property
     def world_group(self):
-        return self._built()[0]
+        return self.dp_mesh.get_group()
 
     @property
     def ep_group(self):
         """This rank's expert-parallel group."""
-        return self._built()[1]
+        return self.mesh.get_group("ep")
 
     @property
     def edp_group(self):
         """This rank's expert-data-parallel group."""
-        return self._built()[2]
+        return self.mesh.get_group("edp")
 
     @property
     def rank(self) -> int:

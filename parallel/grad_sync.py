@@ -18,6 +18,7 @@ branch it did not use) gets zeros, so every rank issues the same collectives.
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from moe.experts import GroupedExperts
 
@@ -80,18 +81,28 @@ def all_reduce_mean_(grads: list[torch.Tensor], group, divisor: int) -> None:
 def clip_grad_norm_(model: nn.Module, max_norm: float, dims=None) -> torch.Tensor:
     """The gradient norm of one process on the global batch, and clipping to ``max_norm``.
 
-    Call after :func:`sync_gradients`. Dense gradients are then the same on every rank; each rank
-    of an expert-parallel group holds different experts, so the experts' squared norms are summed
-    over the EP group (``dims``: a :class:`~parallel.dims.ParallelDims`, None for one process).
+    Call after the gradients are reduced (:func:`sync_gradients`, or FSDP's reduce-scatter).
+    Three kinds of gradient, each counted once:
+    - sharded (a DTensor, under FSDP): every element lives on exactly one rank (FSDP pads with
+      zeros), so the local squares are summed over the world;
+    - replicated dense: the same on every rank, counted as is;
+    - replicated experts: each rank of an expert-parallel group holds different experts, so their
+      squares are summed over the EP group (``dims``: a :class:`~parallel.dims.ParallelDims`,
+      None for one process).
     Every gradient is scaled by ``max_norm / norm`` when that is below 1 (``max_norm`` 0: no
     clipping). Returns the norm as a device tensor: read it only when logging, so no host sync
     per step.
     """
     expert_ids = {id(p) for p in expert_parameters(model)}
-    dense, experts = [], []
+    sharded, dense, experts = [], [], []
     for p in model.parameters():
-        if p.grad is not None:
-            (experts if id(p) in expert_ids else dense).append(p.grad)
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            sharded.append(g.to_local())
+        else:
+            (experts if id(p) in expert_ids else dense).append(g)
     device = next(model.parameters()).device
 
     def squared_norm(grads):
@@ -99,12 +110,14 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, dims=None) -> torch.Tenso
             return torch.zeros((), dtype=torch.float32, device=device)
         return torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
 
-    dense_sq, expert_sq = squared_norm(dense), squared_norm(experts)
-    if dims is not None and dims.ep > 1:
+    dense_sq, expert_sq, sharded_sq = squared_norm(dense), squared_norm(experts), squared_norm(sharded)
+    if dims is not None and dims.ep > 1 and experts:
         dist.all_reduce(expert_sq, group=dims.ep_group)
-    norm = (dense_sq + expert_sq).sqrt()
+    if dims is not None and dims.world_size > 1 and sharded:
+        dist.all_reduce(sharded_sq, group=dims.world_group)
+    norm = (dense_sq + expert_sq + sharded_sq).sqrt()
     if max_norm > 0:
-        torch._foreach_mul_(dense + experts, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+        torch._foreach_mul_(dense + experts + sharded, (max_norm / (norm + 1e-6)).clamp(max=1.0))
     return norm
 
 

@@ -235,7 +235,7 @@ def _run_cases(rank: int, world: int, cases: list[Case], dtypes: list[torch.dtyp
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     dims_by_ep = {}
     for ep in sorted({c.ep for c in cases} | {ep for ep, _ in not_divisible}):  # same order on every rank
-        dims_by_ep[ep] = ParallelDims(world, ep).build_groups()
+        dims_by_ep[ep] = ParallelDims(world, ep).build_mesh()
     results = {"all_to_all_op": _all_to_all_op(device)}
     for ep, num_experts in not_divisible:
         results[f"not_divisible_ep{ep}_E{num_experts}"] = _not_divisible(dims_by_ep[ep], num_experts, device)
@@ -312,7 +312,7 @@ def test_parallel_dims_validation():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError):
             ParallelDims(4, bad)
-    with pytest.raises(RuntimeError, match="build_groups"):
+    with pytest.raises(RuntimeError, match="build_mesh"):
         dims.ep_group
 
 

@@ -129,7 +129,7 @@ def test_scaling_report_from_the_cpu_runs(cpu_runs):
 
 
 def _timed_vs_untimed(rank: int, world: int) -> dict:
-    dims = ParallelDims(world, world).build_groups()
+    dims = ParallelDims(world, world).build_mesh()
     gen = torch.Generator().manual_seed(7 + rank)
     x_TD = torch.randn(10 + 3 * rank, 16, generator=gen)
     runs = []

@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from attention import Attention
 from moe import DenseMLP, GroupedExperts, MoELayer
@@ -30,22 +31,44 @@ def num_moe_blocks(cfg: Config) -> int:
 
 
 class Block(nn.Module):
+    """One pre-norm block; ``train.activation_checkpointing`` decides what its backward recomputes.
+
+    ``full``: the whole block (its input is all it keeps; the MoE dispatch and its collectives run
+    again in the backward, in the same order on every rank). ``selective``: the attention
+    sub-layer (norm + attention) and the experts' MLP (:class:`moe.GroupedExperts` with
+    ``recompute``); the router, the dispatch and the combine keep their saved tensors, so no
+    collective runs twice.
+    """
+
     def __init__(self, cfg: Config, layer_idx: int, dispatcher=None):
         super().__init__()
         m, e = cfg.model, cfg.moe
         self.layer_idx = layer_idx
+        self.checkpointing = cfg.train.activation_checkpointing
         self.attn_norm = nn.RMSNorm(m.dim, eps=m.norm_eps)
         self.attn = Attention(m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.rope_theta)
         self.ffn_norm = nn.RMSNorm(m.dim, eps=m.norm_eps)
         self.is_moe = e.is_moe_layer(layer_idx)
         if self.is_moe:
             self.ffn = MoELayer(m.dim, config=e, dispatcher=dispatcher)
+            self.ffn.experts.recompute = self.checkpointing == "selective"
         else:
             self.ffn = DenseMLP(m.dim, m.dense_hidden_dim, e.activation)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
+        if self.checkpointing == "full" and torch.is_grad_enabled():
+            return checkpoint(self._forward, x_BSD, use_reentrant=False)
+        return self._forward(x_BSD)
+
+    def _forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        if self.checkpointing == "selective" and torch.is_grad_enabled():
+            x_BSD = x_BSD + checkpoint(self._attention, x_BSD, use_reentrant=False)
+        else:
+            x_BSD = x_BSD + self._attention(x_BSD)
         return x_BSD + self.ffn(self.ffn_norm(x_BSD))
+
+    def _attention(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        return self.attn(self.attn_norm(x_BSD))
 
 
 class MoETransformer(nn.Module):

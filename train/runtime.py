@@ -40,15 +40,19 @@ class Runtime:
         return (t / self.world_size).tolist()
 
     def dispatcher(self, kind: str = "nccl", max_tokens: int = 0, num_buffers: int = 1):
-        """The MoE layers' expert-parallel dispatcher, None without one (one process or ep 1).
+        """The MoE layers' expert-parallel dispatcher, None for one process.
+
+        With ep 1 over several ranks the dispatcher's group has one rank: rows stay local, but the
+        load-balancing loss's inputs are still summed over the world, so its value and gradient
+        are those of one process on the whole batch.
 
         kind ``"nccl"``: the all-to-all :class:`~parallel.AllToAllDispatcher`. ``"p2p"``: the
         :class:`~parallel.P2PDispatcher`, whose buffers hold ``max_tokens`` tokens per dispatch
         in each of ``num_buffers`` slots (one per MoE layer).
         """
-        if not self.distributed or self.ep == 1:
+        if not self.distributed:
             return None
-        if kind == "nccl":
+        if kind == "nccl" or self.ep == 1:
             return self.dims.dispatcher()
         if kind != "p2p":
             raise ValueError(f"parallel.dispatcher: unknown kind {kind!r} (nccl | p2p)")
@@ -82,5 +86,5 @@ def init_runtime(ep: int, device_choice: str = "auto") -> Runtime:
     if not use_cuda:
         device = torch.device("cpu")
     if dims is not None:
-        dims.build_groups()
+        dims.build_mesh(device.type)
     return Runtime(rank, local_rank, world_size, ep, device, dims)

@@ -1,0 +1,70 @@
+"""FSDP2 over the data × expert-parallel mesh: dense state sharded over the world, each expert
+shard's state over its expert-data-parallel group.
+
+What ``fully_shard`` is applied to, innermost first (FSDP2 manages a parameter in the innermost
+``fully_shard`` module that holds it):
+
+1. every :class:`moe.GroupedExperts` over ``dims.edp_mesh``: the W/P ranks that hold the same
+   experts. Sharded along dim 1 (D of ``w1_LDU``, F of ``w2_LFD``), not FSDP's default dim 0,
+   because L = E/P can be smaller than the EDP size (8 experts over EP 8 leave L = 1), and a
+   dim-0 shard of one expert would leave all but one rank holding padding. Dim 0 where dim 1 does
+   not split evenly (FSDP2 shards other dims only evenly).
+2. every :class:`moe.Router` over the world, with its own fp32 policy: the router is fp32 by
+   design (its logits decide discrete routes; a bf16 gather would round the weights it reads).
+3. every transformer block over the world (``dims.dp_mesh``): the rest of the block.
+4. the root (embeddings, final norm, LM head) over the world, never resharded after the forward:
+   the backward starts with it.
+
+Gradients. FSDP reduce-scatters each gradient during the backward and divides by its mesh size by
+default. That is right for the dense parameters (mean over the W ranks' losses). An expert shard's
+gradient already holds, through the all-to-all's backward, the contributions of every rank of its
+EP group, so its sum over the EDP group covers all W ranks' losses once: it must be divided by W,
+not by the EDP size W/P (the bug of pytorch#160285 / Megatron PR #5916, P times too large). The
+experts' divide factor is therefore set to W. ``tests/test_fsdp.py`` proves both against one
+process.
+"""
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+
+from moe import GroupedExperts, Router
+
+
+def _expert_placement(edp: int):
+    # FSDP2 shards a dim other than 0 only evenly (it asserts so in its reduce-scatter)
+    return lambda param: Shard(1) if param.shape[1] % edp == 0 else Shard(0)
+
+
+def fully_shard_moe(model: nn.Module, blocks: list[nn.Module], dims, *, param_dtype: torch.dtype,
+                    reduce_dtype: torch.dtype, reshard_after_forward: bool) -> nn.Module:
+    """Apply FSDP2 to ``model`` (in place; returns it) as the module docstring says.
+
+    Args:
+        model: the root module; ``blocks`` its transformer blocks, in forward order.
+        dims: a :class:`~parallel.dims.ParallelDims` with its mesh built.
+        param_dtype: the dtype parameters are gathered and computed in (not the router's).
+        reduce_dtype: the dtype gradients are reduce-scattered in.
+        reshard_after_forward: free each block's gathered parameters after its forward
+            (ZeRO-3-like) or keep them until its backward (ZeRO-2-like).
+
+    Build the optimizer after this call: it replaces every parameter by a sharded DTensor.
+    """
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    for block in blocks:
+        for module in block.modules():
+            if isinstance(module, GroupedExperts):
+                fully_shard(module, mesh=dims.edp_mesh, reshard_after_forward=reshard_after_forward,
+                            shard_placement_fn=_expert_placement(dims.edp), mp_policy=policy)
+                module.set_gradient_divide_factor(float(dims.world_size))
+                # gloo has no PREMUL_SUM: sum, then divide. Not on one rank, where torch 2.13
+                # divides by the factor in its copy and then again after it.
+                if dims.mesh.device_type == "cpu" and dims.edp > 1:
+                    module.set_force_sum_reduction_for_comms(True)
+            elif isinstance(module, Router):
+                fully_shard(module, mesh=dims.dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=fp32)
+        fully_shard(block, mesh=dims.dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=dims.dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    return model
