@@ -1,0 +1,301 @@
+"""The memory model (train/memory.py): its activation formula against the tensors a forward really
+keeps for the backward, its parameter shapes against the model's, FSDP shards, the command line."""
+
+import copy
+import functools
+import gc
+import math
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import moe.dispatch
+import moe.experts
+from attention.flash_attn import flash_attention
+from moe import moe_aux_loss
+from moe.kernels.combine import weighted_combine
+from moe.kernels.grouped_mm import grouped_mm
+from train import memory
+from train.config import Config, load_config, validate
+from train.memory import Layout, ModelShape, Numerics
+from train.model import MoETransformer
+
+# what a CPU forward in fp32 keeps: every matmul operand fp32 (no casts), rms_norm's composite
+CPU_FP32 = Numerics(compute_bytes=4, fused_norm=False)
+
+
+def _cfg(**sections) -> Config:
+    cfg = Config()
+    cfg.model.vocab_size, cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads = 256, 64, 2, 2
+    cfg.data.batch_size, cfg.data.seq_len = 2, 16
+    cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.hidden_dim = 4, 2, 32
+    for section, values in sections.items():
+        for key, value in values.items():
+            setattr(getattr(cfg, section), key, value)
+    return validate(cfg)
+
+
+# dense + MoE blocks (every_n_layers=2: block 0 dense, block 1 MoE), top-k 1/2/4, GQA, tied and
+# untied, dropless and with a capacity, SwiGLU and GELU, a shared expert, sigmoid scores
+CASES = {
+    "top1_mha_tied_dropless": _cfg(moe={"top_k": 1, "every_n_layers": 2}),
+    "top2_gqa_untied_capacity_gelu": _cfg(
+        model={"n_heads": 4, "n_kv_heads": 2, "head_dim": 32, "tie_embeddings": False},
+        moe={"capacity_factor": 1.0, "activation": "gelu"}),
+    "top4_mqa_shared_sigmoid_capacity": _cfg(
+        model={"n_heads": 4, "n_kv_heads": 1, "head_dim": 32},
+        moe={"top_k": 4, "capacity_factor": 1.5, "num_shared_experts": 1, "score_func": "sigmoid",
+             "renormalize": False, "every_n_layers": 2}),
+}
+
+
+@pytest.fixture
+def gpu_kernels(monkeypatch):
+    """The Triton autograd Functions a GPU runs (grouped GEMM, combine, FlashAttention), here in
+    Triton's interpreter: their ctx.save_for_backward is what the formula must account for, not
+    the PyTorch references the CPU would otherwise pick."""
+    monkeypatch.setattr(moe.experts, "grouped_mm", functools.partial(grouped_mm, backend="triton"))
+    monkeypatch.setattr(moe.dispatch, "weighted_combine", functools.partial(weighted_combine, backend="triton"))
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda q, k, v, is_causal, enable_gqa: flash_attention(q, k, v, causal=is_causal))
+
+
+class _Saved:
+    """What a saved-tensor hook stored: alive as long as the graph node that saved it."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+def measured_saved_bytes(cfg: Config) -> int:
+    """Bytes kept for the backward by one forward + loss of ``cfg``'s model: every tensor packed by
+    a saved-tensor hook whose graph node is still alive after the loss, counted once per storage
+    (views share one), parameters excluded."""
+    torch.manual_seed(0)
+    model = MoETransformer(cfg)
+    model.init_weights(0)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    B, S, V = cfg.data.batch_size, cfg.data.seq_len, cfg.model.vocab_size
+    x_BS, y_BS = torch.randint(0, V, (B, S)), torch.randint(0, V, (B, S))
+    packed = []
+
+    def pack(t):
+        saved = _Saved(t)
+        packed.append(weakref.ref(saved))
+        return saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: saved.tensor):
+        logits_BSV = model(x_BS)
+        loss = F.cross_entropy(logits_BSV.flatten(0, 1), y_BS.flatten()) + moe_aux_loss(model)
+    storages = {}
+    for ref in packed:
+        saved = ref()
+        if saved is not None:  # a node freed during the forward (e.g. argsort's) keeps nothing
+            storage = saved.tensor.untyped_storage()
+            if storage.data_ptr() not in params:
+                storages[storage.data_ptr()] = storage.nbytes()
+    assert loss.requires_grad
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_saved_tensors_match_the_formula(name, gpu_kernels):
+    cfg = CASES[name]
+    lay = Layout(world=1, ep=1, data_parallel="replicate", checkpointing="none")
+    parts = memory.saved_for_backward(cfg, lay, CPU_FP32)
+    predicted = sum(p.nbytes for p in parts)
+    # the formula leaves out the (E,) and scalar tensors of the losses: the balancing loss's f_E
+    # and token count per MoE block, the cross-entropy's total weight
+    s = ModelShape.of(cfg)
+    slack = sum(s.moe_blocks) * (4 * s.E + 4) + 4
+    measured = measured_saved_bytes(cfg)
+    assert 0 <= measured - predicted <= slack, (name, measured, predicted)
+    # the check is tight enough to miss none of the small parts it must catch
+    must_catch = ("attention log-sum-exp (fp32)", "combine: expert output rows", "RoPE cos, sin tables",
+                  "kept mask (bool)", "z-loss logsumexp")
+    assert slack < min(p.nbytes for p in parts if p.name in must_catch)
+
+
+class _Allocations(TorchDispatchMode):
+    """Every storage an op returns while the mode is on, by address, held weakly."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                self.storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        return out
+
+
+def measured_live_bytes(cfg: Config, checkpointing: str) -> int:
+    """Bytes a forward + loss leave allocated for the backward: the storages made during it and
+    alive after it (the training loop keeps the loss), parameters excluded, the token ids and the
+    targets included. This sees what saved-tensor hooks cannot: the inputs a checkpoint keeps."""
+    cfg = copy.deepcopy(cfg)
+    cfg.train.activation_checkpointing = checkpointing
+    torch.manual_seed(0)
+    model = MoETransformer(cfg)
+    model.init_weights(0)
+    B, S, V = cfg.data.batch_size, cfg.data.seq_len, cfg.model.vocab_size
+    x_BS, y_BS = torch.randint(0, V, (B, S)), torch.randint(0, V, (B, S))
+    allocations = _Allocations()
+    with allocations:
+        logits_BSV = model(x_BS)
+        loss = F.cross_entropy(logits_BSV.flatten(0, 1), y_BS.flatten()) + moe_aux_loss(model)
+    del logits_BSV  # kept by the loop's variable, not for the backward
+    gc.collect()  # Triton's interpreter keeps a kernel's arguments in reference cycles until then
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    alive = {ptr: n for ptr, (ref, n) in allocations.storages.items() if not ref.expired() and ptr not in params}
+    for t in (x_BS, y_BS):  # made before the mode (a view of the targets may be in it already)
+        alive[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    assert loss.requires_grad
+    return sum(alive.values())
+
+
+@pytest.mark.parametrize("checkpointing", ["selective", "full"])
+@pytest.mark.parametrize("name", ["top1_mha_tied_dropless", "top4_mqa_shared_sigmoid_capacity"])
+def test_checkpointing_keeps_what_the_formula_says(name, checkpointing, gpu_kernels):
+    cfg = CASES[name]
+    lay = Layout(world=1, ep=1, data_parallel="replicate", checkpointing=checkpointing)
+    predicted = sum(p.nbytes for p in memory.saved_for_backward(cfg, lay, CPU_FP32))
+    # besides the (E,) and scalar tensors the formula leaves out, each MoE layer's last_aux keeps
+    # its stats: (E,) counts and scalars
+    s = ModelShape.of(cfg)
+    slack = sum(s.moe_blocks) * (64 * s.E + 256)
+    measured = measured_live_bytes(cfg, checkpointing)
+    assert 0 <= measured - predicted <= slack, (name, checkpointing, measured, predicted)
+    # a block's input (what full checkpointing keeps) is far above the slack
+    assert slack < cfg.data.batch_size * cfg.data.seq_len * cfg.model.dim * 4
+
+
+def _saved(cfg: Config, checkpointing: str, world: int = 1, data_parallel: str = "replicate",
+           num: Numerics = memory.GPU_BF16) -> int:
+    lay = Layout(world=world, ep=1, data_parallel=data_parallel, checkpointing=checkpointing)
+    return sum(p.nbytes for p in memory.saved_for_backward(cfg, lay, num))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("world, data_parallel", [(1, "replicate"), (2, "fsdp")])
+def test_checkpointing_keeps_less(name, world, data_parallel):
+    cfg = CASES[name]
+    none, selective, full = (_saved(cfg, ac, world, data_parallel) for ac in memory.CHECKPOINTING)
+    assert full < selective < none
+    s = ModelShape.of(cfg)
+    T, D = cfg.data.batch_size * cfg.data.seq_len, cfg.model.dim
+    root = sum(p.nbytes for p in memory.root_parts(s, cfg.data.batch_size, cfg.data.seq_len, memory.GPU_BF16)
+               + memory.loss_parts(s, cfg.data.batch_size, cfg.data.seq_len))
+    # full: each block keeps its input; fp32, except bf16-gathered blocks before the first MoE
+    # block's output (the embedding's bf16 rows)
+    inputs = sum(T * D * (2 if data_parallel == "fsdp" and not any(s.moe_blocks[:i]) else 4)
+                 for i in range(len(s.moe_blocks)))
+    assert full == inputs + root
+
+
+def _model_groups(cfg: Config) -> dict[str, list[tuple[int, ...]]]:
+    """The meta-device model's parameter shapes, grouped as :func:`train.memory.param_shapes` does."""
+    with torch.device("meta"):
+        model = MoETransformer(cfg)
+    groups = {}
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        if parts[0] == "blocks":
+            kind = {"router": "router", "experts": "experts"}.get(parts[3] if len(parts) > 3 else "", "dense")
+            key = f"blocks.{parts[1]}.{kind}"
+        else:
+            key = {"embed": "embed", "lm_head": "head", "norm": "norm"}[parts[0]]
+        groups.setdefault(key, []).append(tuple(p.shape))
+    return groups
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["--config", "configs/tiny.yaml"],
+    ["--config", "configs/olmoe_bench.yaml"],
+    memory.QWEN3_30B_A3B,
+    ["--moe.num_shared_experts=2", "--moe.shared_hidden_dim=48", "--moe.every_n_layers=2", "--model.n_layers=4",
+     "--moe.activation=gelu", "--model.n_kv_heads=2", "--model.head_dim=16", "--model.tie_embeddings=false"],
+])
+def test_param_shapes_are_the_models(overrides):
+    cfg = load_config(overrides, world_size=2)
+    ours = memory.param_shapes(ModelShape.of(cfg))
+    theirs = _model_groups(cfg)
+    assert {k: sorted(v) for k, v in ours.items() if v} == {k: sorted(v) for k, v in theirs.items()}
+
+
+@pytest.mark.parametrize("world, ep", [(2, 2), (8, 2), (32, 8), (6, 3)])
+def test_fsdp_shards_cover_every_parameter_once(world, ep):
+    # vocabulary 257 and 6 ranks: dimensions that do not split evenly, so FSDP pads
+    cfg = load_config(["--model.vocab_size=257", "--model.dim=96", "--model.n_heads=3", "--moe.num_experts=24",
+                       "--moe.hidden_dim=40", f"--parallel.ep={ep}"], world_size=world)
+    lay = Layout(world=world, ep=ep, data_parallel="fsdp", checkpointing="none")
+    for group, shapes in memory.param_shapes(ModelShape.of(cfg)).items():
+        for shape in shapes:
+            # every rank holds its chunk; the padded chunks cover the parameter, wasting less than
+            # one row (one expert row per expert) per rank
+            split_rows = shape[1] * shape[0] if group.endswith("experts") else shape[0]
+            row = math.prod(shape) // split_rows
+            held = world * memory.local_numel(group, shape, lay)
+            assert math.prod(shape) <= held < math.prod(shape) + world * row
+            replicated = Layout(world=world, ep=ep, data_parallel="replicate", checkpointing="none")
+            ranks_per_copy = ep if group.endswith("experts") else 1
+            assert ranks_per_copy * memory.local_numel(group, shape, replicated) == math.prod(shape)
+
+
+def test_fsdp_on_one_process_is_the_plain_model():
+    cfg = load_config(["--config", "configs/olmoe_bench.yaml", "--parallel.ep=1"], world_size=1)
+    plain, sharded = (memory.predict(cfg, Layout(1, 1, dp, "none")) for dp in memory.DATA_PARALLEL)
+    assert plain.moments == sharded.moments
+
+
+def test_p2p_experts_compute_the_fixed_rows():
+    s = ModelShape.of(load_config(["--config", "configs/olmoe_bench.yaml"], world_size=2))
+    T = 4 * 2048
+    nccl, p2p = (Layout(2, 2, "replicate", "none", dispatcher=d) for d in ("nccl", "p2p"))
+    assert memory.expert_rows(s, T, nccl).R == T * s.K
+    assert memory.expert_rows(s, T, p2p).R == 2 * T * s.K  # R_cap = ep·T·K, whatever the routing
+    assert memory.p2p_buffer_bytes(s, T, nccl) == 0
+    # 16 slots of (received + returned) fp32 rows and one gradient buffer, plus small regions
+    rows = 16 * (2 + 1) * T * s.K * s.D * 4 + 2 * T * s.K * s.D * 4
+    assert rows < memory.p2p_buffer_bytes(s, T, p2p) < rows * 1.01
+
+
+def _rows(out: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
+            if line.startswith("| replicate") or line.startswith("| fsdp")]
+
+
+def test_cli_prints_every_mode_for_olmoe_bench(capsys):
+    memory.main(["--config", "configs/olmoe_bench.yaml", "--world", "2", "--ep", "2"])
+    out = capsys.readouterr().out
+    assert "6.92B parameters" in out
+    rows = _rows(out)
+    assert [(r[0], r[1]) for r in rows] == [(dp, ac) for dp in memory.DATA_PARALLEL for ac in memory.CHECKPOINTING]
+    for r in rows:  # the columns add up to the total
+        assert abs(sum(float(c) for c in r[2:9]) - float(r[9].strip("*"))) < 0.05 * 7
+
+
+def test_cli_qwen3_shape_on_eight_gpus(capsys):
+    memory.main(["--world", "8", "--ep", "8", "--data-parallel", "fsdp", "--ac", "full", "--detail",
+                 "--data.seq_len=4096", "--data.batch_size=1"] + memory.QWEN3_30B_A3B)
+    out = capsys.readouterr().out
+    assert "30.53B parameters, 48 blocks (48 MoE), world 8, ep 8 (edp 1)" in out
+    assert len(_rows(out)) == 1 and "block 0 keeps (fsdp, AC full)" in out
+
+
+def test_layouts_report_marks_what_fits():
+    report = memory.layouts_report()
+    assert report.count("### ") == len(memory.LAYOUTS)
+    assert "688.27B parameters, 61 blocks (58 MoE), world 256, ep 64 (edp 4)" in report
+    fits = [r[-1] for r in _rows(report)]
+    assert len(fits) == 6 * len(memory.LAYOUTS) and set(fits) == {"yes", "no"}
+

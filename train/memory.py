@@ -1,0 +1,711 @@
+"""The memory model: predicted peak GPU memory per GPU of a training run, from its config alone.
+
+    python -m train.memory --config configs/olmoe_bench.yaml --world 2 --ep 2
+    python -m train.memory --config configs/olmoe_bench.yaml --world 8 --ep 8 --data-parallel fsdp --ac full
+    python -m train.memory --layouts          # Qwen3-30B-A3B and DeepSeek-V3-shaped layouts we cannot run
+    python -m train.memory ... --detail       # also each saved tensor of one block, and where the peak is
+
+Legend: B batch, S sequence length, T = B·S tokens per rank and micro-batch, D model dim, V
+vocabulary, H / Hkv / Hd query heads / key-value heads / head dim, E experts, K top-k, L = E / ep
+experts on this rank, F expert hidden dim, U width of an MLP's first matmul (2F SwiGLU, F GELU),
+P = T·K (token, slot) pairs, R rows the experts compute, M rows the combine keeps, J row
+segments, W world.
+
+Nothing is built and nothing runs on a device: parameter shapes are written out from the config as
+train/model.py declares them (tests/test_memory.py checks them against the model built on the meta
+device), and every activation byte is read off the code that saves it. Without ``--data-parallel``
+/ ``--ac`` one row per (data-parallel mode × activation checkpointing) is printed.
+
+What is counted, per GPU:
+- parameters: fp32 masters. replicate: every dense parameter and the rank's L experts per layer;
+  fsdp (``parallel/fsdp.py``): dense ones Shard(0) over the W ranks, each expert shard Shard(1)
+  over its edp = W / ep ranks (edp = 1: not split), the router over W in fp32; FSDP2 pads a
+  shard to ceil(size / ranks) rows, so the padded chunk is what a rank allocates.
+- gradients: fp32, shaped like the masters; ``zero_grad(set_to_none=True)`` after each step, so
+  they appear during the backward (a block's once its backward has run) and are whole only from
+  the end of the backward to the optimizer step (with ``train.grad_accum`` > 1, from the start).
+- optimizer state: AdamW's exp_avg and exp_avg_sq, fp32, shaped like the masters.
+- activations: what autograd keeps from the forward to the backward (``ctx.save_for_backward`` of
+  grouped_mm.py, combine.py, flash_attn.py and the dispatchers; the saved tensors of the plain
+  PyTorch ops), by part in ``--detail``; O(E)-sized and scalar ones (the load-balancing loss's
+  f_E, token counts) are left out.
+- dispatch: what the exchange holds per MoE layer until its backward (the rows the combine keeps,
+  the route's index tensors, with selective checkpointing the received rows), and with
+  ``parallel.dispatcher=p2p`` the symmetric-memory slots (one per MoE block) and gradient buffer;
+  these are mapped outside PyTorch's caching allocator, so max_memory_allocated should not count
+  them (:attr:`Prediction.outside_allocator`; not verified on a GPU).
+- weights: bf16 copies of the weights. replicate: autocast's casts of the linear weights and the
+  experts' ``.to(bf16)`` copies, kept by the backward that reads them (autocast also caches every
+  cast of a leaf parameter until the autocast region exits: all of them exist at the end of the
+  forward); fsdp: the bf16 all-gathered parameters held (the root's, never resharded; every
+  block's when ``parallel.reshard_after_forward`` is false).
+- transients at the peak: the fp32 logits (the loop's variable holds them until the step
+  returns), the cross-entropy's B·S·V temporaries, a block's backward working set (incoming
+  gradients, dgrad outputs, the bf16 wgrad before its fp32 accumulate), the activations a
+  checkpointed block recomputes, FSDP's in-flight all-gathers (this block and the prefetched one)
+  and reduce-scatter buffers, the replicate all-reduce's flat bucket.
+
+The peak is the largest total over the moments of a step: the end of the forward, the
+cross-entropy backward, each block's backward, and the gradient sync + optimizer step (the fused
+AdamW step updates param, grad and both moments in place: nothing parameter-sized). Not counted:
+the CUDA context, NCCL's and cuBLAS's own buffers, Triton's autotuning scratch, and the validation
+pass (no_grad: smaller than a training step).
+
+Assumptions (each one where the code uses it, with its reason):
+- training in bf16 on a GPU (``train.precision`` auto or bf16): torch.autocast(bf16), the
+  Triton grouped GEMM and FlashAttention. fp32 training on a GPU runs the grouped GEMM's PyTorch
+  reference instead, whose saved tensors differ: not modelled.
+- balanced routing: a rank's experts compute on average R = T·K rows (NCCL, dropless), at most
+  capacity_factor·T·K with a capacity; the local dispatcher packs all T·K pairs, dropped ones too;
+  the P2P dispatcher hands the experts its fixed ep·T·K rows (its docstring says so).
+- the residual stream: fp32 with fp32 masters (the embedding's fp32 rows plus bf16 sub-layer
+  outputs); with bf16-gathered FSDP parameters bf16 only up to the first MoE block: autocast runs
+  rms_norm in fp32 and MoELayer returns its input's dtype, so from there on it is fp32. The norms
+  keep an fp32 input either way (a cast copy of a bf16 one).
+- FSDP: a block's bf16 parameters are gathered before its forward and again before its backward
+  (reshard_after_forward) with one block prefetched; its gradient exists unsharded in bf16, then
+  in fp32 for the reduce-scatter, whose buffer lives on while the next block's backward runs.
+
+Calibration: not yet measured on a GPU. ``bench/memory_check.py`` prints predicted vs
+``torch.cuda.max_memory_allocated`` for real training runs. tests/test_memory.py checks what a
+forward keeps under each checkpointing setting against a CPU forward (fp32, the Triton kernels in
+the interpreter): equal but for the O(E) tensors left out. What only a GPU shows (the bf16 casts,
+the fused norm, FSDP's buffers, the moments' transients) is modelled from the code, unmeasured.
+"""
+
+import argparse
+import copy
+import math
+import sys
+from dataclasses import dataclass
+
+from parallel.grad_sync import BUCKET_BYTES
+from train.config import Config, ConfigError, load_config, validate
+
+GiB = 1 << 30
+DATA_PARALLEL = ("replicate", "fsdp")
+CHECKPOINTING = ("none", "selective", "full")
+# an "80 GB" H100/A100 shows 79.6 GiB (nvidia-smi: 81,559 MiB); what max_memory_allocated does not
+# see (CUDA context, NCCL and cuBLAS buffers, the allocator's free cached blocks) takes a few GiB
+FIT_GIB = 76.0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the memory depends on, from the config (``moe_blocks`` may be given instead of
+    ``moe.every_n_layers``, e.g. DeepSeek-V3's first three dense blocks)."""
+
+    D: int
+    V: int
+    H: int
+    Hkv: int
+    Hd: int
+    F_dense: int
+    tied: bool
+    E: int
+    K: int
+    F: int
+    F_shared: int  # width of the fused shared-expert MLP (num_shared_experts · shared_hidden_dim), 0: none
+    swiglu: bool
+    capacity_factor: float | None
+    renormalize: bool
+    moe_blocks: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, cfg: Config, moe_blocks: tuple[bool, ...] | None = None) -> "ModelShape":
+        m, e = cfg.model, cfg.moe
+        return cls(
+            D=m.dim, V=m.vocab_size, H=m.n_heads, Hkv=m.n_kv_heads or m.n_heads, Hd=m.head_dim or m.dim // m.n_heads,
+            F_dense=m.dense_hidden_dim, tied=m.tie_embeddings, E=e.num_experts, K=e.top_k, F=e.hidden_dim,
+            F_shared=e.num_shared_experts * (e.shared_hidden_dim or e.hidden_dim), swiglu=e.activation == "swiglu",
+            capacity_factor=e.capacity_factor, renormalize=e.renormalize,
+            moe_blocks=moe_blocks or tuple(e.is_moe_layer(i) for i in range(m.n_layers)),
+        )
+
+    def up(self, hidden: int) -> int:
+        """U, the first matmul's width for this hidden width (SwiGLU: gate and up in one matmul)."""
+        return 2 * hidden if self.swiglu else hidden
+
+
+def param_shapes(s: ModelShape) -> dict[str, list[tuple[int, ...]]]:
+    """Every parameter's shape as train/model.py declares it (nn.Linear weights are (out, in); the
+    experts' with all E experts), by group: ``embed``, ``head``, ``norm`` (the final one) and per
+    block i ``blocks.i.dense`` (its norms, attention and dense or shared MLP), ``blocks.i.router``,
+    ``blocks.i.experts``."""
+    D = s.D
+    groups = {"embed": [(s.V, D)], "head": [] if s.tied else [(s.V, D)], "norm": [(D,)]}
+    for i, moe in enumerate(s.moe_blocks):
+        dense = [(D,), ((s.H + 2 * s.Hkv) * s.Hd, D), (D, s.H * s.Hd), (D,)]
+        hidden = s.F_shared if moe else s.F_dense
+        if hidden:
+            dense += [(s.up(hidden), D), (D, hidden)]
+        groups[f"blocks.{i}.dense"] = dense
+        groups[f"blocks.{i}.router"] = [(s.E, D)] if moe else []
+        groups[f"blocks.{i}.experts"] = [(s.E, D, s.up(s.F)), (s.E, s.F, D)] if moe else []
+    return groups
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a run's state lives: W ranks, expert-parallel size ep, the data-parallel mode and the
+    activation checkpointing, plus the config keys of those choices."""
+
+    world: int
+    ep: int
+    data_parallel: str
+    checkpointing: str
+    dispatcher: str = "nccl"
+    reshard_after_forward: bool = True
+    param_bytes: int = 2  # fsdp: the dtype parameters are gathered in (parallel.param_dtype)
+    reduce_bytes: int = 4  # fsdp: the dtype gradients are reduce-scattered in
+
+    @property
+    def edp(self) -> int:
+        return self.world // self.ep
+
+    @property
+    def sharded(self) -> bool:
+        # one process has nothing to shard: train/parallelize.py then trains the plain model
+        return self.data_parallel == "fsdp" and self.world > 1
+
+    @property
+    def transport(self) -> str:
+        """How MoE rows move: ``local`` (ep 1), ``nccl`` or ``p2p``."""
+        return "local" if self.ep == 1 else self.dispatcher
+
+    @property
+    def bf16_params(self) -> bool:
+        return self.sharded and self.param_bytes == 2
+
+
+def _ceil_div(n: int, d: int) -> int:
+    return -(-n // d)
+
+
+def local_numel(group: str, shape: tuple[int, ...], lay: Layout) -> int:
+    """Elements of one parameter a rank holds as its fp32 master (and gradient, and each AdamW
+    moment). FSDP2 splits the sharded dimension in equal chunks, padding the last ones."""
+    if group.endswith("experts"):
+        L, rows, rest = shape[0] // lay.ep, shape[1], math.prod(shape[2:])
+        return L * (_ceil_div(rows, lay.edp) if lay.sharded else rows) * rest
+    if lay.sharded:
+        return _ceil_div(shape[0], lay.world) * math.prod(shape[1:])
+    return math.prod(shape)
+
+
+def unsharded_numel(group: str, shape: tuple[int, ...], lay: Layout) -> int:
+    """Elements of one parameter as the forward uses it (the rank's L experts, all of any other)."""
+    return math.prod(shape) // lay.ep if group.endswith("experts") else math.prod(shape)
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """What the saved tensors' sizes depend on beyond the shapes.
+
+    compute_bytes: matmul operands and outputs (2: bf16 under autocast; 4: fp32). Norm outputs are
+        fp32 either way: CUDA autocast runs rms_norm in fp32 (it is on the fp32 list of ATen's
+        autocast_mode.h), so a linear fed by a norm saves a cast copy when compute_bytes is 2.
+    fused_norm: CUDA dispatches rms_norm to _fused_rms_norm, which saves (input, rstd); elsewhere
+        its composite also saves x·rstd (T, D).
+    """
+
+    compute_bytes: int
+    fused_norm: bool
+
+    @property
+    def casts(self) -> bool:
+        return self.compute_bytes != 4
+
+
+GPU_BF16 = Numerics(compute_bytes=2, fused_norm=True)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One tensor kept for the backward (per block or for the whole model).
+
+    region: what ``train.activation_checkpointing=selective`` recomputes: ``attention`` (the norm
+    and attention sub-layer), ``experts`` (the grouped-GEMM MLP), ``rest`` (kept). dispatch: held
+    by the dispatch/combine (the dispatch column) rather than an activation.
+    """
+
+    name: str
+    nbytes: int
+    region: str = "rest"
+    dispatch: bool = False
+
+
+@dataclass(frozen=True)
+class Rows:
+    """One MoE layer's rows on one rank, balanced routing: R the experts compute, M the combine
+    keeps (NCCL: the rows returned to this rank), J row segments of the grouped GEMM."""
+
+    R: int
+    M: int
+    J: int
+
+
+def expert_rows(s: ModelShape, T: int, lay: Layout) -> Rows:
+    P = T * s.K
+    if lay.transport == "local":
+        # LocalDispatcher packs every pair, the dropped ones last (moe/dispatch.py)
+        return Rows(P, P, s.E)
+    if lay.transport == "p2p":
+        # P2PDispatcher hands the experts its fixed R_cap = ep·T·K rows (parallel/p2p_dispatcher.py)
+        return Rows(lay.ep * P, lay.ep * P, s.E)
+    # balanced routing: every rank sends and receives its T·K pairs, fewer when the capacity
+    # C = capacity_factor·T·K / E per expert caps them
+    kept = P if s.capacity_factor is None else min(P, math.ceil(s.capacity_factor * P))
+    return Rows(kept, kept, s.E)
+
+
+def _norm(name: str, T: int, D: int, num: Numerics, region: str) -> list[Part]:
+    parts = [Part(f"{name} input (fp32)", T * D * 4, region), Part(f"{name} rstd", T * 4, region)]
+    if not num.fused_norm:
+        parts.append(Part(f"{name} x·rstd (composite rms_norm)", T * D * 4, region))
+    return parts
+
+
+def _mlp(name: str, T: int, D: int, hidden: int, s: ModelShape, num: Numerics, shares_input: bool) -> list[Part]:
+    """moe.DenseMLP: its input (a cast copy of the fp32 norm output, or that output itself, which
+    the router already keeps when ``shares_input``), the first matmul's output (SwiGLU: silu keeps
+    the gate half, the product the up half), the activation's output and the product."""
+    c = num.compute_bytes
+    parts = [] if shares_input and not num.casts else [Part(f"{name} input", T * D * c)]
+    parts.append(Part(f"{name} first matmul output", T * s.up(hidden) * c))
+    if s.swiglu:
+        parts += [Part(f"{name} silu(gate)", T * hidden * c), Part(f"{name} silu(gate)·up", T * hidden * c)]
+    else:
+        parts.append(Part(f"{name} gelu output", T * hidden * c))
+    return parts
+
+
+def block_parts(s: ModelShape, moe: bool, B: int, S: int, lay: Layout, num: Numerics) -> list[Part]:
+    """What one block keeps for its backward without activation checkpointing."""
+    T, D, c = B * S, s.D, num.compute_bytes
+    parts = _norm("attn_norm", T, D, num, "attention") + [
+        Part("qkv input", T * D * c, "attention"),
+        # v is a view of the fused qkv output, so FlashAttention's saved v keeps all of it
+        Part("qkv output (saved v is a view of it)", T * (s.H + 2 * s.Hkv) * s.Hd * c, "attention"),
+        Part("q, k after RoPE", T * (s.H + s.Hkv) * s.Hd * c, "attention"),
+        # rope_cos_sin builds the (S, Hd/2) cos and sin tables anew in every block; the products keep them
+        Part("RoPE cos, sin tables", S * s.Hd * 4, "attention"),
+        # o is empty_like(q) in (B, S, H, Hd) memory: the out projection's input is a view of it
+        Part("attention output o", T * s.H * s.Hd * c, "attention"),
+        Part("attention log-sum-exp (fp32)", T * s.H * 4, "attention"),
+    ] + _norm("ffn_norm", T, D, num, "rest")
+    if not moe:
+        return parts + _mlp("dense MLP", T, D, s.F_dense, s, num, shares_input=False)
+    P, rows = T * s.K, expert_rows(s, T, lay)
+    parts += [
+        # the router runs with autocast off on x.float(): the fp32 norm output itself
+        Part("router input (fp32 norm output)", T * D * 4),
+        Part("router scores (softmax/sigmoid output)", T * s.E * 4),
+        Part("router logits (z-loss logsumexp)", T * s.E * 4),
+        Part("z-loss logsumexp", T * 4),
+        Part("top-k indices", P * 8),
+        Part("combine weights × kept mask", P * 4),
+        Part("kept mask (bool)", P),
+        Part("balancing-loss score sums", 2 * T * 4),
+    ]
+    if s.renormalize:
+        parts.append(Part("chosen scores and their sums", P * 4 + 2 * T * 4))
+    if s.F_shared:
+        parts += _mlp("shared experts", T, D, s.F_shared, s, num, shares_input=True)
+    U = s.up(s.F)
+    parts += [
+        # GroupedExperts casts the rows to the compute dtype; GroupedMMFn saves x, z (the
+        # pre-activation), and the second GEMM its input h
+        Part("expert rows (compute dtype)", rows.R * D * c, "experts"),
+        Part("expert pre-activation z", rows.R * U * c, "experts"),
+        Part("expert hidden h", rows.R * s.F * c, "experts"),
+        Part("grouped-GEMM offsets", rows.J * 4, "experts"),
+    ]
+    if lay.transport == "local":
+        parts += [Part("dispatch gather index", P * 8, dispatch=True),
+                  Part("combine: expert output rows", rows.R * D * c, dispatch=True),
+                  Part("combine: row of each pair", P * 8, dispatch=True)]
+    elif lay.transport == "nccl":
+        parts += [Part("combine: rows returned by the all-to-all", rows.M * D * c, dispatch=True),
+                  Part("route: send position of each pair", P * 8, dispatch=True)]
+    else:
+        parts += [Part("combine: expert output rows (on ctx)", rows.R * D * c, dispatch=True),
+                  Part("route: row and rank of each pair", 2 * P * 8, dispatch=True)]
+    return parts
+
+
+def root_parts(s: ModelShape, B: int, S: int, num: Numerics) -> list[Part]:
+    """What the embedding, the final norm and the LM head keep."""
+    T = B * S
+    return [Part("token ids (embedding)", T * 8)] + _norm("final norm", T, s.D, num, "rest") + [
+        Part("LM head input", T * s.D * num.compute_bytes)]
+
+
+def loss_parts(s: ModelShape, B: int, S: int) -> list[Part]:
+    """F.cross_entropy = log_softmax (keeps its fp32 output) + nll_loss (keeps the targets)."""
+    T = B * S
+    return [Part("cross-entropy log_softmax output (fp32)", T * s.V * 4), Part("cross-entropy targets", T * 8)]
+
+
+def residual_bytes(s: ModelShape, i: int, lay: Layout) -> int:
+    """Bytes per element of block i's input. fp32 masters: the embedding's fp32 output plus bf16
+    sub-layer outputs stays fp32. bf16-gathered (fsdp): bf16 from the bf16 embedding until the
+    first MoE block, whose output takes its input's dtype, the fp32 norm output (MoELayer passes
+    x.dtype to the combine), so fp32 + anything is fp32 after it."""
+    return 2 if lay.bf16_params and not any(s.moe_blocks[:i]) else 4
+
+
+def checkpointed(parts: list[Part], s: ModelShape, i: int, B: int, S: int, lay: Layout) -> list[Part]:
+    """What block i keeps under ``lay.checkpointing`` (train/model.py's Block): none: everything;
+    selective: the attention sub-layer and the experts' MLP keep only their inputs (the block
+    input; the rows and offsets); full: the block input only."""
+    T = B * S
+    block_input = Part("block input (checkpoint)", T * s.D * residual_bytes(s, i, lay))
+    if lay.checkpointing == "full":
+        return [block_input]
+    if lay.checkpointing == "none":
+        return parts
+    kept = [p for p in parts if p.region == "rest"] + [block_input]
+    if s.moe_blocks[i]:
+        rows = expert_rows(s, T, lay)
+        # the experts' checkpoint keeps the rows as dispatched: the fp32 norm output's rows (a
+        # gather, or the all-to-all's receive buffer); P2P's are a view of its symmetric slot
+        if lay.transport != "p2p":
+            kept.append(Part("expert input rows (fp32, checkpoint)", rows.R * s.D * 4, dispatch=True))
+        kept.append(Part("grouped-GEMM offsets", rows.J * 4))
+    return kept
+
+
+def saved_for_backward(cfg: Config, lay: Layout, num: Numerics = GPU_BF16, shape: ModelShape | None = None) -> list[Part]:
+    """Every tensor one forward and its loss keep for the backward: each block's, then the root's."""
+    s = shape or ModelShape.of(cfg)
+    B, S = cfg.data.batch_size, cfg.data.seq_len
+    blocks = [checkpointed(block_parts(s, moe, B, S, lay, num), s, i, B, S, lay) for i, moe in enumerate(s.moe_blocks)]
+    return [p for parts in blocks for p in parts] + root_parts(s, B, S, num) + loss_parts(s, B, S)
+
+
+@dataclass(frozen=True)
+class BlockState:
+    """One block's bytes: ``kept`` for its backward, what its backward holds besides, its weights."""
+
+    kept: list[Part]
+    recompute: int  # activations (and weight casts) rebuilt during its backward
+    workspace: int  # its backward's incoming gradients, dgrad outputs and bf16 wgrad
+    master: int  # fp32 master bytes on this rank (= gradient = one AdamW moment)
+    unsharded: int  # elements as the forward uses them (FSDP gathers these)
+    router: int  # of which the router's (gathered in fp32)
+    casts_kept: int  # bf16 weight casts its backward reads, kept from the forward
+    casts_forward: int  # bf16 weight casts alive at the end of the forward (autocast's cache)
+
+
+def _sum(parts: list[Part], dispatch: bool | None = None) -> int:
+    return sum(p.nbytes for p in parts if dispatch is None or p.dispatch == dispatch)
+
+
+def block_state(s: ModelShape, groups: dict, i: int, B: int, S: int, lay: Layout, num: Numerics) -> BlockState:
+    """Block i's :class:`BlockState`; ``groups``: :func:`param_shapes` of ``s``."""
+    T, D, c = B * S, s.D, num.compute_bytes
+    moe = s.moe_blocks[i]
+    master = unsharded = 0
+    for kind in ("dense", "router", "experts"):
+        group = f"blocks.{i}.{kind}"
+        master += 4 * sum(local_numel(group, shape, lay) for shape in groups[group])
+        unsharded += sum(unsharded_numel(group, shape, lay) for shape in groups[group])
+    router = s.E * D if moe else 0
+
+    # bf16 casts of fp32 weights (training in bf16 without bf16-gathered parameters): autocast
+    # casts every linear weight (the router runs with autocast off), GroupedExperts .to()s its own
+    attn_w = (s.H + 2 * s.Hkv) * s.Hd * D + s.H * s.Hd * D
+    hidden = s.F_shared if moe else s.F_dense
+    mlp_w = (s.up(hidden) + hidden) * D if hidden else 0
+    expert_w = s.E // lay.ep * (s.up(s.F) + s.F) * D if moe else 0
+    cast = 2 if num.casts and not lay.bf16_params else 0
+    recomputed = {"none": (), "selective": ("attention", "experts"), "full": ("attention", "experts", "rest")}
+    casts_by_region = {"attention": cast * attn_w, "experts": cast * expert_w, "rest": cast * mlp_w}
+    casts_kept = sum(b for r, b in casts_by_region.items() if r not in recomputed[lay.checkpointing])
+    # autocast caches linear-weight casts until the region exits; the experts' .to() is not cached
+    casts_forward = cast * (attn_w + mlp_w) + (casts_by_region["experts"] if lay.checkpointing == "none" else 0)
+
+    parts = block_parts(s, moe, B, S, lay, num)
+    kept = checkpointed(parts, s, i, B, S, lay)
+    by_region = {r: _sum([p for p in parts if p.region == r]) + casts_by_region[r] for r in casts_by_region}
+    rows = expert_rows(s, T, lay)
+    U = s.up(s.F)
+    # backward working sets: attention (dO, dq/dk/dv, the re-fused dqkv, delta); the experts' first
+    # GEMM backward (dh, dz, dx and, from fp32 masters, the bf16 dw1 before its fp32 accumulate;
+    # FSDP's unsharded gradients are counted with its buffers; the second GEMM's set is smaller
+    # since U >= F); an MLP (dh, dz, dx); plus the residual gradient in and out (fp32)
+    attn_ws = T * (s.H + 2 * (s.H + 2 * s.Hkv)) * s.Hd * c + T * s.H * 4
+    expert_ws = rows.R * (s.F + U + D) * c + (s.E // lay.ep * D * U * cast if moe else 0)
+    mlp_ws = T * (s.up(hidden) + hidden + D) * c if hidden else 0
+    workspace = max(attn_ws, expert_ws if moe else 0, mlp_ws) + 2 * T * D * 4
+    if lay.checkpointing == "full":
+        recompute = _sum(parts) + sum(casts_by_region.values())
+    elif lay.checkpointing == "selective":
+        # the experts' MLP is recomputed (in the FFN's backward) before the attention sub-layer
+        recompute = max(by_region["attention"], by_region["experts"] if moe else 0)
+    else:
+        recompute = 0
+    return BlockState(kept, recompute, workspace, master, unsharded, router, casts_kept, casts_forward)
+
+
+def p2p_buffer_bytes(s: ModelShape, T: int, lay: Layout) -> int:
+    """P2PDispatcher's symmetric memory: one slot per MoE block (received rows, returned rows, their
+    sources, the count matrix, three flags; each region 256-byte aligned) and one gradient buffer,
+    in the rows' dtype: the fp32 norm output."""
+    if lay.transport != "p2p":
+        return 0
+    R_cap, P_cap = lay.ep * T * s.K, T * s.K
+    regions = [R_cap * s.D * 4, P_cap * s.D * 4, R_cap * 8, lay.ep * s.E * 8, 8, 8, 8]
+    slot = sum(_ceil_div(n, 256) * 256 for n in regions)
+    return sum(s.moe_blocks) * slot + _ceil_div(R_cap * s.D * 4, 256) * 256
+
+
+COLUMNS = ("params", "grads", "optimizer", "activations", "dispatch", "weights", "transient")
+
+
+@dataclass(frozen=True)
+class Moment:
+    """Bytes per GPU at one moment of a training step, by column."""
+
+    name: str
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    dispatch: int
+    weights: int
+    transient: int
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, c) for c in COLUMNS)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The peak moment of a layout, every moment evaluated, and the bytes outside PyTorch's caching
+    allocator (P2P symmetric memory: torch.cuda.max_memory_allocated does not count them)."""
+
+    layout: Layout
+    peak: Moment
+    moments: list[Moment]
+    outside_allocator: int
+
+
+def layout_of(cfg: Config, world: int, data_parallel: str, checkpointing: str) -> Layout:
+    p = cfg.parallel
+    if cfg.train.precision == "fp32":
+        raise ConfigError("train.precision=fp32: the memory model covers bf16 training on a GPU (fp32 runs the grouped "
+                          "GEMM's PyTorch reference, which saves other tensors)")
+    return Layout(world, p.ep, data_parallel, checkpointing, dispatcher=p.dispatcher,
+                  reshard_after_forward=p.reshard_after_forward, param_bytes=4 if p.param_dtype == "fp32" else 2,
+                  reduce_bytes=2 if p.reduce_dtype == "bf16" else 4)
+
+
+def predict(cfg: Config, lay: Layout, shape: ModelShape | None = None, num: Numerics = GPU_BF16) -> Prediction:
+    """The peak memory per GPU of ``cfg`` trained in layout ``lay`` (see the module docstring)."""
+    s = shape or ModelShape.of(cfg)
+    B, S, accum = cfg.data.batch_size, cfg.data.seq_len, cfg.train.grad_accum
+    T, V, D = B * S, s.V, s.D
+    n = len(s.moe_blocks)
+    groups = param_shapes(s)
+    blocks = [block_state(s, groups, i, B, S, lay, num) for i in range(n)]
+    root_master = {g: 4 * sum(local_numel(g, shape, lay) for shape in groups[g]) for g in ("embed", "head", "norm")}
+    root_unsharded = sum(math.prod(shape) for g in ("embed", "head", "norm") for shape in groups[g])
+    params = sum(root_master.values()) + sum(b.master for b in blocks)
+    optimizer = 2 * params
+    root, loss = _sum(root_parts(s, B, S, num)), _sum(loss_parts(s, B, S))
+    p2p = p2p_buffer_bytes(s, T, lay)
+
+    # the LM head weight's cast (tied: the embedding's, read by F.linear) lives until its backward
+    head_cast = 2 * V * D if num.casts and not lay.bf16_params else 0
+    # FSDP: the root (embeddings, final norm, LM head) stays gathered from its forward through the
+    # backward (parallel/fsdp.py: never resharded after the forward); the router gathers in fp32
+    gathered = [(b.unsharded - b.router) * lay.param_bytes + b.router * 4 if lay.sharded else 0 for b in blocks]
+    root_gathered = root_unsharded * lay.param_bytes if lay.sharded else 0
+    held = root_gathered + (0 if lay.reshard_after_forward else sum(gathered))
+    # with gradient accumulation the gradients exist from the first micro-batch's backward on;
+    # FSDP without sync between micro-batches accumulates them unsharded in the reduce dtype
+    grads_before = 0
+    if accum > 1:
+        grads_before = params
+        if lay.sharded:
+            grads_before += (sum(b.unsharded for b in blocks) + root_unsharded) * lay.reduce_bytes
+    logits = T * V * 4  # the fp32 logits, held by the loop's variable until train_step returns
+    acts = [_sum(b.kept, dispatch=False) for b in blocks]
+    disp = [_sum(b.kept, dispatch=True) for b in blocks]
+
+    moments = [
+        # autocast's cache holds every linear-weight cast until the region exits, after the
+        # logits' bf16 → fp32 copy (both alive at once); the previous micro-batch's logits too
+        Moment("forward end", params, grads_before, optimizer, sum(acts) + root, sum(disp) + p2p,
+               held + head_cast + sum(b.casts_forward for b in blocks),
+               T * V * 2 + logits * (2 if accum > 1 else 1)),
+        # log_softmax's backward: the logits, the nll_loss gradient and its own output (T, V)
+        Moment("loss backward", params, grads_before, optimizer, sum(acts) + root + loss, sum(disp) + p2p,
+               held + head_cast + sum(b.casts_kept for b in blocks), 3 * logits),
+    ]
+    # the head, the final norm and (tied) the embedding have their gradients once the blocks' begin
+    grads_done = root_master["head"] + root_master["norm"] + (root_master["embed"] if s.tied else 0)
+    for i in reversed(range(n)):
+        b = blocks[i]
+        grads_done += b.master
+        if lay.sharded:
+            prefetched = gathered[i - 1] if i else 0
+            # this block gathered, the one before it prefetched (all-gather output + its copy-out),
+            # when resharding after the forward; its gradient in bf16, then fp32 for the
+            # reduce-scatter, and the block after it still reduce-scattering
+            fsdp = (gathered[i] + 2 * prefetched if lay.reshard_after_forward else 0) + b.unsharded * (
+                lay.param_bytes + lay.reduce_bytes) + (blocks[i + 1].unsharded * lay.reduce_bytes if i + 1 < n else 0)
+        else:
+            fsdp = 0
+        moments.append(Moment(
+            f"block {i} backward", params, max(grads_done, grads_before), optimizer,
+            sum(acts[:i + 1]) + T * 8, sum(disp[:i + 1]) + p2p,  # + the embedding's token ids
+            root_gathered + (0 if lay.reshard_after_forward else sum(gathered[:i + 1])) + sum(
+                bb.casts_kept for bb in blocks[:i + 1]),
+            logits + b.workspace + b.recompute + fsdp))
+    # replicate: the all-reduce flattens gradients into 64 MiB buckets, a larger gradient alone
+    # (parallel/grad_sync.py); it runs before the step, whose fused AdamW allocates nothing
+    # (the experts' only over an EDP group of more than one rank)
+    bucket = 0
+    if not lay.sharded and lay.world > 1:
+        reduced = [4 * local_numel(g, shape, lay) for g, shapes in groups.items() for shape in shapes
+                   if lay.edp > 1 or not g.endswith("experts")]
+        bucket = max(max(reduced), min(BUCKET_BYTES, sum(reduced)))
+    moments.append(Moment("grad sync + optimizer step", params, params, optimizer, 0, p2p, 0, logits + bucket))
+    peak = max(moments, key=lambda m: m.total)
+    return Prediction(lay, peak, moments, p2p)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GiB:.1f}"
+
+
+def table(predictions: list[Prediction], fit_gib: float | None = None) -> str:
+    """A markdown table, one row per prediction: the columns at its peak moment, in GiB."""
+    head = ["data parallel", "AC"] + list(COLUMNS) + ["total GiB", "peak at"] + (
+        [f"fits {fit_gib:g} GiB"] if fit_gib else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p in predictions:
+        row = [p.layout.data_parallel, p.layout.checkpointing] + [_gib(getattr(p.peak, c)) for c in COLUMNS]
+        row += [f"**{_gib(p.peak.total)}**", p.peak.name]
+        if fit_gib:
+            row.append("yes" if p.peak.total <= fit_gib * GiB else "no")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def describe(cfg: Config, world: int, shape: ModelShape | None = None) -> str:
+    """One line: the model's size and the per-rank tokens and rows the table is for."""
+    s = shape or ModelShape.of(cfg)
+    total = sum(math.prod(shape) for shapes in param_shapes(s).values() for shape in shapes)
+    T = cfg.data.batch_size * cfg.data.seq_len
+    lay = layout_of(cfg, world, "replicate", "none")
+    return (f"{total / 1e9:.2f}B parameters, {len(s.moe_blocks)} blocks ({sum(s.moe_blocks)} MoE), world {world}, "
+            f"ep {cfg.parallel.ep} (edp {world // cfg.parallel.ep}), {cfg.parallel.dispatcher} | T = "
+            f"{cfg.data.batch_size}·{cfg.data.seq_len} = {T} tokens/rank, grad_accum {cfg.train.grad_accum} | "
+            f"expert rows R = {expert_rows(s, T, lay).R} per MoE layer (balanced routing)")
+
+
+def detail(cfg: Config, lay: Layout, shape: ModelShape | None = None) -> str:
+    """The saved tensors of one MoE (else dense) block and of the root, and every moment's total."""
+    s = shape or ModelShape.of(cfg)
+    B, S = cfg.data.batch_size, cfg.data.seq_len
+    i = s.moe_blocks.index(True) if any(s.moe_blocks) else 0
+    state = block_state(s, param_shapes(s), i, B, S, lay, GPU_BF16)
+    lines = [f"block {i} keeps ({lay.data_parallel}, AC {lay.checkpointing}), MiB:"]
+    lines += [f"  {p.nbytes / 2**20:10.1f}  {p.name}{' [dispatch]' if p.dispatch else ''}" for p in state.kept]
+    lines.append(f"  backward also: recompute {state.recompute / 2**20:.1f}, working set {state.workspace / 2**20:.1f}, "
+                 f"bf16 weight casts kept {state.casts_kept / 2**20:.1f}")
+    lines.append("root keeps, MiB:")
+    lines += [f"  {p.nbytes / 2**20:10.1f}  {p.name}" for p in root_parts(s, B, S, GPU_BF16) + loss_parts(s, B, S)]
+    lines.append("moments, GiB: " + ", ".join(f"{m.name} {_gib(m.total)}" for m in predict(cfg, lay, s).moments))
+    return "\n".join(lines)
+
+
+def predictions(cfg: Config, world: int, data_parallel: str | None = None, checkpointing: str | None = None,
+                shape: ModelShape | None = None) -> tuple[list[Prediction], list[str]]:
+    """One prediction per (data-parallel mode × checkpointing), or only the ones given, that the
+    config's checks allow (train.config.validate), and one line per combination they refuse."""
+    done, refused = [], []
+    for dp in [data_parallel] if data_parallel else DATA_PARALLEL:
+        for ac in [checkpointing] if checkpointing else CHECKPOINTING:
+            trial = copy.deepcopy(cfg)
+            trial.parallel.data_parallel, trial.train.activation_checkpointing = dp, ac
+            try:
+                validate(trial, world)
+            except ConfigError as err:
+                refused.append(f"{dp} × {ac}: not allowed ({err})")
+                continue
+            done.append(predict(cfg, layout_of(cfg, world, dp, ac), shape))
+    return done, refused
+
+
+# Qwen3-30B-A3B: 48 MoE blocks (no dense one), GQA 32/4 heads of 128 (its q/k norms, 2·128
+# parameters a block, are left out), 128 experts top-8 of width 768, untied 151,936-row vocabulary
+QWEN3_30B_A3B = ["--model.dim=2048", "--model.n_layers=48", "--model.n_heads=32", "--model.n_kv_heads=4",
+                 "--model.head_dim=128", "--model.vocab_size=151936", "--model.tie_embeddings=false",
+                 "--moe.num_experts=128", "--moe.top_k=8", "--moe.hidden_dim=768"]
+# DeepSeek-V3-shaped: 61 blocks, the first 3 dense (width 18432), 256 routed experts top-8 of width
+# 2048 and 1 shared, sigmoid scores; its MLA attention is out of scope: modelled as attention
+# with 128 query and 128 key/value heads of 128 (more attention weights than MLA's low-rank ones)
+DEEPSEEK_V3 = ["--model.dim=7168", "--model.n_layers=61", "--model.n_heads=128", "--model.n_kv_heads=128",
+               "--model.head_dim=128", "--model.vocab_size=129280", "--model.tie_embeddings=false",
+               "--model.dense_hidden_dim=18432", "--moe.num_experts=256", "--moe.top_k=8", "--moe.hidden_dim=2048",
+               "--moe.num_shared_experts=1", "--moe.score_func=sigmoid", "--moe.expert_bias=true"]
+DEEPSEEK_V3_MOE_BLOCKS = (False,) * 3 + (True,) * 58
+LONG_CONTEXT = ["--data.seq_len=4096", "--data.batch_size=1"]
+LAYOUTS = [
+    ("Qwen3-30B-A3B, 8 GPUs (one node), EP=8", QWEN3_30B_A3B + LONG_CONTEXT, 8, 8, None),
+    ("Qwen3-30B-A3B, 4 nodes × 8, EP=8", QWEN3_30B_A3B + LONG_CONTEXT, 32, 8, None),
+    ("Qwen3-30B-A3B, 4 nodes × 8, EP=32", QWEN3_30B_A3B + LONG_CONTEXT, 32, 32, None),
+    ("DeepSeek-V3-shaped, 256 GPUs, EP=64", DEEPSEEK_V3 + LONG_CONTEXT, 256, 64, DEEPSEEK_V3_MOE_BLOCKS),
+    ("DeepSeek-V3-shaped, 256 GPUs, EP=256", DEEPSEEK_V3 + LONG_CONTEXT, 256, 256, DEEPSEEK_V3_MOE_BLOCKS),
+]
+
+
+def layouts_report(fit_gib: float = FIT_GIB) -> str:
+    """The tables of :data:`LAYOUTS` (seq 4096, batch 1 per GPU), each row marked by whether it fits
+    an 80 GB GPU (``fit_gib``: what max_memory_allocated may reach there)."""
+    out = []
+    for title, overrides, world, ep, moe_blocks in LAYOUTS:
+        cfg = load_config(overrides + [f"--parallel.ep={ep}"], world_size=world)
+        shape = ModelShape.of(cfg, moe_blocks)
+        done, refused = predictions(cfg, world, shape=shape)
+        out += [f"### {title}", "", describe(cfg, world, shape), "", table(done, fit_gib), *refused, ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m train.memory", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, help="W, GPUs of the run")
+    parser.add_argument("--ep", type=int, help="expert-parallel size (default: the config's parallel.ep)")
+    parser.add_argument("--data-parallel", choices=DATA_PARALLEL, help="one mode (default: both)")
+    parser.add_argument("--ac", choices=CHECKPOINTING, help="one activation checkpointing setting (default: all three)")
+    parser.add_argument("--layouts", action="store_true", help="the layouts we cannot run (Qwen3-30B-A3B, DeepSeek-V3)")
+    parser.add_argument("--detail", action="store_true", help="each saved tensor of one block, and every moment")
+    args, rest = parser.parse_known_args(argv)
+    if args.layouts:
+        print(layouts_report())
+        return
+    if args.world is None:
+        parser.error("--world is required (or --layouts)")
+    if args.ep is not None:
+        rest.append(f"--parallel.ep={args.ep}")
+    cfg = load_config(rest, world_size=args.world)
+    print(describe(cfg, args.world) + "\n")
+    results, refused = predictions(cfg, args.world, args.data_parallel, args.ac)
+    print("\n".join([table(results), *refused]))
+    if args.detail:
+        for p in results:
+            print("\n" + detail(cfg, p.layout))
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(2)
