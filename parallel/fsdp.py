@@ -7,8 +7,8 @@ What ``fully_shard`` is applied to, innermost first (FSDP2 manages a parameter i
 1. every :class:`moe.GroupedExperts` over ``dims.edp_mesh``: the W/P ranks that hold the same
    experts. Sharded along dim 1 (D of ``w1_LDU``, F of ``w2_LFD``), not FSDP's default dim 0,
    because L = E/P can be smaller than the EDP size (8 experts over EP 8 leave L = 1), and a
-   dim-0 shard of one expert would leave all but one rank holding padding. Dim 0 where dim 1 does
-   not split evenly (FSDP2 shards other dims only evenly).
+   dim-0 shard of one expert would leave all but one rank holding padding. FSDP2 shards a dim
+   other than 0 only evenly, so D and F must be multiples of W/P (checked before any sharding).
 2. every :class:`moe.Router` over the world, with its own fp32 policy: the router is fp32 by
    design (its logits decide discrete routes; a bf16 gather would round the weights it reads).
 3. every transformer block over the world (``dims.dp_mesh``): the rest of the block.
@@ -32,9 +32,8 @@ from torch.distributed.tensor import Shard
 from moe import GroupedExperts, Router
 
 
-def _expert_placement(edp: int):
-    # FSDP2 shards a dim other than 0 only evenly (it asserts so in its reduce-scatter)
-    return lambda param: Shard(1) if param.shape[1] % edp == 0 else Shard(0)
+def _expert_placement(param: nn.Parameter) -> Shard:
+    return Shard(1)
 
 
 def fully_shard_moe(model: nn.Module, blocks: list[nn.Module], dims, *, param_dtype: torch.dtype,
@@ -51,13 +50,20 @@ def fully_shard_moe(model: nn.Module, blocks: list[nn.Module], dims, *, param_dt
 
     Build the optimizer after this call: it replaces every parameter by a sharded DTensor.
     """
+    for block in blocks:
+        for module in block.modules():
+            if isinstance(module, GroupedExperts):
+                uneven = {n: p.shape[1] for n, p in module.named_parameters() if p.shape[1] % dims.edp}
+                if uneven:
+                    raise ValueError(f"fully_shard_moe: the experts' weights are sharded along dim 1 over the "
+                                     f"{dims.edp} ranks of an expert-data-parallel group, which must divide it: {uneven}")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for block in blocks:
         for module in block.modules():
             if isinstance(module, GroupedExperts):
                 fully_shard(module, mesh=dims.edp_mesh, reshard_after_forward=reshard_after_forward,
-                            shard_placement_fn=_expert_placement(dims.edp), mp_policy=policy)
+                            shard_placement_fn=_expert_placement, mp_policy=policy)
                 module.set_gradient_divide_factor(float(dims.world_size))
                 # gloo has no PREMUL_SUM: sum, then divide. Not on one rank, where torch 2.13
                 # divides by the factor in its copy and then again after it.

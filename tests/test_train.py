@@ -186,11 +186,8 @@ def test_heatmap_and_png():
 # ---------------------------------------------------------------- checkpoints
 
 
-class _OneProcess:
-    rank, world_size, ep, distributed = 0, 1, 1, False
-
-    def barrier(self):
-        pass
+def _one_process():
+    return Runtime(0, 0, 1, 1, torch.device("cpu"), None)
 
 
 def _tiny_model(seed=0):
@@ -208,35 +205,27 @@ def _one_step(model, opt):
     opt.zero_grad()
 
 
-def test_checkpoint_saved_under_a_renamed_parameter_loads(tmp_path):
-    """``experts.w1_LDH`` became ``experts.w1_LDU`` (the shape legend): a checkpoint written
-    before the rename loads, parameters and optimizer state."""
-    cfg, model, opt, sched = _tiny_model()
-    _one_step(model, opt)
-    path = ckpt.save_checkpoint(str(tmp_path / "ck"), 1, model, opt, sched, {"epoch": 0, "cursor": 0}, _OneProcess())
-    for file in os.listdir(path):
-        if file.endswith(".pt"):
-            saved = torch.load(os.path.join(path, file), weights_only=True)
-            for section in ("model", "optim", "experts", "expert_range"):
-                if section in saved:
-                    saved[section] = {n.replace("w1_LDU", "w1_LDH"): v for n, v in saved[section].items()}
-            torch.save(saved, os.path.join(path, file))
-    assert any("w1_LDH" in n for n in torch.load(os.path.join(path, "rank00000.pt"), weights_only=True)["experts"])
-    _, model2, opt2, sched2 = _tiny_model(seed=1)
-    ckpt.load_checkpoint(path, model2, opt2, sched2, _OneProcess())
-    for (n, a), (_, b) in zip(model.state_dict().items(), model2.state_dict().items()):
-        assert torch.equal(a, b), n
-    p1, p2 = dict(model.named_parameters()), dict(model2.named_parameters())
-    for n in p1:
-        assert torch.equal(opt.state[p1[n]]["exp_avg"], opt2.state[p2[n]]["exp_avg"]), n
+def test_checkpoint_of_the_pre_dcp_format_is_one_clear_error(tmp_path):
+    old = tmp_path / "ck" / "step_00000004"
+    os.makedirs(old)
+    (old / "dense.pt").write_bytes(b"")
+    (old / "meta.json").write_text(json.dumps({"step": 4, "world_size": 2, "ep": 2}))
+    _, model, opt, sched = _tiny_model()
+    path = ckpt.find_checkpoint(str(tmp_path / "ck"), "auto")
+    with pytest.raises(ValueError, match="pre-DCP format.*python -m train.convert_checkpoint"):
+        ckpt.Checkpointer(str(tmp_path / "ck"), _one_process()).load(path, model, opt, sched)
 
 
-def test_checkpoint_round_trip_and_crash_safety(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_checkpoint_round_trip_and_crash_safety(tmp_path, async_save):
     cfg, model, opt, sched = _tiny_model()
     _one_step(model, opt)
     sched.step()
     d = str(tmp_path / "ck")
-    path = ckpt.save_checkpoint(d, 1, model, opt, sched, {"epoch": 0, "cursor": 4}, _OneProcess())
+    saver = ckpt.Checkpointer(d, _one_process(), async_save=async_save)
+    path = saver.save(1, model, opt, sched, {"epoch": 0, "cursor": 4})
+    assert os.path.isdir(path + ".tmp") == async_save  # async: published by the next save or finish()
+    saver.finish()
     assert os.path.basename(path) == "step_00000001" and open(os.path.join(d, "latest")).read().strip() == "step_00000001"
     # a crash mid-save: a .tmp directory and a directory without meta.json are never picked up
     os.makedirs(os.path.join(d, "step_00000009.tmp"))
@@ -245,14 +234,14 @@ def test_checkpoint_round_trip_and_crash_safety(tmp_path):
     assert ckpt.find_checkpoint(d, "auto") == path
 
     _, model2, opt2, sched2 = _tiny_model(seed=1)
-    info = ckpt.load_checkpoint(path, model2, opt2, sched2, _OneProcess())
+    info = ckpt.Checkpointer(d, _one_process()).load(path, model2, opt2, sched2)
     assert info == {"step": 1, "data": {"epoch": 0, "cursor": 4}, "exact": True}
     for (n, a), (_, b) in zip(model.state_dict().items(), model2.state_dict().items()):
         assert torch.equal(a, b), n
     assert sched2.step_count == 1
     p1, p2 = dict(model.named_parameters()), dict(model2.named_parameters())
     for n in p1:
-        for k in ("exp_avg", "exp_avg_sq"):
+        for k in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(opt.state[p1[n]][k], opt2.state[p2[n]][k]), (n, k)
     # both continue identically
     torch.manual_seed(5)
@@ -266,8 +255,9 @@ def test_checkpoint_round_trip_and_crash_safety(tmp_path):
 def test_checkpoint_keeps_the_newest(tmp_path):
     _, model, opt, sched = _tiny_model()
     d = str(tmp_path / "ck")
+    saver = ckpt.Checkpointer(d, _one_process(), keep=2)
     for step in (1, 2, 3):
-        ckpt.save_checkpoint(d, step, model, opt, sched, {"epoch": 0, "cursor": 0}, _OneProcess(), keep=2)
+        saver.save(step, model, opt, sched, {"epoch": 0, "cursor": 0})
     assert [os.path.basename(p) for p in ckpt.list_checkpoints(d)] == ["step_00000002", "step_00000003"]
 
 
@@ -363,19 +353,19 @@ def test_config_error_fails_before_the_process_group(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_process_ep2_and_resume_exact_and_into_ep1(tmp_path):
+def test_two_process_ep2_and_resume_exact_and_into_ep1_fsdp(tmp_path):
     base = SMALL + ["--train.steps=6", "--parallel.ep=2", f"--log.dir={tmp_path}"]
     _torchrun(2, base + ["--log.run_name=full"])
     _torchrun(2, base + ["--log.run_name=part", "--checkpoint.stop_after=3"])
-    shards = sorted(os.listdir(tmp_path / "part" / "checkpoints" / "step_00000003"))
-    assert shards == ["dense.pt", "meta.json", "rank00000.pt", "rank00001.pt"]
-    saved = [torch.load(tmp_path / "part" / "checkpoints" / "step_00000003" / s, weights_only=True) for s in shards[2:]]
-    name = "blocks.0.ffn.experts.w1_LDU"
-    assert [s["expert_range"][name] for s in saved] == [(0, 4, 8), (4, 4, 8)]  # each rank its own experts
-    # resume the same checkpoint into EP=1 (experts reassembled from both shards) ...
+    step3 = tmp_path / "part" / "checkpoints" / "step_00000003"
+    assert (step3 / ".metadata").is_file()  # a DCP checkpoint
+    assert json.loads((step3 / "meta.json").read_text()) == {
+        "format": "dcp-1", "step": 3, "world_size": 2, "ep": 2, "data_parallel": "replicate"}
+    # resume the same checkpoint into EP=1 under FSDP (DCP reslices experts and moments) ...
     os.makedirs(tmp_path / "ep1")
     os.symlink(tmp_path / "part" / "checkpoints", tmp_path / "ep1" / "checkpoints")
-    _torchrun(2, base[:-2] + ["--parallel.ep=1", f"--log.dir={tmp_path}", "--log.run_name=ep1"])
+    _torchrun(2, base[:-2] + ["--parallel.ep=1", "--parallel.data_parallel=fsdp", f"--log.dir={tmp_path}",
+                              "--log.run_name=ep1"])
     # ... and continue EP=2 exactly
     _torchrun(2, base + ["--log.run_name=part"])
     full, part, ep1 = (_losses(str(tmp_path / n)) for n in ("full", "part", "ep1"))

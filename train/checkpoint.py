@@ -1,26 +1,35 @@
-"""Atomic, resumable, expert-sharded checkpoints.
+"""Atomic, resumable, reshardable checkpoints through ``torch.distributed.checkpoint`` (DCP).
 
-Layout of one checkpoint, ``<dir>/step_00000100/``:
+One checkpoint, ``<dir>/step_00000100/``: DCP's files (``.metadata`` and one data file per rank)
+and ``meta.json`` (rank 0, written last: step, world size, EP size, data-parallel mode, format).
+The DCP state holds, under global names and shapes:
 
-- ``dense.pt`` (rank 0): non-expert parameters and buffers, their AdamW state (by parameter
-  name), the schedule, the step.
-- ``rank00003.pt`` (every rank): this rank's experts with their global index range, their AdamW
-  state, the rank's RNG states and data-stream position.
-- ``meta.json`` (rank 0, written last): step, world size, EP size, experts per layer.
+- ``model``: every parameter and persistent buffer. Dense tensors as the run holds them (whole,
+  or FSDP's shards of the whole). Each expert tensor as the (E, ...) tensor its EP group holds in
+  slices: a DTensor over the run's ``(edp, ep)`` mesh, ``Shard(0)`` over ep (EP rank i holds
+  experts ``[i·L, (i+1)·L)``) and, over edp, FSDP's ``Shard(1)`` or ``Replicate()``.
+- ``optim``: AdamW's per-parameter state, shaped like the parameters. The hyperparameters are
+  not saved: they come from the config of the run that resumes, the lr from the schedule.
+- ``train``: the step and the schedule position; ``rank<r>``: rank r's RNG states and
+  data-stream position.
 
-Atomicity: everything is written into ``step_XXXXXXXX.tmp/``; after a barrier rank 0 renames it to
-``step_XXXXXXXX/`` (one ``os.replace``) and then points ``latest`` at it (a temporary file and
-``os.replace``). A crash at any point leaves either the previous checkpoint or the complete new
-one to be found: ``*.tmp`` directories are never read, and a directory without ``meta.json`` is
-never chosen. All ranks must see one file system (one host, or a shared mount across nodes).
+Resharding: DCP reads every tensor by global offsets, so a checkpoint loads into any world size,
+EP size or data-parallel mode (replicate ↔ fsdp) whose model has the same global shapes. RNG
+states and data positions are per rank: restored exactly when the world size is unchanged;
+otherwise each rank restarts its new shard at rank 0's saved epoch and cursor, so the continued
+run is equivalent but not bit-identical.
 
-Changing the EP size (and the world size) on resume is supported for the model and optimizer:
-every rank reads the shards of EP group 0 (ranks ``0..ep_old-1`` together hold every expert),
-concatenates each expert tensor along the expert dimension to the global ``(E, ...)`` tensor
-(``torch.load(mmap=True)``, so only the slices used are read) and takes its new slice; AdamW's
-moments are resliced the same way. RNG states and data positions are per rank: they are restored
-exactly when the world size is unchanged; otherwise each rank restarts its new shard at rank 0's
-saved epoch and cursor, so the continued run is equivalent but not bit-identical.
+Atomicity: everything is written into ``step_XXXXXXXX.tmp/``; once every rank has written, rank 0
+adds ``meta.json``, renames the directory (one ``os.replace``) and then points ``latest`` at it.
+A crash at any point leaves the previous checkpoint or the complete new one: ``*.tmp``
+directories are never read, and a directory without ``meta.json`` is never chosen. All ranks
+must see one file system (one host, or a shared mount across nodes).
+
+Async (``checkpoint.async_save``): ``dcp.async_save`` copies the state to host memory during the
+call and writes the files from a background thread, over a gloo group of its own so that its
+collectives never interleave with the training's. The checkpoint becomes visible (meta.json,
+rename, ``latest``) at the next save or at :meth:`Checkpointer.finish`, once every rank's write
+has completed.
 """
 
 import json
@@ -31,11 +40,18 @@ import shutil
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from train.model import expert_ranges
+from train.model import expert_parameter_names
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+FORMAT = "dcp-1"
 
 
 def _rng_state() -> dict:
@@ -59,75 +75,133 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _optim_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, names: set[str]) -> dict:
-    out = {}
-    for name, p in model.named_parameters():
-        if name in names and p in optimizer.state:
-            out[name] = {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()}
-    return out
+def _global_expert(t: torch.Tensor, dims) -> torch.Tensor:
+    """This rank's (L, ...) expert tensor (or FSDP's shard of it) as a view of the global
+    (E, ...) tensor: shares storage, so DCP's load writes straight into it."""
+    if isinstance(t, DTensor):  # FSDP over the EDP mesh (parallel.fully_shard_moe: Shard(1))
+        local, over_edp = t.to_local(), t.placements[0]
+    else:
+        local, over_edp = t, Replicate()
+    return DTensor.from_local(local, dims.mesh, [over_edp, Shard(0)], run_check=False)
 
 
-def _set_optim_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, state: dict) -> None:
-    # the moments live with the parameter; AdamW keeps `step` on the CPU unless fused/capturable
-    step_on_device = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"))
-    optimizer.state[p] = {
-        k: v.to(p.device if (k != "step" or step_on_device) else "cpu") if torch.is_tensor(v) else v
-        for k, v in state.items()
-    }
+class Checkpointer:
+    """Saves and loads the run's checkpoints in ``ckpt_dir``; every method is a collective.
 
+    Args:
+        ckpt_dir: where ``step_XXXXXXXX/`` directories and ``latest`` live.
+        rt: the run's :class:`~train.runtime.Runtime` (rank, world size, EP size, mesh).
+        keep: newest complete checkpoints kept, 0: all.
+        async_save: write in the background (see the module docstring).
+        data_parallel: recorded in meta.json (``replicate`` | ``fsdp``).
+    """
 
-def save_checkpoint(ckpt_dir: str, step: int, model: nn.Module, optimizer, schedule, data_state: dict, dist, keep: int = 0) -> str:
-    """Collective: every rank calls it. Returns the final directory."""
-    name = f"step_{step:08d}"
-    final = os.path.join(ckpt_dir, name)
-    tmp = final + ".tmp"
-    if os.path.isdir(final):  # this step is already saved (a resumed run reaching it again)
+    def __init__(self, ckpt_dir: str, rt, keep: int = 0, async_save: bool = False, data_parallel: str = "replicate"):
+        self.ckpt_dir = ckpt_dir
+        self.rt = rt
+        self.keep = keep
+        self.async_save = async_save
+        self.data_parallel = data_parallel
+        # every rank creates the group (a collective), and only when it is used
+        self.group = dist.new_group(backend="gloo") if async_save and rt.distributed else None
+        self._pending = None  # (future, tmp dir, final dir, step) of an async save in flight
+
+    def _view(self, state: dict, experts: set[str]) -> dict:
+        """``state`` (name → tensor) with expert tensors as global views (one process: as is)."""
+        if self.rt.dims is None:
+            return dict(state)
+        return {n: _global_expert(t, self.rt.dims) if n in experts else t for n, t in state.items()}
+
+    def _state(self, model: nn.Module, optimizer, schedule, data_state: dict, step: int, own: str):
+        """The DCP state dict and the two state dicts its tensors are views of."""
+        experts = expert_parameter_names(model)
+        model_sd = get_model_state_dict(model)
+        optim_sd = get_optimizer_state_dict(model, optimizer)
+        state = {
+            "model": self._view(model_sd, experts),
+            # AdamW's moments are shaped like their parameter; its step count is a scalar
+            "optim": {n: self._view(s, {k for k, v in s.items() if n in experts and torch.is_tensor(v) and v.dim() > 0})
+                      for n, s in optim_sd["state"].items()},
+            "train": {"step": step, "schedule": schedule.state_dict()},
+            own: {"rng": _rng_state(), "data": data_state},
+        }
+        return state, model_sd, optim_sd
+
+    def save(self, step: int, model: nn.Module, optimizer, schedule, data_state: dict) -> str:
+        """Write the checkpoint of ``step``; returns its final directory (visible at once, or
+        when the next save begins or :meth:`finish` runs, if async)."""
+        self.finish()
+        name = f"step_{step:08d}"
+        final = os.path.join(self.ckpt_dir, name)
+        if os.path.isdir(final):  # this step is already saved (a resumed run reaching it again)
+            return final
+        tmp = final + ".tmp"
+        if self.rt.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+            os.makedirs(tmp)
+        self.rt.barrier()
+        state, _, _ = self._state(model, optimizer, schedule, data_state, step, f"rank{self.rt.rank}")
+        if self.async_save:
+            future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
+            self._pending = (future, tmp, final, step)
+        else:
+            dcp.save(state, checkpoint_id=tmp)
+            self._publish(tmp, final, step)
         return final
-    if dist.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
-        os.makedirs(tmp)
-    dist.barrier()
 
-    ranges = expert_ranges(model)
-    state = model.state_dict()
-    experts = {n: state[n].detach().cpu() for n in ranges}
-    torch.save(
-        {
-            "experts": experts,
-            "expert_range": ranges,
-            "optim": _optim_state_by_name(model, optimizer, set(ranges)),
-            "rng": _rng_state(),
-            "data": data_state,
-            "rank": dist.rank,
-        },
-        os.path.join(tmp, f"rank{dist.rank:05d}.pt"),
-    )
-    if dist.rank == 0:
-        dense_names = {n for n, _ in model.named_parameters()} - set(ranges)
-        torch.save(
-            {
-                "model": {n: t.detach().cpu() for n, t in state.items() if n not in ranges},
-                "optim": _optim_state_by_name(model, optimizer, dense_names),
-                "schedule": schedule.state_dict(),
-                "step": step,
-            },
-            os.path.join(tmp, "dense.pt"),
+    def finish(self) -> None:
+        """Publish the async save in flight, if any, once every rank's write has completed."""
+        if self._pending is None:
+            return
+        future, tmp, final, step = self._pending
+        self._pending = None
+        future.result()
+        self._publish(tmp, final, step)
+
+    def _publish(self, tmp: str, final: str, step: int) -> None:
+        self.rt.barrier()  # every rank's files are written
+        if self.rt.rank == 0:
+            meta = {"format": FORMAT, "step": step, "world_size": self.rt.world_size, "ep": self.rt.ep,
+                    "data_parallel": self.data_parallel}
+            with open(os.path.join(tmp, "meta.json"), "w") as f:
+                json.dump(meta, f)
+            os.replace(tmp, final)
+            pointer = os.path.join(self.ckpt_dir, "latest")
+            with open(pointer + ".tmp", "w") as f:
+                f.write(os.path.basename(final) + "\n")
+            os.replace(pointer + ".tmp", pointer)
+            if self.keep > 0:
+                for old in list_checkpoints(self.ckpt_dir)[:-self.keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+        self.rt.barrier()
+
+    def load(self, path: str, model: nn.Module, optimizer, schedule) -> dict:
+        """Load ``path`` into this rank's model, optimizer and schedule (and RNG, when the world
+        size matches). Returns ``{"step", "data", "exact"}``: ``data`` is the data-stream state
+        to restore, ``exact`` says the world size matched."""
+        meta = read_meta(path)
+        exact = meta["world_size"] == self.rt.world_size
+        own = f"rank{self.rt.rank if exact else 0}"
+        state, model_sd, optim_sd = self._state(model, optimizer, schedule, {"epoch": 0, "cursor": 0}, 0, own)
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, model_sd)  # the views wrote into these tensors
+        set_optimizer_state_dict(model, optimizer, optim_sd)
+        schedule.load_state_dict(state["train"]["schedule"])
+        if exact:
+            _set_rng_state(state[own]["rng"])
+        return {"step": int(state["train"]["step"]), "data": state[own]["data"], "exact": exact}
+
+
+def read_meta(path: str) -> dict:
+    """A checkpoint's meta.json; one clear error for a checkpoint of the pre-DCP format."""
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise ValueError(
+            f"{path} is a checkpoint of the pre-DCP format (dense.pt + rank*.pt files); convert it once with "
+            f"`python -m train.convert_checkpoint {path} <new dir>` and resume from the new directory"
         )
-    dist.barrier()
-    if dist.rank == 0:
-        meta = {"step": step, "world_size": dist.world_size, "ep": dist.ep}
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f)
-        os.replace(tmp, final)
-        pointer = os.path.join(ckpt_dir, "latest")
-        with open(pointer + ".tmp", "w") as f:
-            f.write(name + "\n")
-        os.replace(pointer + ".tmp", pointer)
-        if keep > 0:
-            for old in sorted(list_checkpoints(ckpt_dir))[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final
+    return meta
 
 
 def list_checkpoints(ckpt_dir: str) -> list[str]:
@@ -154,83 +228,3 @@ def find_checkpoint(ckpt_dir: str, resume: str) -> str | None:
             return path
     found = list_checkpoints(ckpt_dir)
     return found[-1] if found else None
-
-
-# Parameters renamed since checkpoints were first written: old name suffix -> new. A checkpoint
-# saved under an old name loads under the new one (its tensors are the same).
-RENAMED_PARAMETERS = {".experts.w1_LDH": ".experts.w1_LDU"}
-
-
-def _current_name(name: str) -> str:
-    for old, new in RENAMED_PARAMETERS.items():
-        if name.endswith(old):
-            return name[:-len(old)] + new
-    return name
-
-
-def _load(path: str) -> dict:
-    """One checkpoint file, its parameter-keyed sections under today's parameter names."""
-    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    for section in ("model", "optim", "experts", "expert_range"):
-        if isinstance(saved.get(section), dict):
-            saved[section] = {_current_name(name): v for name, v in saved[section].items()}
-    return saved
-
-
-def _gather_expert_slice(shards: list[dict], key: str, name: str, first: int, count: int, sub: str | None = None) -> torch.Tensor:
-    """Rows ``[first, first + count)`` of the global expert tensor spread over ``shards``."""
-    pieces = []
-    for shard in shards:
-        lo, n, _ = shard["expert_range"][name]
-        a, b = max(first, lo), min(first + count, lo + n)
-        if a < b:
-            t = shard[key][name] if sub is None else shard[key][name][sub]
-            pieces.append(t[a - lo:b - lo])
-    out = torch.cat(pieces)
-    if out.shape[0] != count:
-        raise ValueError(f"checkpoint shards hold {out.shape[0]} of experts [{first}, {first + count}) of {name}")
-    return out
-
-
-def load_checkpoint(path: str, model: nn.Module, optimizer, schedule, dist) -> dict:
-    """Load into this rank's model/optimizer/schedule. Returns ``{"step", "data", "exact"}``
-    where ``data`` is the data-stream state to restore and ``exact`` says the world matched."""
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
-    dense = _load(os.path.join(path, "dense.pt"))
-    ranges = expert_ranges(model)
-    same_layout = meta["world_size"] == dist.world_size and meta["ep"] == dist.ep
-    if same_layout:
-        shards = [_load(os.path.join(path, f"rank{dist.rank:05d}.pt"))]
-    else:
-        shards = [_load(os.path.join(path, f"rank{r:05d}.pt")) for r in range(meta["ep"])]
-
-    state = dict(dense["model"])
-    for name, (first, count, total) in ranges.items():
-        saved_total = shards[0]["expert_range"][name][2]
-        if saved_total != total:
-            raise ValueError(f"{name}: checkpoint has {saved_total} experts, the model {total}")
-        state[name] = _gather_expert_slice(shards, "experts", name, first, count)
-    model.load_state_dict(state, strict=True)
-
-    params = dict(model.named_parameters())
-    for name, s in dense["optim"].items():
-        _set_optim_state(optimizer, params[name], s)
-    for name, (first, count, _) in ranges.items():
-        if name not in shards[0]["optim"]:
-            continue
-        s = dict(shards[0]["optim"][name])
-        for k, v in s.items():
-            if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == shards[0]["expert_range"][name][1]:
-                s[k] = _gather_expert_slice(shards, "optim", name, first, count, sub=k)
-        _set_optim_state(optimizer, params[name], s)
-    schedule.load_state_dict(dense["schedule"])
-
-    exact = meta["world_size"] == dist.world_size
-    if same_layout or not exact:
-        own = shards[0]  # this rank's file, or (world changed) rank 0's data position
-    else:
-        own = _load(os.path.join(path, f"rank{dist.rank:05d}.pt"))
-    if exact:
-        _set_rng_state(own["rng"])
-    return {"step": int(dense["step"]), "data": own["data"], "exact": exact}

@@ -121,6 +121,9 @@ class CheckpointConfig:
     keep: int = 2  # newest checkpoints kept, 0: all
     save_final: bool = False
     resume: str = "auto"  # auto (latest in dir if any) | none | a checkpoint directory
+    # write in a background thread (the state is first copied to host memory); the checkpoint
+    # becomes visible when the next save begins or the run ends
+    async_save: bool = False
     stop_after: int = 0  # >0: exit after this many steps (simulates an interruption)
 
 
@@ -301,6 +304,16 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(f"moe.num_experts={cfg.moe.num_experts} must be divisible by parallel.ep={cfg.parallel.ep}")
     if cfg.parallel.dispatcher == "p2p" and cfg.parallel.device == "cpu":
         raise ConfigError("parallel.dispatcher=p2p needs CUDA GPUs (symmetric memory), not parallel.device=cpu")
+    edp = world_size // cfg.parallel.ep
+    if cfg.parallel.data_parallel == "fsdp" and (cfg.model.dim % edp or cfg.moe.hidden_dim % edp):
+        raise ConfigError(f"parallel.data_parallel=fsdp shards every expert's weights over the {edp} ranks of its "
+                          f"expert-data-parallel group (world {world_size} / parallel.ep {cfg.parallel.ep}) along "
+                          f"model.dim={cfg.model.dim} and moe.hidden_dim={cfg.moe.hidden_dim}: both must be multiples of {edp}")
+    if cfg.train.activation_checkpointing == "full" and cfg.parallel.dispatcher == "p2p":
+        # the recomputed forward would dispatch again into the symmetric buffers while the
+        # slots of the blocks not yet recomputed still hold their rows
+        raise ConfigError("train.activation_checkpointing=full recomputes the dispatch: not with parallel.dispatcher=p2p "
+                          "(use selective, or the nccl dispatcher)")
     if cfg.parallel.dispatcher == "p2p" and cfg.log.time_comm:
         # the timer brackets the NCCL all-to-alls; the P2P path makes none, so it would log 0 ms
         raise ConfigError("log.time_comm=true times the NCCL all-to-alls only: not with parallel.dispatcher=p2p")

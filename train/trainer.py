@@ -23,21 +23,21 @@ import torch.nn.functional as F
 import triton
 
 from moe import moe_aux_loss, moe_layers, update_expert_biases
-from parallel import CommTimer, clip_grad_norm_, sync_gradients
+from parallel import CommTimer, clip_grad_norm_
 from parallel.stats import global_moe_stats, update_expert_biases_global
-from train import checkpoint as ckpt
+from train.checkpoint import Checkpointer, find_checkpoint
 from train.config import Config, to_yaml
 from train.data import TokenStream, load_splits, shard, val_batches
 from train.flops import param_counts, peak_flops, train_flops_per_token
 from train.logger import RunLogger
 from train.model import MoETransformer, num_moe_blocks
 from train.optim import WarmupCosine, build_optimizer
+from train.parallelize import parallelize, reduce_gradients, set_gradient_sync, trains_in_bf16
 from train.runtime import Runtime, init_runtime
 
 
 def autocast_context(cfg: Config, device: torch.device):
-    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and device.type == "cuda")
-    if bf16:
+    if trains_in_bf16(cfg, device):
         return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
 
@@ -124,9 +124,11 @@ class Trainer:
         self.schedule = WarmupCosine(self.optimizer, cfg.optim.warmup_steps, cfg.train.steps, cfg.optim.min_lr_ratio)
 
         self.step = 0
-        resume_from = ckpt.find_checkpoint(self.ckpt_dir, cfg.checkpoint.resume)
+        self.checkpointer = Checkpointer(self.ckpt_dir, rt, cfg.checkpoint.keep, cfg.checkpoint.async_save,
+                                         cfg.parallel.data_parallel)
+        resume_from = find_checkpoint(self.ckpt_dir, cfg.checkpoint.resume)
         if resume_from is not None:
-            info = ckpt.load_checkpoint(resume_from, self.model, self.optimizer, self.schedule, rt)
+            info = self.checkpointer.load(resume_from, self.model, self.optimizer, self.schedule)
             self.step = info["step"]
             self.stream.load_state_dict(info["data"])
         # checkpoint.stop_after ends this launch early (a preemptible slot); the schedule still
@@ -156,7 +158,7 @@ class Trainer:
         """The model, parallelized: its MoE layers get the EP dispatcher and hold E / ep experts.
 
         Every wrapping of the model belongs here, before the optimizer and the checkpoint see it.
-        Sets ``dispatcher`` (None: one process or ep 1) and ``comm_timer`` (None unless
+        Sets ``dispatcher`` (None: one process) and ``comm_timer`` (None unless
         ``log.time_comm`` and a dispatcher).
         """
         cfg, rt, d = self.cfg, self.rt, self.cfg.data
@@ -172,7 +174,7 @@ class Trainer:
         with rt.device:  # built on the device: a large model never materialises on the host
             model = MoETransformer(cfg, dispatcher=self.dispatcher)
         model.init_weights(cfg.train.seed)
-        return model
+        return parallelize(model, cfg, rt.dims, rt.device)
 
     def _write_run_files(self, argv: list[str], resume_from: str | None) -> None:
         """config.yaml and run_info.json (rank 0), and the run's one-line summary."""
@@ -211,7 +213,8 @@ class Trainer:
         ce_sum, aux_sum = torch.zeros((), device=rt.device), torch.zeros((), device=rt.device)
         lb = {n: 0.0 for n in self.moe_layers}
         zl = {n: 0.0 for n in self.moe_layers}
-        for _ in range(accum):
+        for micro in range(accum):
+            set_gradient_sync(model, cfg, rt.dims, micro == accum - 1)
             x_BS, y_BS = self.stream.next_batch()
             x_BS, y_BS = x_BS.to(rt.device, non_blocking=True), y_BS.to(rt.device, non_blocking=True)
             with self.autocast():
@@ -225,8 +228,7 @@ class Trainer:
                 lb[n] += m.last_aux.load_balancing_loss.detach() / accum
                 zl[n] += m.last_aux.z_loss.detach() / accum
         # the summed micro-batch gradients of this rank → those of one process on the global batch
-        if rt.distributed:
-            sync_gradients(model, rt.dims)
+        reduce_gradients(model, cfg, rt.dims)
         grad_norm = clip_grad_norm_(model, cfg.optim.grad_clip, rt.dims)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -306,13 +308,14 @@ class Trainer:
 
     def save_checkpoint(self) -> str:
         """The model, optimizer, schedule and data position at ``step`` (collective); returns its path."""
-        path = ckpt.save_checkpoint(self.ckpt_dir, self.step, self.model, self.optimizer, self.schedule,
-                                    self.stream.state_dict(), self.rt, self.cfg.checkpoint.keep)
-        self.log.print(f"saved {path}")
+        path = self.checkpointer.save(self.step, self.model, self.optimizer, self.schedule, self.stream.state_dict())
+        self.log.print(f"saving {path} in the background" if self.cfg.checkpoint.async_save else f"saved {path}")
         return path
 
     def close(self) -> None:
-        """Flush the logs and leave the process group, together with every rank."""
+        """Publish an async checkpoint in flight, flush the logs and leave the process group,
+        together with every rank."""
+        self.checkpointer.finish()
         self.log.finish()
         self.rt.barrier()
         self.rt.shutdown()
