@@ -14,9 +14,8 @@ memory is outside PyTorch's caching allocator, so the compared column leaves it 
 The model assumes balanced routing; these runs train on bytes, whose routing is skewed (a rank's
 experts can receive more than T·K rows), so the table also shows the last logged load max/mean
 and dropped fraction: a measured value above the prediction with a high imbalance is the routing,
-not the formula. Run it once the trainer honours the case's ``parallel.data_parallel`` and
-``train.activation_checkpointing`` (check ``git log``); before that those rows measure replicate
-without checkpointing.
+not the formula. The table also gives each case's throughput (median logged tokens/s and MFU of
+the steps after the third), so one run answers what a layout costs in memory and in speed.
 """
 
 import argparse
@@ -47,7 +46,17 @@ CASES = {
     "olmoe_bench": (2, OLMOE),
     "olmoe_bench_selective": (2, OLMOE + ["--train.activation_checkpointing=selective"]),
     "olmoe_bench_fsdp": (2, OLMOE + ["--parallel.data_parallel=fsdp"]),
+    "olmoe_bench_fsdp_selective": (2, OLMOE + ["--parallel.data_parallel=fsdp", "--train.activation_checkpointing=selective"]),
     "olmoe_bench_fsdp_full": (2, OLMOE + ["--parallel.data_parallel=fsdp", "--train.activation_checkpointing=full"]),
+    # EP 1 × DP 2: replicated, the 6.9B model's fp32 state alone is ~103 GiB per GPU
+    "olmoe_ep1_fsdp": (2, OLMOE + ["--parallel.ep=1", "--parallel.data_parallel=fsdp"]),
+    "olmoe_ep1_fsdp_selective": (2, OLMOE + ["--parallel.ep=1", "--parallel.data_parallel=fsdp",
+                                             "--train.activation_checkpointing=selective"]),
+    # the deepest OLMoE-width model at EP 2 on 2×H200, as the memory model predicts it (limits
+    # ~31 blocks replicated, ~41 with FSDP and full checkpointing)
+    "olmoe30_replicate": (2, OLMOE + ["--model.n_layers=30"]),
+    "olmoe40_fsdp_full": (2, OLMOE + ["--model.n_layers=40", "--parallel.data_parallel=fsdp",
+                                      "--train.activation_checkpointing=full"]),
 }
 
 
@@ -68,7 +77,11 @@ def run_case(name: str, gpus: int, overrides: list[str], steps: int, runs: str, 
         records = [json.loads(line) for line in f]
     train = [r for r in records if "perf/max_mem_gb" in r]
     last = train[-1] if train else {}
+    # throughput: the median step after the first three (autotuning, allocator warm-up)
+    steady = sorted(r["perf/tokens_per_s"] for r in train[3:]) or [float("nan")]
+    mfu = sorted(r["perf/mfu"] for r in train[3:]) or [float("nan")]
     return {"measured_gib": max((r["perf/max_mem_gb"] for r in train), default=float("nan")),
+            "tokens_per_s": steady[len(steady) // 2], "mfu": mfu[len(mfu) // 2],
             "imbalance": last.get("moe/load_imbalance", float("nan")),
             "dropped": last.get("moe/dropped_fraction", float("nan"))}
 
@@ -83,7 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", type=int, choices=(1, 2), required=True, help="run the cases of this many GPUs")
     parser.add_argument("--only", nargs="*", help="these cases only")
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--runs", default="/tmp/memory_check_runs", help="run directories")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per run")
     parser.add_argument("--out", help="also write the table to this file")
@@ -95,8 +108,8 @@ def main() -> None:
         f"Device: {torch.cuda.get_device_name(0)} × {args.gpus} | torch {torch.__version__} | {args.steps} steps per case",
         "",
         "| case | data parallel | AC | predicted GiB | of it in the allocator | measured GiB | measured / predicted "
-        "| predicted peak at | load max/mean | dropped |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| predicted peak at | tokens/s | MFU | load max/mean | dropped |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, (gpus, overrides) in cases.items():
         pred = predicted(gpus, overrides)
@@ -107,7 +120,9 @@ def main() -> None:
         lines.append(
             f"| {name} | {lay.data_parallel} | {lay.checkpointing} | {pred.peak.total / memory.GiB:.2f} | "
             f"{in_allocator:.2f} | {measured:.2f} | {measured / in_allocator:.3f} | {pred.peak.name} | "
+            f"{got.get('tokens_per_s', float('nan')):,.0f} | {100 * got.get('mfu', float('nan')):.1f}% | "
             f"{got.get('imbalance', float('nan')):.2f} | {got.get('dropped', float('nan')):.3f} |")
+        print(lines[-1], flush=True)
     table = "\n".join(lines)
     print("\n" + table)
     if args.out:
