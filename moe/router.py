@@ -34,6 +34,12 @@ class RouterOutput:
     weights_TK: torch.Tensor
 
 
+# a pytree node, so that module hooks see the tensors inside (FSDP2 unshards a module's parameters
+# for its backward from hooks on the tensors of its output: without this, a sharded router's
+# weight is gone when the backward of its logits needs it)
+torch.utils._pytree.register_dataclass(RouterOutput)
+
+
 class Router(nn.Module):
     """``logits = x @ Wrᵀ`` in fp32 (autocast off), scores, top-k.
 

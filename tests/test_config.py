@@ -137,3 +137,10 @@ def test_dispatcher_key_from_yaml_and_cli(tmp_path):
 def test_shipped_configs_parse(path):
     cfg = from_yaml(path)
     validate(cfg, world_size=max(2, cfg.parallel.ep))
+
+
+def test_none_is_a_value_of_a_plain_string_key():
+    """``checkpoint.resume=none`` (a documented choice of a str key) stays the string; on an
+    optional key ``none`` is the null."""
+    cfg = load_config(["--checkpoint.resume=none", "--checkpoint.dir=none"])
+    assert cfg.checkpoint.resume == "none" and cfg.checkpoint.dir is None

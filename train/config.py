@@ -236,11 +236,10 @@ def _is_text(tp) -> bool:
 def _parse_value(text: str, tp):
     """A command-line value: strings (and choices among strings) stay as typed, everything else
     is read as YAML."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        base = [a for a in typing.get_args(tp) if a is not type(None)]
-    else:
-        base = [tp]
-    if len(base) == 1 and _is_text(base[0]) and text.lower() not in ("none", "null", "~"):
+    optional = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    base = [a for a in typing.get_args(tp) if a is not type(None)] if optional else [tp]
+    # "none" is a value of a plain string (checkpoint.resume=none), the null only of an optional one
+    if len(base) == 1 and _is_text(base[0]) and not (optional and text.lower() in ("none", "null", "~")):
         return text
     if text.lower() in ("none", "null"):
         return None
