@@ -9,11 +9,19 @@ What ``fully_shard`` is applied to, innermost first (FSDP2 manages a parameter i
    because L = E/P can be smaller than the EDP size (8 experts over EP 8 leave L = 1), and a
    dim-0 shard of one expert would leave all but one rank holding padding. FSDP2 shards a dim
    other than 0 only evenly, so D and F must be multiples of W/P (checked before any sharding).
-2. every :class:`moe.Router` over the world, with its own fp32 policy: the router is fp32 by
-   design (its logits decide discrete routes; a bf16 gather would round the weights it reads).
-3. every transformer block over the world (``dims.dp_mesh``): the rest of the block.
-4. the root (embeddings, final norm, LM head) over the world, never resharded after the forward:
+2. every transformer block over the world (``dims.dp_mesh``): the rest of the block.
+3. the root (embeddings, final norm, LM head) over the world, never resharded after the forward:
    the backward starts with it.
+
+Left out of FSDP (``ignored_params``), replicated as in ``replicate`` mode and reduced by
+:func:`parallel.sync_gradients` after the backward:
+- the routers: fp32 by design (their logits decide discrete routes; a bf16 gather would round the
+  weights they read), and tiny (E·D each);
+- the experts when their EDP group is one rank (EP = W): there is nothing to shard them over, and
+  an FSDP unit per layer would still copy every expert weight in and out of its buffers twice a
+  step and add hooks per layer on a step whose dispatch already waits on the host. On 2×H200
+  (OLMoE-shaped, EP 2) wrapping routers and such experts in FSDP units of their own measured 0.77×
+  the replicated tokens/s.
 
 Gradients. FSDP reduce-scatters each gradient during the backward and divides by its mesh size by
 default. That is right for the dense parameters (mean over the W ranks' losses). An expert shard's
@@ -58,19 +66,22 @@ def fully_shard_moe(model: nn.Module, blocks: list[nn.Module], dims, *, param_dt
                     raise ValueError(f"fully_shard_moe: the experts' weights are sharded along dim 1 over the "
                                      f"{dims.edp} ranks of an expert-data-parallel group, which must divide it: {uneven}")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    ignored: set[nn.Parameter] = set()
     for block in blocks:
+        mine = set()
         for module in block.modules():
-            if isinstance(module, GroupedExperts):
+            if isinstance(module, Router):
+                mine.update(module.parameters())
+            elif isinstance(module, GroupedExperts) and dims.edp == 1:
+                mine.update(module.parameters())
+            elif isinstance(module, GroupedExperts):
                 fully_shard(module, mesh=dims.edp_mesh, reshard_after_forward=reshard_after_forward,
                             shard_placement_fn=_expert_placement, mp_policy=policy)
                 module.set_gradient_divide_factor(float(dims.world_size))
-                # gloo has no PREMUL_SUM: sum, then divide. Not on one rank, where torch 2.13
-                # divides by the factor in its copy and then again after it.
-                if dims.mesh.device_type == "cpu" and dims.edp > 1:
+                if dims.mesh.device_type == "cpu":  # gloo has no PREMUL_SUM: sum, then divide
                     module.set_force_sum_reduction_for_comms(True)
-            elif isinstance(module, Router):
-                fully_shard(module, mesh=dims.dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=fp32)
-        fully_shard(block, mesh=dims.dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    fully_shard(model, mesh=dims.dp_mesh, reshard_after_forward=False, mp_policy=policy)
+        fully_shard(block, mesh=dims.dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                    ignored_params=mine)
+        ignored |= mine
+    fully_shard(model, mesh=dims.dp_mesh, reshard_after_forward=False, mp_policy=policy, ignored_params=ignored)
     return model

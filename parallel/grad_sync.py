@@ -130,11 +130,13 @@ def sync_gradients(model: nn.Module, dims) -> None:
 
     Call once per optimizer step, after the last backward (with gradient accumulation the
     reduction is linear, so one sync of the summed gradients suffices). Dense gradients: world
-    sum / W. Expert gradients: EDP-group sum / W.
+    sum / W. Expert gradients: EDP-group sum / W. Parameters sharded by FSDP (DTensors) are left
+    alone: FSDP has reduce-scattered them during the backward.
     """
-    experts = expert_parameters(model)
-    expert_ids = {id(p) for p in experts}
-    dense = [p for p in model.parameters() if id(p) not in expert_ids]
+    replicated = [p for p in model.parameters() if not isinstance(p, DTensor)]
+    expert_ids = {id(p) for p in expert_parameters(model)}
+    experts = [p for p in replicated if id(p) in expert_ids]
+    dense = [p for p in replicated if id(p) not in expert_ids]
     n = dims.world_size
     all_reduce_mean_(_grads(dense), dims.world_group, n)
     all_reduce_mean_(_grads(experts), dims.edp_group, n)

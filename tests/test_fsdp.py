@@ -33,10 +33,12 @@ from train.parallelize import parallelize, reduce_gradients
 # max |ours - reference| / max |reference| (fp32 on CPU); on a GPU the layers run in bf16 with
 # fp32 reductions, so the GPU test compares with a bf16 tolerance
 TOLERANCE = {"cpu": 2e-5, "cuda": 3e-2}
-# after one AdamW step a parameter moves by about lr wherever its gradient is not ~0, so the
-# step's error is measured in units of lr. Adam divides by |g|: the small elements of a gradient
-# carry its rounding error relatively larger (worst measured on CPU: 1.1e-3 · lr, lm_head at W=4)
-STEP_TOLERANCE = {"cpu": 1e-2, "cuda": 0.25}
+# after one AdamW step a parameter moves by about lr wherever its gradient is not ~0. On CPU (fp32)
+# the step's error is measured element-wise in units of lr: Adam divides by |g|, so the small
+# elements of a gradient carry its rounding error relatively larger (worst measured: 1.1e-3 · lr,
+# lm_head at W=4). In bf16 (GPU) an element whose gradient is rounding noise may step the other
+# way (2 · lr), so there the update as a whole is compared: |Δ - Δref|₂ / |Δref|₂.
+STEP_TOLERANCE = {"cpu": 1e-2, "cuda": 0.1}
 SEQ, BATCH, LR, CLIP = 8, 2, 1e-2, 0.05
 
 
@@ -152,14 +154,21 @@ def _equivalence(case: Case, dims: ParallelDims, device) -> dict:
         errors[f"grad:{name}"] = _rel(grads[name], mine(name, ref_grads[name]))
     step_errors = {}
     for name, p in ref.named_parameters():
-        step_errors[f"param:{name}"] = float((params[name] - mine(name, p.detach().float().cpu())).abs().max() / LR)
+        after, before = mine(name, p.detach().float().cpu()), mine(name, ref_before[name])
+        if device.type == "cpu":
+            step_errors[f"param:{name}"] = float((params[name] - after).abs().max() / LR)
+        else:
+            step_errors[f"param:{name}"] = float((params[name] - after).norm() / (after - before).norm())
     return {
         "errors": errors, "step_errors": step_errors,
         "exact": {
             "clipped": bool(norm_ref > CLIP),  # the clipping path is exercised
             "every_parameter_moved": all(not torch.equal(p.detach().float().cpu(), ref_before[n])
                                          for n, p in ref.named_parameters()),
-            "sharded_iff_fsdp": (len(sharded) == len(params)) == (case.data_parallel == "fsdp"),
+            # under FSDP everything but the routers (and the experts at EP = W) is sharded
+            "sharded_iff_fsdp": bool(sharded) == (case.data_parallel == "fsdp")
+            and not any(".router." in n for n in sharded)
+            and any(".experts." in n for n in sharded) == (case.data_parallel == "fsdp" and dims.edp > 1),
         },
     }
 

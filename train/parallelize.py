@@ -42,14 +42,15 @@ def parallelize(model: nn.Module, cfg: Config, dims, device: torch.device) -> nn
 
 def set_gradient_sync(model: nn.Module, cfg: Config, dims, enabled: bool) -> None:
     """FSDP: reduce-scatter in this backward (the step's last micro-batch) or keep accumulating
-    the unsharded gradients locally (the others). Replicated models reduce once, in
-    :func:`reduce_gradients`, so there is nothing to switch."""
+    the unsharded gradients locally (the others). Replicated parameters reduce once, in
+    :func:`reduce_gradients`, so there is nothing to switch for them."""
     if is_sharded(cfg, dims):
         model.set_requires_gradient_sync(enabled)
 
 
 def reduce_gradients(model: nn.Module, cfg: Config, dims) -> None:
-    """After the step's last backward: the replicated models' all-reduce (FSDP has already
-    reduce-scattered during the backward)."""
-    if dims is not None and not is_sharded(cfg, dims):
+    """After the step's last backward: the all-reduce of every parameter FSDP does not manage
+    (all of them when replicated; the routers, and the experts at EP = W, under FSDP, which has
+    reduce-scattered the rest during the backward)."""
+    if dims is not None:
         sync_gradients(model, dims)
