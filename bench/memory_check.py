@@ -46,6 +46,7 @@ CASES = {
     "olmoe_bench": (2, OLMOE),
     "olmoe_bench_selective": (2, OLMOE + ["--train.activation_checkpointing=selective"]),
     "olmoe_bench_fsdp": (2, OLMOE + ["--parallel.data_parallel=fsdp"]),
+    "olmoe_bench_fsdp_zero2": (2, OLMOE + ["--parallel.data_parallel=fsdp", "--parallel.reshard_after_forward=false"]),
     "olmoe_bench_fsdp_selective": (2, OLMOE + ["--parallel.data_parallel=fsdp", "--train.activation_checkpointing=selective"]),
     "olmoe_bench_fsdp_full": (2, OLMOE + ["--parallel.data_parallel=fsdp", "--train.activation_checkpointing=full"]),
     # EP 1 × DP 2: replicated, the 6.9B model's fp32 state alone is ~103 GiB per GPU
