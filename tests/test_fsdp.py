@@ -166,6 +166,10 @@ def _equivalence(case: Case, dims: ParallelDims, device) -> dict:
             "every_parameter_moved": all(not torch.equal(p.detach().float().cpu(), ref_before[n])
                                          for n, p in ref.named_parameters()),
             # under FSDP everything but the routers (and the experts at EP = W) is sharded
+            # a fused AdamW step (GPU) refuses a group mixing plain tensors and DTensors
+            "optimizer_groups_homogeneous": all(
+                len({p.device_mesh if isinstance(p, DTensor) else None for p in g["params"]}) == 1
+                for g in opt.param_groups),
             "sharded_iff_fsdp": bool(sharded) == (case.data_parallel == "fsdp")
             and not any(".router." in n for n in sharded)
             and any(".experts." in n for n in sharded) == (case.data_parallel == "fsdp" and dims.edp > 1),

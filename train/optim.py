@@ -4,15 +4,31 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from train.config import OptimConfig
 from train.model import expert_parameter_names
 
 
+def _by_placement(group: dict) -> list[dict]:
+    """``group`` split by where its parameters live: plain tensors, and FSDP's DTensors per mesh.
+
+    A fused or foreach AdamW step takes one group's tensors in one call, and DTensor refuses a
+    call that mixes plain tensors and DTensors (measured on 2×H200: "aten._fused_adamw_.default:
+    got mixed torch.Tensor and DTensor"), as it does DTensors of two meshes. Under FSDP the
+    routers stay plain beside the sharded dense weights, so they get a group of their own.
+    """
+    parts: dict = {}
+    for p in group["params"]:
+        parts.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    return [{**group, "params": params} for params in parts.values()]
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """Three groups, each with its ``base_lr``: ``dense`` (matrices, decayed), ``dense_no_decay``
-    (norm gains and biases), ``experts`` (this rank's expert weights, ``lr · expert_lr_mult``,
-    ``expert_weight_decay``)."""
+    """Three kinds of group, each with its ``base_lr``: ``dense`` (matrices, decayed),
+    ``dense_no_decay`` (norm gains and biases), ``experts`` (this rank's expert weights,
+    ``lr · expert_lr_mult``, ``expert_weight_decay``); each kind split by placement
+    (:func:`_by_placement`)."""
     expert_names = expert_parameter_names(model)
     dense, no_decay, experts = [], [], []
     for name, p in model.named_parameters():
@@ -30,7 +46,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
         {"name": "dense_no_decay", "params": no_decay, "weight_decay": 0.0, "base_lr": cfg.lr},
         {"name": "experts", "params": experts, "weight_decay": expert_wd, "base_lr": cfg.lr * cfg.expert_lr_mult},
     ]
-    groups = [g for g in groups if g["params"]]
+    groups = [part for g in groups for part in _by_placement(g)]
     for g in groups:
         g["lr"] = g["base_lr"]
     # fused on CUDA: the foreach path allocates parameter-sized temporaries (a 6.9B-parameter
