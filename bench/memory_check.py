@@ -40,11 +40,11 @@ CASES = {
     # the OLMoE-shaped model cut to 4 blocks, so its 16 bytes per parameter fit one GPU
     "olmoe4": (1, OLMOE + ["--parallel.ep=1", "--model.n_layers=4"]),
     "olmoe4_selective": (1, OLMOE + ["--parallel.ep=1", "--model.n_layers=4", "--train.activation_checkpointing=selective"]),
-    "ep2": (2, ["--config", "configs/ep2.yaml"]),
+    "ep2": (2, ["--config", "configs/ep2.yaml", "--parallel.data_parallel=replicate"]),
     "ep2_fsdp": (2, ["--config", "configs/ep2.yaml", "--parallel.data_parallel=fsdp"]),
     "ep2_p2p": (2, ["--config", "configs/ep2_p2p.yaml"]),
-    "olmoe_bench": (2, OLMOE),
-    "olmoe_bench_selective": (2, OLMOE + ["--train.activation_checkpointing=selective"]),
+    "olmoe_bench": (2, OLMOE + ["--parallel.data_parallel=replicate"]),
+    "olmoe_bench_selective": (2, OLMOE + ["--parallel.data_parallel=replicate", "--train.activation_checkpointing=selective"]),
     "olmoe_bench_fsdp": (2, OLMOE + ["--parallel.data_parallel=fsdp"]),
     "olmoe_bench_fsdp_zero2": (2, OLMOE + ["--parallel.data_parallel=fsdp", "--parallel.reshard_after_forward=false"]),
     "olmoe_bench_fsdp_selective": (2, OLMOE + ["--parallel.data_parallel=fsdp", "--train.activation_checkpointing=selective"]),
@@ -55,7 +55,7 @@ CASES = {
                                              "--train.activation_checkpointing=selective"]),
     # the deepest OLMoE-width model at EP 2 on 2×H200, as the memory model predicts it (limits
     # ~31 blocks replicated, ~41 with FSDP and full checkpointing)
-    "olmoe30_replicate": (2, OLMOE + ["--model.n_layers=30"]),
+    "olmoe30_replicate": (2, OLMOE + ["--model.n_layers=30", "--parallel.data_parallel=replicate"]),
     "olmoe40_fsdp_full": (2, OLMOE + ["--model.n_layers=40", "--parallel.data_parallel=fsdp",
                                       "--train.activation_checkpointing=full"]),
 }

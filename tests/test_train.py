@@ -353,18 +353,18 @@ def test_config_error_fails_before_the_process_group(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_process_ep2_and_resume_exact_and_into_ep1_fsdp(tmp_path):
+def test_two_process_ep2_and_resume_exact_and_into_ep1_replicated(tmp_path):
     base = SMALL + ["--train.steps=6", "--parallel.ep=2", f"--log.dir={tmp_path}"]
     _torchrun(2, base + ["--log.run_name=full"])
     _torchrun(2, base + ["--log.run_name=part", "--checkpoint.stop_after=3"])
     step3 = tmp_path / "part" / "checkpoints" / "step_00000003"
     assert (step3 / ".metadata").is_file()  # a DCP checkpoint
     assert json.loads((step3 / "meta.json").read_text()) == {
-        "format": "dcp-1", "step": 3, "world_size": 2, "ep": 2, "data_parallel": "replicate"}
-    # resume the same checkpoint into EP=1 under FSDP (DCP reslices experts and moments) ...
+        "format": "dcp-1", "step": 3, "world_size": 2, "ep": 2, "data_parallel": "fsdp"}
+    # resume the same checkpoint into EP=1, replicated (DCP reslices experts and moments) ...
     os.makedirs(tmp_path / "ep1")
     os.symlink(tmp_path / "part" / "checkpoints", tmp_path / "ep1" / "checkpoints")
-    _torchrun(2, base[:-2] + ["--parallel.ep=1", "--parallel.data_parallel=fsdp", f"--log.dir={tmp_path}",
+    _torchrun(2, base[:-2] + ["--parallel.ep=1", "--parallel.data_parallel=replicate", f"--log.dir={tmp_path}",
                               "--log.run_name=ep1"])
     # ... and continue EP=2 exactly
     _torchrun(2, base + ["--log.run_name=part"])

@@ -46,11 +46,12 @@ class ParallelConfig:
     # how MoE rows cross the EP group (ep > 1 only): nccl (all-to-all; any devices, any nodes) |
     # p2p (NVLink stores into symmetric memory; CUDA, every EP group on one node)
     dispatcher: Literal["nccl", "p2p"] = "nccl"
-    # how the data-parallel copies hold their state: replicate (every rank a full copy of the dense
-    # parameters, gradients all-reduced after the backward) | fsdp (FSDP2: dense state sharded
-    # over the world, each expert shard's state over its expert-data-parallel group, gradients
-    # reduce-scattered during the backward)
-    data_parallel: Literal["replicate", "fsdp"] = "replicate"
+    # how the data-parallel copies hold their state: fsdp (FSDP2: dense state sharded over the
+    # world, each expert shard's state over its expert-data-parallel group, gradients
+    # reduce-scattered during the backward) | replicate (every rank a full copy, gradients
+    # all-reduced after the backward). fsdp is the default: on 2xH200 (OLMoE-shaped, EP 2) it
+    # trained at 1.08x replicate's tokens/s in 71 instead of 75 GiB (bench/results/memory.md)
+    data_parallel: Literal["replicate", "fsdp"] = "fsdp"
     # fsdp: free each block's gathered parameters after its forward (ZeRO-3-like, less memory) or
     # keep them until the backward (ZeRO-2-like, one all-gather per step fewer)
     reshard_after_forward: bool = True
