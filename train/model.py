@@ -134,14 +134,3 @@ def expert_parameter_names(model: nn.Module) -> set[str]:
         if isinstance(mod, GroupedExperts):
             names.update(f"{mod_name}.{p}" for p, _ in mod.named_parameters())
     return names
-
-
-def expert_ranges(model: nn.Module) -> dict[str, tuple[int, int, int]]:
-    """For each expert parameter: ``(first global expert, local count, global count)``."""
-    out = {}
-    for mod_name, mod in model.named_modules():
-        if isinstance(mod, MoELayer):
-            first = mod.dispatcher.ep_rank * mod.num_local_experts
-            for p, _ in mod.experts.named_parameters():
-                out[f"{mod_name}.experts.{p}"] = (first, mod.num_local_experts, mod.config.num_experts)
-    return out
