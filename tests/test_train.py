@@ -212,7 +212,7 @@ def test_checkpoint_of_the_pre_dcp_format_is_one_clear_error(tmp_path):
     (old / "meta.json").write_text(json.dumps({"step": 4, "world_size": 2, "ep": 2}))
     _, model, opt, sched = _tiny_model()
     path = ckpt.find_checkpoint(str(tmp_path / "ck"), "auto")
-    with pytest.raises(ValueError, match="pre-DCP format.*python -m train.convert_checkpoint"):
+    with pytest.raises(ValueError, match="pre-DCP format.*c43e526.*checkpoint.resume=none"):
         ckpt.Checkpointer(str(tmp_path / "ck"), _one_process()).load(path, model, opt, sched)
 
 

@@ -198,8 +198,9 @@ def read_meta(path: str) -> dict:
         meta = json.load(f)
     if meta.get("format") != FORMAT:
         raise ValueError(
-            f"{path} is a checkpoint of the pre-DCP format (dense.pt + rank*.pt files); convert it once with "
-            f"`python -m train.convert_checkpoint {path} <new dir>` and resume from the new directory"
+            f"{path} is a checkpoint of the pre-DCP format (dense.pt + rank*.pt files), which this version does not "
+            f"read: finish that run with the version that wrote it (commit c43e526 or earlier), or start afresh "
+            f"(checkpoint.resume=none, or another checkpoint.dir)"
         )
     return meta
 
