@@ -4,6 +4,7 @@
     python -m train.memory --config configs/olmoe_bench.yaml --world 8 --ep 8 --data-parallel fsdp --ac full
     python -m train.memory --layouts          # Qwen3-30B-A3B and DeepSeek-V3-shaped layouts we cannot run
     python -m train.memory ... --detail       # also each saved tensor of one block, and where the peak is
+    python -m train.memory ... --torch 2.11   # the run's torch, if not the installed one (rms_norm's autocast)
 
 Legend: B batch, S sequence length, T = B·S tokens per rank and micro-batch, D model dim, V
 vocabulary, H / Hkv / Hd query heads / key-value heads / head dim, E experts, K top-k, L = E / ep
@@ -19,8 +20,9 @@ device), and every activation byte is read off the code that saves it. Without `
 What is counted, per GPU:
 - parameters: fp32 masters. replicate: every dense parameter and the rank's L experts per layer;
   fsdp (``parallel/fsdp.py``): dense ones Shard(0) over the W ranks, each expert shard Shard(1)
-  over its edp = W / ep ranks (edp = 1: not split), the router over W in fp32; FSDP2 pads a
-  shard to ceil(size / ranks) rows, so the padded chunk is what a rank allocates.
+  over its edp = W / ep ranks; the routers, and the experts when edp = 1, are left out of FSDP
+  (ignored_params: whole fp32 parameters, as replicated); FSDP2 pads a shard to
+  ceil(size / ranks) rows, so the padded chunk is what a rank allocates.
 - gradients: fp32, shaped like the masters; ``zero_grad(set_to_none=True)`` after each step, so
   they appear during the backward (a block's once its backward has run) and are whole only from
   the end of the backward to the optimizer step (with ``train.grad_accum`` > 1, from the start).
@@ -38,15 +40,19 @@ What is counted, per GPU:
   experts' ``.to(bf16)`` copies, kept by the backward that reads them (autocast also caches every
   cast of a leaf parameter until the autocast region exits: all of them exist at the end of the
   forward); fsdp: the bf16 all-gathered parameters held (the root's, never resharded; every
-  block's when ``parallel.reshard_after_forward`` is false).
+  block's when ``parallel.reshard_after_forward`` is false), and the casts of what FSDP leaves
+  out (the edp = 1 experts' ``.to(bf16)``; the routers run in fp32 with autocast off).
 - transients at the peak: the fp32 logits (the loop's variable holds them until the step
   returns), the cross-entropy's B·S·V temporaries, a block's backward working set (incoming
   gradients, dgrad outputs, the bf16 wgrad before its fp32 accumulate), the activations a
-  checkpointed block recomputes, FSDP's in-flight all-gathers (this block and the prefetched one)
-  and reduce-scatter buffers, the replicate all-reduce's flat bucket.
+  checkpointed block recomputes, FSDP's buffers (below), the all-reduce's flat bucket (every
+  gradient when replicated; the routers' under FSDP).
 
 The peak is the largest total over the moments of a step: the end of the forward, the
-cross-entropy backward, each block's backward, and the gradient sync + optimizer step (the fused
+cross-entropy backward, each block's backward (the largest of its phases: the FFN's backward,
+then the attention's, which never overlap; under FSDP also its units' copy-outs and
+reduce-scatters), the end of the backward (FSDP: the root's reduce-scatter), and the gradient
+sync + optimizer step (the fused
 AdamW step updates param, grad and both moments in place: nothing parameter-sized). Not counted:
 the CUDA context, NCCL's and cuBLAS's own buffers, Triton's autotuning scratch, and the validation
 pass (no_grad: smaller than a training step).
@@ -59,22 +65,48 @@ Assumptions (each one where the code uses it, with its reason):
   capacity_factor·T·K with a capacity; the local dispatcher packs all T·K pairs, dropped ones too;
   the P2P dispatcher hands the experts its fixed ep·T·K rows (its docstring says so).
 - the residual stream: fp32 with fp32 masters (the embedding's fp32 rows plus bf16 sub-layer
-  outputs); with bf16-gathered FSDP parameters bf16 only up to the first MoE block: autocast runs
-  rms_norm in fp32 and MoELayer returns its input's dtype, so from there on it is fp32. The norms
-  keep an fp32 input either way (a cast copy of a bf16 one).
-- FSDP: a block's bf16 parameters are gathered before its forward and again before its backward
-  (reshard_after_forward) with one block prefetched; its gradient exists unsharded in bf16, then
-  in fp32 for the reduce-scatter, whose buffer lives on while the next block's backward runs.
+  outputs). Under bf16-gathered FSDP every unit casts its forward inputs to bf16
+  (MixedPrecisionPolicy.cast_forward_inputs): each block's input, and the experts' rows when
+  they are a unit (edp > 1). The norms: from torch 2.12 autocast runs rms_norm in fp32 (an fp32
+  cast input kept, fp32 out, so fp32 dispatched rows); before, in its input's dtype, bf16 under
+  FSDP (:class:`Numerics`; ``--torch``, default the installed version).
+- FSDP (torch/distributed/fsdp/_fully_shard): units are each block's dense group and, at
+  edp > 1, its experts. In the backward a unit's pre-backward copies its all-gather out (the flat
+  output and the parameters both alive for a moment) and prefetches the unit before it in
+  forward order (block → its experts → the previous block), whose all-gather output waits for
+  its own copy-out; gradients are unsharded in bf16 until the unit's post-backward reshards it,
+  fills the reduce-scatter input (reduce dtype) and frees them; that input lives until the next
+  unit's reduce-scatter. The root's forward input (token ids) needs no gradient, so its
+  post-backward (and its reduce-scatter) runs only when the backward ends.
 
-Calibration: not yet measured on a GPU. ``bench/memory_check.py`` prints predicted vs
-``torch.cuda.max_memory_allocated`` for real training runs. tests/test_memory.py checks what a
-forward keeps under each checkpointing setting against a CPU forward (fp32, the Triton kernels in
-the interpreter): equal but for the O(E) tensors left out. What only a GPU shows (the bf16 casts,
-the fused norm, FSDP's buffers, the moments' transients) is modelled from the code, unmeasured.
+Calibration: ``bench/memory_check.py`` prints predicted vs ``torch.cuda.max_memory_allocated``
+for real training runs. Measured on 2×H200 (torch 2.11, configs/olmoe_bench.yaml, 10 steps) at
+commit 8011bf1 (routers and edp = 1 experts out of FSDP); predictions with ``--torch 2.11``,
+before (the model as it was: routers and edp = 1 experts counted as FSDP units, rms_norm in fp32,
+every FSDP buffer at once) and after:
+
+| case | mode | AC | old GiB | new GiB | measured | new / measured |
+|---|---|---|---|---|---|---|
+| olmoe_bench (EP 2) | replicate | none | 74.87 | 74.87 | 74.77 | 1.001 |
+| olmoe_bench | replicate | selective | 62.84 | 62.84 | 62.78 | 1.001 |
+| olmoe_bench | fsdp | none | 65.90 | 70.88 | 70.96 | 0.999 |
+| olmoe_bench, reshard_after_forward=false | fsdp | none | 72.40 | 71.38 | 71.47 | 0.999 |
+| olmoe_bench | fsdp | selective | 61.08 | 55.99 | 55.43 | 1.010 |
+| olmoe_bench | fsdp | full | 57.88 | 55.99 | 55.27 | 1.013 |
+| --parallel.ep=1 (EP 1 × DP 2) | fsdp | none | 68.67 | 64.88 | 64.95 | 0.999 |
+| --parallel.ep=1 | fsdp | selective | 64.09 | 56.11 | 55.58 | 1.010 |
+| --model.n_layers=30 (EP 2) | replicate | none | 132.74 | 132.74 | 134.33 | 0.988 |
+| --model.n_layers=40 (EP 2) | fsdp | full | 132.91 | 131.04 | 130.29 | 1.006 |
+
+tests/test_memory.py checks what a forward keeps under each checkpointing setting against a CPU
+forward (fp32, the Triton kernels in the interpreter): equal but for the O(E) tensors left out.
+Not measured: the P2P dispatcher, gradient accumulation, torch >= 2.12 on a GPU (rms_norm in
+fp32: larger FSDP activations), layouts beyond 2 GPUs.
 """
 
 import argparse
 import copy
+import importlib.metadata
 import math
 import sys
 from dataclasses import dataclass
@@ -169,6 +201,11 @@ class Layout:
         return self.data_parallel == "fsdp" and self.world > 1
 
     @property
+    def experts_sharded(self) -> bool:
+        # parallel/fsdp.py leaves the experts out of FSDP (ignored_params) when edp = 1: plain fp32
+        return self.sharded and self.edp > 1
+
+    @property
     def transport(self) -> str:
         """How MoE rows move: ``local`` (ep 1), ``nccl`` or ``p2p``."""
         return "local" if self.ep == 1 else self.dispatcher
@@ -187,8 +224,8 @@ def local_numel(group: str, shape: tuple[int, ...], lay: Layout) -> int:
     moment). FSDP2 splits the sharded dimension in equal chunks, padding the last ones."""
     if group.endswith("experts"):
         L, rows, rest = shape[0] // lay.ep, shape[1], math.prod(shape[2:])
-        return L * (_ceil_div(rows, lay.edp) if lay.sharded else rows) * rest
-    if lay.sharded:
+        return L * (_ceil_div(rows, lay.edp) if lay.experts_sharded else rows) * rest
+    if lay.sharded and not group.endswith("router"):  # the routers are ignored_params: replicated
         return _ceil_div(shape[0], lay.world) * math.prod(shape[1:])
     return math.prod(shape)
 
@@ -202,15 +239,18 @@ def unsharded_numel(group: str, shape: tuple[int, ...], lay: Layout) -> int:
 class Numerics:
     """What the saved tensors' sizes depend on beyond the shapes.
 
-    compute_bytes: matmul operands and outputs (2: bf16 under autocast; 4: fp32). Norm outputs are
-        fp32 either way: CUDA autocast runs rms_norm in fp32 (it is on the fp32 list of ATen's
-        autocast_mode.h), so a linear fed by a norm saves a cast copy when compute_bytes is 2.
+    compute_bytes: matmul operands and outputs (2: bf16 under autocast; 4: fp32).
     fused_norm: CUDA dispatches rms_norm to _fused_rms_norm, which saves (input, rstd); elsewhere
         its composite also saves x·rstd (T, D).
+    norm_fp32: CUDA autocast runs rms_norm in fp32 (torch >= 2.12 put it on the fp32 list of
+        ATen's autocast_mode.h, pytorch#174824): it saves an fp32 (cast) input and returns fp32,
+        so a linear fed by a norm saves a cast copy. Before 2.12 rms_norm runs in its input's
+        dtype: fp32 with fp32 masters, but bf16 under FSDP's bf16 parameters and block inputs.
     """
 
     compute_bytes: int
     fused_norm: bool
+    norm_fp32: bool = True
 
     @property
     def casts(self) -> bool:
@@ -218,6 +258,21 @@ class Numerics:
 
 
 GPU_BF16 = Numerics(compute_bytes=2, fused_norm=True)
+
+
+def gpu_numerics(torch_version: str) -> Numerics:
+    """The bf16 GPU numerics of a torch version ("2.11.0+cu128"): rms_norm under autocast's fp32
+    policy from 2.12 on."""
+    major, minor = (int(x) for x in torch_version.split("+")[0].split(".")[:2])
+    return Numerics(compute_bytes=2, fused_norm=True, norm_fp32=(major, minor) >= (2, 12))
+
+
+def norm_bytes(lay: "Layout", num: Numerics) -> int:
+    """Bytes per element of what a norm saves and returns: fp32 with fp32 masters (fp32 residual
+    stream); under bf16-gathered FSDP the block inputs are bf16 (FSDP casts every unit's forward
+    inputs to param_dtype, MixedPrecisionPolicy.cast_forward_inputs) and so is the norm's weight:
+    fp32 only where autocast upcasts rms_norm (torch >= 2.12), else bf16."""
+    return 4 if num.norm_fp32 or not num.casts or not lay.bf16_params else 2
 
 
 @dataclass(frozen=True)
@@ -259,10 +314,11 @@ def expert_rows(s: ModelShape, T: int, lay: Layout) -> Rows:
     return Rows(kept, kept, s.E)
 
 
-def _norm(name: str, T: int, D: int, num: Numerics, region: str) -> list[Part]:
-    parts = [Part(f"{name} input (fp32)", T * D * 4, region), Part(f"{name} rstd", T * 4, region)]
+def _norm(name: str, T: int, D: int, num: Numerics, region: str, nbytes: int = 4) -> list[Part]:
+    parts = [Part(f"{name} input ({'fp32' if nbytes == 4 else 'bf16'})", T * D * nbytes, region),
+             Part(f"{name} rstd", T * 4, region)]
     if not num.fused_norm:
-        parts.append(Part(f"{name} x·rstd (composite rms_norm)", T * D * 4, region))
+        parts.append(Part(f"{name} x·rstd (composite rms_norm)", T * D * nbytes, region))
     return parts
 
 
@@ -283,7 +339,8 @@ def _mlp(name: str, T: int, D: int, hidden: int, s: ModelShape, num: Numerics, s
 def block_parts(s: ModelShape, moe: bool, B: int, S: int, lay: Layout, num: Numerics) -> list[Part]:
     """What one block keeps for its backward without activation checkpointing."""
     T, D, c = B * S, s.D, num.compute_bytes
-    parts = _norm("attn_norm", T, D, num, "attention") + [
+    nb = norm_bytes(lay, num)
+    parts = _norm("attn_norm", T, D, num, "attention", nb) + [
         Part("qkv input", T * D * c, "attention"),
         # v is a view of the fused qkv output, so FlashAttention's saved v keeps all of it
         Part("qkv output (saved v is a view of it)", T * (s.H + 2 * s.Hkv) * s.Hd * c, "attention"),
@@ -293,12 +350,12 @@ def block_parts(s: ModelShape, moe: bool, B: int, S: int, lay: Layout, num: Nume
         # o is empty_like(q) in (B, S, H, Hd) memory: the out projection's input is a view of it
         Part("attention output o", T * s.H * s.Hd * c, "attention"),
         Part("attention log-sum-exp (fp32)", T * s.H * 4, "attention"),
-    ] + _norm("ffn_norm", T, D, num, "rest")
+    ] + _norm("ffn_norm", T, D, num, "rest", nb)
     if not moe:
         return parts + _mlp("dense MLP", T, D, s.F_dense, s, num, shares_input=False)
     P, rows = T * s.K, expert_rows(s, T, lay)
     parts += [
-        # the router runs with autocast off on x.float(): the fp32 norm output itself
+        # the router runs with autocast off on x.float(): the fp32 norm output itself (a copy of a bf16 one)
         Part("router input (fp32 norm output)", T * D * 4),
         Part("router scores (softmax/sigmoid output)", T * s.E * 4),
         Part("router logits (z-loss logsumexp)", T * s.E * 4),
@@ -334,10 +391,11 @@ def block_parts(s: ModelShape, moe: bool, B: int, S: int, lay: Layout, num: Nume
     return parts
 
 
-def root_parts(s: ModelShape, B: int, S: int, num: Numerics) -> list[Part]:
+def root_parts(s: ModelShape, B: int, S: int, num: Numerics, lay: "Layout | None" = None) -> list[Part]:
     """What the embedding, the final norm and the LM head keep."""
     T = B * S
-    return [Part("token ids (embedding)", T * 8)] + _norm("final norm", T, s.D, num, "rest") + [
+    nb = norm_bytes(lay, num) if lay else 4
+    return [Part("token ids (embedding)", T * 8)] + _norm("final norm", T, s.D, num, "rest", nb) + [
         Part("LM head input", T * s.D * num.compute_bytes)]
 
 
@@ -349,13 +407,14 @@ def loss_parts(s: ModelShape, B: int, S: int) -> list[Part]:
 
 def residual_bytes(s: ModelShape, i: int, lay: Layout) -> int:
     """Bytes per element of block i's input. fp32 masters: the embedding's fp32 output plus bf16
-    sub-layer outputs stays fp32. bf16-gathered (fsdp): bf16 from the bf16 embedding until the
-    first MoE block, whose output takes its input's dtype, the fp32 norm output (MoELayer passes
-    x.dtype to the combine), so fp32 + anything is fp32 after it."""
-    return 2 if lay.bf16_params and not any(s.moe_blocks[:i]) else 4
+    sub-layer outputs stays fp32. bf16-gathered (fsdp): every block is an FSDP unit whose
+    MixedPrecisionPolicy casts its forward inputs to param_dtype (cast_forward_inputs, the
+    default), so the block sees (and its checkpoint keeps) bf16 whatever the stream's dtype."""
+    return 2 if lay.bf16_params else 4
 
 
-def checkpointed(parts: list[Part], s: ModelShape, i: int, B: int, S: int, lay: Layout) -> list[Part]:
+def checkpointed(parts: list[Part], s: ModelShape, i: int, B: int, S: int, lay: Layout,
+                 num: Numerics = GPU_BF16) -> list[Part]:
     """What block i keeps under ``lay.checkpointing`` (train/model.py's Block): none: everything;
     selective: the attention sub-layer and the experts' MLP keep only their inputs (the block
     input; the rows and offsets); full: the block input only."""
@@ -368,10 +427,13 @@ def checkpointed(parts: list[Part], s: ModelShape, i: int, B: int, S: int, lay: 
     kept = [p for p in parts if p.region == "rest"] + [block_input]
     if s.moe_blocks[i]:
         rows = expert_rows(s, T, lay)
-        # the experts' checkpoint keeps the rows as dispatched: the fp32 norm output's rows (a
-        # gather, or the all-to-all's receive buffer); P2P's are a view of its symmetric slot
+        # the experts' checkpoint keeps the rows as dispatched: the norm output's rows (a gather,
+        # or the all-to-all's receive buffer), cast to param_dtype when the experts are an FSDP
+        # unit (cast_forward_inputs); P2P's are a view of its symmetric slot
+        rb = lay.param_bytes if lay.experts_sharded else norm_bytes(lay, num)
         if lay.transport != "p2p":
-            kept.append(Part("expert input rows (fp32, checkpoint)", rows.R * s.D * 4, dispatch=True))
+            kept.append(Part(f"expert input rows ({'fp32' if rb == 4 else 'bf16'}, checkpoint)", rows.R * s.D * rb,
+                             dispatch=True))
         kept.append(Part("grouped-GEMM offsets", rows.J * 4))
     return kept
 
@@ -380,20 +442,30 @@ def saved_for_backward(cfg: Config, lay: Layout, num: Numerics = GPU_BF16, shape
     """Every tensor one forward and its loss keep for the backward: each block's, then the root's."""
     s = shape or ModelShape.of(cfg)
     B, S = cfg.data.batch_size, cfg.data.seq_len
-    blocks = [checkpointed(block_parts(s, moe, B, S, lay, num), s, i, B, S, lay) for i, moe in enumerate(s.moe_blocks)]
-    return [p for parts in blocks for p in parts] + root_parts(s, B, S, num) + loss_parts(s, B, S)
+    blocks = [checkpointed(block_parts(s, moe, B, S, lay, num), s, i, B, S, lay, num)
+              for i, moe in enumerate(s.moe_blocks)]
+    return [p for parts in blocks for p in parts] + root_parts(s, B, S, num, lay) + loss_parts(s, B, S)
 
 
 @dataclass(frozen=True)
 class BlockState:
-    """One block's bytes: ``kept`` for its backward, what its backward holds besides, its weights."""
+    """One block's bytes: ``kept`` for its backward, what its backward holds besides, its weights.
+
+    Its backward has two phases that do not overlap: the FFN's (the experts' or the MLP's
+    backward, with what it recomputes) and then the attention sub-layer's."""
 
     kept: list[Part]
-    recompute: int  # activations (and weight casts) rebuilt during its backward
-    workspace: int  # its backward's incoming gradients, dgrad outputs and bf16 wgrad
+    recompute_ffn: int  # activations (and weight casts) rebuilt and alive during the FFN's backward
+    recompute_attn: int  # ... during the attention sub-layer's backward
+    workspace_ffn: int  # the FFN backward's incoming gradients, dgrad outputs and bf16 wgrad
+    workspace_attn: int  # the attention backward's
     master: int  # fp32 master bytes on this rank (= gradient = one AdamW moment)
-    unsharded: int  # elements as the forward uses them (FSDP gathers these)
-    router: int  # of which the router's (gathered in fp32)
+    expert_master: int  # of which the experts'
+    dense_master: int  # of which the dense group's (the block's FSDP unit under fsdp)
+    ignored_master: int  # of which FSDP leaves out of its units (routers; the experts at edp = 1)
+    unit: int  # elements of the block's FSDP unit (its dense group), as gathered
+    expert_unit: int  # elements of its experts' FSDP unit (edp > 1), as gathered
+    ffn_unit: int  # of ``unit``, the FFN's part (ffn_norm, the dense or shared MLP)
     casts_kept: int  # bf16 weight casts its backward reads, kept from the forward
     casts_forward: int  # bf16 weight casts alive at the end of the forward (autocast's cache)
 
@@ -406,28 +478,32 @@ def block_state(s: ModelShape, groups: dict, i: int, B: int, S: int, lay: Layout
     """Block i's :class:`BlockState`; ``groups``: :func:`param_shapes` of ``s``."""
     T, D, c = B * S, s.D, num.compute_bytes
     moe = s.moe_blocks[i]
-    master = unsharded = 0
-    for kind in ("dense", "router", "experts"):
-        group = f"blocks.{i}.{kind}"
-        master += 4 * sum(local_numel(group, shape, lay) for shape in groups[group])
-        unsharded += sum(unsharded_numel(group, shape, lay) for shape in groups[group])
-    router = s.E * D if moe else 0
+    masters = {kind: 4 * sum(local_numel(f"blocks.{i}.{kind}", shape, lay) for shape in groups[f"blocks.{i}.{kind}"])
+               for kind in ("dense", "router", "experts")}
+    master = sum(masters.values())
+    ignored = masters["router"] + (masters["experts"] if lay.sharded and not lay.experts_sharded else 0)
+    unit = sum(math.prod(shape) for shape in groups[f"blocks.{i}.dense"]) if lay.sharded else 0
+    expert_unit = sum(unsharded_numel(f"blocks.{i}.experts", shape, lay) for shape in groups[f"blocks.{i}.experts"]
+                      ) if lay.experts_sharded else 0
 
-    # bf16 casts of fp32 weights (training in bf16 without bf16-gathered parameters): autocast
+    # bf16 casts of fp32 weights (training in bf16 where a weight is an fp32 master, not a bf16
+    # gathered copy: everywhere without FSDP, and the experts FSDP leaves out at edp = 1): autocast
     # casts every linear weight (the router runs with autocast off), GroupedExperts .to()s its own
     attn_w = (s.H + 2 * s.Hkv) * s.Hd * D + s.H * s.Hd * D
     hidden = s.F_shared if moe else s.F_dense
     mlp_w = (s.up(hidden) + hidden) * D if hidden else 0
+    ffn_unit = (D + mlp_w) if lay.sharded else 0
     expert_w = s.E // lay.ep * (s.up(s.F) + s.F) * D if moe else 0
     cast = 2 if num.casts and not lay.bf16_params else 0
+    expert_cast = 2 if num.casts and not (lay.bf16_params and lay.experts_sharded) else 0
     recomputed = {"none": (), "selective": ("attention", "experts"), "full": ("attention", "experts", "rest")}
-    casts_by_region = {"attention": cast * attn_w, "experts": cast * expert_w, "rest": cast * mlp_w}
+    casts_by_region = {"attention": cast * attn_w, "experts": expert_cast * expert_w, "rest": cast * mlp_w}
     casts_kept = sum(b for r, b in casts_by_region.items() if r not in recomputed[lay.checkpointing])
     # autocast caches linear-weight casts until the region exits; the experts' .to() is not cached
     casts_forward = cast * (attn_w + mlp_w) + (casts_by_region["experts"] if lay.checkpointing == "none" else 0)
 
     parts = block_parts(s, moe, B, S, lay, num)
-    kept = checkpointed(parts, s, i, B, S, lay)
+    kept = checkpointed(parts, s, i, B, S, lay, num)
     by_region = {r: _sum([p for p in parts if p.region == r]) + casts_by_region[r] for r in casts_by_region}
     rows = expert_rows(s, T, lay)
     U = s.up(s.F)
@@ -436,29 +512,32 @@ def block_state(s: ModelShape, groups: dict, i: int, B: int, S: int, lay: Layout
     # FSDP's unsharded gradients are counted with its buffers; the second GEMM's set is smaller
     # since U >= F); an MLP (dh, dz, dx); plus the residual gradient in and out (fp32)
     attn_ws = T * (s.H + 2 * (s.H + 2 * s.Hkv)) * s.Hd * c + T * s.H * 4
-    expert_ws = rows.R * (s.F + U + D) * c + (s.E // lay.ep * D * U * cast if moe else 0)
+    expert_ws = rows.R * (s.F + U + D) * c + (s.E // lay.ep * D * U * expert_cast if moe else 0)
     mlp_ws = T * (s.up(hidden) + hidden + D) * c if hidden else 0
-    workspace = max(attn_ws, expert_ws if moe else 0, mlp_ws) + 2 * T * D * 4
+    workspace_ffn = max(expert_ws if moe else 0, mlp_ws) + 2 * T * D * 4
+    workspace_attn = attn_ws + 2 * T * D * 4
+    # the FFN's backward runs (and frees what it recomputed) before the attention sub-layer's;
+    # full: the whole block is recomputed as its backward starts
     if lay.checkpointing == "full":
-        recompute = _sum(parts) + sum(casts_by_region.values())
+        recompute_ffn, recompute_attn = _sum(parts) + sum(casts_by_region.values()), by_region["attention"]
     elif lay.checkpointing == "selective":
-        # the experts' MLP is recomputed (in the FFN's backward) before the attention sub-layer
-        recompute = max(by_region["attention"], by_region["experts"] if moe else 0)
+        recompute_ffn, recompute_attn = (by_region["experts"] if moe else 0), by_region["attention"]
     else:
-        recompute = 0
-    return BlockState(kept, recompute, workspace, master, unsharded, router, casts_kept, casts_forward)
+        recompute_ffn = recompute_attn = 0
+    return BlockState(kept, recompute_ffn, recompute_attn, workspace_ffn, workspace_attn, master, masters["experts"],
+                      masters["dense"], ignored, unit, expert_unit, ffn_unit, casts_kept, casts_forward)
 
 
-def p2p_buffer_bytes(s: ModelShape, T: int, lay: Layout) -> int:
+def p2p_buffer_bytes(s: ModelShape, T: int, lay: Layout, row_bytes: int = 4) -> int:
     """P2PDispatcher's symmetric memory: one slot per MoE block (received rows, returned rows, their
     sources, the count matrix, three flags; each region 256-byte aligned) and one gradient buffer,
-    in the rows' dtype: the fp32 norm output."""
+    in the rows' dtype: the norm output's (``row_bytes``, :func:`norm_bytes`)."""
     if lay.transport != "p2p":
         return 0
     R_cap, P_cap = lay.ep * T * s.K, T * s.K
-    regions = [R_cap * s.D * 4, P_cap * s.D * 4, R_cap * 8, lay.ep * s.E * 8, 8, 8, 8]
+    regions = [R_cap * s.D * row_bytes, P_cap * s.D * row_bytes, R_cap * 8, lay.ep * s.E * 8, 8, 8, 8]
     slot = sum(_ceil_div(n, 256) * 256 for n in regions)
-    return sum(s.moe_blocks) * slot + _ceil_div(R_cap * s.D * 4, 256) * 256
+    return sum(s.moe_blocks) * slot + _ceil_div(R_cap * s.D * row_bytes, 256) * 256
 
 
 COLUMNS = ("params", "grads", "optimizer", "activations", "dispatch", "weights", "transient")
@@ -515,23 +594,26 @@ def predict(cfg: Config, lay: Layout, shape: ModelShape | None = None, num: Nume
     root_unsharded = sum(math.prod(shape) for g in ("embed", "head", "norm") for shape in groups[g])
     params = sum(root_master.values()) + sum(b.master for b in blocks)
     optimizer = 2 * params
-    root, loss = _sum(root_parts(s, B, S, num)), _sum(loss_parts(s, B, S))
-    p2p = p2p_buffer_bytes(s, T, lay)
+    root, loss = _sum(root_parts(s, B, S, num, lay)), _sum(loss_parts(s, B, S))
+    p2p = p2p_buffer_bytes(s, T, lay, norm_bytes(lay, num))
+    pb, rb = lay.param_bytes, lay.reduce_bytes
 
     # the LM head weight's cast (tied: the embedding's, read by F.linear) lives until its backward
     head_cast = 2 * V * D if num.casts and not lay.bf16_params else 0
     # FSDP: the root (embeddings, final norm, LM head) stays gathered from its forward through the
-    # backward (parallel/fsdp.py: never resharded after the forward); the router gathers in fp32
-    gathered = [(b.unsharded - b.router) * lay.param_bytes + b.router * 4 if lay.sharded else 0 for b in blocks]
-    root_gathered = root_unsharded * lay.param_bytes if lay.sharded else 0
+    # backward (parallel/fsdp.py: never resharded after the forward); a block's unit (its dense
+    # group) and its experts' unit (edp > 1) are gathered in the param dtype; the routers, and the
+    # experts at edp = 1, are not in any unit (ignored_params): nothing gathered, their masters read
+    gathered = [(b.unit + b.expert_unit) * pb for b in blocks]
+    root_gathered = root_unsharded * pb if lay.sharded else 0
     held = root_gathered + (0 if lay.reshard_after_forward else sum(gathered))
     # with gradient accumulation the gradients exist from the first micro-batch's backward on;
-    # FSDP without sync between micro-batches accumulates them unsharded in the reduce dtype
+    # FSDP without sync between micro-batches accumulates its units' unsharded in the reduce dtype
     grads_before = 0
     if accum > 1:
         grads_before = params
         if lay.sharded:
-            grads_before += (sum(b.unsharded for b in blocks) + root_unsharded) * lay.reduce_bytes
+            grads_before += (sum(b.unit + b.expert_unit for b in blocks) + root_unsharded) * rb
     logits = T * V * 4  # the fp32 logits, held by the loop's variable until train_step returns
     acts = [_sum(b.kept, dispatch=False) for b in blocks]
     disp = [_sum(b.kept, dispatch=True) for b in blocks]
@@ -546,34 +628,86 @@ def predict(cfg: Config, lay: Layout, shape: ModelShape | None = None, num: Nume
         Moment("loss backward", params, grads_before, optimizer, sum(acts) + root + loss, sum(disp) + p2p,
                held + head_cast + sum(b.casts_kept for b in blocks), 3 * logits),
     ]
-    # the head, the final norm and (tied) the embedding have their gradients once the blocks' begin
-    grads_done = root_master["head"] + root_master["norm"] + (root_master["embed"] if s.tied else 0)
+    # the head, the final norm and (tied) the embedding have their gradients once the blocks' begin;
+    # FSDP reduce-scatters the root's only when the backward ends (its forward's input, the token
+    # ids, needs no gradient, so its post-backward runs in the final callback): until then they are
+    # unsharded in the param dtype
+    root_grads = ("head", "norm") + (("embed",) if s.tied else ())
+    grads_done = (pb * sum(math.prod(shape) for g in root_grads for shape in groups[g]) if lay.sharded
+                  else sum(root_master[g] for g in root_grads))
+    resid = 2 * T * D * 4  # the residual gradient in and out (fp32)
     for i in reversed(range(n)):
         b = blocks[i]
+        acts_i, disp_i = sum(acts[:i + 1]) + T * 8, sum(disp[:i + 1]) + p2p  # + the embedding's token ids
+        weights = root_gathered + sum(bb.casts_kept for bb in blocks[:i + 1])
+        if not lay.sharded:
+            grads_done += b.master
+            # the FFN's backward and the attention's do not overlap
+            work = max(b.workspace_ffn + b.recompute_ffn, b.workspace_attn + b.recompute_attn)
+            moments.append(Moment(f"block {i} backward", params, max(grads_done, grads_before), optimizer,
+                                  acts_i, disp_i, weights, logits + work))
+            continue
+        if not lay.reshard_after_forward:
+            weights += sum(gathered[:i])  # the blocks before it still hold their gathered copies
+        own, own_x = b.unit * pb, b.expert_unit * pb
+        # FSDP2 prefetches one unit ahead in the backward; the block's unit prefetches the one
+        # before it in forward order (its experts' unit, else the previous block's), and the
+        # experts' unit the previous block's: its all-gather output waits there for its copy-out
+        # (none when nothing was resharded after the forward)
+        prefetch = blocks[i - 1].unit * pb if i and lay.reshard_after_forward else 0
+        # the last reduce-scatter's input (the block after it's unit) lives until the next one's
+        prev_rs = blocks[i + 1].unit * rb if i + 1 < n else 0
+        # sharded gradients exist once reduce-scattered; FSDP leaves routers' (and edp = 1 experts')
+        # fp32 .grad to accumulate in the backward
+        g_ffn = grads_done + b.ignored_master
+        g_attn = grads_done + b.master - b.dense_master
+        phases = []  # (phase, grads, FSDP buffers, working set + recomputed)
+        if lay.reshard_after_forward:
+            # pre-backward: the unit's copy-out (all-gather output + parameters), then the next prefetch
+            phases.append(("unshard", grads_done, own + prev_rs + max(own, own_x or prefetch), resid))
+            if b.expert_unit:
+                # the experts' copy-out, while the combine's backward hands them the rows' gradient
+                # (full: inside the block's recompute)
+                rc = b.recompute_ffn if lay.checkpointing == "full" else 0
+                phases.append(("experts unshard", g_ffn, own + 2 * own_x + prev_rs,
+                               resid + expert_rows(s, T, lay).R * D * num.compute_bytes + rc))
+        # the FFN's backward: the unsharded bf16 gradients of the experts' unit and the FFN's weights
+        phases.append(("ffn", g_ffn, own + own_x + prefetch + prev_rs + pb * (b.expert_unit + b.ffn_unit),
+                       b.workspace_ffn + b.recompute_ffn))
+        if b.expert_unit:
+            # the experts' post-backward: resharded, the previous input freed, then the reduce-scatter
+            # input (reduce dtype) filled while their unsharded gradients live (Shard(1)'s
+            # per-parameter torch.cat copy comes before and is smaller)
+            rc = b.recompute_attn if lay.checkpointing == "full" else 0
+            phases.append(("experts reduce-scatter", g_ffn,
+                           own + prefetch + pb * b.ffn_unit + (pb + rb) * b.expert_unit,
+                           resid + expert_rows(s, T, lay).R * D * num.compute_bytes + rc))
+        # the attention's backward: the experts' reduce-scatter input (else the previous one) still
+        # alive, the block's unsharded gradients
+        phases.append(("attention", g_attn, own + prefetch + (b.expert_unit * rb or prev_rs) + pb * b.unit,
+                       b.workspace_attn + b.recompute_attn))
+        # the block's post-backward: resharded, the previous input freed, its reduce-scatter input
+        phases.append(("reduce-scatter", g_attn, prefetch + (pb + rb) * b.unit, resid))
         grads_done += b.master
-        if lay.sharded:
-            prefetched = gathered[i - 1] if i else 0
-            # this block gathered, the one before it prefetched (all-gather output + its copy-out),
-            # when resharding after the forward; its gradient in bf16, then fp32 for the
-            # reduce-scatter, and the block after it still reduce-scattering
-            fsdp = (gathered[i] + 2 * prefetched if lay.reshard_after_forward else 0) + b.unsharded * (
-                lay.param_bytes + lay.reduce_bytes) + (blocks[i + 1].unsharded * lay.reduce_bytes if i + 1 < n else 0)
-        else:
-            fsdp = 0
-        moments.append(Moment(
-            f"block {i} backward", params, max(grads_done, grads_before), optimizer,
-            sum(acts[:i + 1]) + T * 8, sum(disp[:i + 1]) + p2p,  # + the embedding's token ids
-            root_gathered + (0 if lay.reshard_after_forward else sum(gathered[:i + 1])) + sum(
-                bb.casts_kept for bb in blocks[:i + 1]),
-            logits + b.workspace + b.recompute + fsdp))
-    # replicate: the all-reduce flattens gradients into 64 MiB buckets, a larger gradient alone
-    # (parallel/grad_sync.py); it runs before the step, whose fused AdamW allocates nothing
-    # (the experts' only over an EDP group of more than one rank)
+        best = max(phases, key=lambda ph: max(ph[1], grads_before) + ph[2] + ph[3])
+        moments.append(Moment(f"block {i} backward ({best[0]})", params, max(best[1], grads_before), optimizer,
+                              acts_i, disp_i, weights, logits + best[2] + best[3]))
+    if lay.sharded:
+        # the final callback: the root's post-backward reshards it, frees block 0's reduce-scatter
+        # input and fills its own from the root's unsharded gradients (the embedding's now too)
+        moments.append(Moment("backward end (root reduce-scatter)", params,
+                              max(sum(b.master for b in blocks), grads_before), optimizer, 0, p2p, 0,
+                              logits + (pb + rb) * root_unsharded))
+    # the all-reduce flattens gradients into 64 MiB buckets, a larger gradient alone
+    # (parallel/grad_sync.py); it runs before the step, whose fused AdamW allocates nothing; it
+    # reduces what FSDP does not: every parameter when replicated, the routers under FSDP (the
+    # experts only over an EDP group of more than one rank)
     bucket = 0
-    if not lay.sharded and lay.world > 1:
+    if lay.world > 1:
         reduced = [4 * local_numel(g, shape, lay) for g, shapes in groups.items() for shape in shapes
-                   if lay.edp > 1 or not g.endswith("experts")]
-        bucket = max(max(reduced), min(BUCKET_BYTES, sum(reduced)))
+                   if (g.endswith("router") or not lay.sharded) and (lay.edp > 1 or not g.endswith("experts"))]
+        if reduced:
+            bucket = max(max(reduced), min(BUCKET_BYTES, sum(reduced)))
     moments.append(Moment("grad sync + optimizer step", params, params, optimizer, 0, p2p, 0, logits + bucket))
     peak = max(moments, key=lambda m: m.total)
     return Prediction(lay, peak, moments, p2p)
@@ -609,24 +743,25 @@ def describe(cfg: Config, world: int, shape: ModelShape | None = None) -> str:
             f"expert rows R = {expert_rows(s, T, lay).R} per MoE layer (balanced routing)")
 
 
-def detail(cfg: Config, lay: Layout, shape: ModelShape | None = None) -> str:
+def detail(cfg: Config, lay: Layout, shape: ModelShape | None = None, num: Numerics = GPU_BF16) -> str:
     """The saved tensors of one MoE (else dense) block and of the root, and every moment's total."""
     s = shape or ModelShape.of(cfg)
     B, S = cfg.data.batch_size, cfg.data.seq_len
     i = s.moe_blocks.index(True) if any(s.moe_blocks) else 0
-    state = block_state(s, param_shapes(s), i, B, S, lay, GPU_BF16)
+    state = block_state(s, param_shapes(s), i, B, S, lay, num)
     lines = [f"block {i} keeps ({lay.data_parallel}, AC {lay.checkpointing}), MiB:"]
     lines += [f"  {p.nbytes / 2**20:10.1f}  {p.name}{' [dispatch]' if p.dispatch else ''}" for p in state.kept]
-    lines.append(f"  backward also: recompute {state.recompute / 2**20:.1f}, working set {state.workspace / 2**20:.1f}, "
-                 f"bf16 weight casts kept {state.casts_kept / 2**20:.1f}")
+    lines.append(f"  backward also: FFN phase recompute {state.recompute_ffn / 2**20:.1f}, working set "
+                 f"{state.workspace_ffn / 2**20:.1f}; attention phase recompute {state.recompute_attn / 2**20:.1f}, "
+                 f"working set {state.workspace_attn / 2**20:.1f}; bf16 weight casts kept {state.casts_kept / 2**20:.1f}")
     lines.append("root keeps, MiB:")
-    lines += [f"  {p.nbytes / 2**20:10.1f}  {p.name}" for p in root_parts(s, B, S, GPU_BF16) + loss_parts(s, B, S)]
-    lines.append("moments, GiB: " + ", ".join(f"{m.name} {_gib(m.total)}" for m in predict(cfg, lay, s).moments))
+    lines += [f"  {p.nbytes / 2**20:10.1f}  {p.name}" for p in root_parts(s, B, S, num, lay) + loss_parts(s, B, S)]
+    lines.append("moments, GiB: " + ", ".join(f"{m.name} {_gib(m.total)}" for m in predict(cfg, lay, s, num).moments))
     return "\n".join(lines)
 
 
 def predictions(cfg: Config, world: int, data_parallel: str | None = None, checkpointing: str | None = None,
-                shape: ModelShape | None = None) -> tuple[list[Prediction], list[str]]:
+                shape: ModelShape | None = None, num: Numerics = GPU_BF16) -> tuple[list[Prediction], list[str]]:
     """One prediction per (data-parallel mode × checkpointing), or only the ones given, that the
     config's checks allow (train.config.validate), and one line per combination they refuse."""
     done, refused = [], []
@@ -639,7 +774,7 @@ def predictions(cfg: Config, world: int, data_parallel: str | None = None, check
             except ConfigError as err:
                 refused.append(f"{dp} × {ac}: not allowed ({err})")
                 continue
-            done.append(predict(cfg, layout_of(cfg, world, dp, ac), shape))
+            done.append(predict(cfg, layout_of(cfg, world, dp, ac), shape, num))
     return done, refused
 
 
@@ -686,7 +821,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--ac", choices=CHECKPOINTING, help="one activation checkpointing setting (default: all three)")
     parser.add_argument("--layouts", action="store_true", help="the layouts we cannot run (Qwen3-30B-A3B, DeepSeek-V3)")
     parser.add_argument("--detail", action="store_true", help="each saved tensor of one block, and every moment")
+    parser.add_argument("--torch", default=None, help="the torch version the run uses (default: the installed "
+                        "one); before 2.12 autocast runs rms_norm in its input's dtype")
     args, rest = parser.parse_known_args(argv)
+    num = gpu_numerics(args.torch or importlib.metadata.version("torch"))
     if args.layouts:
         print(layouts_report())
         return
@@ -696,11 +834,11 @@ def main(argv: list[str]) -> None:
         rest.append(f"--parallel.ep={args.ep}")
     cfg = load_config(rest, world_size=args.world)
     print(describe(cfg, args.world) + "\n")
-    results, refused = predictions(cfg, args.world, args.data_parallel, args.ac)
+    results, refused = predictions(cfg, args.world, args.data_parallel, args.ac, num=num)
     print("\n".join([table(results), *refused]))
     if args.detail:
         for p in results:
-            print("\n" + detail(cfg, p.layout))
+            print("\n" + detail(cfg, p.layout, num=num))
 
 
 if __name__ == "__main__":
