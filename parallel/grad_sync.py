@@ -78,6 +78,18 @@ def all_reduce_mean_(grads: list[torch.Tensor], group, divisor: int) -> None:
             g.copy_(part.view_as(g))
 
 
+def _by_kind(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter], list[nn.Parameter]]:
+    """``model``'s parameters as (sharded by FSDP, replicated dense, replicated experts)."""
+    expert_ids = {id(p) for p in expert_parameters(model)}
+    sharded, dense, experts = [], [], []
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            sharded.append(p)
+        else:
+            (experts if id(p) in expert_ids else dense).append(p)
+    return sharded, dense, experts
+
+
 def clip_grad_norm_(model: nn.Module, max_norm: float, dims=None) -> torch.Tensor:
     """The gradient norm of one process on the global batch, and clipping to ``max_norm``.
 
@@ -93,16 +105,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, dims=None) -> torch.Tenso
     clipping). Returns the norm as a device tensor: read it only when logging, so no host sync
     per step.
     """
-    expert_ids = {id(p) for p in expert_parameters(model)}
-    sharded, dense, experts = [], [], []
-    for p in model.parameters():
-        g = p.grad
-        if g is None:
-            continue
-        if isinstance(g, DTensor):
-            sharded.append(g.to_local())
-        else:
-            (experts if id(p) in expert_ids else dense).append(g)
+    sharded, dense, experts = ([p.grad for p in params if p.grad is not None] for params in _by_kind(model))
+    sharded = [g.to_local() for g in sharded]
     device = next(model.parameters()).device
 
     def squared_norm(grads):
@@ -133,10 +137,7 @@ def sync_gradients(model: nn.Module, dims) -> None:
     sum / W. Expert gradients: EDP-group sum / W. Parameters sharded by FSDP (DTensors) are left
     alone: FSDP has reduce-scattered them during the backward.
     """
-    replicated = [p for p in model.parameters() if not isinstance(p, DTensor)]
-    expert_ids = {id(p) for p in expert_parameters(model)}
-    experts = [p for p in replicated if id(p) in expert_ids]
-    dense = [p for p in replicated if id(p) not in expert_ids]
+    _, dense, experts = _by_kind(model)
     n = dims.world_size
     all_reduce_mean_(_grads(dense), dims.world_group, n)
     all_reduce_mean_(_grads(experts), dims.edp_group, n)

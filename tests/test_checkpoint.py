@@ -65,7 +65,7 @@ class _Run:
         self.schedule.apply()
         loss = self._loss(_batch(i))
         loss.backward()
-        reduce_gradients(self.model, self.cfg, self.rt.dims)
+        reduce_gradients(self.model, self.rt.dims)
         clip_grad_norm_(self.model, self.cfg.optim.grad_clip, self.rt.dims)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)

@@ -114,7 +114,7 @@ def _loss_and_grads(model, tokens, cfg, dims, device) -> tuple[torch.Tensor, dic
         logits = model(x)
     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) + moe_aux_loss(model).to(device)
     loss.backward()
-    reduce_gradients(model, cfg, dims)
+    reduce_gradients(model, dims)
     return loss.detach(), {n: _full(p.grad) for n, p in model.named_parameters()}
 
 

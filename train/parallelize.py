@@ -48,7 +48,7 @@ def set_gradient_sync(model: nn.Module, cfg: Config, dims, enabled: bool) -> Non
         model.set_requires_gradient_sync(enabled)
 
 
-def reduce_gradients(model: nn.Module, cfg: Config, dims) -> None:
+def reduce_gradients(model: nn.Module, dims) -> None:
     """After the step's last backward: the all-reduce of every parameter FSDP does not manage
     (all of them when replicated; the routers, and the experts at EP = W, under FSDP, which has
     reduce-scattered the rest during the backward)."""

@@ -159,7 +159,7 @@ class Trainer:
 
         Every wrapping of the model belongs here, before the optimizer and the checkpoint see it.
         Sets ``dispatcher`` (None: one process) and ``comm_timer`` (None unless
-        ``log.time_comm`` and a dispatcher).
+        ``log.time_comm`` and ep > 1).
         """
         cfg, rt, d = self.cfg, self.rt, self.cfg.data
         # P2P buffers: a training and a validation micro-batch are both batch_size · seq_len tokens,
@@ -169,7 +169,7 @@ class Trainer:
                                         num_buffers=max(num_moe_blocks(cfg), 1))
         # all-to-all timing (ep > 1): every MoE layer shares this dispatcher, hence the one timer
         self.comm_timer = None
-        if cfg.log.time_comm and self.dispatcher is not None:
+        if cfg.log.time_comm and rt.ep > 1:
             self.comm_timer = self.dispatcher.comm_timer = CommTimer()
         with rt.device:  # built on the device: a large model never materialises on the host
             model = MoETransformer(cfg, dispatcher=self.dispatcher)
@@ -228,7 +228,7 @@ class Trainer:
                 lb[n] += m.last_aux.load_balancing_loss.detach() / accum
                 zl[n] += m.last_aux.z_loss.detach() / accum
         # the summed micro-batch gradients of this rank → those of one process on the global batch
-        reduce_gradients(model, cfg, rt.dims)
+        reduce_gradients(model, rt.dims)
         grad_norm = clip_grad_norm_(model, cfg.optim.grad_clip, rt.dims)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
