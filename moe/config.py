@@ -7,6 +7,7 @@ parser reads them from there); their lists belong to the modules that implement 
 """
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass
 
@@ -78,13 +79,18 @@ class MoEConfig:
             check_positive_int(prefix + name, getattr(self, name))
         if self.top_k > self.num_experts:
             raise ValueError(f"{prefix}top_k={self.top_k} must be <= num_experts={self.num_experts}")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(f"{prefix}capacity_factor must be > 0 or None, got {self.capacity_factor!r}")
         hints = typing.get_type_hints(MoEConfig)
         for f in dataclasses.fields(self):
-            allowed = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is typing.Literal else None
-            if allowed and getattr(self, f.name) not in allowed:
-                raise ValueError(f"{prefix}{f.name} must be one of {allowed}, got {getattr(self, f.name)!r}")
+            value, tp = getattr(self, f.name), hints[f.name]
+            allowed = typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else None
+            if allowed and value not in allowed:
+                raise ValueError(f"{prefix}{f.name} must be one of {allowed}, got {value!r}")
+            # NaN passes every `< 0` check below (nan < 0 is False) and capacity_factor=inf
+            # overflowed only in the first forward (issue #18); no float option means either
+            if float in (tp, *typing.get_args(tp)) and value is not None and not math.isfinite(value):
+                raise ValueError(f"{prefix}{f.name} must be a finite number, got {value!r}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"{prefix}capacity_factor must be > 0 or None, got {self.capacity_factor!r}")
         if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
             raise ValueError(f"{prefix}num_shared_experts must be an int >= 0, got {self.num_shared_experts!r}")
         if self.shared_hidden_dim is not None:

@@ -6,6 +6,8 @@ Legend: R rows, D row width (any trailing shape).
 import torch
 import torch.distributed as dist
 
+from parallel import flight
+
 
 class AllToAllFn(torch.autograd.Function):
     """``all_to_all_single`` with per-rank row splits; the backward is the reverse exchange."""
@@ -14,11 +16,14 @@ class AllToAllFn(torch.autograd.Function):
     def forward(ctx, x_RD: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
         ctx.splits = (out_splits, in_splits)
         ctx.group = group
+        ctx.layer = flight.RECORDER.layer
+        flight.record("all_to_all", group)
         return _exchange(x_RD, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad_RD: torch.Tensor):
         out_splits, in_splits = ctx.splits
+        flight.record("all_to_all (backward)", ctx.group, ctx.layer)
         return _exchange(grad_RD, in_splits, out_splits, ctx.group), None, None, None
 
 
@@ -62,12 +67,15 @@ class AllReduceSumFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group):
         ctx.group = group
+        ctx.layer = flight.RECORDER.layer
+        flight.record("all_reduce of the load-balancing inputs", group)
         out = x.clone()
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        flight.record("all_reduce of the load-balancing inputs (backward)", ctx.group, ctx.layer)
         grad = grad.clone()
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
         return grad, None

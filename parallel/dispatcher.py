@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from moe.capacity import RoutingPlan
+from parallel import flight
 from parallel.comm import CommTimer, SideStreams, run_beside
 from parallel.ep_dispatcher import ExpertParallelDispatcher, ExpertParallelMeta
 from parallel.pair_rows import gather_pairs_sum, scatter_pairs
@@ -63,26 +64,29 @@ class AllToAllMeta(ExpertParallelMeta):
     recv_splits: list[int]
 
 
-def _timed_all_to_all(out_MD, in_MD, out_splits, in_splits, group, timer: "CommTimer | None") -> None:
+def _timed_all_to_all(out_MD, in_MD, out_splits, in_splits, group, timer: "CommTimer | None", what: str,
+                      layer: str | None = None) -> None:
     """``all_to_all_single`` on the current stream, its span added to ``timer`` when there is one
     (synchronous op: since torch 2.8 NCCL then runs on the caller's stream with no event
     handshakes; ``async_op=True`` goes through an internal stream and, measured on 2×H200,
-    doubled the time of a 4k-token dispatch + combine)."""
+    doubled the time of a 4k-token dispatch + combine). Recorded as ``all_to_all <what>`` of
+    ``layer`` (None: the current one) for :mod:`parallel.flight`."""
+    flight.record(f"all_to_all {what}", group, layer)
     begin = timer.start(in_MD.device) if timer is not None else None
     dist.all_to_all_single(out_MD, in_MD, out_splits, in_splits, group=group)
     if begin is not None:
         timer.stop(begin)
 
 
-def _exchange(out_MD, in_MD, out_splits, in_splits, route: "_Route") -> None:
-    """:func:`_timed_all_to_all` over the route's group and timer."""
-    _timed_all_to_all(out_MD, in_MD, out_splits, in_splits, route.group, route.timer)
+def _exchange(out_MD, in_MD, out_splits, in_splits, route: "_Route", what: str) -> None:
+    """:func:`_timed_all_to_all` over the route's group and timer, recorded as the route's layer's."""
+    _timed_all_to_all(out_MD, in_MD, out_splits, in_splits, route.group, route.timer, what, route.layer)
 
 
-def _exchange_beside(route: "_Route", out_MD, in_MD, out_splits, in_splits, fn) -> None:
+def _exchange_beside(route: "_Route", out_MD, in_MD, out_splits, in_splits, fn, what: str) -> None:
     """:func:`_exchange` on the current stream while ``fn`` runs on the route's side stream (see
     :func:`~parallel.comm.run_beside`)."""
-    run_beside(route.stream, lambda: _exchange(out_MD, in_MD, out_splits, in_splits, route), fn)
+    run_beside(route.stream, lambda: _exchange(out_MD, in_MD, out_splits, in_splits, route, what), fn)
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,8 @@ class _Route:
 
     pos_TK: (T, K) int64 send position of each pair (>= M: dropped); ends_G: (G,) int64 cumulative
     end of each destination rank's positions; me: this rank in the group; stream: the side stream
-    for the own rows' pass (None on CPU).
+    for the own rows' pass (None on CPU); layer: the module that dispatched, for the backward's
+    records (:mod:`parallel.flight`).
     """
 
     pos_TK: torch.Tensor
@@ -100,6 +105,7 @@ class _Route:
     group: object
     timer: "CommTimer | None"
     stream: "torch.cuda.Stream | None"
+    layer: str
 
 
 def _send_positions(order_P: torch.Tensor) -> torch.Tensor:
@@ -137,7 +143,8 @@ class _DispatchFn(torch.autograd.Function):
         remote_send, remote_recv = _remote(send_splits, me), _remote(recv_splits, me)
         rows_RD = x_TD.new_empty((sum(recv_splits), D))
         _exchange_beside(route, rows_RD[num_own:], send_MD[:sum(remote_send)], remote_recv, remote_send,
-                         lambda: scatter_pairs(x_TD, route.pos_TK, route.ends_G, me, rows_RD[:num_own], local=True))
+                         lambda: scatter_pairs(x_TD, route.pos_TK, route.ends_G, me, rows_RD[:num_own], local=True),
+                         "dispatch rows")
         ctx.route, ctx.splits, ctx.num_own = route, (remote_send, remote_recv), num_own
         ctx.mark_non_differentiable(splits_2G)
         return rows_RD, splits_2G
@@ -147,7 +154,7 @@ class _DispatchFn(torch.autograd.Function):
         route, (remote_send, remote_recv), num_own = ctx.route, ctx.splits, ctx.num_own
         grad_RD = grad_RD.contiguous()
         back_MD = grad_RD.new_empty((sum(remote_send), grad_RD.shape[1]))
-        _exchange(back_MD, grad_RD[num_own:], remote_send, remote_recv, route)
+        _exchange(back_MD, grad_RD[num_own:], remote_send, remote_recv, route, "dispatch rows (backward)")
         grad_TD = gather_pairs_sum(back_MD, grad_RD[:num_own], route.pos_TK, route.ends_G, route.me)
         return grad_TD, None, None, None
 
@@ -169,10 +176,10 @@ class _CombineFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             own_MD = y_RD.new_empty((num_own, y_RD.shape[1]))
             _exchange_beside(route, back_MD, y_RD[num_own:], remote_send, remote_recv,
-                             lambda: own_MD.copy_(y_RD[:num_own]))
+                             lambda: own_MD.copy_(y_RD[:num_own]), "combine rows")
         else:
             own_MD = None
-            _exchange(back_MD, y_RD[num_own:], remote_send, remote_recv, route)
+            _exchange(back_MD, y_RD[num_own:], remote_send, remote_recv, route, "combine rows")
         out_TD = gather_pairs_sum(back_MD, y_RD[:num_own], route.pos_TK, route.ends_G, route.me, w_TK, out_dtype)
         ctx.route, ctx.splits, ctx.rows = route, splits, y_RD.shape[0]
         ctx.y_dtype = y_RD.dtype
@@ -195,7 +202,8 @@ class _CombineFn(torch.autograd.Function):
                       y_MD=back_MD, dw_TK=dw_TK)
         _exchange_beside(route, dy_RD[num_own:], send_MD, remote_recv, remote_send,
                          lambda: scatter_pairs(dout_TD, route.pos_TK, route.ends_G, route.me, dy_RD[:num_own],
-                                               local=True, w_TK=w_TK, y_MD=own_MD, dw_TK=dw_TK))
+                                               local=True, w_TK=w_TK, y_MD=own_MD, dw_TK=dw_TK),
+                         "combine rows (backward)")
         return dy_RD, dw_TK, None, None, None
 
 
@@ -226,7 +234,7 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         T, K = plan.kept_TK.shape
         send_counts_E = plan.kept_per_expert_E.contiguous()
         recv_counts_E = torch.empty_like(send_counts_E)
-        _timed_all_to_all(recv_counts_E, send_counts_E, None, None, self.ep_group, self.comm_timer)
+        _timed_all_to_all(recv_counts_E, send_counts_E, None, None, self.ep_group, self.comm_timer, "dispatch counts")
         counts_2GL = torch.cat([send_counts_E, recv_counts_E]).to("cpu", non_blocking=True).view(2, G, L)
         copied = torch.cuda.Event() if send_counts_E.is_cuda else None
         if copied is not None:
@@ -237,6 +245,7 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
             pos_TK=_send_positions(plan.order_P).view(T, K),
             ends_G=send_counts_E.view(G, L).sum(-1).cumsum(0),
             me=me, group=self.ep_group, timer=self.comm_timer, stream=self._side_streams.get(x_TD.device),
+            layer=flight.RECORDER.layer,
         )
         # segments: own rows first, then each other source rank's; local expert l within each
         recv_GL = recv_counts_E.view(G, L)

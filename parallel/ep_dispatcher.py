@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from moe.capacity import RoutingPlan
 from moe.dispatch import Dispatcher, DispatchMeta, LocalDispatcher, LocalDispatchMeta
+from parallel import flight
 from parallel.all_to_all import all_reduce_sum
 
 
@@ -153,5 +154,6 @@ class ExpertParallelDispatcher(Dispatcher):
         if self.ep_size == 1:
             return counts
         total = counts.detach().clone()
+        flight.record("all_reduce of the expert counts", self.ep_group)
         dist.all_reduce(total, group=self.ep_group)
         return total

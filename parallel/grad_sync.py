@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from moe.experts import GroupedExperts
+from parallel import flight
 
 # 64 MiB buckets: big enough to reach the link's bandwidth, small enough not to double the
 # gradient memory of a large model.
@@ -72,6 +73,7 @@ def all_reduce_mean_(grads: list[torch.Tensor], group, divisor: int) -> None:
         return
     for bucket in _buckets(grads):
         flat = torch.cat([g.reshape(-1) for g in bucket])
+        flight.record("all_reduce of a gradient bucket", group)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         flat.div_(divisor)
         for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
@@ -116,8 +118,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, dims=None) -> torch.Tenso
 
     dense_sq, expert_sq, sharded_sq = squared_norm(dense), squared_norm(experts), squared_norm(sharded)
     if dims is not None and dims.ep > 1 and experts:
+        flight.record("all_reduce of the expert gradients' squared norm", dims.ep_group)
         dist.all_reduce(expert_sq, group=dims.ep_group)
     if dims is not None and dims.world_size > 1 and sharded:
+        flight.record("all_reduce of the sharded gradients' squared norm", dims.world_group)
         dist.all_reduce(sharded_sq, group=dims.world_group)
     norm = (dense_sq + expert_sq + sharded_sq).sqrt()
     if max_norm > 0:

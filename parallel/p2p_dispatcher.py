@@ -58,6 +58,7 @@ import torch.distributed as dist
 from torch.autograd.graph import increment_version
 
 from moe.capacity import RoutingPlan
+from parallel import flight
 from parallel.ep_dispatcher import ExpertParallelDispatcher, ExpertParallelMeta
 from parallel.p2p_rows import dispatch_rows, push_back, push_rows, sum_pairs
 
@@ -86,6 +87,7 @@ class _SymmetricBuffer:
             self.ptrs[name] = base_G + offsets[name]
 
     def barrier(self) -> None:
+        flight.record("symmetric-memory barrier of the P2P dispatcher")
         self.handle.barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)
 
 

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from moe.layer import moe_layers
 from moe.stats import MoEStats, compute_stats
+from parallel import flight
 
 
 def _world_counts(model: nn.Module, dims) -> dict[str, tuple[torch.Tensor, ...]]:
@@ -39,6 +40,7 @@ def _world_counts(model: nn.Module, dims) -> dict[str, tuple[torch.Tensor, ...]]
         parts += [s.routed_per_expert.double(), s.tokens_per_expert.double(), s.tiles_per_expert.double(),
                   s.router_entropy.double().reshape(1)]
     flat = torch.cat(parts)
+    flight.record("all_reduce of the MoE stats", dims.world_group)
     dist.all_reduce(flat, group=dims.world_group)
     out, start = {}, 0
     for name, m in layers.items():

@@ -2,6 +2,8 @@
 
 import glob
 import os
+import re
+import typing
 
 import pytest
 
@@ -144,3 +146,27 @@ def test_none_is_a_value_of_a_plain_string_key():
     optional key ``none`` is the null."""
     cfg = load_config(["--checkpoint.resume=none", "--checkpoint.dir=none"])
     assert cfg.checkpoint.resume == "none" and cfg.checkpoint.dir is None
+
+
+# every float option of the config tree (optional ones included) as section.key
+FLOAT_KEYS = [f"{section}.{name}" for section, cls in typing.get_type_hints(Config).items()
+              for name, tp in typing.get_type_hints(cls).items() if float in (tp, *typing.get_args(tp))]
+
+
+def test_float_keys_cover_the_issue_cases():
+    assert {"moe.aux_loss_coef", "moe.z_loss_coef", "moe.bias_update_rate", "moe.capacity_factor", "optim.lr"} <= set(FLOAT_KEYS)
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_non_finite_floats_name_the_key(key, text):
+    """No float option means NaN or ±inf (issue #18: NaN passed every ``>= 0`` check, and
+    capacity_factor=inf failed only later, with an OverflowError)."""
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: must be a finite number, got {text}$"):
+        load_config([f"--{key}={text}"])
+
+
+@pytest.mark.parametrize("text, shown", [(".nan", "nan"), (".inf", "inf"), ("-.inf", "-inf")])
+def test_non_finite_yaml_floats_name_the_key(tmp_path, text, shown):
+    with pytest.raises(ConfigError, match=rf"^moe\.capacity_factor: must be a finite number, got {shown}$"):
+        from_yaml(_write(tmp_path, f"moe:\n  capacity_factor: {text}\n"))

@@ -1,5 +1,8 @@
 """Bad construction and bad input raise one clear error naming the argument."""
 
+import math
+import typing
+
 import pytest
 import torch
 
@@ -29,6 +32,19 @@ def test_bad_construction(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         MoELayer(**args)
+
+
+MOE_FLOAT_FIELDS = [name for name, tp in typing.get_type_hints(MoEConfig).items() if float in (tp, *typing.get_args(tp))]
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("name", MOE_FLOAT_FIELDS)
+def test_non_finite_float_options(name, value):
+    """NaN passed the ``>= 0`` checks and capacity_factor=inf failed only in the forward (issue #18)."""
+    with pytest.raises(ValueError, match=f"^MoELayer: {name} must be a finite number, got {value}$"):
+        MoELayer(8, 16, 4, **{name: value})
+    with pytest.raises(ValueError, match=f"^MoEConfig: {name} must be a finite number, got {value}$"):
+        MoEConfig(**{name: value}).validate()
 
 
 @pytest.mark.parametrize("kwargs,match", [(dict(top_k=9), "top_k=9 must be <= num_experts=8"), (dict(drop_policy="random"), "drop_policy")])

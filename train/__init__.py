@@ -17,8 +17,9 @@ expert-sharded, EP-resizable), ``flops`` (MFU), ``logger`` (wandb, metrics.jsonl
 heatmap), ``report`` (markdown from run logs), ``train`` (the loop).
 
 Logged keys (rank 0; MoE counts are world-wide, from the latest micro-batch): ``train/loss``,
-``train/aux_loss`` (coefficients applied), ``train/lr``, ``train/grad_norm``, ``val/loss``,
-``perf/tokens_per_s``, ``perf/mfu``, ``perf/step_time_s``, ``perf/max_mem_gb`` (GPU) or
+``train/aux_loss`` (coefficients applied), ``train/lr``, ``train/grad_norm``,
+``train/skipped_steps`` (non-finite steps dropped, ``train.on_nonfinite=skip``), ``val/loss``,
+``perf/tokens_per_s``, ``perf/mfu`` (GPUs of known peak), ``perf/step_time_s``, ``perf/max_mem_gb`` (GPU) or
 ``perf/max_rss_gb`` (CPU), ``moe/layer{i}/{dropped_fraction, tile_utilization, load_max,
 load_mean, load_imbalance, router_entropy, aux_loss, z_loss}``, ``moe/dropped_fraction``,
 ``moe/load_imbalance``, ``moe/tile_utilization``; every ``log.heatmap_every`` steps

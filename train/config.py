@@ -9,6 +9,7 @@ fields, choices and checks are the layer's, not restated here.
 """
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -59,6 +60,9 @@ class ParallelConfig:
     # and the dtype gradients are reduced in; the router always runs in fp32
     param_dtype: Literal["auto", "bf16", "fp32"] = "auto"
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    # how long a rank waits for the others in one collective before the run stops with an error
+    # naming the collective (and the layer) it waited in; must exceed the longest checkpoint write
+    timeout_s: float = 600.0
 
 
 @dataclass
@@ -98,6 +102,12 @@ class TrainConfig:
     # block's attention and its experts' MLP; the dispatch, and its all-to-all, runs once) |
     # full (every block: its forward, all-to-alls included, runs again in the backward)
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    # a step whose loss or gradient norm is not finite (on any rank) never changes the model: stop
+    # (the run ends with an error naming the first non-finite layer, no checkpoint after it) |
+    # skip (the step's update is dropped, its batch and schedule position are consumed; the run
+    # stops once more than max_skipped_steps steps were skipped)
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    max_skipped_steps: int = 10
 
 
 @dataclass
@@ -121,7 +131,7 @@ class CheckpointConfig:
     every: int = 0  # 0: never during the run
     keep: int = 2  # newest checkpoints kept, 0: all
     save_final: bool = False
-    resume: str = "auto"  # auto (latest in dir if any) | none | a checkpoint directory
+    resume: str = "auto"  # auto (the newest checkpoint in dir that verifies) | none | a checkpoint directory
     # write in a background thread (the state is first copied to host memory); the checkpoint
     # becomes visible when the next save begins or the run ends
     async_save: bool = False
@@ -174,13 +184,21 @@ def coerce(value, tp, key: str):
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        # YAML's .nan/.inf and the strings "nan"/"inf" are floats, but no float option means one
+        # (none has an "unlimited" value: grad_clip and capacity_factor say it with 0 and None):
+        # NaN passed every `>= 0` check, and capacity_factor=inf overflowed only later (issue #18)
+        if number is not None:
+            if not math.isfinite(number):
+                raise ConfigError(f"{key}: must be a finite number, got {number}")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -327,7 +345,9 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError("optim.lr must be > 0 and optim.min_lr_ratio in [0, 1]")
     if cfg.optim.warmup_steps < 0 or cfg.optim.grad_clip < 0:
         raise ConfigError("optim.warmup_steps and optim.grad_clip must be >= 0")
-    for key in ("train.eval_every", "log.heatmap_every", "checkpoint.every", "checkpoint.keep", "checkpoint.stop_after"):
+    if cfg.parallel.timeout_s <= 0:
+        raise ConfigError(f"parallel.timeout_s: must be > 0, got {cfg.parallel.timeout_s}")
+    for key in ("train.eval_every", "train.max_skipped_steps", "log.heatmap_every", "checkpoint.every", "checkpoint.keep", "checkpoint.stop_after"):
         sec, k = key.split(".")
         if getattr(getattr(cfg, sec), k) < 0:
             raise ConfigError(f"{key}: must be >= 0")

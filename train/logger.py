@@ -13,7 +13,6 @@ logged as inline HTML and written under ``<run dir>/heatmaps/``.
 
 import base64
 import json
-import math
 import os
 import struct
 import sys
@@ -77,8 +76,8 @@ def encode_png(rgb: np.ndarray) -> bytes:
 
 def format_line(step: int, total: int, m: dict) -> str:
     def get(key, fmt):
-        v = m.get(key)
-        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+        v = m.get(key)  # absent: "-"; a NaN or inf is shown as such (a non-finite loss is news)
+        return "-" if v is None else format(v, fmt)
 
     return (
         f"step {step}/{total} | loss {get('train/loss', '.4f')} | val {get('val/loss', '.4f')} | "
@@ -101,8 +100,22 @@ class RunLogger:
             return
         os.makedirs(run_dir, exist_ok=True)
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
-        if start_step == 0:  # a fresh run starts a fresh file; a resumed one appends
-            open(self.metrics_path, "w").close()
+        # a fresh run starts a fresh file; a resumed one keeps the records up to its start step
+        # and appends: the steps it recomputes would otherwise appear twice, and a line torn by
+        # the crash would break every reader of the file
+        kept = []
+        if start_step and os.path.isfile(self.metrics_path):
+            with open(self.metrics_path) as f:
+                for line in f:
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= start_step:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+        with open(self.metrics_path + ".tmp", "w") as f:  # replaced in one step: a crash now loses nothing
+            f.writelines(kept)
+        os.replace(self.metrics_path + ".tmp", self.metrics_path)
         self.mode = resolve_wandb_mode(cfg.log.wandb_mode)
         if self.mode != "disabled":
             # a resumed run continues the same wandb run (its id is kept in the run directory)

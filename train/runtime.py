@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parallel import P2PDispatcher, ParallelDims, init_distributed
+from parallel import P2PDispatcher, ParallelDims, flight, init_distributed
 
 
 @dataclass
@@ -29,15 +29,20 @@ class Runtime:
 
     def barrier(self) -> None:
         if self.distributed:
+            flight.record("barrier")
             dist.barrier()
 
     def all_reduce_mean(self, values: list[float]) -> list[float]:
         """Mean over the world of a few floats (one collective)."""
-        if not self.distributed:
-            return list(values)
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return (t / self.world_size).tolist()
+        return self.all_reduce_mean_(torch.tensor(values, dtype=torch.float64, device=self.device)).tolist()
+
+    def all_reduce_mean_(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` becomes its mean over the world, in place and on the device (no host sync)."""
+        if self.distributed:
+            flight.record(f"all_reduce of {t.numel()} scalars (loss, logged metrics)")
+            dist.all_reduce(t)
+            t.div_(self.world_size)
+        return t
 
     def dispatcher(self, kind: str = "nccl", max_tokens: int = 0, num_buffers: int = 1):
         """The MoE layers' expert-parallel dispatcher, None for one process.
@@ -71,7 +76,9 @@ class Runtime:
             dist.destroy_process_group()
 
 
-def init_runtime(ep: int, device_choice: str = "auto") -> Runtime:
+def init_runtime(ep: int, device_choice: str = "auto", timeout_s: float = 600.0) -> Runtime:
+    """The run's layout from torchrun's environment. ``timeout_s``: the collective watchdog's
+    (:mod:`parallel.flight`); the process group's own timeout is that plus ``flight.GRACE_S``."""
     use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise RuntimeError("parallel.device=cuda but no CUDA device is visible")
@@ -82,7 +89,7 @@ def init_runtime(ep: int, device_choice: str = "auto") -> Runtime:
         dims = ParallelDims(world_size, ep)  # validates before the group exists
     elif ep != 1:
         raise ValueError(f"parallel.ep={ep} needs {ep} or more processes: launch with torchrun")
-    rank, world_size, device = init_distributed(backend="nccl" if use_cuda else "gloo")
+    rank, world_size, device = init_distributed(backend="nccl" if use_cuda else "gloo", timeout_s=timeout_s + flight.GRACE_S)
     if not use_cuda:
         device = torch.device("cpu")
     if dims is not None:

@@ -23,14 +23,17 @@ import torch.nn.functional as F
 import triton
 
 from moe import moe_aux_loss, moe_layers, update_expert_biases
-from parallel import CommTimer, clip_grad_norm_
+from parallel import CommTimer, clip_grad_norm_, flight
+from parallel.flight import Watchdog
 from parallel.stats import global_moe_stats, update_expert_biases_global
-from train.checkpoint import Checkpointer, find_checkpoint
+from train.agreement import check_ranks_agree, config_facts, data_facts
+from train.checkpoint import Checkpointer, list_checkpoints
 from train.config import Config, to_yaml
 from train.data import TokenStream, load_splits, shard, val_batches
 from train.flops import param_counts, peak_flops, train_flops_per_token
 from train.logger import RunLogger
 from train.model import MoETransformer, num_moe_blocks
+from train.nonfinite import NonFiniteGuard, first_nonfinite
 from train.optim import WarmupCosine, build_optimizer
 from train.parallelize import parallelize, reduce_gradients, set_gradient_sync, trains_in_bf16
 from train.runtime import Runtime, init_runtime
@@ -94,8 +97,7 @@ class StepScalars:
     one syncs the host, so only logging steps read them)."""
 
     lr: float  # the learning rate the step used
-    ce_sum: torch.Tensor  # () cross-entropy, summed over the micro-batches
-    aux_sum: torch.Tensor  # () aux losses (coefficients applied), summed over the micro-batches
+    losses: torch.Tensor  # (2,) cross-entropy and aux losses (coefficients applied), mean over micro-batches and ranks
     grad_norm: torch.Tensor  # () the global gradient norm before clipping
     lb_losses: dict[str, torch.Tensor]  # MoE layer name → load-balancing loss, mean over the micro-batches
     z_losses: dict[str, torch.Tensor]  # MoE layer name → z-loss, mean over the micro-batches
@@ -112,7 +114,10 @@ class Trainer:
         """Builds the run from a validated config (``argv``: the command line, for run_info.json)
         and resumes from ``checkpoint.resume`` when it finds one."""
         self.cfg = cfg
-        self.rt = rt = init_runtime(cfg.parallel.ep, cfg.parallel.device)
+        self.rt = rt = init_runtime(cfg.parallel.ep, cfg.parallel.device, cfg.parallel.timeout_s)
+        # a collective one rank never joins ends the run in parallel.timeout_s, naming it
+        self.watchdog = Watchdog(cfg.parallel.timeout_s, rt.rank) if rt.distributed else None
+        check_ranks_agree("config", config_facts(cfg))  # before anything that depends on it
         torch.manual_seed(cfg.train.seed + rt.rank)
         self.run_dir = os.path.join(cfg.log.dir, cfg.log.run_name)
         self.ckpt_dir = cfg.checkpoint.dir or os.path.join(self.run_dir, "checkpoints")
@@ -122,13 +127,20 @@ class Trainer:
         self.autocast = autocast_context(cfg, rt.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.schedule = WarmupCosine(self.optimizer, cfg.optim.warmup_steps, cfg.train.steps, cfg.optim.min_lr_ratio)
+        self.guard = NonFiniteGuard(self.optimizer, cfg.train.on_nonfinite, rt.device)
+        # the data position before each step since the last finiteness check: a bad step's
+        # batches can be replayed to find where its values went non-finite
+        self._replay: dict[int, dict] = {}
 
         self.step = 0
         self.checkpointer = Checkpointer(self.ckpt_dir, rt, cfg.checkpoint.keep, cfg.checkpoint.async_save,
                                          cfg.parallel.data_parallel)
-        resume_from = find_checkpoint(self.ckpt_dir, cfg.checkpoint.resume)
-        if resume_from is not None:
-            info = self.checkpointer.load(resume_from, self.model, self.optimizer, self.schedule)
+        # verified; under resume=auto the newest checkpoint that verifies and loads
+        flight.phase("checkpoint restore")
+        info = self.checkpointer.restore(cfg.checkpoint.resume, self.model, self.optimizer, self.schedule,
+                                         say=lambda line: print(line, flush=True))
+        resume_from = None if info is None else info["path"]
+        if info is not None:
             self.step = info["step"]
             self.stream.load_state_dict(info["data"])
         # checkpoint.stop_after ends this launch early (a preemptible slot); the schedule still
@@ -147,6 +159,7 @@ class Trainer:
         """The token stream and validation batches of this rank's shard: every rank reads its own."""
         cfg, rt, d = self.cfg, self.rt, self.cfg.data
         train_tokens, val_tokens = load_splits(d.source, d.path, d.token_dtype, d.max_bytes, d.val_fraction)
+        check_ranks_agree("data", data_facts(train_tokens, val_tokens))  # the same files on every node
         if d.source == "tokens":  # one pass over the memmap; an id past the table would fail deep in the embedding
             top = int(max(train_tokens.max(initial=0), val_tokens.max(initial=0)))
             if top >= cfg.model.vocab_size:
@@ -174,7 +187,10 @@ class Trainer:
         with rt.device:  # built on the device: a large model never materialises on the host
             model = MoETransformer(cfg, dispatcher=self.dispatcher)
         model.init_weights(cfg.train.seed)
-        return parallelize(model, cfg, rt.dims, rt.device)
+        model = parallelize(model, cfg, rt.dims, rt.device)
+        for i, block in enumerate(model.blocks):  # the collective record names the block (before FSDP's hooks)
+            block.register_forward_pre_hook(lambda *_, name=f"blocks.{i}": flight.enter_layer(name), prepend=True)
+        return model
 
     def _write_run_files(self, argv: list[str], resume_from: str | None) -> None:
         """config.yaml and run_info.json (rank 0), and the run's one-line summary."""
@@ -204,23 +220,22 @@ class Trainer:
             final = self.step == self.stop_at and (self.cfg.checkpoint.save_final or self.stop_at < self.cfg.train.steps)
             if every or final:
                 self.save_checkpoint()
+        self.check_finite()
         return self.history
 
     def train_step(self) -> StepScalars:
         """One optimizer step over ``train.grad_accum`` micro-batches; advances ``step``."""
         cfg, rt, model, accum = self.cfg, self.rt, self.model, self.cfg.train.grad_accum
+        self._replay[self.step + 1] = self.stream.state_dict()
         lr = self.schedule.apply()
         ce_sum, aux_sum = torch.zeros((), device=rt.device), torch.zeros((), device=rt.device)
         lb = {n: 0.0 for n in self.moe_layers}
         zl = {n: 0.0 for n in self.moe_layers}
         for micro in range(accum):
             set_gradient_sync(model, cfg, rt.dims, micro == accum - 1)
-            x_BS, y_BS = self.stream.next_batch()
-            x_BS, y_BS = x_BS.to(rt.device, non_blocking=True), y_BS.to(rt.device, non_blocking=True)
-            with self.autocast():
-                logits_BSV = model(x_BS)
-            ce = F.cross_entropy(logits_BSV.flatten(0, 1), y_BS.flatten())
-            aux = moe_aux_loss(model).to(ce.device)
+            flight.phase(f"step {self.step + 1}, micro-batch {micro}: forward")
+            ce, aux = self._micro_batch_loss()
+            flight.phase(f"step {self.step + 1}, micro-batch {micro}: backward")
             ((ce + aux) / accum).backward()
             ce_sum += ce.detach()
             aux_sum += aux.detach()
@@ -228,17 +243,68 @@ class Trainer:
                 lb[n] += m.last_aux.load_balancing_loss.detach() / accum
                 zl[n] += m.last_aux.z_loss.detach() / accum
         # the summed micro-batch gradients of this rank → those of one process on the global batch
+        flight.phase(f"step {self.step + 1}: gradient sync and optimizer")
         reduce_gradients(model, rt.dims)
         grad_norm = clip_grad_norm_(model, cfg.optim.grad_clip, rt.dims)
+        losses = rt.all_reduce_mean_(torch.stack([ce_sum, aux_sum]) / accum)
+        self.guard.update(self.step + 1, losses, grad_norm)  # a bad step: the fused AdamW skips it
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if cfg.moe.expert_bias and rt.distributed:
-            update_expert_biases_global(model, rt.dims)
-        elif cfg.moe.expert_bias:
-            update_expert_biases(model)
+        with self.guard.guarded(m.router.expert_bias for m in self.moe_layers.values() if m.router.expert_bias is not None):
+            if cfg.moe.expert_bias and rt.distributed:
+                update_expert_biases_global(model, rt.dims)
+            elif cfg.moe.expert_bias:
+                update_expert_biases(model)
         self.schedule.step()
         self.step += 1
-        return StepScalars(lr, ce_sum, aux_sum, grad_norm, lb, zl)
+        return StepScalars(lr, losses, grad_norm, lb, zl)
+
+    def _micro_batch_loss(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward of the stream's next micro-batch: (cross-entropy, aux losses)."""
+        x_BS, y_BS = self.stream.next_batch()
+        x_BS, y_BS = x_BS.to(self.rt.device, non_blocking=True), y_BS.to(self.rt.device, non_blocking=True)
+        with self.autocast():
+            logits_BSV = self.model(x_BS)
+        ce = F.cross_entropy(logits_BSV.flatten(0, 1), y_BS.flatten())
+        return ce, moe_aux_loss(self.model).to(ce.device)
+
+    def check_finite(self) -> int:
+        """Read the non-finite bookkeeping (one host sync; collective when it raises): the
+        steps skipped so far. Raises FloatingPointError when ``train.on_nonfinite`` says stop,
+        naming the bad step and where its values first went non-finite."""
+        cfg = self.cfg.train
+        skipped, first, latest = self.guard.read()
+        stop = first >= 0 if cfg.on_nonfinite == "stop" else skipped > cfg.max_skipped_steps
+        if stop:
+            bad = first if cfg.on_nonfinite == "stop" else latest
+            where = self._locate_nonfinite(bad)
+            saved = list_checkpoints(self.ckpt_dir)
+            last = f"the newest checkpoint is {saved[-1]}" if saved else "no checkpoint exists"
+            if cfg.on_nonfinite == "stop":
+                raise FloatingPointError(
+                    f"step {bad}: the loss or the gradient norm is not finite; first non-finite value: {where}. "
+                    f"The run stopped at step {self.step} with the model as after step {bad - 1} (no update since) "
+                    f"and no checkpoint written after it ({last}). Lower optim.lr, check the data, or set "
+                    f"train.on_nonfinite=skip")
+            raise FloatingPointError(
+                f"{skipped} steps skipped for non-finite values, more than train.max_skipped_steps="
+                f"{cfg.max_skipped_steps}; the latest, step {bad}: first non-finite value: {where} ({last})")
+        self._replay.clear()
+        return skipped
+
+    def _locate_nonfinite(self, step: int) -> str:
+        """Replay ``step``'s micro-batches (on every rank) until one shows where its values first
+        went non-finite (under the parameters as they are now: those of that step under stop)."""
+        resume_at = self.stream.state_dict()
+        self.stream.load_state_dict(self._replay[step])
+        set_gradient_sync(self.model, self.cfg, self.rt.dims, True)
+        where = ""
+        for _ in range(self.cfg.train.grad_accum):
+            where = first_nonfinite(self.model, lambda: sum(self._micro_batch_loss()))
+            if not where.startswith("nowhere"):
+                break
+        self.stream.load_state_dict(resume_at)
+        return where
 
     def _start_window(self) -> None:
         """Throughput is measured over the steps between two logged ones, validation time excluded."""
@@ -253,6 +319,7 @@ class Trainer:
         self.log.advance()
         do_val = step == cfg.train.steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
         do_log = step % cfg.log.every == 0 or step == self.stop_at or do_val
+        flight.phase(f"step {step}: logging")
         metrics = self._train_metrics(scalars) if do_log else {}
         if do_val:
             t0 = time.perf_counter()
@@ -264,22 +331,20 @@ class Trainer:
     def _train_metrics(self, scalars: StepScalars) -> dict:
         """Reads the step's scalars (mean over ranks) and the window's throughput, records the
         loss in ``history``, writes the expert heatmap when due, and starts the next window.
-        Raises FloatingPointError on a non-finite loss."""
-        cfg, rt, step, accum = self.cfg, self.rt, self.step, self.cfg.train.grad_accum
-        if rt.device.type == "cuda":
-            torch.cuda.synchronize()
+        Raises FloatingPointError where :meth:`check_finite` does."""
+        cfg, rt, step = self.cfg, self.rt, self.step
+        skipped = self.check_finite()  # syncs the host with the device
         elapsed = time.perf_counter() - self._window_start - self._eval_time
         steps = max(self._window_tokens // self.tokens_per_step, 1)
-        loss, aux_mean = rt.all_reduce_mean([scalars.ce_sum.item() / accum, scalars.aux_sum.item() / accum])
-        if not math.isfinite(loss):  # checked where the loss is read anyway: no extra host sync
-            raise FloatingPointError(f"train/loss is {loss} at step {step}: stopping before it reaches a checkpoint")
+        loss, aux_mean = scalars.losses.tolist()
         tok_s = self._window_tokens / max(elapsed, 1e-9)
         metrics = {
             "train/loss": loss, "train/aux_loss": aux_mean, "train/lr": scalars.lr, "train/grad_norm": scalars.grad_norm.item(),
-            "train/tokens": step * self.tokens_per_step, "perf/tokens_per_s": tok_s,
-            "perf/mfu": tok_s * self.flops_per_token / (self.peak * rt.world_size) if not math.isnan(self.peak) else math.nan,
+            "train/skipped_steps": skipped, "train/tokens": step * self.tokens_per_step, "perf/tokens_per_s": tok_s,
             "perf/step_time_s": elapsed / steps,
         }
+        if not math.isnan(self.peak):  # a device of unknown peak (a CPU) has no MFU
+            metrics["perf/mfu"] = tok_s * self.flops_per_token / (self.peak * rt.world_size)
         if self.comm_timer is not None:  # mean over ranks of the window's all-to-all time
             a2a_ms = rt.all_reduce_mean([self.comm_timer.read_ms()])[0]
             metrics["time/all_to_all_ms"] = a2a_ms / steps
@@ -300,6 +365,7 @@ class Trainer:
     def validate(self) -> float:
         """val/loss at ``step``: mean over the rank's validation batches, then over ranks
         (collective); recorded in ``history``."""
+        flight.phase(f"step {self.step}: validation")
         val = evaluate(self.model, self.val_set, self.rt, self.autocast)
         self.history["val_loss"][self.step] = val
         if self.comm_timer is not None:
@@ -307,7 +373,10 @@ class Trainer:
         return val
 
     def save_checkpoint(self) -> str:
-        """The model, optimizer, schedule and data position at ``step`` (collective); returns its path."""
+        """The model, optimizer, schedule and data position at ``step`` (collective); returns its
+        path. Never after a step that :meth:`check_finite` stops on."""
+        self.check_finite()
+        flight.phase(f"step {self.step}: checkpoint save")
         path = self.checkpointer.save(self.step, self.model, self.optimizer, self.schedule, self.stream.state_dict())
         self.log.print(f"saving {path} in the background" if self.cfg.checkpoint.async_save else f"saved {path}")
         return path
@@ -315,7 +384,10 @@ class Trainer:
     def close(self) -> None:
         """Publish an async checkpoint in flight, flush the logs and leave the process group,
         together with every rank."""
+        flight.phase("the end of the run")
         self.checkpointer.finish()
         self.log.finish()
         self.rt.barrier()
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self.rt.shutdown()
