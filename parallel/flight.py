@@ -106,26 +106,38 @@ def _short(filename: str) -> str:
     return filename
 
 
-def _main_thread_frames() -> str:
-    """The main thread's innermost frames in this library and in torch.distributed."""
+def _main_thread_stack() -> list[traceback.FrameSummary]:
     frame = sys._current_frames().get(threading.main_thread().ident)
-    if frame is None:
-        return "(no main thread)"
-    stack = traceback.extract_stack(frame)
+    return traceback.extract_stack(frame) if frame is not None else []
+
+
+def _in_collective(stack: list[traceback.FrameSummary]) -> bool:
+    return any(f"{os.sep}torch{os.sep}distributed{os.sep}" in f.filename for f in stack)
+
+
+def _where(stack: list[traceback.FrameSummary]) -> str:
+    """The innermost frames in this library, then in torch.distributed, else the innermost."""
     ours = [f for f in stack if any(p in f.filename for p in _OURS)]
     torch_dist = [f for f in stack if f"{os.sep}torch{os.sep}distributed{os.sep}" in f.filename]
-    picked = (ours[-3:] + torch_dist[-1:]) or stack[-3:]
-    return " -> ".join(f"{_short(f.filename)}:{f.lineno} {f.name}" for f in picked)
+    picked = ours[-3:] + (torch_dist[-1:] or stack[-1:])
+    return " -> ".join(f"{_short(f.filename)}:{f.lineno} {f.name}" for f in picked) or "(no main thread)"
 
 
-def timeout_report(rank: int, timeout_s: float, recorder: FlightRecorder = RECORDER) -> str:
-    """The error the watchdog prints: the collective waited in, the recent ones, the stack."""
-    last = recorder.entries[-1] if recorder.entries else None
-    head = (f"rank {rank}: collective timeout: no progress for {timeout_s:.0f} s (parallel.timeout_s) after issuing "
-            + (last.describe() if last else "no collective") + "; another rank of that group never joined it "
-            f"(it failed, hangs, or runs a different schedule). Main thread at: {_main_thread_frames()}")
+def timeout_report(rank: int, timeout_s: float, recorder: FlightRecorder = RECORDER,
+                   stack: list[traceback.FrameSummary] | None = None) -> str:
+    """The error the watchdog prints: the collective waited in (or, when the main thread is in
+    none, that this rank is the one the others wait for), the recent collectives, the stack."""
+    stack = _main_thread_stack() if stack is None else stack
+    last = recorder.entries[-1].describe() if recorder.entries else "no collective yet"
+    if _in_collective(stack):
+        head = (f"rank {rank}: collective timeout: no progress for {timeout_s:.0f} s (parallel.timeout_s) in {last}; "
+                "another rank of that group never joined it (it failed, hangs, or runs a different schedule)")
+    else:
+        head = (f"rank {rank}: no progress for {timeout_s:.0f} s (parallel.timeout_s) outside any collective, "
+                f"after {last}: the other ranks wait for this one")
     recent = "\n".join("  " + e.describe() for e in list(recorder.entries)[-8:])
-    return head + ("\nlast collectives issued on this rank:\n" + recent if recent else "")
+    return (f"{head}. Main thread at: {_where(stack)}"
+            + ("\nlast collectives issued on this rank:\n" + recent if recent else ""))
 
 
 class Watchdog:

@@ -111,10 +111,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, dims=None) -> torch.Tenso
     sharded = [g.to_local() for g in sharded]
     device = next(model.parameters()).device
 
+    # accumulated in fp64: fp32 squares overflow past 1.8e19, and a diverging run (optim.lr=1e4,
+    # tests/test_faults.py) had every gradient finite but an fp32 norm of inf
     def squared_norm(grads):
         if not grads:
-            return torch.zeros((), dtype=torch.float32, device=device)
-        return torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
+            return torch.zeros((), dtype=torch.float64, device=device)
+        return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).pow(2).sum()
 
     dense_sq, expert_sq, sharded_sq = squared_norm(dense), squared_norm(experts), squared_norm(sharded)
     if dims is not None and dims.ep > 1 and experts:
@@ -125,8 +127,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, dims=None) -> torch.Tenso
         dist.all_reduce(sharded_sq, group=dims.world_group)
     norm = (dense_sq + expert_sq + sharded_sq).sqrt()
     if max_norm > 0:
-        torch._foreach_mul_(dense + experts + sharded, (max_norm / (norm + 1e-6)).clamp(max=1.0))
-    return norm
+        torch._foreach_mul_(dense + experts + sharded, (max_norm / (norm + 1e-6)).clamp(max=1.0).float())
+    return norm.float()
 
 
 def sync_gradients(model: nn.Module, dims) -> None:

@@ -60,12 +60,14 @@ def _env():
     return env
 
 
-def _torchrun(nproc: int, args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{_free_port()}", "--nnodes=1",
-           os.path.join(REPO, "train", "train.py"), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def _torchrun(nproc: int, args: list[str], timeout: int = 240, script: str = os.path.join(REPO, "train", "train.py"),
+              launcher: list[str] | None = None, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """``torchrun`` of ``script`` on ``nproc`` local processes; ``launcher``: its options (default:
+    c10d rendezvous on a free port); ``env``: added to the environment; ``check``: exit 0."""
+    launcher = launcher or ["--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{_free_port()}", "--nnodes=1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *launcher, script, *args]
+    proc = subprocess.run(cmd, cwd=REPO, env={**_env(), **(env or {})}, capture_output=True, text=True, timeout=timeout)
+    assert not check or proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 

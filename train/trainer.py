@@ -10,6 +10,7 @@ biases, schedule), :meth:`Trainer.log_step` (train metrics, :meth:`Trainer.valid
 """
 
 import contextlib
+import faulthandler
 import json
 import math
 import os
@@ -115,8 +116,11 @@ class Trainer:
         and resumes from ``checkpoint.resume`` when it finds one."""
         self.cfg = cfg
         self.rt = rt = init_runtime(cfg.parallel.ep, cfg.parallel.device, cfg.parallel.timeout_s)
-        # a collective one rank never joins ends the run in parallel.timeout_s, naming it
+        # a collective one rank never joins ends the run in parallel.timeout_s, naming it; a
+        # collective the ranks issue with different sizes aborts gloo at once (C++ terminate):
+        # faulthandler then prints every thread's Python stack, the main thread's at its call
         self.watchdog = Watchdog(cfg.parallel.timeout_s, rt.rank) if rt.distributed else None
+        faulthandler.enable()
         check_ranks_agree("config", config_facts(cfg))  # before anything that depends on it
         torch.manual_seed(cfg.train.seed + rt.rank)
         self.run_dir = os.path.join(cfg.log.dir, cfg.log.run_name)
