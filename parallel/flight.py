@@ -5,12 +5,14 @@ A collective that one rank never joins blocks the others until the process group
 the messages of that timeout name no layer: gloo's says "Timed out waiting 600000ms for recv
 operation", NCCL's watchdog names an op type and a sequence number. Here every collective this
 library issues is recorded first (:func:`record`: what, over which group, in which phase and
-layer; a deque append on the host, no device work), and :class:`Watchdog` (a daemon thread)
-watches the record: when ``timeout_s`` passes with no new entry, it prints one error naming the
-last collective issued and where the main thread stands (its innermost frames in this library
-and in ``torch.distributed``, which also names collectives issued inside torch, e.g. FSDP's
-all-gathers), then ends the process. torchrun then stops the other ranks (and restarts the job
-from its last checkpoint under ``--max-restarts``), so a hang costs ``timeout_s``, not forever.
+layer; a deque append on the host and, on a GPU, one CUDA event), and :class:`Watchdog` (a
+daemon thread) watches the record: when ``timeout_s`` passes with no new entry, it prints one
+error naming the collective waited in (on a CPU the last one issued; on a GPU, whose host runs
+ahead, the first one the stream has not passed: :meth:`FlightRecorder.stuck_entry`) and where
+the main thread stands (its innermost frames in this library and in ``torch.distributed``, which
+also names collectives issued inside torch, e.g. FSDP's all-gathers), then ends the process.
+torchrun then stops the other ranks (and restarts the job from its last checkpoint under
+``--max-restarts``), so a hang costs ``timeout_s``, not forever.
 
 The process group's own timeout is set a little longer (:data:`GRACE_S`), so the watchdog's
 message comes first; that timeout stays as the backstop. The watchdog cannot tell a hang from
@@ -26,6 +28,7 @@ import traceback
 from collections import deque
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 GRACE_S = 60.0  # the process group's timeout is the watchdog's plus this
@@ -41,6 +44,9 @@ class Entry:
     group: str  # the ranks it spans, e.g. "ranks [0, 1]"
     context: str  # the phase the trainer set, e.g. "step 12: forward"
     layer: str  # the module the forward was in when the phase began, "" if none
+    # CUDA: an event on the current stream just before the collective was enqueued (the host runs
+    # ahead of a GPU, so the last one issued is not the one the GPU waits in: see stuck_entry)
+    marker: "torch.cuda.Event | None" = None
 
     def describe(self) -> str:
         where = f"{self.context}, {self.layer}" if self.layer else self.context
@@ -62,8 +68,20 @@ class FlightRecorder:
         world; ``layer``: its own, else the current one)."""
         self.seq += 1
         self.last_progress = time.monotonic()
+        marker = torch.cuda.current_stream().record_event() if torch.cuda.is_initialized() else None
         self.entries.append(Entry(self.seq, self.last_progress, op, _ranks(group), self.context,
-                                  self.layer if layer is None else layer))
+                                  self.layer if layer is None else layer, marker))
+
+    def stuck_entry(self) -> tuple["Entry | None", bool]:
+        """The collective this rank waits in, and whether the device says so: on a GPU the first
+        entry the stream has not passed (the marker of the entry after it has not completed),
+        True; otherwise (a CPU, where a collective returns only once done, or a GPU past them
+        all) the last one issued, False."""
+        entries = list(self.entries)
+        for entry, after in zip(entries, entries[1:]):
+            if after.marker is not None and not after.marker.query():
+                return entry, True
+        return (entries[-1] if entries else None), False
 
     def phase(self, context: str) -> None:
         """Begin a phase (``"step 12: forward"``, ``"checkpoint save"``): counts as progress."""
@@ -128,8 +146,9 @@ def timeout_report(rank: int, timeout_s: float, recorder: FlightRecorder = RECOR
     """The error the watchdog prints: the collective waited in (or, when the main thread is in
     none, that this rank is the one the others wait for), the recent collectives, the stack."""
     stack = _main_thread_stack() if stack is None else stack
-    last = recorder.entries[-1].describe() if recorder.entries else "no collective yet"
-    if _in_collective(stack):
+    stuck, on_device = recorder.stuck_entry()
+    last = stuck.describe() if stuck else "no collective yet"
+    if on_device or _in_collective(stack):
         head = (f"rank {rank}: collective timeout: no progress for {timeout_s:.0f} s (parallel.timeout_s) in {last}; "
                 "another rank of that group never joined it (it failed, hangs, or runs a different schedule)")
     else:
