@@ -47,6 +47,7 @@ class Entry:
     # CUDA: an event on the current stream just before the collective was enqueued (the host runs
     # ahead of a GPU, so the last one issued is not the one the GPU waits in: see stuck_entry)
     marker: "torch.cuda.Event | None" = None
+    stream: "torch.cuda.Stream | None" = None  # the stream the marker is on
 
     def describe(self) -> str:
         where = f"{self.context}, {self.layer}" if self.layer else self.context
@@ -68,20 +69,25 @@ class FlightRecorder:
         world; ``layer``: its own, else the current one)."""
         self.seq += 1
         self.last_progress = time.monotonic()
-        marker = torch.cuda.current_stream().record_event() if torch.cuda.is_initialized() else None
+        stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
         self.entries.append(Entry(self.seq, self.last_progress, op, _ranks(group), self.context,
-                                  self.layer if layer is None else layer, marker))
+                                  self.layer if layer is None else layer,
+                                  stream.record_event() if stream is not None else None, stream))
 
     def stuck_entry(self) -> tuple["Entry | None", bool]:
-        """The collective this rank waits in, and whether the device says so: on a GPU the first
-        entry the stream has not passed (the marker of the entry after it has not completed),
-        True; otherwise (a CPU, where a collective returns only once done, or a GPU past them
-        all) the last one issued, False."""
+        """The collective this rank waits in, and whether the device says so. On a GPU: the first
+        entry the stream has not passed (the marker of the entry after it has not completed), or
+        the last one if the stream still has work queued after it (no kernel of a step runs for
+        ``timeout_s``), True. Otherwise (a CPU, where a collective returns only once done, or an
+        idle GPU) the last one issued, False."""
         entries = list(self.entries)
         for entry, after in zip(entries, entries[1:]):
             if after.marker is not None and not after.marker.query():
                 return entry, True
-        return (entries[-1] if entries else None), False
+        if not entries:
+            return None, False
+        last = entries[-1]
+        return last, last.marker is not None and not last.stream.query()
 
     def phase(self, context: str) -> None:
         """Begin a phase (``"step 12: forward"``, ``"checkpoint save"``): counts as progress."""

@@ -153,3 +153,48 @@ def test_guard_needs_a_fused_optimizer():
     opt = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), foreach=True)
     with pytest.raises(ValueError, match="fused optimizer"):
         NonFiniteGuard(opt, "stop", torch.device("cpu"))
+
+
+def _recorder_with_three_entries(device: str, sleep_after: int | None = None):
+    """A recorder with three collectives recorded on ``device``; on a GPU the stream sleeps
+    after entry ``sleep_after`` (a kernel that has not finished when the recorder is asked)."""
+    from parallel.flight import FlightRecorder
+
+    recorder = FlightRecorder()
+    for i in (1, 2, 3):
+        recorder.phase(f"step {i}: forward")
+        recorder.record(f"all_reduce #{i}", layer="blocks.0.moe")
+        if device == "cuda":
+            torch.ones(1, device="cuda").add_(1)  # work on the stream between the markers
+            if i == sleep_after:
+                torch.cuda._sleep(2_000_000_000)  # about a second at ~2 GHz
+    return recorder
+
+
+def test_a_cpu_timeout_names_the_last_collective_issued():
+    from parallel.flight import timeout_report
+
+    recorder = _recorder_with_three_entries("cpu")
+    entry, on_device = recorder.stuck_entry()
+    assert (entry.op, on_device) == ("all_reduce #3", False)
+    report = timeout_report(0, 5, recorder, stack=[])
+    assert report.startswith("rank 0: no progress for 5 s (parallel.timeout_s) outside any collective, after #3 "
+                             "all_reduce #3 over the world (step 3: forward, blocks.0.moe)"), report
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sleep_after", [1, 3, None])
+def test_a_gpu_timeout_names_the_collective_the_stream_waits_in(sleep_after):
+    from parallel.flight import timeout_report
+
+    recorder = _recorder_with_three_entries("cuda", sleep_after)
+    if sleep_after is None:
+        torch.cuda.synchronize()
+    entry, on_device = recorder.stuck_entry()
+    report = timeout_report(0, 5, recorder, stack=[])  # before the sleep ends (about a second)
+    torch.cuda.synchronize()
+    if sleep_after is None:  # an idle GPU: the host's view
+        assert (entry.op, on_device) == ("all_reduce #3", False)
+        return
+    assert (entry.op, on_device) == (f"all_reduce #{sleep_after}", True)
+    assert report.startswith(f"rank 0: collective timeout: no progress for 5 s (parallel.timeout_s) in #{sleep_after} "), report
