@@ -9,7 +9,7 @@ parser reads them from there); their lists belong to the modules that implement 
 import dataclasses
 import math
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moe.capacity import DropPolicy
 from moe.mlp import Activation
@@ -52,22 +52,37 @@ class MoEConfig:
     bias_update_rate: step of that bias rule.
     """
 
-    num_experts: int = 8
-    top_k: int = 2
-    hidden_dim: int = 256
-    every_n_layers: int = 1
-    capacity_factor: float | None = None
-    drop_policy: DropPolicy = "probs"
-    capacity_groups: int = 1
-    activation: Activation = "swiglu"
-    score_func: ScoreFunc = "softmax"
-    renormalize: bool = True
-    num_shared_experts: int = 0
-    shared_hidden_dim: int | None = None
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.001
-    expert_bias: bool = False
-    bias_update_rate: float = 1e-3
+    # each field's metadata["help"] is its one-line meaning (the training script's --help)
+    num_experts: int = field(default=8, metadata={"help": "E, routed experts (over the whole expert-parallel group)"})
+    top_k: int = field(default=2, metadata={"help": "K, experts per token, 1 <= K <= E"})
+    hidden_dim: int = field(default=256, metadata={"help": "F, hidden width of each expert"})
+    every_n_layers: int = field(default=1, metadata={
+        "help": "block i is an MoE block when (i + 1) % every_n_layers == 0, a dense one otherwise"})
+    capacity_factor: float | None = field(default=None, metadata={
+        "help": "C = ceil(capacity_factor · T · K / E) pairs per expert and rank (T: this rank's tokens); "
+                "none: dropless; > 0. C is a cap, nothing is padded to it"})
+    drop_policy: DropPolicy = field(default="probs", metadata={
+        "help": "over capacity: probs keeps an expert's highest-scoring (token, slot) pairs (ties: earlier token), "
+                "position its earliest tokens; dropped pairs contribute zero and are counted"})
+    capacity_groups: int = field(default=1, metadata={
+        "help": "cap each of this many equal contiguous token groups separately: one process with N drops "
+                "exactly what N data-parallel ranks drop"})
+    activation: Activation = field(default="swiglu", metadata={
+        "help": "expert MLP: swiglu (gate and up in one GEMM of width 2F) or gelu"})
+    score_func: ScoreFunc = field(default="softmax", metadata={"help": "router scores: softmax or sigmoid"})
+    renormalize: bool = field(default=True, metadata={"help": "renormalise the K chosen scores to sum to 1"})
+    num_shared_experts: int = field(default=0, metadata={
+        "help": "dense experts every token goes through, fused into one MLP of width num_shared_experts · "
+                "shared_hidden_dim"})
+    shared_hidden_dim: int | None = field(default=None, metadata={"help": "hidden width of one shared expert; none: F"})
+    aux_loss_coef: float = field(default=0.01, metadata={
+        "help": "coefficient of the Switch load-balancing loss E · Σ_e f_e · P_e"})
+    z_loss_coef: float = field(default=0.001, metadata={
+        "help": "coefficient of the router z-loss mean(logsumexp(logits)²)"})
+    expert_bias: bool = field(default=False, metadata={
+        "help": "a per-expert bias added to the scores for selection only (aux-loss-free balancing, DeepSeek-V3): "
+                "b_e += rate · sign(mean load − load_e) once per step"})
+    bias_update_rate: float = field(default=1e-3, metadata={"help": "the rate of the expert_bias rule"})
 
     def validate(self, prefix: str = "MoEConfig: ") -> "MoEConfig":
         """Raise ValueError unless every option is in range; return self.

@@ -23,23 +23,51 @@ class GroupedExperts(nn.Module):
     run the two GEMMs again there (activation checkpointing of the expert MLP: the (R, U)
     pre-activation and (R, F) hidden rows, the largest tensors of a fine-grained MoE layer, are
     not kept).
+
+    ``init_seed``, ``first_expert``: these L experts are the global experts
+    ``[first_expert, first_expert + L)``, each initialised from its own generator seeded
+    ``init_seed + e`` (see :meth:`reset_parameters`); ``init_seed=None``: from the global RNG.
     """
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int, activation: Activation = "swiglu", *, device=None, dtype=None):
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, activation: Activation = "swiglu", *, device=None, dtype=None,
+                 init_seed: int | None = None, first_expert: int = 0):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.activation = activation
         self.num_experts = num_experts
+        self.init_seed = init_seed
+        self.first_expert = first_expert
         width = 2 * hidden_dim if activation == "swiglu" else hidden_dim
         self.w1_LDU = nn.Parameter(torch.empty(num_experts, dim, width, device=device, dtype=dtype))
         self.w2_LFD = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, device=device, dtype=dtype))
         self.recompute = False
         self.reset_parameters()
 
-    def reset_parameters(self, std: float = 0.02) -> None:
-        nn.init.normal_(self.w1_LDU, std=std)
-        nn.init.normal_(self.w2_LFD, std=std)
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02, out_std: float | None = None) -> None:
+        """Normal(0, std) ``w1``, Normal(0, out_std) ``w2`` (``out_std`` default: std).
+
+        With ``init_seed`` set (what :class:`moe.MoELayer` does), local expert l is *global*
+        expert ``e = first_expert + l`` and both its matrices come from one generator of its own,
+        seeded ``init_seed + e`` on the weights' device (``w1[l]`` drawn first, then ``w2[l]``):
+        expert e gets the same weights whichever rank holds it and however many experts the rank
+        holds, and the global RNG is not touched. Without it, both tensors are drawn from the
+        global RNG (the amount drawn then depends on the number of experts held). On the meta
+        device nothing is drawn.
+        """
+        out_std = std if out_std is None else out_std
+        if self.init_seed is None:
+            nn.init.normal_(self.w1_LDU, std=std)
+            nn.init.normal_(self.w2_LFD, std=out_std)
+            return
+        device = self.w1_LDU.device
+        if device.type == "meta":
+            return
+        for local in range(self.num_experts):
+            gen = torch.Generator(device=device).manual_seed(self.init_seed + self.first_expert + local)
+            self.w1_LDU[local].normal_(0.0, std, generator=gen)
+            self.w2_LFD[local].normal_(0.0, out_std, generator=gen)
 
     def compute_dtype(self, x_RD: torch.Tensor) -> torch.dtype:
         if torch.is_autocast_enabled(x_RD.device.type):

@@ -53,6 +53,14 @@ class MoELayer(nn.Module):
 
     ``forward(x)`` returns the output and keeps the latest :class:`MoEAux` in ``self.last_aux``
     for :func:`moe_aux_loss` / :func:`moe_stats`; ``forward_with_aux(x)`` returns both.
+
+    Initialisation does not depend on the expert-parallel size: the router and the shared experts
+    are drawn from the global RNG (the same amount on every rank), and the routed experts from one
+    generator per *global* expert, seeded from one value drawn from the global CPU RNG here
+    (:class:`GroupedExperts`' ``init_seed``). So with the same ``torch.manual_seed(s)`` on every
+    rank (``parallel.init_distributed(seed=s)``), a model built under EP on W ranks holds exactly
+    the one-process model's dense and router weights, and rank r exactly its experts
+    ``[r·L, (r+1)·L)``.
     """
 
     def __init__(
@@ -93,7 +101,16 @@ class MoELayer(nn.Module):
             dim, cfg.num_experts, cfg.top_k, score_func=cfg.score_func, renormalize=cfg.renormalize,
             expert_bias=cfg.expert_bias, bias_update_rate=cfg.bias_update_rate, device=device,
         )
-        self.experts = GroupedExperts(self.num_local_experts, dim, cfg.hidden_dim, cfg.activation, device=device, dtype=dtype)
+        # One draw from the global CPU RNG, the same whatever the EP size or device: global expert
+        # e is initialised from its own generator seeded init_seed + e, so with one
+        # torch.manual_seed on every rank, rank r's experts are the one-process layer's experts
+        # [r·L, (r+1)·L) and the RNG a layer consumes (router, this draw, shared experts) does not
+        # depend on L.
+        init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
+        self.experts = GroupedExperts(
+            self.num_local_experts, dim, cfg.hidden_dim, cfg.activation, device=device, dtype=dtype,
+            init_seed=init_seed, first_expert=self.dispatcher.ep_rank * self.num_local_experts,
+        )
         self.shared_experts = None
         if cfg.num_shared_experts:
             width = cfg.num_shared_experts * (cfg.shared_hidden_dim or cfg.hidden_dim)

@@ -14,10 +14,11 @@ from parallel.fsdp import fully_shard_moe
 from parallel.ep_dispatcher import ExpertParallelDispatcher, ExpertParallelMeta
 from parallel.grad_sync import clip_grad_norm_, expert_parameters, sync_gradients
 from parallel.p2p_dispatcher import P2PDispatcher, P2PMeta
+from parallel.replicas import check_replicas_agree
 from parallel.stats import global_moe_stats, update_expert_biases_global
 
 __all__ = [
     "AllToAllDispatcher", "AllToAllMeta", "CommTimer", "ExpertParallelDispatcher", "ExpertParallelMeta",
-    "P2PDispatcher", "P2PMeta", "ParallelDims", "all_reduce_sum", "all_to_all", "clip_grad_norm_",
+    "P2PDispatcher", "P2PMeta", "ParallelDims", "all_reduce_sum", "all_to_all", "check_replicas_agree", "clip_grad_norm_",
     "expert_parameters", "fully_shard_moe", "global_moe_stats", "init_distributed", "sync_gradients", "update_expert_biases_global",
 ]

@@ -1,13 +1,24 @@
-"""Config: YAML + CLI overrides (CLI > YAML > defaults), type checks, errors naming section.key."""
+"""Config: YAML + CLI overrides (CLI > YAML > defaults), type checks, errors naming section.key; every
+config problem before the process group as one line and exit status 2, with the machine and data
+checks of train/preflight.py; --help from the dataclasses; the built-in configs by name (issue #19)."""
 
+import dataclasses
 import glob
 import os
 import re
+import subprocess
+import sys
 import typing
 
+import numpy as np
 import pytest
+import torch
 
-from train.config import Config, ConfigError, coerce, apply_overrides, from_yaml, load_config, to_yaml, validate
+from train import preflight
+from train.config import (CONFIG_DIR, Config, ConfigError, apply_overrides, builtin_configs, coerce, from_yaml,
+                          load_config, resolve_config_path, to_yaml, type_text, validate)
+from train.data import TokenStream, load_splits, shard, stdlib_corpus, val_batches
+from train.train import cli, usage
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -170,3 +181,272 @@ def test_non_finite_floats_name_the_key(key, text):
 def test_non_finite_yaml_floats_name_the_key(tmp_path, text, shown):
     with pytest.raises(ConfigError, match=rf"^moe\.capacity_factor: must be a finite number, got {shown}$"):
         from_yaml(_write(tmp_path, f"moe:\n  capacity_factor: {text}\n"))
+
+
+# ---------------------------------------------------------------- issue #19: every config problem
+# before the process group, one line, exit status 2; --help from the dataclasses; built-in configs
+
+GPU_CONFIGS = ["small", "ep2", "ep2_p2p", "olmoe_bench", "olmoe_ep4_dp2", "olmoe_ep8"]
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    """No torchrun environment: one process, rank 0."""
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _token_file(tmp_path, n, name="toks.bin", dtype=np.uint16):
+    path = tmp_path / name
+    (np.arange(n) % 251).astype(dtype).tofile(path)
+    return str(path)
+
+
+def _cli_error(args, capsys) -> str:
+    """``cli(args)`` must exit with status 2 and one line on stderr (nothing on stdout): that line."""
+    with pytest.raises(SystemExit) as exit_:
+        cli(args)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == "", (exit_.value.code, out, err)
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: "), err
+    return lines[0]
+
+
+def _error_cases(tmp_path):
+    short = _token_file(tmp_path, 3000)  # 2850 training tokens: 5 windows of 512 + 1
+    bad_yaml = _write(tmp_path, "model:\n  dim: [1\n", name="broken.yaml")
+    return {
+        "unknown key": (["--config", "tiny", "--parallel.ep=1", "--moe.top_kk=2"], ["moe.top_kk"]),
+        "wrong type": (["--train.steps=three"], ["train.steps", "three"]),
+        "missing config file": (["--config", "nope.yaml"], ["--config nope.yaml: no such file", "tiny", "olmoe_bench"]),
+        "broken YAML": (["--config", bad_yaml], ["broken.yaml: not valid YAML at line 3"]),
+        "missing data file": (["--data.source=tokens", f"--data.path={tmp_path}/missing.bin"],
+                              ["data.path=", "missing.bin: no such file"]),
+        "seq_len too long": (["--data.source=tokens", f"--data.path={short}", "--model.vocab_size=300", "--data.seq_len=512"],
+                             ["data.seq_len=512", "data.batch_size=8", "training shard holds 2,850 tokens", "5 windows"]),
+        "ignored combination": (["--data.path=/x/y.bin"], ["data.path=/x/y.bin is ignored with data.source=stdlib"]),
+        "ep without torchrun": (["--config", "tiny"], ["parallel.ep=2 must divide the world size 1", "--parallel.ep=1"]),
+    }
+
+
+@pytest.mark.parametrize("case", ["unknown key", "wrong type", "missing config file", "broken YAML", "missing data file",
+                                  "seq_len too long", "ignored combination", "ep without torchrun"])
+def test_each_config_error_is_one_line_and_exit_2(tmp_path, capsys, one_process, case):
+    args, needles = _error_cases(tmp_path)[case]
+    line = _cli_error(args + [f"--log.dir={tmp_path}/runs"], capsys)
+    for needle in needles:
+        assert needle in line, line
+    assert not (tmp_path / "runs").exists()  # nothing was started
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
+@pytest.mark.parametrize("args", [["--parallel.device=cuda"], ["--config", "small"], ["--config", "configs/ep2.yaml", "--parallel.ep=1"]])
+def test_cuda_config_without_a_gpu_is_one_line(capsys, one_process, args):
+    line = _cli_error(args, capsys)
+    assert "parallel.device=cuda but this machine has no CUDA GPU (torch.cuda.is_available() is False)" in line
+
+
+def test_a_config_error_in_a_real_process_has_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "train", "--config", "nope.yaml"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [proc.stderr.strip()] and "no such file" in proc.stderr
+
+
+@pytest.mark.slow
+def test_torchrun_prints_a_config_error_once_and_every_rank_exits_2(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TRITON_INTERPRET")}
+    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(REPO, "train", "train.py"), "--config", "tiny", "--moe.top_kk=2", f"--log.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count("config error: moe.top_kk: unknown key") == 1, out[-3000:]
+    # torchrun's summary: every rank exited with status 2 (rank 1 waits for rank 0 to print first)
+    codes = dict(re.findall(r"rank\s*: (\d) \(local_rank: \d\)\s*exitcode\s*: (-?\d+)", out))
+    assert codes == {"0": "2", "1": "2"}, out[-3000:]
+    ours = re.compile(r'File ".*/(train|moe|parallel|attention|kernel_floor)/[^"]*\.py"')
+    assert not ours.search(out), out[-3000:]  # no traceback line of our code
+
+
+# ---------------------------------------------------------------- options ignored in combination
+
+
+@pytest.mark.parametrize("args, keys", [
+    (["--data.path=/x/y.bin"], ("data.path", "data.source")),
+    (["--data.token_dtype=uint32"], ("data.token_dtype", "data.source")),
+    (["--data.source=text", "--data.path=/x.txt", "--data.token_dtype=uint32"], ("data.token_dtype", "data.source=text")),
+    (["--data.source=tokens", "--data.path=/x.bin", "--data.max_bytes=1000"], ("data.max_bytes", "data.source=tokens")),
+    (["--log.time_comm=true"], ("log.time_comm=true", "parallel.ep=1")),
+])
+def test_an_ignored_option_names_both_keys(args, keys):
+    with pytest.raises(ConfigError) as err:
+        load_config(args, world_size=1)
+    assert all(k in str(err.value) for k in keys), str(err.value)
+
+
+def test_only_options_the_user_set_count_as_ignored(tmp_path):
+    # a key written with its default (a saved run's config.yaml holds every key) is not "set"
+    dumped = _write(tmp_path, to_yaml(load_config(["--data.source=tokens", "--data.path=/x.bin"])), name="saved.yaml")
+    cfg = load_config(["--config", dumped])
+    assert cfg.data.token_dtype == "uint16" and "data.token_dtype" in cfg.user_set and not cfg.is_set("data.token_dtype")
+    cfg = load_config(["--config", _write(tmp_path, to_yaml(Config()))])  # max_bytes, path: null, time_comm: false
+    assert cfg.user_set and [k for k in cfg.user_set if cfg.is_set(k)] == ["log.run_name"]  # null: the file's stem
+    assert load_config(["--parallel.ep=2", "--log.time_comm=true"], world_size=2).log.time_comm
+    assert load_config([]).user_set == set()
+
+
+# ---------------------------------------------------------------- --help
+
+
+def test_every_key_has_help():
+    cfg = Config()
+    for section in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            assert f.metadata.get("help", "").strip(), f"{section.name}.{f.name} has no help"
+
+
+def test_help_lists_every_key_with_default_type_choices_and_meaning():
+    text = usage()
+    cfg = Config()
+    for section in dataclasses.fields(cfg):
+        assert f"\n{section.name}:  " in text, section.name
+        values = getattr(cfg, section.name)
+        hints = typing.get_type_hints(type(values))
+        for f in dataclasses.fields(values):
+            line = next(line for line in text.splitlines() if line.startswith(f"  --{section.name}.{f.name}="))
+            assert f"({type_text(hints[f.name])}) {f.metadata['help']}" in line, line
+            if typing.get_origin(hints[f.name]) is typing.Literal:
+                assert "(" + "|".join(typing.get_args(hints[f.name])) + ")" in line, line
+    assert "  --moe.top_k=2  (int) K, experts per token, 1 <= K <= E" in text
+    assert "  --parallel.device=auto  (auto|cpu|cuda) " in text
+    assert "  --log.wandb_mode=none  (online|offline|disabled or none) " in text
+    assert "  --moe.capacity_factor=none  (float or none) " in text
+    assert ", ".join(builtin_configs()) in text
+
+
+def test_help_exits_0_in_a_real_process():
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "train", "train.py"), "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "--moe.drop_policy=probs  (probs|position)" in proc.stdout, proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- built-in configs
+
+
+def test_configs_dir_is_a_link_to_the_packaged_configs():
+    link = os.path.join(REPO, "configs")
+    assert os.path.islink(link) and os.path.realpath(link) == os.path.realpath(CONFIG_DIR)
+    assert CONFIG_DIR == os.path.join(REPO, "train", "configs")
+    assert set(builtin_configs()) >= {"tiny", *GPU_CONFIGS}
+
+
+@pytest.mark.parametrize("spelling", ["tiny", "tiny.yaml", "configs/tiny.yaml", "./configs/tiny.yaml"])
+def test_config_by_name_resolves_from_any_directory(tmp_path, monkeypatch, spelling):
+    monkeypatch.chdir(tmp_path)  # no configs/ here: the packaged file
+    assert resolve_config_path(spelling) == os.path.join(CONFIG_DIR, "tiny.yaml")
+    cfg = load_config(["--config", spelling], world_size=2)
+    assert cfg == load_config(["--config", os.path.join(REPO, "configs", "tiny.yaml")], world_size=2)
+    assert cfg.log.run_name == "tiny"
+
+
+def test_a_file_in_the_working_directory_wins_over_a_builtin(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("configs")
+    _write(tmp_path / "configs", "model:\n  dim: 64\n  n_heads: 2\n", name="tiny.yaml")
+    assert resolve_config_path("configs/tiny.yaml") == "configs/tiny.yaml"
+    assert load_config(["--config", "configs/tiny.yaml"]).model.dim == 64
+
+
+def test_tiny_is_expert_parallel_on_cpu_and_the_gpu_configs_say_cuda():
+    tiny = from_yaml(os.path.join(CONFIG_DIR, "tiny.yaml"))
+    assert tiny.parallel.ep == 2 and tiny.parallel.device == "auto" and tiny.parallel.dispatcher == "nccl"
+    assert "--nproc_per_node=2" in open(os.path.join(CONFIG_DIR, "tiny.yaml")).read()
+    for name in GPU_CONFIGS:
+        assert from_yaml(os.path.join(CONFIG_DIR, f"{name}.yaml")).parallel.device == "cuda", name
+
+
+# ---------------------------------------------------------------- preflight: data and memory
+
+
+def test_stdlib_split_sizes_are_the_corpus_lengths():
+    cfg = load_config(["--data.max_bytes=300000"])
+    n_train, n_val, _ = preflight.split_sizes(cfg)
+    train, val = stdlib_corpus(300_000, cfg.data.val_fraction)
+    assert (n_train, n_val) == (len(train), len(val))
+
+
+@pytest.mark.parametrize("vf, first_short", [(0.5, "training"), (0.25, "validation")])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_data_check_is_exactly_where_the_data_module_fails(tmp_path, world, vf, first_short):
+    """Around the boundary, the check passes exactly when every rank's shard of each split (as
+    train.data cuts them) holds one batch of windows: TokenStream takes the training shard and the
+    validation set gets B distinct windows; otherwise it names the split that falls short."""
+    S, B = 16, 4
+    need = B * S + 1
+    args = [f"--data.seq_len={S}", f"--data.batch_size={B}", f"--data.val_fraction={vf}", "--data.source=tokens",
+            "--model.vocab_size=300", "--parallel.data_parallel=replicate"]
+    outcomes = set()
+    edge = round(need * world / min(vf, 1 - vf))  # the smaller split holds `need` tokens per rank
+    for n in range(edge - 8 * world, edge + 4 * world):
+        cfg = load_config(args + [f"--data.path={_token_file(tmp_path, n, name=f'{n}.bin')}"], world_size=world)
+        train, val = load_splits("tokens", cfg.data.path, "uint16", 0, vf)
+        short = [split for split, tokens in (("training", train), ("validation", val))
+                 if any(len(shard(tokens, r, world)) < need for r in range(world))]
+        if not short:
+            preflight.check_data(cfg, world)
+            for r in range(world):
+                TokenStream(shard(train, r, world), S, B, seed=0, rank=r)
+                assert len(val_batches(shard(val, r, world), S, B, 1)[0][0].unique(dim=0)) == B
+        else:
+            tokens = train if short[0] == "training" else val
+            fewest = min(len(shard(tokens, r, world)) for r in range(world))
+            with pytest.raises(ConfigError, match=f"a rank's {short[0]} shard holds {fewest} tokens"):
+                preflight.check_data(cfg, world)
+            if short[0] == "training":
+                with pytest.raises(ValueError, match="fewer than batch_size"):
+                    TokenStream(shard(train, 0, world), S, B, seed=0)  # rank 0's shard is the smallest
+        outcomes.add(tuple(short))
+    assert () in outcomes and any(o and o[0] == first_short for o in outcomes), outcomes
+
+
+def test_a_token_file_of_the_wrong_dtype_is_named(tmp_path):
+    path = tmp_path / "odd.bin"
+    path.write_bytes(b"\x00" * 1001)
+    cfg = load_config(["--data.source=tokens", f"--data.path={path}"])
+    with pytest.raises(ConfigError, match=r"1,001 bytes is not a whole number of data\.token_dtype=uint16 tokens"):
+        preflight.check_data(cfg, 1)
+
+
+class _FakeGPU:
+    def __init__(self, gib):
+        self.total_memory, self.name = int(gib * 2**30), f"fake {gib} GiB GPU"
+
+
+@pytest.mark.parametrize("gib, refused", [(40, True), (141, False)])
+def test_predicted_memory_beyond_the_gpu_is_refused(monkeypatch, gib, refused):
+    """olmoe_bench at EP 2, fsdp: train/memory.py predicts about 72 GiB per GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: _FakeGPU(gib))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cfg = load_config(["--config", "olmoe_bench"], world_size=2)
+    if refused:
+        with pytest.raises(ConfigError, match=r"train\.memory_check: train/memory\.py predicts a peak of 7\d\.\d GiB "
+                                              r"per GPU \(fsdp, activation checkpointing none"):
+            preflight.check_environment(cfg, 2)
+        cfg.train.memory_check = False
+    preflight.check_environment(cfg, 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="torchrun starts 4 processes on this node but it has 2 visible GPUs"):
+        preflight.check_environment(cfg, 2)
+
+
+def test_start_line_says_what_comes_first():
+    cfg = load_config(["--config", "tiny", "--data.seq_len=16384"], world_size=2)
+    line = preflight.start_line(cfg, 2)
+    assert line.startswith("config tiny: checked | world 2 (ep 2) on ")
+    assert "1·8·16384 = 131,072 tokens" in line and "TFLOP a step" in line and "train 400 steps" in line

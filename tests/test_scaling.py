@@ -33,7 +33,7 @@ SCALED_DOWN = [
     "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.vocab_size=256",
     "--moe.hidden_dim=64", "--data.seq_len=32", "--data.batch_size=2", "--data.max_bytes=400000",
     "--train.steps=3", "--log.every=1", "--optim.warmup_steps=1", "--log.time_comm=true",
-    "--log.wandb_mode=disabled", "--log.progress=false",
+    "--log.wandb_mode=disabled", "--log.progress=false", "--parallel.device=cpu",
 ]
 # (config, processes, EP override, the layout line the run prints)
 CPU_RUNS = [
@@ -184,6 +184,7 @@ def world8():
 
 
 @pytest.mark.slow
+@pytest.mark.world8
 @pytest.mark.parametrize("case", [c.name for c in WORLD8])
 def test_world8_equals_one_process(world8, case):
     _check_case(world8, f"{case}:float32")

@@ -4,7 +4,7 @@ Run::
 
     torchrun --standalone --nproc_per_node=2 train/train.py --config configs/tiny.yaml   # CPU, gloo
     torchrun --standalone --nproc_per_node=2 train/train.py --config configs/ep2.yaml    # 2 GPUs, EP=2
-    python train/train.py --config configs/tiny.yaml --train.steps=50                    # one process
+    python train/train.py --config configs/tiny.yaml --parallel.ep=1 --train.steps=50   # one process
     # two "nodes" of two processes on one host (run both; c10d rendezvous on localhost)
     torchrun --nnodes=2 --node_rank=0 --nproc_per_node=2 --rdzv-backend=c10d \\
         --rdzv-endpoint=localhost:29500 --rdzv-id=demo train/train.py --config configs/tiny.yaml --parallel.ep=2

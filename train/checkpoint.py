@@ -84,6 +84,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from parallel import flight
+from train.config import ConfigError
 from train.model import expert_parameter_names
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -275,7 +276,7 @@ class Checkpointer:
             future = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
             self._pending = (future, tmp, final, step)
         else:
-            dcp.save(state, checkpoint_id=tmp)
+            dcp.save(state, checkpoint_id=tmp, no_dist=not self.rt.distributed)
             self._publish(tmp, final, step)
         return final
 
@@ -346,6 +347,7 @@ class Checkpointer:
         if not self.verify(path) and self.rt.rank == 0:
             say(f"checkpoint {path} has no checksums (format {UNVERIFIED_FORMAT}, written before they existed): "
                 f"loading it unverified")
+        self._check_fits(path, model)  # a checkpoint of another model is the config's fault, not the file's
         info, failure = None, None
         try:
             info = self.load(path, model, optimizer, schedule)
@@ -355,6 +357,30 @@ class Checkpointer:
         if failures:
             raise CheckpointError(path, [("", failures[0])], verdict="could not be loaded")
         return {**info, "path": path}
+
+    def _check_fits(self, path: str, model: nn.Module) -> None:
+        """Raise ConfigError naming the first model tensor that the checkpoint at ``path`` lacks or
+        holds with another global shape, or the first it holds that the model lacks. Every rank
+        reads the same ``.metadata`` and reaches the same verdict, before any collective of the
+        load (DCP's own error for this comes from inside its collective read, names no config
+        key, and under ``resume: auto`` would make a good checkpoint look corrupt)."""
+        try:
+            saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        except Exception:  # an unreadable .metadata is verification's business (and load's error)
+            return
+        saved = {k[len("model."):]: getattr(m, "size", None) for k, m in saved.items() if k.startswith("model.")}
+        ours = {n: tuple(t.shape) for n, t in self._view(get_model_state_dict(model), expert_parameter_names(model)).items()}
+        hint = ("the model.* and moe.* keys must be those of the run that wrote it (its config.yaml); or start afresh "
+                "with checkpoint.resume=none, or another log.run_name")
+        for name, shape in ours.items():
+            if name not in saved:
+                raise ConfigError(f"checkpoint {path} does not fit this model: it has no tensor {name}; {hint}")
+            if tuple(saved[name] or ()) != shape:
+                raise ConfigError(f"checkpoint {path} does not fit this model: {name} is {tuple(saved[name] or ())} there and "
+                                  f"{shape} here; {hint}")
+        extra = sorted(set(saved) - set(ours))
+        if extra:
+            raise ConfigError(f"checkpoint {path} does not fit this model: it holds {extra[0]}, which this model has not; {hint}")
 
     def restore(self, resume: str, model: nn.Module, optimizer, schedule, say: Callable[[str], None] = print) -> dict | None:
         """Resume as ``checkpoint.resume`` says: ``none``, ``auto`` or a checkpoint directory
@@ -399,7 +425,7 @@ class Checkpointer:
         exact = meta["world_size"] == self.rt.world_size
         own = f"rank{self.rt.rank if exact else 0}"
         state, model_sd, optim_sd = self._state(model, optimizer, schedule, {"epoch": 0, "cursor": 0}, 0, own)
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, checkpoint_id=path, no_dist=not self.rt.distributed)
         set_model_state_dict(model, model_sd)  # the views wrote into these tensors
         set_optimizer_state_dict(model, optimizer, optim_sd)
         schedule.load_state_dict(state["train"]["schedule"])

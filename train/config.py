@@ -6,6 +6,14 @@ its field's annotation (``int``, ``float``, ``bool``, ``str``, ``Literal[...]`` 
 ``section.key``. All of this happens before any process group starts, so a typo fails fast on
 every rank with the same message. The ``moe`` section is :class:`moe.MoEConfig` itself: its
 fields, choices and checks are the layer's, not restated here.
+
+Each key's meaning is its field's ``metadata["help"]`` (:func:`option`); :func:`help_text` writes
+every key with its default, its type or ``Literal`` choices and that meaning (``--help``).
+:meth:`Config.is_set` tells the keys a YAML file or the command line set from the defaults, so
+that :func:`check_ignored` refuses an option the rest of the config ignores only when the user
+asked for it. ``--config`` takes a path or the name of a built-in config
+(:func:`resolve_config_path`: ``train/configs/<name>.yaml``, shipped inside the package).
+What the config asks of the machine and its data is checked by :mod:`train.preflight`.
 """
 
 import dataclasses
@@ -22,120 +30,164 @@ from moe import MoEConfig
 
 
 class ConfigError(ValueError):
-    """A config file or override that names an unknown key or holds a wrongly typed value."""
+    """A config problem found before the run starts: a missing config or data file, an unknown key,
+    a wrongly typed value, values that contradict each other or the data, an option the rest of
+    the config ignores, a device the machine lacks. Its message is one line naming the key(s);
+    the training script prints it and exits with status 2."""
+
+
+# the built-in configs, shipped inside the package (train/configs/*.yaml; the repository's
+# configs/ is a link to it): ``--config tiny`` finds them from any directory after an install
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+
+def option(default, help: str):
+    """A config key: its default and its one-line meaning (``--help`` prints it, with its type and
+    the choices of its ``Literal`` annotation)."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 256
-    dim: int = 128
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int | None = None  # None: = n_heads (no GQA)
-    head_dim: int | None = None  # None: dim // n_heads
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True
-    dense_hidden_dim: int = 512  # hidden width of the dense MLP in non-MoE blocks
-    init_std: float = 0.02
+    """the transformer (train/model.py)"""
+
+    vocab_size: int = option(256, "V, rows of the embedding and the LM head; byte-level data (stdlib, text) needs >= 256")
+    dim: int = option(128, "D, model width")
+    n_layers: int = option(2, "transformer blocks (which of them are MoE blocks: moe.every_n_layers)")
+    n_heads: int = option(4, "H, query heads")
+    n_kv_heads: int | None = option(None, "Hkv, key/value heads (GQA), must divide n_heads; none: = n_heads (no GQA)")
+    head_dim: int | None = option(None, "Hd, width of a head; none: dim // n_heads")
+    rope_theta: float = option(10000.0, "RoPE base")
+    norm_eps: float = option(1e-5, "RMSNorm epsilon")
+    tie_embeddings: bool = option(True, "the LM head is the embedding's weight (false: a separate V × D head)")
+    dense_hidden_dim: int = option(512, "hidden width of the dense MLP in non-MoE blocks")
+    init_std: float = option(0.02, "std of the normal init (output projections: init_std / sqrt(2 · n_layers))")
 
 
 @dataclass
 class ParallelConfig:
-    ep: int = 1  # expert-parallel size; data parallel over the whole world, edp = world // ep
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda if available
-    # how MoE rows cross the EP group (ep > 1 only): nccl (all-to-all; any devices, any nodes) |
-    # p2p (NVLink stores into symmetric memory; CUDA, every EP group on one node)
-    dispatcher: Literal["nccl", "p2p"] = "nccl"
-    # how the data-parallel copies hold their state: fsdp (FSDP2: dense state sharded over the
-    # world, each expert shard's state over its expert-data-parallel group, gradients
-    # reduce-scattered during the backward) | replicate (every rank a full copy, gradients
-    # all-reduced after the backward). fsdp is the default: on 2xH200 (OLMoE-shaped, EP 2) it
-    # trained at 1.08x replicate's tokens/s in 71 instead of 75 GiB (bench/results/memory.md)
-    data_parallel: Literal["replicate", "fsdp"] = "fsdp"
-    # fsdp: free each block's gathered parameters after its forward (ZeRO-3-like, less memory) or
-    # keep them until the backward (ZeRO-2-like, one all-gather per step fewer)
-    reshard_after_forward: bool = True
-    # fsdp: the dtype parameters are gathered and computed in (auto: bf16 iff training in bf16)
-    # and the dtype gradients are reduced in; the router always runs in fp32
-    param_dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
-    # how long a rank waits for the others in one collective before the run stops with an error
-    # naming the collective (and the layer) it waited in; must exceed the longest checkpoint write
-    timeout_s: float = 600.0
+    """how the ranks of torchrun's world share the work (train/runtime.py, parallel/)"""
+
+    ep: int = option(1, "expert-parallel size: must divide the world (torchrun --nproc_per_node · nodes) and "
+                        "moe.num_experts; data parallel over the whole world, edp = world // ep")
+    device: Literal["auto", "cpu", "cuda"] = option(
+        "auto", "auto: cuda if a GPU is visible, else cpu; cuda: refuse to start on a machine without one")
+    dispatcher: Literal["nccl", "p2p"] = option(
+        "nccl", "how MoE rows cross the EP group (ep > 1 only): nccl (all-to-all; any devices, any nodes) | "
+                "p2p (NVLink stores into symmetric memory; CUDA, every EP group on one node)")
+    data_parallel: Literal["replicate", "fsdp"] = option(
+        "fsdp", "how the data-parallel copies hold their state: fsdp (FSDP2: dense state sharded over the world, "
+                "each expert shard's state over its expert-data-parallel group, gradients reduce-scattered during "
+                "the backward) | replicate (every rank a full copy, gradients all-reduced after the backward); "
+                "on 2xH200 (OLMoE-shaped, EP 2) fsdp trained at 1.08x replicate's tokens/s in 71 instead of 75 GiB")
+    reshard_after_forward: bool = option(
+        True, "fsdp: free each block's gathered parameters after its forward (ZeRO-3-like, less memory) or keep "
+              "them until the backward (false: ZeRO-2-like, one all-gather per step fewer)")
+    param_dtype: Literal["auto", "bf16", "fp32"] = option(
+        "auto", "fsdp: the dtype parameters are gathered and computed in (auto: bf16 iff training in bf16); the "
+                "router always runs in fp32")
+    reduce_dtype: Literal["fp32", "bf16"] = option("fp32", "fsdp: the dtype gradients are reduced in")
+    timeout_s: float = option(
+        600.0, "how long a rank waits for the others in one collective before the run stops with an error naming "
+               "the collective (and the layer) it waited in; must exceed the longest checkpoint write")
 
 
 @dataclass
 class DataConfig:
-    source: Literal["stdlib", "tokens", "text"] = "stdlib"  # stdlib: bytes of Python's own sources; tokens: memmap
-    path: str | None = None  # the token or text file
-    token_dtype: Literal["uint16", "uint32"] = "uint16"  # for source=tokens
-    max_bytes: int = 8_000_000  # stdlib corpus size cap
-    val_fraction: float = 0.05
-    seq_len: int = 128
-    batch_size: int = 8  # sequences per rank and micro-batch
-    val_batches: int = 4  # micro-batches per rank in one validation pass
+    """what the model reads (train/data.py); every rank reads its own shard of each split"""
+
+    source: Literal["stdlib", "tokens", "text"] = option(
+        "stdlib", "stdlib: the bytes of Python's own standard library sources (nothing to download) | tokens: a "
+                  "memory-mapped file of token ids (data.path, data.token_dtype) | text: a file's bytes (data.path)")
+    path: str | None = option(None, "the token or text file (source tokens or text only)")
+    token_dtype: Literal["uint16", "uint32"] = option("uint16", "dtype of the token file's ids (source tokens only)")
+    max_bytes: int = option(8_000_000, "how many bytes of the stdlib corpus to use (source stdlib only)")
+    val_fraction: float = option(
+        0.05, "share of the data held out for validation, in (0, 1): stdlib by a hash of each file's name, tokens "
+              "and text the file's tail")
+    seq_len: int = option(128, "S, tokens per sequence; a rank's shard of each split needs batch_size windows of "
+                               "seq_len + 1 tokens")
+    batch_size: int = option(8, "B, sequences per rank and micro-batch")
+    val_batches: int = option(4, "micro-batches per rank in one validation pass")
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    expert_lr_mult: float = 1.0
-    expert_weight_decay: float | None = None  # None: = weight_decay
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # 0: no clipping
+    """AdamW with warmup and cosine decay (train/optim.py)"""
+
+    lr: float = option(3e-3, "peak learning rate, after warmup")
+    min_lr_ratio: float = option(0.1, "the cosine decays to lr · min_lr_ratio, in [0, 1]")
+    warmup_steps: int = option(20, "linear warmup steps")
+    weight_decay: float = option(0.1, "AdamW weight decay of the matrices (norm gains and biases: none)")
+    expert_lr_mult: float = option(1.0, "the experts' learning rate is lr · expert_lr_mult")
+    expert_weight_decay: float | None = option(None, "the experts' weight decay; none: = weight_decay")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.95, "AdamW beta2")
+    eps: float = option(1e-8, "AdamW epsilon")
+    grad_clip: float = option(1.0, "clip the global gradient norm to this; 0: no clipping")
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
-    grad_accum: int = 1
-    seed: int = 0
-    precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on cuda, fp32 on cpu
-    eval_every: int = 50  # 0: validate only at the start and the end
-    # recompute activations in the backward instead of keeping them: none | selective (each
-    # block's attention and its experts' MLP; the dispatch, and its all-to-all, runs once) |
-    # full (every block: its forward, all-to-alls included, runs again in the backward)
-    activation_checkpointing: Literal["none", "selective", "full"] = "none"
-    # a step whose loss or gradient norm is not finite (on any rank) never changes the model: stop
-    # (the run ends with an error naming the first non-finite layer, no checkpoint after it) |
-    # skip (the step's update is dropped, its batch and schedule position are consumed; the run
-    # stops once more than max_skipped_steps steps were skipped)
-    on_nonfinite: Literal["stop", "skip"] = "stop"
-    max_skipped_steps: int = 10
+    """the loop (train/trainer.py)"""
+
+    steps: int = option(300, "optimizer steps of the whole run (the schedule's length)")
+    grad_accum: int = option(1, "micro-batches per optimizer step")
+    seed: int = option(0, "seed of the weights (the same on every rank) and of each rank's data order")
+    precision: Literal["auto", "bf16", "fp32"] = option(
+        "auto", "auto: bf16 autocast on cuda, fp32 on cpu")
+    eval_every: int = option(50, "validate every this many steps; 0: only at the start and the end")
+    activation_checkpointing: Literal["none", "selective", "full"] = option(
+        "none", "recompute activations in the backward instead of keeping them: none | selective (each block's "
+                "attention and its experts' MLP; the dispatch, and its all-to-all, runs once) | full (every block: "
+                "its forward, all-to-alls included, runs again in the backward)")
+    on_nonfinite: Literal["stop", "skip"] = option(
+        "stop", "a step whose loss or gradient norm is not finite (on any rank) never changes the model: stop (the "
+                "run ends with an error naming the first non-finite layer, no checkpoint after it) | skip (the "
+                "step's update is dropped, its batch and schedule position are consumed; the run stops once more "
+                "than max_skipped_steps steps were skipped)")
+    max_skipped_steps: int = option(10, "on_nonfinite=skip: the most skipped steps before the run stops")
+    memory_check: bool = option(
+        True, "on a GPU, refuse to start when train/memory.py predicts a peak above the GPU's memory (bf16 "
+              "training); false: start anyway")
 
 
 @dataclass
 class LogConfig:
-    every: int = 10
-    dir: str = "runs"
-    run_name: str | None = None  # None: the config file's stem
-    project: str = "moe-ep"
-    wandb_mode: Literal["online", "offline", "disabled"] | None = None  # None: online iff WANDB_API_KEY is set
-    heatmap_every: int = 50
-    progress: bool = True
-    # time the expert-parallel all-to-alls (CUDA events, read at log time): logs
-    # time/all_to_all_ms (per step, mean over ranks) and time/all_to_all_fraction of step time;
-    # ep > 1 and parallel.dispatcher=nccl only
-    time_comm: bool = False
+    """what the run reports (train/logger.py; rank 0 only)"""
+
+    every: int = option(10, "log the training metrics every this many steps")
+    dir: str = option("runs", "the run directory is <dir>/<run_name>")
+    run_name: str | None = option(None, "none: the config file's stem (run without --config: run)")
+    overwrite: bool = option(
+        False, "start afresh in a run directory that holds an earlier run (its files and checkpoints are removed); "
+               "without it such a rerun resumes, or refuses (train/rundir.py)")
+    project: str = option("moe-ep", "the wandb project")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = option(
+        None, "none: the WANDB_MODE environment variable, else online iff WANDB_API_KEY is set, else offline")
+    heatmap_every: int = option(50, "log the layers × experts load heatmap every this many steps; 0: never")
+    progress: bool = option(True, "a progress bar on stderr (when it is a terminal)")
+    time_comm: bool = option(
+        False, "time the expert-parallel all-to-alls (CUDA events, read at log time): logs time/all_to_all_ms "
+               "(per step, mean over ranks) and time/all_to_all_fraction of step time; parallel.ep > 1 and "
+               "parallel.dispatcher=nccl only")
 
 
 @dataclass
 class CheckpointConfig:
-    dir: str | None = None  # None: <log.dir>/<run_name>/checkpoints
-    every: int = 0  # 0: never during the run
-    keep: int = 2  # newest checkpoints kept, 0: all
-    save_final: bool = False
-    resume: str = "auto"  # auto (the newest checkpoint in dir that verifies) | none | a checkpoint directory
-    # write in a background thread (the state is first copied to host memory); the checkpoint
-    # becomes visible when the next save begins or the run ends
-    async_save: bool = False
-    stop_after: int = 0  # >0: exit after this many steps (simulates an interruption)
+    """checkpoints (train/checkpoint.py)"""
+
+    dir: str | None = option(None, "none: <log.dir>/<run_name>/checkpoints")
+    every: int = option(0, "save every this many steps; 0: never during the run")
+    keep: int = option(2, "newest checkpoints kept; 0: all")
+    save_final: bool = option(False, "save after the last step")
+    resume: str = option(
+        "auto", "auto (the newest checkpoint in dir that verifies; none found: a fresh start) | none | a "
+                "checkpoint directory")
+    async_save: bool = option(
+        False, "write in a background thread (the state is first copied to host memory); the checkpoint becomes "
+               "visible when the next save begins or the run ends")
+    stop_after: int = option(0, ">0: exit after this many steps (simulates an interruption); 0: run to train.steps")
 
 
 @dataclass
@@ -149,8 +201,27 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
+    def __post_init__(self):
+        # "section.key" of every key a YAML file or the command line set (not a dataclass field:
+        # neither compared, nor dumped, nor part of the config a run saves)
+        self.user_set: set[str] = set()
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def is_set(self, dotted: str) -> bool:
+        """Whether a YAML file or the command line set ``section.key`` to something other than its
+        default (a key written with its default value, as in a saved run's config.yaml, changes
+        nothing and counts as unset)."""
+        if dotted not in self.user_set:
+            return False
+        sec_name, key = dotted.split(".")
+        return getattr(getattr(self, sec_name), key) != _default(type(getattr(self, sec_name)), key)
+
+
+def _default(cls, key: str):
+    f = next(f for f in dataclasses.fields(cls) if f.name == key)
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def _type_name(tp) -> str:
@@ -225,6 +296,7 @@ def _set(cfg: Config, dotted: str, value) -> None:
     if key not in types_:
         raise ConfigError(f"{dotted}: unknown key {key!r} in section {sec_name!r} (known: {', '.join(types_)})")
     setattr(section, key, coerce(value, types_[key], dotted))
+    cfg.user_set.add(dotted)
 
 
 def apply_dict(cfg: Config, data: dict, source: str = "config") -> Config:
@@ -241,9 +313,45 @@ def apply_dict(cfg: Config, data: dict, source: str = "config") -> Config:
     return cfg
 
 
+def builtin_configs() -> list[str]:
+    """Names of the built-in configs (``--config <name>``)."""
+    if not os.path.isdir(CONFIG_DIR):
+        return []
+    return sorted(os.path.splitext(n)[0] for n in os.listdir(CONFIG_DIR) if n.endswith(".yaml"))
+
+
+def resolve_config_path(path: str) -> str:
+    """The YAML file ``--config path`` means: ``path`` itself when it exists; else, for a bare name
+    (``tiny``, ``tiny.yaml``) or a ``configs/<name>.yaml`` that is not in the working directory,
+    the built-in config of that name (found from any directory, also after a non-editable
+    install). Raises ConfigError naming the path and the built-in configs."""
+    if os.path.isfile(path):
+        return path
+    if os.path.isdir(path):
+        raise ConfigError(f"--config {path}: is a directory, not a YAML file")
+    stem, ext = os.path.splitext(os.path.basename(path))
+    parent = os.path.dirname(os.path.normpath(path))
+    if stem and ext in ("", ".yaml", ".yml") and (parent == "" or os.path.basename(parent) == "configs"):
+        candidate = os.path.join(CONFIG_DIR, stem + ".yaml")
+        if os.path.isfile(candidate):
+            return candidate
+    names = builtin_configs()
+    raise ConfigError(f"--config {path}: no such file ({os.path.abspath(path)}); the built-in configs are "
+                      + (", ".join(names) + f" (by name: --config {'tiny' if 'tiny' in names else names[0]})" if names
+                         else f"missing ({CONFIG_DIR} holds none)"))
+
+
 def from_yaml(path: str, cfg: Config | None = None) -> Config:
-    with open(path) as f:
-        data = yaml.safe_load(f)
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as err:
+        raise ConfigError(f"--config {path}: cannot read it ({err.strerror or err})") from None
+    except yaml.YAMLError as err:  # one line: the problem and where
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
     return apply_dict(cfg or Config(), data, source=path)
 
 
@@ -317,7 +425,9 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(f"moe.capacity_groups={cfg.moe.capacity_groups} must divide the {tokens} tokens of a micro-batch "
                           "(data.batch_size · data.seq_len)")
     if world_size % cfg.parallel.ep:
-        raise ConfigError(f"parallel.ep={cfg.parallel.ep} must divide the world size {world_size}")
+        hint = (f" (one process: launch with torchrun --nproc_per_node={cfg.parallel.ep}, or set --parallel.ep=1)"
+                if world_size == 1 else "")
+        raise ConfigError(f"parallel.ep={cfg.parallel.ep} must divide the world size {world_size}{hint}")
     if cfg.moe.num_experts % cfg.parallel.ep:
         raise ConfigError(f"moe.num_experts={cfg.moe.num_experts} must be divisible by parallel.ep={cfg.parallel.ep}")
     if cfg.parallel.dispatcher == "p2p" and cfg.parallel.device == "cpu":
@@ -351,7 +461,41 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         sec, k = key.split(".")
         if getattr(getattr(cfg, sec), k) < 0:
             raise ConfigError(f"{key}: must be >= 0")
+    check_ignored(cfg)
     return cfg
+
+
+def _show(value) -> str:
+    """A value as it is written on the command line."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return yaml.safe_dump(value, default_flow_style=True).strip()
+    return str(value)
+
+
+def check_ignored(cfg: Config) -> None:
+    """Raise ConfigError when a key the user set (YAML or command line, to a value other than its
+    default) is ignored because of another key's value: the run would silently not do what the
+    config says. The message names both keys."""
+    d = cfg.data
+    rules = [  # (the ignored key, ignored when, the key that makes it so, why)
+        ("data.path", d.source == "stdlib", "data.source",
+         "the stdlib source reads the standard library's sources, no file (set data.source=tokens or text to read it)"),
+        ("data.token_dtype", d.source != "tokens", "data.source", "only a token file (data.source=tokens) has a dtype"),
+        ("data.max_bytes", d.source != "stdlib", "data.source",
+         "it caps the stdlib corpus only; a token or text file is read whole"),
+        ("log.time_comm", cfg.parallel.ep == 1, "parallel.ep",
+         "with one expert-parallel rank there are no all-to-alls to time (set parallel.ep > 1)"),
+    ]
+    for key, ignored, because, why in rules:
+        if ignored and cfg.is_set(key):
+            sec, k = key.split(".")
+            bsec, bk = because.split(".")
+            raise ConfigError(f"{key}={_show(getattr(getattr(cfg, sec), k))} is ignored with "
+                              f"{because}={_show(getattr(getattr(cfg, bsec), bk))}: {why}; drop {key}")
 
 
 def load_config(argv: list[str], world_size: int | None = None) -> Config:
@@ -374,6 +518,7 @@ def load_config(argv: list[str], world_size: int | None = None) -> Config:
             rest.append(argv[i])
             i += 1
     if path is not None:
+        path = resolve_config_path(path)
         from_yaml(path, cfg)
         if cfg.log.run_name is None:
             cfg.log.run_name = os.path.splitext(os.path.basename(path))[0]
@@ -387,3 +532,40 @@ def load_config(argv: list[str], world_size: int | None = None) -> Config:
 
 def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def type_text(tp) -> str:
+    """An annotation as ``--help`` shows it: ``int``, ``auto|cpu|cuda`` (a Literal's choices),
+    ``int or none``, ``list of int``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        text = " or ".join(type_text(a) for a in args if a is not type(None))
+        return text + (" or none" if type(None) in args else "")
+    if origin is Literal:
+        return "|".join(_show(a) for a in typing.get_args(tp))
+    if origin is list:
+        return "list of " + type_text(typing.get_args(tp)[0])
+    return _type_name(tp)
+
+
+# the moe section's class is the layer's own (moe.MoEConfig): its description is written here
+SECTION_HELP = {"moe": "the MoE layers (moe.MoEConfig: the same options as MoELayer's arguments)"}
+
+
+def help_text(cfg: Config | None = None) -> str:
+    """Every key of the config tree, one block per section, one line per key:
+    ``  --section.key=<default>  (<type or choices>) <meaning>``."""
+    cfg = cfg or Config()
+    lines = []
+    for sec_field in dataclasses.fields(cfg):
+        section = getattr(cfg, sec_field.name)
+        doc = SECTION_HELP.get(sec_field.name) or (type(section).__doc__ or "").strip().splitlines()[0]
+        lines.append(f"{sec_field.name}:  {doc}")
+        types_ = _field_types(section)
+        for f in dataclasses.fields(section):
+            dotted = f"{sec_field.name}.{f.name}"
+            lines.append(f"  --{dotted}={_show(getattr(section, f.name))}  ({type_text(types_[f.name])}) "
+                         f"{f.metadata.get('help', '')}".rstrip())
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"

@@ -37,19 +37,28 @@ def stdlib_files(root: str | None = None) -> list[str]:
     return sorted(out)
 
 
-def stdlib_corpus(max_bytes: int, val_fraction: float, root: str | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(train, val) uint8 byte arrays of the stdlib sources (see module docstring)."""
+def stdlib_plan(max_bytes: int, val_fraction: float, root: str | None = None) -> list[tuple[str, int, bool]]:
+    """``(relative path, bytes taken, goes to validation)`` of each file the stdlib corpus reads
+    (see module docstring), from file sizes alone: train/preflight.py sizes the splits with it."""
     root = root or sysconfig.get_paths()["stdlib"]
-    train, val = [], []
-    total = 0
+    plan, total = [], 0
     threshold = int(round(1000 * val_fraction))
     for rel in stdlib_files(root):
         if total >= max_bytes:
             break
+        n = min(os.path.getsize(os.path.join(root, rel)), max_bytes - total)
+        total += n
+        plan.append((rel, n, zlib.crc32(rel.encode()) % 1000 < threshold))
+    return plan
+
+
+def stdlib_corpus(max_bytes: int, val_fraction: float, root: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val) uint8 byte arrays of the stdlib sources (see module docstring)."""
+    root = root or sysconfig.get_paths()["stdlib"]
+    train, val = [], []
+    for rel, n, is_val in stdlib_plan(max_bytes, val_fraction, root):
         with open(os.path.join(root, rel), "rb") as f:
-            data = f.read(max_bytes - total)
-        total += len(data)
-        (val if zlib.crc32(rel.encode()) % 1000 < threshold else train).append(data)
+            (val if is_val else train).append(f.read(n))
     return np.frombuffer(b"".join(train), dtype=np.uint8), np.frombuffer(b"".join(val), dtype=np.uint8)
 
 

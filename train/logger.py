@@ -1,37 +1,46 @@
-"""Run logging, rank 0 only: wandb, a JSON-lines metrics file, a progress bar and a console line.
+"""Run logging, rank 0 only: wandb, a JSON-lines metrics file, a progress bar, a console line
+per logged step, and at the end the run summary ``report.png`` and one line saying where
+everything is.
 
 wandb mode: ``log.wandb_mode`` if set, else the ``WANDB_MODE`` environment variable, else
 ``online`` when ``WANDB_API_KEY`` is set and ``offline`` otherwise (offline never touches the
 network; ``wandb sync`` uploads the run later). Without the wandb package the run goes on with
 the metrics file and the console only.
 
-The expert-load heatmap (layers × experts, colour = an expert's kept pairs / the layer's mean:
-blue idle, white balanced, red ≥ 2× the mean) is built as a numpy RGB image, so no plotting
-library is needed; wandb.Image needs Pillow, so without Pillow the same PNG (encoded here) is
-logged as inline HTML and written under ``<run dir>/heatmaps/``.
+``metrics.jsonl`` is strict JSON, one record per line: a NaN or infinite value is written as
+``null`` (a bare ``NaN`` is not JSON; jq and JavaScript reject the whole file);
+``train.plots.read_metrics`` reads it back as NaN.
+
+The console line (fields that were not logged are left out)::
+
+    step 120/400 | loss 1.2345 val 1.7160 | lr 3.00e-04 gnorm 0.512 | 12,345 tok/s mfu 18.7% | mem 1.23 GiB
+    | drop 0.0120/0.0310@L3 max/mean 1.92@L3 util 0.95@L0 ent 1.98@L2 aux 0.0203
+
+``drop`` is the dropped fraction over all MoE layers / of the worst layer; ``max/mean`` (load
+imbalance), ``util`` (tile utilization) and ``ent`` (router entropy) are the worst layer's
+value (highest imbalance, lowest utilization and entropy) and ``@L<i>`` that layer, the
+``moe/layer<i>/...`` of the metrics and the heatmap's row ``L<i>``; ``aux`` is the aux losses'
+sum (coefficients applied). ``mem`` is the GPU's peak allocation, ``rss`` the host process's
+peak resident memory (CPU runs).
+
+The expert-load heatmap (``train.plots.expert_load_figure``) is written under
+``<run dir>/heatmaps/`` and logged to wandb as an image.
 """
 
-import base64
 import json
+import math
 import os
-import struct
 import sys
 import time
-import zlib
 
 import numpy as np
+
+from train import plots
 
 try:
     import wandb
 except ImportError:  # without wandb: metrics file + console only
     wandb = None
-
-try:
-    import PIL  # noqa: F401  (wandb.Image needs it)
-
-    HAS_PIL = True
-except ImportError:
-    HAS_PIL = False
 
 try:
     from tqdm import tqdm
@@ -50,41 +59,56 @@ def resolve_wandb_mode(configured: str | None) -> str:
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
-def load_heatmap(load_LE: np.ndarray, cell: int = 16) -> np.ndarray:
-    """(layers, experts) counts -> (height, width, 3) uint8 image, ``cell`` pixels per entry."""
-    load_LE = np.asarray(load_LE, dtype=np.float64)
-    mean_L1 = load_LE.mean(axis=1, keepdims=True)
-    rel = np.divide(load_LE, mean_L1, out=np.ones_like(load_LE), where=mean_L1 > 0)
-    t = np.clip(rel, 0.0, 2.0) / 2.0  # 0 idle, 0.5 balanced, 1 twice the mean or more
-    anchors = np.array([0.0, 0.5, 1.0])
-    colors = np.array([[33, 102, 172], [247, 247, 247], [178, 24, 43]], dtype=np.float64)
-    rgb = np.stack([np.interp(t, anchors, colors[:, c]) for c in range(3)], axis=-1)
-    return np.repeat(np.repeat(rgb.round().astype(np.uint8), cell, axis=0), cell, axis=1)
-
-
-def encode_png(rgb: np.ndarray) -> bytes:
-    """Minimal PNG encoder (8-bit RGB, no filtering)."""
-    h, w, _ = rgb.shape
-    raw = b"".join(b"\x00" + rgb[y].tobytes() for y in range(h))
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b"")
+def _worst_layer(m: dict, name: str, pick) -> tuple[float, int] | None:
+    """(value, i) of the MoE layer whose ``moe/layer<i>/<name>`` is worst under ``pick`` (max or
+    min), a NaN counting as the worst (a non-finite stat is news); None when none is logged."""
+    values = []
+    while f"moe/layer{len(values)}/{name}" in m:
+        values.append(m[f"moe/layer{len(values)}/{name}"])
+    if not values:
+        return None
+    i = pick(range(len(values)), key=lambda i: (math.isnan(values[i]) == (pick is max), values[i]))
+    return values[i], i
 
 
 def format_line(step: int, total: int, m: dict) -> str:
-    def get(key, fmt):
-        v = m.get(key)  # absent: "-"; a NaN or inf is shown as such (a non-finite loss is news)
-        return "-" if v is None else format(v, fmt)
+    """The console line of one logged step (see the module docstring); a field that is not in
+    ``m`` is left out, a NaN or inf is shown as such."""
 
-    return (
-        f"step {step}/{total} | loss {get('train/loss', '.4f')} | val {get('val/loss', '.4f')} | "
-        f"lr {get('train/lr', '.2e')} | gnorm {get('train/grad_norm', '.3f')} | "
-        f"{get('perf/tokens_per_s', ',.0f')} tok/s | mfu {get('perf/mfu', '.3f')} | "
-        f"drop {get('moe/dropped_fraction', '.4f')} | load max/mean {get('moe/load_imbalance', '.2f')}"
-    )
+    def field(label: str, key: str, fmt: str) -> str | None:
+        return None if m.get(key) is None else label.format(format(m[key], fmt))
+
+    def worst(label: str, name: str, fmt: str, pick) -> str | None:
+        found = _worst_layer(m, name, pick)
+        return None if found is None else f"{label} {format(found[0], fmt)}@L{found[1]}"
+
+    drop = _worst_layer(m, "dropped_fraction", max)
+    groups = [
+        [f"step {step}/{total}"],
+        [field("loss {}", "train/loss", ".4f"), field("val {}", "val/loss", ".4f")],
+        [field("lr {}", "train/lr", ".2e"), field("gnorm {}", "train/grad_norm", ".3f")],
+        [field("{} tok/s", "perf/tokens_per_s", ",.0f"), field("mfu {}", "perf/mfu", ".1%")],
+        [field("mem {} GiB", "perf/max_mem_gb", ".2f"), field("rss {} GiB", "perf/max_rss_gb", ".2f")],
+        [
+            None if drop is None else f"drop {m.get('moe/dropped_fraction', math.nan):.4f}/{drop[0]:.4f}@L{drop[1]}",
+            worst("max/mean", "load_imbalance", ".2f", max), worst("util", "tile_utilization", ".2f", min),
+            worst("ent", "router_entropy", ".2f", min), field("aux {}", "train/aux_loss", ".4f"),
+        ],
+    ]
+    return " | ".join(" ".join(f for f in g if f) for g in groups if any(g))
+
+
+def _metrics_line(record: dict) -> str:
+    """One line of metrics.jsonl: strict JSON, a non-finite float written as null."""
+    finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    return json.dumps(finite, allow_nan=False) + "\n"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, sec = divmod(round(seconds), 60)
+    return f"{minutes}m{sec:02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"
 
 
 class RunLogger:
@@ -94,6 +118,9 @@ class RunLogger:
         self.active = rank == 0
         self.run_dir = run_dir
         self.total = total_steps
+        self.start_step = start_step
+        self.started = time.perf_counter()  # the final line's elapsed time
+        self.last = {"step": None, "train/loss": None, "val/loss": None}  # for the final line
         self.run = None
         self.bar = None
         if not self.active:
@@ -102,19 +129,13 @@ class RunLogger:
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
         # a fresh run starts a fresh file; a resumed one keeps the records up to its start step
         # and appends: the steps it recomputes would otherwise appear twice, and a line torn by
-        # the crash would break every reader of the file
+        # the crash would break every reader of the file (read_metrics skips it); the kept
+        # records are written again, so a file of an older version loses its bare NaNs too
         kept = []
         if start_step and os.path.isfile(self.metrics_path):
-            with open(self.metrics_path) as f:
-                for line in f:
-                    try:
-                        record = json.loads(line)
-                    except ValueError:
-                        continue
-                    if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= start_step:
-                        kept.append(line if line.endswith("\n") else line + "\n")
+            kept = [r for r in plots.read_metrics(self.metrics_path) if r["step"] <= start_step]
         with open(self.metrics_path + ".tmp", "w") as f:  # replaced in one step: a crash now loses nothing
-            f.writelines(kept)
+            f.writelines(map(_metrics_line, kept))
         os.replace(self.metrics_path + ".tmp", self.metrics_path)
         self.mode = resolve_wandb_mode(cfg.log.wandb_mode)
         if self.mode != "disabled":
@@ -150,25 +171,22 @@ class RunLogger:
         if not self.active:
             return
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+            f.write(_metrics_line({"step": step, "time": time.time(), **metrics}))
+        self.last.update({k: v for k, v in metrics.items() if k in self.last}, step=step)
         if self.run is not None:
             self.run.log(metrics, step=step)
         if console:
             self.print(format_line(step, self.total, metrics))
 
     def log_experts(self, step: int, layer_names: list[str], stats: list) -> None:
-        """The expert-load heatmap and the per-expert table of the latest step."""
+        """The expert-load heatmap (``heatmaps/step_<step>.png``, and wandb) and the per-expert
+        table (wandb) of the latest step."""
         if not self.active:
             return
         kept_LE = np.stack([s.tokens_per_expert.detach().cpu().numpy() for s in stats])
-        image = load_heatmap(kept_LE, cell=max(4, min(32, 512 // kept_LE.shape[1])))
-        payload = {}
+        path = os.path.join(self.run_dir, "heatmaps", f"step_{step:06d}.png")
+        plots.save_figure(plots.expert_load_figure(kept_LE, layer_names, step), path)
         if self.run is not None:
-            if HAS_PIL:
-                payload["moe/expert_load_heatmap"] = wandb.Image(image, caption="layers × experts, kept / mean")
-            else:
-                b64 = base64.b64encode(encode_png(image)).decode()
-                payload["moe/expert_load_heatmap"] = wandb.Html(f'<img src="data:image/png;base64,{b64}" style="image-rendering:pixelated">')
             columns = ["layer", "expert", "routed", "kept_tokens", "tiles", "padded_slots", "dropped"]
             rows = []
             for name, s in zip(layer_names, stats):
@@ -178,17 +196,44 @@ class RunLogger:
                 padded = s.padded_slots_per_expert.cpu().tolist()
                 for e in range(len(kept)):
                     rows.append([name, e, routed[e], kept[e], tiles[e], padded[e], routed[e] - kept[e]])
-            payload["moe/experts_table"] = wandb.Table(columns=columns, data=rows)
-            self.run.log(payload, step=step)
-        heat_dir = os.path.join(self.run_dir, "heatmaps")
-        os.makedirs(heat_dir, exist_ok=True)
-        with open(os.path.join(heat_dir, f"step_{step:06d}.png"), "wb") as f:
-            f.write(encode_png(image))
+            self.run.log({
+                "moe/expert_load_heatmap": wandb.Image(path, caption="MoE layers × experts, kept pairs / layer mean"),
+                "moe/experts_table": wandb.Table(columns=columns, data=rows),
+            }, step=step)
 
-    def finish(self) -> None:
+    def finish(self, ckpt_dir: str | None = None) -> None:
+        """End of the run: draw ``report.png`` (and log it to wandb), close wandb and the progress
+        bar, and print the final line (:meth:`_final_line`; ``ckpt_dir`` is named there when it
+        holds anything)."""
         if not self.active:
             return
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
+        report = plots.run_summary(self.run_dir)
+        wandb_where = None
         if self.run is not None:
+            self.run.log({"run/report": wandb.Image(report, caption="run summary")}, step=self.last["step"])
+            # read before finish(): a finished run's attributes are no longer served
+            wandb_where = f"upload: wandb sync {self.run.settings.sync_dir}" if self.mode == "offline" else f"wandb {self.run.url}"
             self.run.finish()
+        has_ckpt = ckpt_dir is not None and os.path.isdir(ckpt_dir) and bool(os.listdir(ckpt_dir))
+        self.print(self._final_line(report, ckpt_dir if has_ckpt else None, wandb_where))
+
+    def _final_line(self, report: str, ckpt_dir: str | None, wandb_where: str | None) -> str:
+        """``done in <elapsed>: steps <start>→<last> of <total> | loss .. val .. | <where things are>``;
+        the elapsed time runs from this logger's start (the model built, the checkpoint restored)."""
+        last = self.last
+
+        def loss(key: str) -> str:
+            return "-" if last[key] is None else f"{last[key]:.4f}"
+
+        parts = [
+            f"done in {_duration(time.perf_counter() - self.started)}: steps {self.start_step}→"
+            f"{'-' if last['step'] is None else last['step']} of {self.total}",
+            f"loss {loss('train/loss')} val {loss('val/loss')}",
+            f"run dir {self.run_dir}: {os.path.basename(report)}, {os.path.basename(self.metrics_path)}"
+            + (", heatmaps/" if os.path.isdir(os.path.join(self.run_dir, "heatmaps")) else ""),
+        ]
+        parts += [where for where in (ckpt_dir and f"checkpoints {ckpt_dir}", wandb_where) if where]
+        return " | ".join(parts)

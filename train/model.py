@@ -118,13 +118,10 @@ class MoETransformer(nn.Module):
 
 
 def _init_experts(layer: MoELayer, seed: int, layer_idx: int, std: float, out_std: float) -> None:
-    experts: GroupedExperts = layer.experts
-    first = layer.dispatcher.ep_rank * layer.num_local_experts
-    device = experts.w1_LDU.device
-    for local in range(layer.num_local_experts):
-        g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + layer_idx * 65_537 + first + local)
-        experts.w1_LDU[local].normal_(0.0, std, generator=g)
-        experts.w2_LFD[local].normal_(0.0, out_std, generator=g)
+    """Each global expert from its own generator (GroupedExperts.reset_parameters), seeded from
+    the run's seed and the block: the same weights whichever EP rank holds it."""
+    layer.experts.init_seed = seed * 1_000_003 + layer_idx * 65_537
+    layer.experts.reset_parameters(std, out_std)
 
 
 def expert_parameter_names(model: nn.Module) -> set[str]:

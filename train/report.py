@@ -15,16 +15,13 @@ import json
 import os
 import statistics
 
-
-def _records(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+from train.plots import read_metrics
 
 
 def summarize(run_dir: str, skip_steps: int) -> dict:
     with open(os.path.join(run_dir, "run_info.json")) as f:
         info = json.load(f)
-    recs = _records(run_dir)
+    recs = read_metrics(os.path.join(run_dir, "metrics.jsonl"))  # a null (non-finite) value read as NaN
     train = [r for r in recs if "train/loss" in r]
     val = [r for r in recs if "val/loss" in r]
     steady = [r for r in train if r["step"] > skip_steps] or train

@@ -29,7 +29,7 @@ from parallel.flight import Watchdog
 from parallel.stats import global_moe_stats, update_expert_biases_global
 from train.agreement import check_ranks_agree, config_facts, data_facts
 from train.checkpoint import Checkpointer, list_checkpoints
-from train.config import Config, to_yaml
+from train.config import Config, ConfigError, to_yaml
 from train.data import TokenStream, load_splits, shard, val_batches
 from train.flops import param_counts, peak_flops, train_flops_per_token
 from train.logger import RunLogger
@@ -37,6 +37,7 @@ from train.model import MoETransformer, num_moe_blocks
 from train.nonfinite import NonFiniteGuard, first_nonfinite
 from train.optim import WarmupCosine, build_optimizer
 from train.parallelize import parallelize, reduce_gradients, set_gradient_sync, trains_in_bf16
+from train.rundir import check_run_dir, ckpt_dir_of, clear_run_dir, run_dir_of
 from train.runtime import Runtime, init_runtime
 
 
@@ -115,16 +116,22 @@ class Trainer:
         """Builds the run from a validated config (``argv``: the command line, for run_info.json)
         and resumes from ``checkpoint.resume`` when it finds one."""
         self.cfg = cfg
+        changes = check_run_dir(cfg)  # a rerun into an earlier run's directory: resume or refuse, before any group
         self.rt = rt = init_runtime(cfg.parallel.ep, cfg.parallel.device, cfg.parallel.timeout_s)
         # a collective one rank never joins ends the run in parallel.timeout_s, naming it; a
         # collective the ranks issue with different sizes aborts gloo at once (C++ terminate):
         # faulthandler then prints every thread's Python stack, the main thread's at its call
-        self.watchdog = Watchdog(cfg.parallel.timeout_s, rt.rank) if rt.distributed else None
-        faulthandler.enable()
+        self.watchdog = None
+        if rt.distributed:
+            self.watchdog = Watchdog(cfg.parallel.timeout_s, rt.rank)
+            faulthandler.enable()
         check_ranks_agree("config", config_facts(cfg))  # before anything that depends on it
         torch.manual_seed(cfg.train.seed + rt.rank)
-        self.run_dir = os.path.join(cfg.log.dir, cfg.log.run_name)
-        self.ckpt_dir = cfg.checkpoint.dir or os.path.join(self.run_dir, "checkpoints")
+        self.run_dir, self.ckpt_dir = run_dir_of(cfg), ckpt_dir_of(cfg)
+        if cfg.log.overwrite:
+            if rt.rank == 0:
+                clear_run_dir(cfg)
+            rt.barrier()  # nobody reads the run directory before it is cleared
         self.build_data()
         self.model = self.build_model()
         self.moe_layers = moe_layers(self.model)
@@ -144,11 +151,14 @@ class Trainer:
         info = self.checkpointer.restore(cfg.checkpoint.resume, self.model, self.optimizer, self.schedule,
                                          say=lambda line: print(line, flush=True))
         resume_from = None if info is None else info["path"]
+        if info is not None and changes and rt.rank == 0:
+            print(changes, flush=True)
         if info is not None:
             self.step = info["step"]
             self.stream.load_state_dict(info["data"])
         # checkpoint.stop_after ends this launch early (a preemptible slot); the schedule still
         # runs to train.steps
+        self.start_step = self.step
         stop_after = cfg.checkpoint.stop_after
         self.stop_at = min(cfg.train.steps, self.step + stop_after) if stop_after else cfg.train.steps
 
@@ -167,7 +177,8 @@ class Trainer:
         if d.source == "tokens":  # one pass over the memmap; an id past the table would fail deep in the embedding
             top = int(max(train_tokens.max(initial=0), val_tokens.max(initial=0)))
             if top >= cfg.model.vocab_size:
-                raise ValueError(f"model.vocab_size={cfg.model.vocab_size} but {d.path} holds token id {top}")
+                raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} but data.path={d.path} holds token id {top}: "
+                                  f"set --model.vocab_size={top + 1} or more (the tokenizer's vocabulary size)")
         self.stream = TokenStream(shard(train_tokens, rt.rank, rt.world_size), d.seq_len, d.batch_size, cfg.train.seed, rt.rank)
         self.val_set = val_batches(shard(val_tokens, rt.rank, rt.world_size), d.seq_len, d.batch_size, d.val_batches)
 
@@ -322,7 +333,8 @@ class Trainer:
         self._window_tokens += self.tokens_per_step
         self.log.advance()
         do_val = step == cfg.train.steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
-        do_log = step % cfg.log.every == 0 or step == self.stop_at or do_val
+        # the first step of a launch too: on a slow machine it says at once that training runs
+        do_log = step % cfg.log.every == 0 or step == self.stop_at or do_val or step == self.start_step + 1
         flight.phase(f"step {step}: logging")
         metrics = self._train_metrics(scalars) if do_log else {}
         if do_val:
@@ -390,7 +402,7 @@ class Trainer:
         together with every rank."""
         flight.phase("the end of the run")
         self.checkpointer.finish()
-        self.log.finish()
+        self.log.finish(self.ckpt_dir)
         self.rt.barrier()
         if self.watchdog is not None:
             self.watchdog.stop()
