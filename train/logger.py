@@ -27,6 +27,7 @@ The expert-load heatmap (``train.plots.expert_load_figure``) is written under
 ``<run dir>/heatmaps/`` and logged to wandb as an image.
 """
 
+import importlib.util
 import json
 import math
 import os
@@ -154,6 +155,10 @@ class RunLogger:
         if cfg.log.progress and tqdm is not None and sys.stderr.isatty():
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True, file=sys.stderr)
         self.print(f"run dir {run_dir} | wandb {self.mode}" + (f" ({self.run.dir})" if self.run else ""))
+        # matplotlib is a dependency, but a GPU image may lack it: the run must not fail at its end
+        self.plots = importlib.util.find_spec("matplotlib") is not None
+        if not self.plots:
+            self.print("plots off: matplotlib is not installed (pip install matplotlib): no heatmaps/, no report.png")
 
     def print(self, line: str) -> None:
         if not self.active:
@@ -185,7 +190,8 @@ class RunLogger:
             return
         kept_LE = np.stack([s.tokens_per_expert.detach().cpu().numpy() for s in stats])
         path = os.path.join(self.run_dir, "heatmaps", f"step_{step:06d}.png")
-        plots.save_figure(plots.expert_load_figure(kept_LE, layer_names, step), path)
+        if self.plots:
+            plots.save_figure(plots.expert_load_figure(kept_LE, layer_names, step), path)
         if self.run is not None:
             columns = ["layer", "expert", "routed", "kept_tokens", "tiles", "padded_slots", "dropped"]
             rows = []
@@ -196,10 +202,9 @@ class RunLogger:
                 padded = s.padded_slots_per_expert.cpu().tolist()
                 for e in range(len(kept)):
                     rows.append([name, e, routed[e], kept[e], tiles[e], padded[e], routed[e] - kept[e]])
-            self.run.log({
-                "moe/expert_load_heatmap": wandb.Image(path, caption="MoE layers × experts, kept pairs / layer mean"),
-                "moe/experts_table": wandb.Table(columns=columns, data=rows),
-            }, step=step)
+            images = {"moe/expert_load_heatmap": wandb.Image(path, caption="MoE layers × experts, kept pairs / layer mean")}
+            self.run.log({**(images if self.plots else {}), "moe/experts_table": wandb.Table(columns=columns, data=rows)},
+                         step=step)
 
     def finish(self, ckpt_dir: str | None = None) -> None:
         """End of the run: draw ``report.png`` (and log it to wandb), close wandb and the progress
@@ -210,17 +215,18 @@ class RunLogger:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-        report = plots.run_summary(self.run_dir)
+        report = plots.run_summary(self.run_dir) if self.plots else None
         wandb_where = None
         if self.run is not None:
-            self.run.log({"run/report": wandb.Image(report, caption="run summary")}, step=self.last["step"])
+            if report is not None:
+                self.run.log({"run/report": wandb.Image(report, caption="run summary")}, step=self.last["step"])
             # read before finish(): a finished run's attributes are no longer served
             wandb_where = f"upload: wandb sync {self.run.settings.sync_dir}" if self.mode == "offline" else f"wandb {self.run.url}"
             self.run.finish()
         has_ckpt = ckpt_dir is not None and os.path.isdir(ckpt_dir) and bool(os.listdir(ckpt_dir))
         self.print(self._final_line(report, ckpt_dir if has_ckpt else None, wandb_where))
 
-    def _final_line(self, report: str, ckpt_dir: str | None, wandb_where: str | None) -> str:
+    def _final_line(self, report: str | None, ckpt_dir: str | None, wandb_where: str | None) -> str:
         """``done in <elapsed>: steps <start>→<last> of <total> | loss .. val .. | <where things are>``;
         the elapsed time runs from this logger's start (the model built, the checkpoint restored)."""
         last = self.last
@@ -232,7 +238,7 @@ class RunLogger:
             f"done in {_duration(time.perf_counter() - self.started)}: steps {self.start_step}→"
             f"{'-' if last['step'] is None else last['step']} of {self.total}",
             f"loss {loss('train/loss')} val {loss('val/loss')}",
-            f"run dir {self.run_dir}: {os.path.basename(report)}, {os.path.basename(self.metrics_path)}"
+            f"run dir {self.run_dir}: " + (f"{os.path.basename(report)}, " if report else "") + os.path.basename(self.metrics_path)
             + (", heatmaps/" if os.path.isdir(os.path.join(self.run_dir, "heatmaps")) else ""),
         ]
         parts += [where for where in (ckpt_dir and f"checkpoints {ckpt_dir}", wandb_where) if where]
