@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from moe.capacity import DropPolicy
 from moe.mlp import Activation
-from moe.router import ScoreFunc
+from moe.router import ScoreFunc, check_group_limit
 
 
 def check_positive_int(name: str, value) -> None:
@@ -50,6 +50,15 @@ class MoEConfig:
     expert_bias: keep a selection-only bias for aux-loss-free balancing (see
         :meth:`moe.Router.update_expert_bias` and :func:`moe.update_expert_biases`).
     bias_update_rate: step of that bias rule.
+    n_group, topk_group: group-limited top-k (DeepSeek-V3): the E experts form ``n_group`` equal
+        contiguous groups, a group scores the sum of its two best selection scores (with the
+        expert bias when on), and the top-K is taken among the experts of the ``topk_group`` best
+        groups only. Selection only; ``n_group=1`` is plain top-k. See :class:`moe.Router`.
+    routed_scaling_factor: the combine weights (after renormalisation) are multiplied by it
+        (DeepSeek-V3's ``routed_scaling_factor``).
+    shared_expert_gate: the shared experts' output is multiplied per token by
+        ``sigmoid(x · w_g)`` (one ``Linear(D, 1)`` without bias, ``layer.shared_expert_gate``)
+        before it is added (Qwen2-MoE). Needs ``num_shared_experts > 0``.
     """
 
     # each field's metadata["help"] is its one-line meaning (the training script's --help)
@@ -83,6 +92,17 @@ class MoEConfig:
         "help": "a per-expert bias added to the scores for selection only (aux-loss-free balancing, DeepSeek-V3): "
                 "b_e += rate · sign(mean load − load_e) once per step"})
     bias_update_rate: float = field(default=1e-3, metadata={"help": "the rate of the expert_bias rule"})
+    n_group: int = field(default=1, metadata={
+        "help": "group-limited routing (DeepSeek-V3): the experts form n_group equal contiguous groups, each scored by "
+                "the sum of its top-2 selection scores (bias included); 1: plain top-k"})
+    topk_group: int = field(default=1, metadata={
+        "help": "the top_k experts are chosen among the experts of the topk_group best groups only, "
+                "1 <= topk_group <= n_group, top_k <= topk_group · num_experts / n_group"})
+    routed_scaling_factor: float = field(default=1.0, metadata={
+        "help": "multiplies the routed experts' combine weights (after renormalisation), DeepSeek-V3 style; > 0"})
+    shared_expert_gate: bool = field(default=False, metadata={
+        "help": "multiply the shared experts' output by sigmoid(x · w_g) per token, w_g a (dim, 1) weight "
+                "(Qwen2-MoE); needs num_shared_experts > 0"})
 
     def validate(self, prefix: str = "MoEConfig: ") -> "MoEConfig":
         """Raise ValueError unless every option is in range; return self.
@@ -113,6 +133,12 @@ class MoEConfig:
         for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{prefix}{name} must be >= 0, got {getattr(self, name)}")
+        check_group_limit(self.num_experts, self.top_k, self.n_group, self.topk_group, prefix)
+        if not self.routed_scaling_factor > 0:
+            raise ValueError(f"{prefix}routed_scaling_factor must be > 0, got {self.routed_scaling_factor!r}")
+        if self.shared_expert_gate and not self.num_shared_experts:
+            raise ValueError(f"{prefix}shared_expert_gate=True gates the shared experts' output: it needs "
+                             f"num_shared_experts > 0, got num_shared_experts={self.num_shared_experts}")
         return self
 
     def is_moe_layer(self, layer_idx: int) -> bool:

@@ -54,12 +54,12 @@ class MoELayer(nn.Module):
     ``forward(x)`` returns the output and keeps the latest :class:`MoEAux` in ``self.last_aux``
     for :func:`moe_aux_loss` / :func:`moe_stats`; ``forward_with_aux(x)`` returns both.
 
-    Initialisation does not depend on the expert-parallel size: the router and the shared experts
-    are drawn from the global RNG (the same amount on every rank), and the routed experts from one
-    generator per *global* expert, seeded from one value drawn from the global CPU RNG here
-    (:class:`GroupedExperts`' ``init_seed``). So with the same ``torch.manual_seed(s)`` on every
-    rank (``parallel.init_distributed(seed=s)``), a model built under EP on W ranks holds exactly
-    the one-process model's dense and router weights, and rank r exactly its experts
+    Initialisation does not depend on the expert-parallel size: the router, the shared experts and
+    their gate are drawn from the global RNG (the same amount on every rank), and the routed
+    experts from one generator per *global* expert, seeded from one value drawn from the global
+    CPU RNG here (:class:`GroupedExperts`' ``init_seed``). So with the same ``torch.manual_seed(s)``
+    on every rank (``parallel.init_distributed(seed=s)``), a model built under EP on W ranks holds
+    exactly the one-process model's dense and router weights, and rank r exactly its experts
     ``[r·L, (r+1)·L)``.
     """
 
@@ -99,7 +99,8 @@ class MoELayer(nn.Module):
         self.num_local_experts = cfg.num_experts // self.dispatcher.ep_size
         self.router = Router(
             dim, cfg.num_experts, cfg.top_k, score_func=cfg.score_func, renormalize=cfg.renormalize,
-            expert_bias=cfg.expert_bias, bias_update_rate=cfg.bias_update_rate, device=device,
+            expert_bias=cfg.expert_bias, bias_update_rate=cfg.bias_update_rate, n_group=cfg.n_group,
+            topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor, device=device,
         )
         # One draw from the global CPU RNG, the same whatever the EP size or device: global expert
         # e is initialised from its own generator seeded init_seed + e, so with one
@@ -115,6 +116,10 @@ class MoELayer(nn.Module):
         if cfg.num_shared_experts:
             width = cfg.num_shared_experts * (cfg.shared_hidden_dim or cfg.hidden_dim)
             self.shared_experts = DenseMLP(dim, width, cfg.activation, device=device, dtype=dtype)
+        # Qwen2-MoE's per-token gate of the shared experts: sigmoid(x · w_g), w_g = weight.T (D, 1)
+        self.shared_expert_gate = None
+        if cfg.shared_expert_gate:
+            self.shared_expert_gate = nn.Linear(dim, 1, bias=False, device=device, dtype=dtype)
         self.last_aux: MoEAux | None = None
 
     def _check_input(self, x: torch.Tensor) -> None:
@@ -146,7 +151,10 @@ class MoELayer(nn.Module):
         w_TK = route.weights_TK * plan.kept_TK
         out_TD = self.dispatcher.combine(y_RD, meta, w_TK, x.dtype)
         if self.shared_experts is not None:
-            out_TD = out_TD + self.shared_experts(x_TD).to(x.dtype)
+            shared_TD = self.shared_experts(x_TD)
+            if self.shared_expert_gate is not None:
+                shared_TD = shared_TD * torch.sigmoid(self.shared_expert_gate(x_TD))
+            out_TD = out_TD + shared_TD.to(x.dtype)
 
         routed_E, prob_sum_E, num_tokens = self.dispatcher.reduce_aux_inputs(
             plan.routed_per_expert_E, self._normalized(route.scores_TE).sum(0), T

@@ -24,7 +24,8 @@ class RouterOutput:
     experts_TK: (T, K) int64 chosen experts, distinct per token.
     priority_TK: (T, K) unbiased score of each chosen expert; the ``probs`` drop policy keeps
         an expert's highest-priority pairs.
-    weights_TK: (T, K) combine weights: the priorities, renormalised over K when asked.
+    weights_TK: (T, K) combine weights: the priorities, renormalised over K when asked, times
+        the routed scaling factor.
     """
 
     logits_TE: torch.Tensor
@@ -40,6 +41,25 @@ class RouterOutput:
 torch.utils._pytree.register_dataclass(RouterOutput)
 
 
+def check_group_limit(num_experts: int, top_k: int, n_group: int, topk_group: int, prefix: str = "") -> None:
+    """Raise ValueError, naming the field (after ``prefix``), unless group-limited routing can
+    pick ``top_k`` experts: ``n_group`` and ``topk_group`` positive ints, ``n_group`` divides
+    ``num_experts``, ``topk_group <= n_group`` and ``top_k <= topk_group · num_experts / n_group``
+    (the experts of the kept groups)."""
+    for name, value in (("n_group", n_group), ("topk_group", topk_group)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{prefix}{name} must be a positive int, got {value!r}")
+    if num_experts % n_group:
+        raise ValueError(f"{prefix}n_group={n_group} must divide num_experts={num_experts} (equal expert groups)")
+    if topk_group > n_group:
+        raise ValueError(f"{prefix}topk_group={topk_group} must be <= n_group={n_group}")
+    if top_k > topk_group * (num_experts // n_group):
+        raise ValueError(
+            f"{prefix}topk_group={topk_group} keeps {topk_group} of n_group={n_group} groups of "
+            f"{num_experts // n_group} experts: {topk_group * (num_experts // n_group)} experts, fewer than top_k={top_k}"
+        )
+
+
 class Router(nn.Module):
     """``logits = x @ Wrᵀ`` in fp32 (autocast off), scores, top-k.
 
@@ -52,6 +72,15 @@ class Router(nn.Module):
             scores for the top-k *selection only*; the combine weights and the losses never see it.
             It is moved by :meth:`update_expert_bias` (aux-loss-free load balancing).
         bias_update_rate: step size of that rule.
+        n_group, topk_group: group-limited selection (DeepSeek-V3's ``noaux_tc``): the E experts
+            form ``n_group`` equal contiguous groups (``[g·E/n_group, (g+1)·E/n_group)``); a group's
+            score is the sum of its two highest selection scores (the scores plus the expert bias
+            when there is one; its one score when a group holds one expert); the experts of all
+            but the ``topk_group`` best groups are excluded (-inf) before the top-K. Selection
+            only: the combine weights are the chosen experts' unbiased scores as without groups.
+            ``n_group=1`` (or ``topk_group == n_group``) keeps every expert and runs no extra op.
+        routed_scaling_factor: multiplies the combine weights (after the renormalisation), as
+            DeepSeek-V3's ``routed_scaling_factor``; 1.0 runs no extra op.
     """
 
     def __init__(
@@ -64,6 +93,9 @@ class Router(nn.Module):
         renormalize: bool = True,
         expert_bias: bool = False,
         bias_update_rate: float = 1e-3,
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
         device=None,
     ):
         super().__init__()
@@ -71,11 +103,17 @@ class Router(nn.Module):
             raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
         if bias_update_rate < 0:
             raise ValueError(f"bias_update_rate must be >= 0, got {bias_update_rate}")
+        check_group_limit(num_experts, top_k, n_group, topk_group)
+        if not routed_scaling_factor > 0:  # NaN included
+            raise ValueError(f"routed_scaling_factor must be > 0, got {routed_scaling_factor}")
         self.num_experts = num_experts
         self.top_k = top_k
         self.score_func = score_func
         self.renormalize = renormalize
         self.bias_update_rate = bias_update_rate
+        self.n_group = n_group
+        self.topk_group = topk_group
+        self.routed_scaling_factor = routed_scaling_factor
         # The router stays fp32 whatever the model's dtype: top-k on bf16 logits flips
         # near-ties and the softmax of bf16 logits loses the small probabilities.
         self.weight = nn.Parameter(torch.empty(num_experts, dim, device=device, dtype=torch.float32))
@@ -98,12 +136,30 @@ class Router(nn.Module):
         else:
             scores_TE = logits_TE.sigmoid()
         select_TE = scores_TE if self.expert_bias is None else scores_TE + self.expert_bias
+        if self.topk_group < self.n_group:
+            select_TE = self._limit_to_groups(select_TE.detach())
         experts_TK = select_TE.topk(self.top_k, dim=-1, sorted=True).indices
         priority_TK = scores_TE.gather(1, experts_TK)
         weights_TK = priority_TK
         if self.renormalize:
             weights_TK = priority_TK / priority_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        if self.routed_scaling_factor != 1.0:
+            weights_TK = weights_TK * self.routed_scaling_factor
         return RouterOutput(logits_TE, scores_TE, experts_TK, priority_TK, weights_TK)
+
+    def _limit_to_groups(self, select_TE: torch.Tensor) -> torch.Tensor:
+        """The selection scores with the experts of all but the ``topk_group`` best of the
+        ``n_group`` groups (G groups of S experts) set to -inf."""
+        T, G = select_TE.shape[0], self.n_group
+        select_TGS = select_TE.view(T, G, self.num_experts // G)
+        # DeepSeek-V3's group score: the sum of the group's top-2 selection scores (top-1 when
+        # a group holds a single expert, where top-2 does not exist)
+        group_TG = select_TGS.topk(min(2, select_TGS.shape[-1]), dim=-1).values.sum(dim=-1)
+        keep_TG = group_TG.topk(self.topk_group, dim=-1, sorted=False).indices
+        drop_TG = torch.ones_like(group_TG, dtype=torch.bool).scatter_(1, keep_TG, False)
+        # -inf, not HF's 0.0: a biased score can be negative, and a 0 would let an expert of a
+        # dropped group outrank it (DeepSeek's own inference code masks with -inf)
+        return select_TGS.masked_fill(drop_TG.unsqueeze(-1), float("-inf")).flatten(1)
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert_E: torch.Tensor) -> None:

@@ -449,4 +449,4 @@ def test_start_line_says_what_comes_first():
     cfg = load_config(["--config", "tiny", "--data.seq_len=16384"], world_size=2)
     line = preflight.start_line(cfg, 2)
     assert line.startswith("config tiny: checked | world 2 (ep 2) on ")
-    assert "1·8·16384 = 131,072 tokens" in line and "TFLOP a step" in line and "train 400 steps" in line
+    assert "1·8·16384 = 131,072 tokens" in line and "TFLOP a step" in line and "train 200 steps" in line
