@@ -21,7 +21,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU)")
     config.addinivalue_line("markers", "multigpu: needs 2 or more CUDA GPUs")
     config.addinivalue_line("markers", "slow: takes more than a few seconds on CPU")
-    config.addinivalue_line("markers", "world8: 8 gloo ranks on CPU; deselected by default (pytest -m world8)")
+    config.addinivalue_line("markers", "extended: multi-process runs that repeat what faster tests prove; deselected by default (pytest -m extended)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -226,7 +226,7 @@ def test_world4_fsdp_equals_one_process(world4, case):
 
 
 @pytest.mark.slow
-@pytest.mark.world8
+@pytest.mark.extended
 def test_world8_fsdp_equals_one_process():
     results = run_distributed(_run_cases, 8, WORLD8, timeout_s=300.0)
     for case in WORLD8:

@@ -86,6 +86,7 @@ def cpu_runs(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("name, nproc, ep, layout", CPU_RUNS)
 def test_scaled_down_config_trains_on_cpu_with_all_to_all_timing(cpu_runs, name, nproc, ep, layout):
     log_dir, outputs = cpu_runs
@@ -102,6 +103,7 @@ def test_scaled_down_config_trains_on_cpu_with_all_to_all_timing(cpu_runs, name,
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_ep4_and_ep2_dp2_layouts_train_the_same(cpu_runs):
     # the two 4-process runs differ only in how the experts are laid out over the world
     log_dir, _ = cpu_runs
@@ -112,6 +114,7 @@ def test_ep4_and_ep2_dp2_layouts_train_the_same(cpu_runs):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_scaling_report_from_the_cpu_runs(cpu_runs):
     log_dir, _ = cpu_runs
     runs = [summarize(str(log_dir / name), skip_steps=1) for name, *_ in CPU_RUNS]
@@ -184,7 +187,7 @@ def world8():
 
 
 @pytest.mark.slow
-@pytest.mark.world8
+@pytest.mark.extended
 @pytest.mark.parametrize("case", [c.name for c in WORLD8])
 def test_world8_equals_one_process(world8, case):
     _check_case(world8, f"{case}:float32")

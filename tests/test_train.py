@@ -365,6 +365,7 @@ def test_two_process_ep2_and_resume_exact_and_into_ep1_replicated(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_four_process_ep2_dp2_matches_ep1(tmp_path):
     base = SMALL + ["--train.steps=3", f"--log.dir={tmp_path}"]
     _torchrun(4, base + ["--parallel.ep=2", "--log.run_name=ep2"])
