@@ -80,8 +80,7 @@ def code_facts() -> dict:
 def config_facts(cfg: Config) -> dict:
     """``cfg`` flattened to ``"section.key": value`` (:data:`RANK_ZERO_ONLY` left out), then
     :func:`code_facts`."""
-    flat = {f"{section}.{key}": value for section, values in cfg.to_dict().items() for key, value in values.items()}
-    return {**{k: v for k, v in flat.items() if k not in RANK_ZERO_ONLY}, **code_facts()}
+    return {**{k: v for k, v in cfg.to_flat().items() if k not in RANK_ZERO_ONLY}, **code_facts()}
 
 
 def data_facts(train_tokens: np.ndarray, val_tokens: np.ndarray) -> dict:

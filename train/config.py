@@ -209,6 +209,10 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def to_flat(self) -> dict:
+        """``{"section.key": value}`` of every key (:func:`flatten` of :meth:`to_dict`)."""
+        return flatten(self.to_dict())
+
     def is_set(self, dotted: str) -> bool:
         """Whether a YAML file or the command line set ``section.key`` to something other than its
         default (a key written with its default value, as in a saved run's config.yaml, changes
@@ -217,6 +221,13 @@ class Config:
             return False
         sec_name, key = dotted.split(".")
         return getattr(getattr(self, sec_name), key) != _default(type(getattr(self, sec_name)), key)
+
+
+def flatten(tree: dict) -> dict:
+    """A config tree ``{section: {key: value}}`` (a :meth:`Config.to_dict`, or a saved run's
+    config.yaml) as ``{"section.key": value}``; anything else at the top level is left out."""
+    return {f"{section}.{key}": value for section, values in tree.items() if isinstance(values, dict)
+            for key, value in values.items()}
 
 
 def _default(cls, key: str):

@@ -37,8 +37,9 @@ def check_environment(cfg: Config, world_size: int | None = None) -> None:
     check_memory(cfg, world_size)
 
 
-def uses_cuda(cfg: Config) -> bool:
-    return cfg.parallel.device == "cuda" or (cfg.parallel.device == "auto" and torch.cuda.is_available())
+def uses_cuda(device_choice: str) -> bool:
+    """``parallel.device``: cuda, or auto on a machine with a visible GPU (train/runtime.py's too)."""
+    return device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
 
 
 def check_device(cfg: Config) -> None:
@@ -49,7 +50,7 @@ def check_device(cfg: Config) -> None:
     if p.dispatcher == "p2p" and p.ep > 1 and not torch.cuda.is_available():
         raise ConfigError("parallel.dispatcher=p2p needs CUDA GPUs (symmetric memory) but this machine has none "
                           "(torch.cuda.is_available() is False); use parallel.dispatcher=nccl")
-    if uses_cuda(cfg):
+    if uses_cuda(cfg.parallel.device):
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         gpus = torch.cuda.device_count()
         if per_node > gpus:
@@ -101,7 +102,7 @@ def check_data(cfg: Config, world_size: int) -> None:
 def check_memory(cfg: Config, world_size: int) -> None:
     """On a GPU, with bf16 training (what train/memory.py models): refuse a run whose predicted
     peak exceeds the GPU's memory (``train.memory_check=false`` starts it anyway)."""
-    if not cfg.train.memory_check or not uses_cuda(cfg) or cfg.train.precision == "fp32":
+    if not cfg.train.memory_check or not uses_cuda(cfg.parallel.device) or cfg.train.precision == "fp32":
         return
     import importlib.metadata
 
@@ -139,7 +140,7 @@ def start_line(cfg: Config, world_size: int) -> str:
                 return f"{x / scale:.1f} {unit}"
         return f"{x / 1e6:.1f} MFLOP"
 
-    device = "cuda" if uses_cuda(cfg) else "cpu"
+    device = "cuda" if uses_cuda(cfg.parallel.device) else "cpu"
     return (f"config {cfg.log.run_name}: checked | world {world_size} (ep {cfg.parallel.ep}) on {device} | per rank: "
             f"{t.grad_accum}·{d.batch_size}·{d.seq_len} = {t.grad_accum * tokens:,} tokens and ~{flop(step)} a step, "
             f"~{flop(val)} a validation pass | next: build the run, validate, train {t.steps} steps "

@@ -26,20 +26,15 @@ import shutil
 import yaml
 
 from train.checkpoint import list_checkpoints
-from train.config import Config, ConfigError
+from train.config import Config, ConfigError, flatten
 
 RUN_FILES = ("metrics.jsonl", "config.yaml")  # a directory holding one of these holds a run
 MODEL_SECTIONS = ("model", "moe")  # the keys a checkpoint's tensors depend on
 
 
-def _flat(tree: dict) -> dict:
-    return {f"{section}.{key}": value for section, values in tree.items() if isinstance(values, dict)
-            for key, value in values.items()}
-
-
 def changed_keys(old: dict, new: dict) -> list[tuple[str, object, object]]:
     """``(section.key, old value, new value)`` of every key that differs, in ``new``'s order."""
-    old_flat, new_flat = _flat(old), _flat(new)
+    old_flat, new_flat = flatten(old), flatten(new)
     return [(k, old_flat.get(k), v) for k, v in new_flat.items() if old_flat.get(k, v) != v]
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import P2PDispatcher, ParallelDims, flight, init_distributed
+from train.preflight import uses_cuda
 
 
 @dataclass
@@ -79,7 +80,7 @@ class Runtime:
 def init_runtime(ep: int, device_choice: str = "auto", timeout_s: float = 600.0) -> Runtime:
     """The run's layout from torchrun's environment. ``timeout_s``: the collective watchdog's
     (:mod:`parallel.flight`); the process group's own timeout is that plus ``flight.GRACE_S``."""
-    use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
+    use_cuda = uses_cuda(device_choice)
     if use_cuda and not torch.cuda.is_available():
         raise RuntimeError("parallel.device=cuda but no CUDA device is visible")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

@@ -151,9 +151,9 @@ class Trainer:
         info = self.checkpointer.restore(cfg.checkpoint.resume, self.model, self.optimizer, self.schedule,
                                          say=lambda line: print(line, flush=True))
         resume_from = None if info is None else info["path"]
-        if info is not None and changes and rt.rank == 0:
-            print(changes, flush=True)
         if info is not None:
+            if changes and rt.rank == 0:
+                print(changes, flush=True)
             self.step = info["step"]
             self.stream.load_state_dict(info["data"])
         # checkpoint.stop_after ends this launch early (a preemptible slot); the schedule still
