@@ -1,7 +1,10 @@
-"""Causal self-attention block: fused QKV projection, RoPE, GQA, FlashAttention, output projection.
+"""Causal self-attention block: fused QKV projection, optional q/k RMSNorm, RoPE, GQA, FlashAttention,
+output projection.
 
 Shape legend: B batch, S sequence, D model dim, H query heads, Hkv key/value heads, Hd head dim.
 """
+
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -17,10 +20,16 @@ class Attention(nn.Module):
     ``n_kv_heads`` defaults to ``n_heads`` (plain MHA); 1 gives MQA. ``head_dim`` defaults to
     ``dim // n_heads``. On CUDA tensors the Triton FlashAttention kernel runs; elsewhere
     ``scaled_dot_product_attention`` (same math, same masking).
+
+    ``qk_norm``: an RMSNorm (eps ``norm_eps``) of the queries and of the keys before RoPE, over
+    each head's Hd with one gain shared by the heads (``"head"``, Qwen3-MoE), or over the whole
+    projection, H·Hd and Hkv·Hd wide (``"full"``, OLMoE). ``qkv_bias``: biases on the query, key
+    and value projections (Qwen2-MoE); ``out_bias``: on the output projection.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None,
-                 head_dim: int | None = None, rope_theta: float = 10000.0, bias: bool = False):
+                 head_dim: int | None = None, rope_theta: float = 10000.0, *, qkv_bias: bool = False,
+                 out_bias: bool = False, qk_norm: Literal["none", "head", "full"] = "none", norm_eps: float = 1e-5):
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         head_dim = dim // n_heads if head_dim is None else head_dim
@@ -29,16 +38,28 @@ class Attention(nn.Module):
         if head_dim <= 0 or head_dim % 2:
             raise ValueError(f"head_dim must be positive and even, got {head_dim}")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        if qk_norm not in ("none", "head", "full"):
+            raise ValueError(f"qk_norm must be none, head or full, got {qk_norm!r}")
         self.rope_theta = rope_theta
-        self.qkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * head_dim, bias=bias)
-        self.out = nn.Linear(n_heads * head_dim, dim, bias=bias)
+        self.qk_norm = qk_norm
+        self.qkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * head_dim, bias=qkv_bias)
+        self.out = nn.Linear(n_heads * head_dim, dim, bias=out_bias)
+        if qk_norm != "none":
+            q_width, k_width = (head_dim, head_dim) if qk_norm == "head" else (n_heads * head_dim, n_kv_heads * head_dim)
+            self.q_norm = nn.RMSNorm(q_width, eps=norm_eps)
+            self.k_norm = nn.RMSNorm(k_width, eps=norm_eps)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         """x_BSD: (B, S, D) -> (B, S, D), causal."""
         B, S, _ = x_BSD.shape
         H, Hkv, Hd = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.qkv(x_BSD).view(B, S, H + 2 * Hkv, Hd)
-        q_BSHHd, k_BSHkvHd, v_BSHkvHd = qkv.split((H, Hkv, Hkv), dim=2)
+        # (B, S, H·Hd), (B, S, Hkv·Hd), (B, S, Hkv·Hd): views of the one projection
+        q, k, v = self.qkv(x_BSD).split((H * Hd, Hkv * Hd, Hkv * Hd), dim=-1)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q_BSHHd, k_BSHkvHd, v_BSHkvHd = q.view(B, S, H, Hd), k.view(B, S, Hkv, Hd), v.view(B, S, Hkv, Hd)
+        if self.qk_norm == "head":
+            q_BSHHd, k_BSHkvHd = self.q_norm(q_BSHHd), self.k_norm(k_BSHkvHd)
         cos_table, sin_table = rope_cos_sin(S, Hd, self.rope_theta, device=x_BSD.device)
         q_BSHHd = apply_rope(q_BSHHd, cos_table, sin_table)
         k_BSHkvHd = apply_rope(k_BSHkvHd, cos_table, sin_table)

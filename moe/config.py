@@ -31,7 +31,9 @@ class MoEConfig:
     top_k: K, experts per token (``1 <= K <= E``).
     hidden_dim: F, each expert's hidden width.
     every_n_layers: a model option: block i is an MoE block when ``(i + 1) % every_n_layers == 0``
-        (:meth:`is_moe_layer`), a dense one otherwise.
+        and ``i >= first_dense_layers`` (:meth:`is_moe_layer`), a dense one otherwise.
+    first_dense_layers: a model option: the first this many blocks are dense (DeepSeek-V3's
+        ``first_k_dense_replace``).
     capacity_factor: ``C = ceil(capacity_factor · T · K / E)`` pairs per expert and rank; ``None``
         is dropless. Must be > 0.
     drop_policy: over capacity, ``"probs"`` keeps an expert's highest-scoring pairs,
@@ -66,7 +68,10 @@ class MoEConfig:
     top_k: int = field(default=2, metadata={"help": "K, experts per token, 1 <= K <= E"})
     hidden_dim: int = field(default=256, metadata={"help": "F, hidden width of each expert"})
     every_n_layers: int = field(default=1, metadata={
-        "help": "block i is an MoE block when (i + 1) % every_n_layers == 0, a dense one otherwise"})
+        "help": "block i is an MoE block when (i + 1) % every_n_layers == 0 (and i >= first_dense_layers), "
+                "a dense one otherwise"})
+    first_dense_layers: int = field(default=0, metadata={
+        "help": "the first this many blocks are dense (DeepSeek-V3's first_k_dense_replace)"})
     capacity_factor: float | None = field(default=None, metadata={
         "help": "C = ceil(capacity_factor · T · K / E) pairs per expert and rank (T: this rank's tokens); "
                 "none: dropless; > 0. C is a cap, nothing is padded to it"})
@@ -126,8 +131,10 @@ class MoEConfig:
                 raise ValueError(f"{prefix}{f.name} must be a finite number, got {value!r}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"{prefix}capacity_factor must be > 0 or None, got {self.capacity_factor!r}")
-        if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
-            raise ValueError(f"{prefix}num_shared_experts must be an int >= 0, got {self.num_shared_experts!r}")
+        for name in ("num_shared_experts", "first_dense_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{prefix}{name} must be an int >= 0, got {value!r}")
         if self.shared_hidden_dim is not None:
             check_positive_int(prefix + "shared_hidden_dim", self.shared_hidden_dim)
         for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
@@ -143,5 +150,6 @@ class MoEConfig:
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether block ``layer_idx`` (0-based) of a model is an MoE block: every
-        ``every_n_layers``-th, counting from 1, so the last of each run of n."""
-        return (layer_idx + 1) % self.every_n_layers == 0
+        ``every_n_layers``-th, counting from 1, so the last of each run of n, after the first
+        ``first_dense_layers``."""
+        return layer_idx >= self.first_dense_layers and (layer_idx + 1) % self.every_n_layers == 0

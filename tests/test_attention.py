@@ -127,7 +127,7 @@ def _module_reference(mod, x_BSD):
 
 
 def test_module_cpu_matches_reference_and_is_causal():
-    mod = Attention(dim=64, n_heads=4, n_kv_heads=2, bias=True)
+    mod = Attention(dim=64, n_heads=4, n_kv_heads=2, qkv_bias=True, out_bias=True)
     x = torch.randn(2, 23, 64)
     y = mod(x)
     assert y.shape == x.shape

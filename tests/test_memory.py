@@ -223,6 +223,9 @@ def _model_groups(cfg: Config) -> dict[str, list[tuple[int, ...]]]:
     memory.QWEN3_30B_A3B,
     ["--moe.num_shared_experts=2", "--moe.shared_hidden_dim=48", "--moe.every_n_layers=2", "--model.n_layers=4",
      "--moe.activation=gelu", "--model.n_kv_heads=2", "--model.head_dim=16", "--model.tie_embeddings=false"],
+    ["--moe.num_shared_experts=1", "--moe.shared_expert_gate=true", "--model.qk_norm=head", "--model.qkv_bias=true",
+     "--model.n_kv_heads=2", "--moe.first_dense_layers=1"],
+    ["--model.qk_norm=full", "--model.n_kv_heads=1", "--model.n_layers=3", "--moe.first_dense_layers=2"],
 ])
 def test_param_shapes_are_the_models(overrides):
     cfg = load_config(overrides, world_size=2)

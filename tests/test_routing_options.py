@@ -322,3 +322,13 @@ def test_valid_extremes_build():
     MoELayer(4, 6, 8, 2, n_group=8, topk_group=2)           # one expert per group
     MoELayer(4, 6, 8, 4, n_group=2, topk_group=1)           # K = the one kept group's experts
     MoELayer(4, 6, 8, 2, num_shared_experts=1, shared_expert_gate=True, routed_scaling_factor=1e-3)
+
+
+def test_first_dense_layers():
+    """DeepSeek-V3's first_k_dense_replace: the first n blocks dense, then every_n_layers as before."""
+    cfg = MoEConfig(first_dense_layers=3, every_n_layers=1).validate()
+    assert [cfg.is_moe_layer(i) for i in range(5)] == [False, False, False, True, True]
+    cfg = MoEConfig(first_dense_layers=1, every_n_layers=2).validate()
+    assert [cfg.is_moe_layer(i) for i in range(5)] == [False, True, False, True, False]
+    with pytest.raises(ValueError, match="moe.first_dense_layers must be an int >= 0"):
+        MoEConfig(first_dense_layers=-1).validate("moe.")

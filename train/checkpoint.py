@@ -189,10 +189,15 @@ class Checkpointer:
         keep: newest complete checkpoints kept, 0: all.
         async_save: write in the background (see the module docstring).
         data_parallel: recorded in meta.json (``replicate`` | ``fsdp``).
+        about: more of meta.json: the run's ``config`` (its tree, what ``python -m train.export``
+            reads) and ``hf_config`` (the config.json of ``train.init_from``, whose ids and other
+            keys an export keeps).
     """
 
-    def __init__(self, ckpt_dir: str, rt, keep: int = 0, async_save: bool = False, data_parallel: str = "replicate"):
+    def __init__(self, ckpt_dir: str, rt, keep: int = 0, async_save: bool = False, data_parallel: str = "replicate",
+                 about: dict | None = None):
         self.ckpt_dir = ckpt_dir
+        self.about = about or {}
         self.rt = rt
         self.keep = keep
         self.async_save = async_save
@@ -297,7 +302,7 @@ class Checkpointer:
         if self.rt.rank == 0:
             files = {n: d for share in hashed for n, d in share.items()}
             meta = {"format": FORMAT, "step": step, "world_size": self.rt.world_size, "ep": self.rt.ep,
-                    "data_parallel": self.data_parallel, "files": dict(sorted(files.items()))}
+                    "data_parallel": self.data_parallel, **self.about, "files": dict(sorted(files.items()))}
             with open(os.path.join(tmp, META), "w") as f:
                 json.dump(meta, f)
             os.replace(tmp, final)

@@ -59,6 +59,10 @@ class ModelConfig:
     head_dim: int | None = option(None, "Hd, width of a head; none: dim // n_heads")
     rope_theta: float = option(10000.0, "RoPE base")
     norm_eps: float = option(1e-5, "RMSNorm epsilon")
+    qk_norm: Literal["none", "head", "full"] = option(
+        "none", "RMSNorm of the queries and keys before RoPE: head: over each head's Hd (Qwen3-MoE), full: over all "
+        "the heads' width at once (OLMoE)")
+    qkv_bias: bool = option(False, "biases on the query, key and value projections (Qwen2-MoE)")
     tie_embeddings: bool = option(True, "the LM head is the embedding's weight (false: a separate V × D head)")
     dense_hidden_dim: int = option(512, "hidden width of the dense MLP in non-MoE blocks")
     init_std: float = option(0.02, "std of the normal init (output projections: init_std / sqrt(2 · n_layers))")
@@ -150,6 +154,10 @@ class TrainConfig:
     memory_check: bool = option(
         True, "on a GPU, refuse to start when train/memory.py predicts a peak above the GPU's memory (bf16 "
               "training); false: start anyway")
+    init_from: str | None = option(
+        None, "a Hugging Face model directory (config.json + *.safetensors; Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): "
+              "its config.json sets the model.* and moe.* architecture keys, its weights the initial model (each "
+              "rank reads its own experts)")
 
 
 @dataclass
@@ -534,11 +542,35 @@ def load_config(argv: list[str], world_size: int | None = None) -> Config:
         if cfg.log.run_name is None:
             cfg.log.run_name = os.path.splitext(os.path.basename(path))[0]
     apply_overrides(cfg, rest)
+    if cfg.train.init_from:
+        apply_init_from(cfg)
     if cfg.log.run_name is None:
         cfg.log.run_name = "run"
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     return validate(cfg, world_size)
+
+
+def apply_init_from(cfg: Config) -> Config:
+    """Set the architecture keys that ``train.init_from``'s config.json implies. A key the YAML or
+    the command line set to another value is a ConfigError naming it: the checkpoint's weights
+    only fit its own architecture."""
+    from train.hf.load import init_options  # the Hugging Face reader is needed by this option only
+
+    try:
+        _, options = init_options(cfg.train.init_from)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    for dotted, value in options.items():
+        sec_name, key = dotted.split(".")
+        section = getattr(cfg, sec_name)
+        value = coerce(value, _field_types(section)[key], dotted)
+        if dotted in cfg.user_set and getattr(section, key) != value:
+            raise ConfigError(f"{dotted}={_show(getattr(section, key))} contradicts train.init_from="
+                              f"{cfg.train.init_from}, whose config.json gives {_show(value)}: the architecture comes "
+                              f"from there, drop {dotted}")
+        setattr(section, key, value)
+    return cfg
 
 
 def to_yaml(cfg: Config) -> str:

@@ -142,6 +142,9 @@ class ModelShape:
     capacity_factor: float | None
     renormalize: bool
     moe_blocks: tuple[bool, ...]
+    qk_norm: str = "none"  # model.qk_norm: gains of Hd (head) or H·Hd and Hkv·Hd (full); activations not counted
+    qkv_bias: bool = False
+    shared_gate: bool = False  # moe.shared_expert_gate: a (1, D) weight
 
     @classmethod
     def of(cls, cfg: Config, moe_blocks: tuple[bool, ...] | None = None) -> "ModelShape":
@@ -152,6 +155,7 @@ class ModelShape:
             F_shared=e.num_shared_experts * (e.shared_hidden_dim or e.hidden_dim), swiglu=e.activation == "swiglu",
             capacity_factor=e.capacity_factor, renormalize=e.renormalize,
             moe_blocks=moe_blocks or tuple(e.is_moe_layer(i) for i in range(m.n_layers)),
+            qk_norm=m.qk_norm, qkv_bias=m.qkv_bias, shared_gate=e.shared_expert_gate,
         )
 
     def up(self, hidden: int) -> int:
@@ -168,9 +172,15 @@ def param_shapes(s: ModelShape) -> dict[str, list[tuple[int, ...]]]:
     groups = {"embed": [(s.V, D)], "head": [] if s.tied else [(s.V, D)], "norm": [(D,)]}
     for i, moe in enumerate(s.moe_blocks):
         dense = [(D,), ((s.H + 2 * s.Hkv) * s.Hd, D), (D, s.H * s.Hd), (D,)]
+        if s.qkv_bias:
+            dense.append(((s.H + 2 * s.Hkv) * s.Hd,))
+        if s.qk_norm != "none":
+            dense += [(s.Hd,), (s.Hd,)] if s.qk_norm == "head" else [(s.H * s.Hd,), (s.Hkv * s.Hd,)]
         hidden = s.F_shared if moe else s.F_dense
         if hidden:
             dense += [(s.up(hidden), D), (D, hidden)]
+        if moe and s.shared_gate:
+            dense.append((1, D))
         groups[f"blocks.{i}.dense"] = dense
         groups[f"blocks.{i}.router"] = [(s.E, D)] if moe else []
         groups[f"blocks.{i}.experts"] = [(s.E, D, s.up(s.F)), (s.E, s.F, D)] if moe else []

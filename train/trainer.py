@@ -33,6 +33,7 @@ from train.config import Config, ConfigError, to_yaml
 from train.data import TokenStream, load_splits, shard, val_batches
 from train.flops import param_counts, peak_flops, train_flops_per_token
 from train.logger import RunLogger
+from train.hf import load_weights, read_hf_config
 from train.model import MoETransformer, num_moe_blocks
 from train.nonfinite import NonFiniteGuard, first_nonfinite
 from train.optim import WarmupCosine, build_optimizer
@@ -144,8 +145,11 @@ class Trainer:
         self._replay: dict[int, dict] = {}
 
         self.step = 0
+        about = {"config": cfg.to_dict()}
+        if cfg.train.init_from:
+            about["hf_config"] = read_hf_config(cfg.train.init_from)
         self.checkpointer = Checkpointer(self.ckpt_dir, rt, cfg.checkpoint.keep, cfg.checkpoint.async_save,
-                                         cfg.parallel.data_parallel)
+                                         cfg.parallel.data_parallel, about)
         # verified; under resume=auto the newest checkpoint that verifies and loads
         flight.phase("checkpoint restore")
         info = self.checkpointer.restore(cfg.checkpoint.resume, self.model, self.optimizer, self.schedule,
@@ -202,6 +206,10 @@ class Trainer:
         with rt.device:  # built on the device: a large model never materialises on the host
             model = MoETransformer(cfg, dispatcher=self.dispatcher)
         model.init_weights(cfg.train.seed)
+        if cfg.train.init_from:
+            seconds = load_weights(model, cfg.train.init_from, cfg.to_flat())
+            if rt.rank == 0:
+                print(f"loaded the weights of {cfg.train.init_from} in {seconds:.1f} s (each rank its own experts)", flush=True)
         model = parallelize(model, cfg, rt.dims, rt.device)
         for i, block in enumerate(model.blocks):  # the collective record names the block (before FSDP's hooks)
             block.register_forward_pre_hook(lambda *_, name=f"blocks.{i}": flight.enter_layer(name), prepend=True)
