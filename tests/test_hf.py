@@ -279,3 +279,20 @@ def test_init_from_conflicts_and_missing_directories(hf_dirs, tmp_path):
         load_config([f"--train.init_from={tmp_path / 'nothing'}"], world_size=1)
     with pytest.raises(ConfigError, match="no config.json"):
         load_config([f"--train.init_from={tmp_path}"], world_size=1)
+
+
+@pytest.mark.gpu
+def test_a_loaded_model_runs_on_a_gpu(hf_dirs):
+    """The compiled kernels (FlashAttention with q/k norm, head_dim 32; the grouped GEMM under
+    bf16 autocast) on a loaded Qwen3-MoE, against transformers in fp32 on the CPU."""
+    directory, ref = hf_dirs["qwen3_moe"]
+    model = ours_from(directory).cuda()
+    tokens, _ = _tokens()
+    with torch.no_grad():
+        want = ref(tokens).logits
+        got = model(tokens.cuda()).cpu()
+        with torch.autocast("cuda", torch.bfloat16):
+            got_bf16 = model(tokens.cuda()).cpu()
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() < 1e-2 * scale  # fp32 operands, TF32-rate dots in the kernels
+    assert (got_bf16 - want).abs().max().item() < 5e-2 * scale
