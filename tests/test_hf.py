@@ -44,11 +44,12 @@ MODELS = {
 }
 
 
-def build_hf(kind: str, directory: str, seed: int = 0, **save_kwargs):
+def build_hf(kind: str, directory: str, seed: int = 0, tie: bool = False, **save_kwargs):
     """A tiny random ``kind`` model, every tensor perturbed, saved to ``directory``; returns it."""
     cfg_name, model_name, extra = MODELS[kind]
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**COMMON, **extra)).float().eval()
+    hf_cfg = getattr(transformers, cfg_name)(**COMMON, **extra, tie_word_embeddings=tie)
+    model = getattr(transformers, model_name)(hf_cfg).float().eval()
     with torch.no_grad():
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if "e_score_correction_bias" in name:
@@ -197,6 +198,34 @@ def test_export_of_a_model_trained_from_scratch(tmp_path):
     assert main([os.path.dirname(ckpt), "--to", str(tmp_path / "cli"), "--dtype", "bfloat16"]) == 0
     assert read_hf_config(str(tmp_path / "cli"))["dtype"] == "bfloat16"
     assert main([os.path.dirname(ckpt), "--to", str(tmp_path / "cli")]) == 2
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(HFError, match="is a file, not a directory"):
+        export(ckpt, str(tmp_path / "a_file"))
+    # a failure while writing leaves nothing behind, neither the directory nor its .tmp
+    import torch.distributed.checkpoint as dcp
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    original, dcp.load = dcp.load, broken
+    try:
+        with pytest.raises(OSError, match="disk full"):
+            export(ckpt, str(tmp_path / "failed"))
+    finally:
+        dcp.load = original
+    assert not (tmp_path / "failed").exists() and not (tmp_path / "failed.tmp").exists()
+
+
+def test_export_refuses_what_the_architecture_cannot_write_and_keeps_what_it_can():
+    from train.hf import ARCHITECTURES
+
+    flat = load_config(["--model.qk_norm=full", "--model.head_dim=16", "--model.dim=128", "--model.n_heads=4"],
+                       world_size=1).to_flat()
+    with pytest.raises(HFError, match="model.head_dim=16 with model.n_heads=4 is not model.dim=128"):
+        ARCHITECTURES["olmoe"].hf_config(flat)  # transformers sizes OLMoE's q_norm by hidden_size
+    flat = load_config(["--moe.num_shared_experts=1", "--moe.shared_expert_gate=true"], world_size=1).to_flat()
+    written = ARCHITECTURES["qwen2_moe"].hf_config(flat)
+    assert written["qkv_bias"] is False and written["rope_theta"] == written["rope_parameters"]["rope_theta"]
 
 
 def _ep_logits(rank: int, world: int, directory: str, tokens: torch.Tensor) -> dict:
@@ -273,6 +302,9 @@ def test_init_from_conflicts_and_missing_directories(hf_dirs, tmp_path):
     directory = hf_dirs["mixtral"][0]
     with pytest.raises(ConfigError, match=rf"model.dim=128 contradicts train.init_from={directory}, whose config.json gives 64"):
         load_config([f"--train.init_from={directory}", "--model.dim=128"], world_size=1)
+    # the routing the architecture fixes is pinned too (Mixtral's router is softmax)
+    with pytest.raises(ConfigError, match="moe.score_func=sigmoid contradicts"):
+        load_config([f"--train.init_from={directory}", "--moe.score_func=sigmoid"], world_size=1)
     # the same value is no conflict (a saved run's config.yaml repeats every key)
     assert load_config([f"--train.init_from={directory}", "--model.dim=64"], world_size=1).model.dim == 64
     with pytest.raises(ConfigError, match="no such directory"):
@@ -296,3 +328,17 @@ def test_a_loaded_model_runs_on_a_gpu(hf_dirs):
     scale = want.abs().max().item()
     assert (got - want).abs().max().item() < 1e-2 * scale  # fp32 operands, TF32-rate dots in the kernels
     assert (got_bf16 - want).abs().max().item() < 5e-2 * scale
+
+
+def test_a_tied_model_may_carry_its_lm_head(tmp_path):
+    """transformers ignores a tied model's stored lm_head.weight; so does the loader."""
+    from safetensors.torch import load_file, save_file
+
+    ref = build_hf("qwen3_moe", str(tmp_path / "tied"), tie=True)
+    tensors = load_file(str(tmp_path / "tied" / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(tmp_path / "tied" / "model.safetensors"))
+    ours = ours_from(str(tmp_path / "tied"))
+    tokens, _ = _tokens()
+    with torch.no_grad():
+        assert ours.lm_head is None and (ours(tokens) - ref(tokens).logits).abs().max().item() < 1e-5

@@ -559,7 +559,7 @@ def apply_init_from(cfg: Config) -> Config:
 
     try:
         _, options = init_options(cfg.train.init_from)
-    except ValueError as err:
+    except (ValueError, TypeError, OSError) as err:  # a config.json with a value of the wrong type, unreadable
         raise ConfigError(str(err)) from None
     for dotted, value in options.items():
         sec_name, key = dotted.split(".")

@@ -95,6 +95,10 @@ class Architecture:
         if experts is None:
             raise HFError(f"{where}: no {self.experts_key!r} (the number of routed experts)")
         opts = {
+            # what the architecture fixes (DeepSeek-V3 and the shared experts overwrite below): a
+            # user key that contradicts one is named instead of silently changing the model
+            "score_func": "softmax", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+            "first_dense_layers": 0, "num_shared_experts": 0, "shared_hidden_dim": None, "shared_expert_gate": False,
             "num_experts": experts,
             "top_k": get("num_experts_per_tok"),
             "hidden_dim": get(self.expert_width_key),
@@ -132,7 +136,7 @@ class Architecture:
             raise HFError(f"{self.model_type}: the whole model cannot be exported (its attention is MLA)")
         self._check_expressible(flat)
         hf = dict(base or {})
-        for alias in ("num_local_experts", "num_experts", "n_routed_experts", "rope_theta", "rope_scaling"):
+        for alias in ("num_local_experts", "num_experts", "n_routed_experts", "rope_scaling", "torch_dtype"):
             hf.pop(alias, None)  # written afresh below, under this architecture's own name
         hf.update({
             "architectures": [self.hf_class], "model_type": self.model_type,
@@ -145,22 +149,27 @@ class Architecture:
             self.experts_key: flat["moe.num_experts"], "num_experts_per_tok": flat["moe.top_k"],
             self.expert_width_key: flat["moe.hidden_dim"],
         })
+        # both spellings: transformers 5 reads rope_parameters, 4 reads rope_theta
         hf["rope_parameters"] = {"rope_type": "default", "rope_theta": flat["model.rope_theta"]}
+        hf["rope_theta"] = flat["model.rope_theta"]
         if not self.always_renormalize:
             hf["norm_topk_prob"] = flat["moe.renormalize"]
         if self.model_type in ("qwen2_moe", "qwen3_moe"):
             hf.update(decoder_sparse_step=flat["moe.every_n_layers"], mlp_only_layers=[])
         if self.model_type == "qwen2_moe":
-            hf.update(qkv_bias=True, shared_expert_intermediate_size=flat["moe.shared_hidden_dim"] or flat["moe.hidden_dim"])
+            hf.update(qkv_bias=flat["model.qkv_bias"], shared_expert_intermediate_size=flat["moe.shared_hidden_dim"] or flat["moe.hidden_dim"])
         hf.setdefault("dtype", "float32")
         return hf
 
     def _check_expressible(self, flat: dict) -> None:
         """Raise HFError naming the first of our keys whose value the architecture has no way to
         write (a model trained with it would load into ``transformers`` as a different model)."""
+        if self.qk_norm == "full" and flat["model.n_heads"] * (flat["model.head_dim"] or 0) not in (0, flat["model.dim"]):
+            # transformers sizes OLMoE's q_norm to hidden_size, whatever head_dim says
+            raise HFError(f"model.head_dim={flat['model.head_dim']} with model.n_heads={flat['model.n_heads']} is not "
+                          f"model.dim={flat['model.dim']}: {self.model_type} cannot write it")
         fixed = {
             "model.qk_norm": self.qk_norm,
-            "model.qkv_bias": self.model_type == "qwen2_moe",
             "moe.activation": "swiglu",
             "moe.score_func": "softmax",
             "moe.expert_bias": False,
@@ -174,6 +183,8 @@ class Architecture:
             fixed["moe.renormalize"] = True
         if self.model_type not in ("qwen2_moe", "qwen3_moe"):
             fixed["moe.every_n_layers"] = 1
+        if self.model_type != "qwen2_moe":  # Qwen2-MoE writes its own qkv_bias
+            fixed["model.qkv_bias"] = False
         for key, want in fixed.items():
             if flat[key] != want:
                 raise HFError(f"{key}={flat[key]!r} cannot be written as {self.model_type} (which has {key}={want!r}); "

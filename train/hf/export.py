@@ -80,13 +80,15 @@ def export(checkpoint: str, out_dir: str, arch: str | None = None, dtype: str | 
     ``out_dir``; returns its config.json as a dict. ``dtype``: of the written tensors
     (``float32``, ``bfloat16``, ``float16``; default: the ``dtype`` of the config the run was
     initialised from, else float32, the checkpoint's own)."""
-    from safetensors.torch import save_file
-
     from train.checkpoint import Checkpointer
     from train.runtime import Runtime
 
-    if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise HFError(f"--to {out_dir}: exists and is not empty (pass --overwrite to replace it)")
+    tmp = out_dir.rstrip("/") + ".tmp"
+    for path in (out_dir, tmp):
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise HFError(f"--to {out_dir}: {path} is a file, not a directory")
+        if os.path.isdir(path) and os.listdir(path) and not overwrite:
+            raise HFError(f"--to {out_dir}: {path} exists and is not empty (pass --overwrite to replace it)")
     one_process = Runtime(0, 0, 1, 1, torch.device("cpu"), None)
     Checkpointer(os.path.dirname(os.path.abspath(checkpoint)), one_process).verify(checkpoint)
     with open(os.path.join(checkpoint, "meta.json")) as f:
@@ -118,9 +120,23 @@ def export(checkpoint: str, out_dir: str, arch: str | None = None, dtype: str | 
             raise HFError(f"{checkpoint}: tensor {name} is {tuple(saved[name].size) if name in saved else 'missing'}, its "
                           f"config implies {want}")
 
-    tmp = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    try:
+        _write(checkpoint, tmp, rules, saved, max_shard_bytes, DTYPES[dtype], hf_config)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left to be mistaken for an export
+        raise
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    return hf_config
+
+
+def _write(checkpoint: str, tmp: str, rules: dict[str, Rule], saved: dict, max_shard_bytes: int, dtype: torch.dtype,
+           hf_config: dict) -> None:
+    """The safetensors shards, their index and config.json, into ``tmp``."""
+    from safetensors.torch import save_file
+
     groups = _shards(rules, saved, max_shard_bytes)
     weight_map, total = {}, 0
     for i, group in enumerate(groups):
@@ -132,7 +148,7 @@ def export(checkpoint: str, out_dir: str, arch: str | None = None, dtype: str | 
         tensors = {}
         for name in group:
             for hf_name, t in zip(rules[name].sources, rules[name].split(state["model"][name])):
-                tensors[hf_name] = t.to(DTYPES[dtype])
+                tensors[hf_name] = t.to(dtype)
                 weight_map[hf_name] = file
                 total += tensors[hf_name].numel() * tensors[hf_name].element_size()
         save_file(tensors, os.path.join(tmp, file), metadata={"format": "pt"})
@@ -141,6 +157,3 @@ def export(checkpoint: str, out_dir: str, arch: str | None = None, dtype: str | 
             json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2, sort_keys=True)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
-    return hf_config

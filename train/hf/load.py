@@ -106,11 +106,11 @@ def check_names_present(reader: SafetensorsDir, rules: dict[str, Rule], director
     return needed
 
 
-def check_names(reader: SafetensorsDir, everything: dict[str, Rule], directory: str) -> None:
+def check_names(reader: SafetensorsDir, everything: dict[str, Rule], directory: str, ignored: tuple[str, ...] = ()) -> None:
     """HFError naming the first tensor the model needs that the directory lacks, or the first
-    the directory holds that the model would not use."""
+    the directory holds that the model would not use (``ignored`` names aside)."""
     needed = check_names_present(reader, everything, directory)
-    unused = sorted(set(reader.file_of) - set(needed))
+    unused = sorted(set(reader.file_of) - set(needed) - set(ignored))
     unused = [n for n in unused if not n.endswith(_IGNORED_SUFFIXES)]
     if unused:
         raise HFError(f"{directory}: tensor {unused[0]} ({reader.file_of[unused[0]]}) has no place in the model "
@@ -138,7 +138,8 @@ def load_weights(model: nn.Module, directory: str, flat: dict) -> float:
     start = time.perf_counter()
     arch = architecture(read_hf_config(directory), os.path.join(directory, "config.json"))
     reader = SafetensorsDir(directory)
-    check_names(reader, model_rules(arch, flat), directory)
+    # a tied model's file may hold lm_head.weight as well (transformers ignores it): so do we
+    check_names(reader, model_rules(arch, flat), directory, ("lm_head.weight",) if flat["model.tie_embeddings"] else ())
     held = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     ep_size = flat["moe.num_experts"] // held[0].num_experts if held else 1
     rules = model_rules(arch, flat, held[0].first_expert // held[0].num_experts if held else 0, ep_size)
