@@ -348,6 +348,7 @@ def test_two_process_ep2_and_resume_exact_and_into_ep1_replicated(tmp_path):
     step3 = tmp_path / "part" / "checkpoints" / "step_00000003"
     assert (step3 / ".metadata").is_file()  # a DCP checkpoint
     meta = json.loads((step3 / "meta.json").read_text())
+    assert meta.pop("config")["parallel"]["ep"] == 2  # the run's config tree (what train.export reads)
     assert meta == {"format": "dcp-2", "step": 3, "world_size": 2, "ep": 2, "data_parallel": "fsdp",
                     "files": {n: ckpt._digest(str(step3 / n)) for n in (".metadata", "__0_0.distcp", "__1_0.distcp")}}
     # resume the same checkpoint into EP=1, replicated (DCP reslices experts and moments) ...
