@@ -77,7 +77,7 @@ def main() -> None:
         model = MoETransformer(cfg, dispatcher=dims.dispatcher() if dims else None)
     model.init_weights(1)
     torch.cuda.synchronize()
-    ours_s = load_weights(model, args.dir, cfg.to_flat())
+    ours_s = load_weights(model, args.dir, cfg)
     torch.cuda.synchronize()
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 256), generator=g).to(device)

@@ -22,10 +22,10 @@ transformers = pytest.importorskip("transformers")
 
 from tests.distributed import run_distributed  # noqa: E402
 from train.config import ConfigError, load_config  # noqa: E402
-from train.hf import HFError, SafetensorsDir, load_weights, moe_block_state, moe_config  # noqa: E402
+from train.hf import (HFError, SafetensorsDir, architecture, load_weights, moe_block_state, moe_config,  # noqa: E402
+                      read_hf_config)
 from train.hf.export import export  # noqa: E402
 from train.hf.tensors import model_rules  # noqa: E402
-from train.hf import architecture, read_hf_config  # noqa: E402
 from train.model import MoETransformer  # noqa: E402
 
 COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -77,7 +77,7 @@ def ours_from(directory: str, *extra: str) -> MoETransformer:
     cfg = load_config([f"--train.init_from={directory}", "--parallel.device=cpu", *extra], world_size=1)
     model = MoETransformer(cfg)
     model.init_weights(1)  # anything load_weights misses keeps these, and the logits differ
-    load_weights(model, directory, cfg.to_flat())
+    load_weights(model, directory, cfg)
     return model
 
 
@@ -107,7 +107,7 @@ def test_logits_and_gradients_match_transformers(kind, hf_dirs, tmp_path):
             p.copy_(p.grad)
     ref.save_pretrained(str(tmp_path / "grads"))
     ref_grads = SafetensorsDir(str(tmp_path / "grads"))
-    rules = model_rules(architecture(read_hf_config(directory), "config.json"), ours.cfg.to_flat())
+    rules = model_rules(architecture(read_hf_config(directory), "config.json"), ours.cfg)
     compared = 0
     for name, p in ours.named_parameters():
         for hf_name, g in zip(rules[name].sources, rules[name].split(p.grad)):
@@ -239,7 +239,7 @@ def _ep_logits(rank: int, world: int, directory: str, tokens: torch.Tensor) -> d
     hf_load.SafetensorsDir.read = lambda self, name: (read.append(name), original(self, name))[1]
     model = MoETransformer(cfg, dispatcher=dims.dispatcher())
     model.init_weights(1)
-    load_weights(model, directory, cfg.to_flat())
+    load_weights(model, directory, cfg)
     with torch.no_grad():
         return {"logits": model(tokens).tolist(), "experts_read": sorted({int(n.split(".experts.")[1].split(".")[0])
                                                                 for n in read if ".experts." in n})}

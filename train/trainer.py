@@ -207,7 +207,7 @@ class Trainer:
             model = MoETransformer(cfg, dispatcher=self.dispatcher)
         model.init_weights(cfg.train.seed)
         if cfg.train.init_from:
-            seconds = load_weights(model, cfg.train.init_from, cfg.to_flat())
+            seconds = load_weights(model, cfg.train.init_from, cfg)
             if rt.rank == 0:
                 print(f"loaded the weights of {cfg.train.init_from} in {seconds:.1f} s (each rank its own experts)", flush=True)
         model = parallelize(model, cfg, rt.dims, rt.device)

@@ -14,7 +14,7 @@ qwen2_moe  softmax top-k (norm_topk_prob) QKV biases; a shared expert, sigmoid-g
 qwen3_moe  softmax top-k (norm_topk_prob) q/k RMSNorm per head; head_dim
 olmoe      softmax top-k (norm_topk_prob) q/k RMSNorm over the whole projection
 deepseek_v3 sigmoid, bias, group-limited, MLA attention (not supported): the MoE block alone
-           scaling factor; shared experts (:func:`moe_config`, :func:`train.hf.tensors.moe_block_state`)
+           scaling factor; shared experts (:func:`moe_config`, :func:`train.hf.load.moe_block_state`)
 ========== ============================ ====================================================
 
 What no architecture here has and we refuse rather than ignore: RoPE scaling (``rope_type`` other
@@ -61,6 +61,30 @@ class Architecture:
     always_renormalize: bool = False
     attention: bool = True
 
+    def fixed(self) -> dict:
+        """The ``{"section.key": value}`` every model of this architecture has, whatever its
+        config.json says: what :meth:`options` pins (a user key contradicting one is named) and
+        what :meth:`hf_config` requires of a model it writes. DeepSeek-V3's routing is its own
+        (:meth:`moe_config` reads it from the config)."""
+        fixed = {
+            "model.qk_norm": self.qk_norm,
+            "moe.activation": "swiglu",
+            "moe.score_func": "softmax",
+            "moe.n_group": 1,
+            "moe.topk_group": 1,
+            "moe.routed_scaling_factor": 1.0,
+            "moe.first_dense_layers": 0,
+            "moe.num_shared_experts": 1 if self.shared_expert else 0,
+            "moe.shared_expert_gate": self.shared_gate,
+        }
+        if self.always_renormalize:
+            fixed["moe.renormalize"] = True
+        if self.model_type not in ("qwen2_moe", "qwen3_moe"):  # the others have no decoder_sparse_step
+            fixed["moe.every_n_layers"] = 1
+        if self.model_type != "qwen2_moe":  # Qwen2-MoE's qkv_bias is a key of its config
+            fixed["model.qkv_bias"] = False
+        return fixed
+
     def options(self, hf: dict, where: str) -> dict:
         """The ``{"section.key": value}`` of our config that ``hf`` (a parsed config.json, read
         from ``where``) sets. Raises :class:`HFError` naming the first key we cannot reproduce."""
@@ -71,7 +95,8 @@ class Architecture:
                           "project does not implement: its MoE blocks load into MoELayer (train.hf.moe_config, "
                           "train.hf.moe_block_state), the whole model does not")
         heads = get("num_attention_heads")
-        out = {
+        out = self.fixed()
+        out.update({
             "model.vocab_size": get("vocab_size"),
             "model.dim": get("hidden_size"),
             "model.n_layers": get("num_hidden_layers"),
@@ -80,12 +105,11 @@ class Architecture:
             "model.head_dim": hf.get("head_dim") or get("hidden_size") // heads,
             "model.rope_theta": float(_rope_theta(hf, where)),
             "model.norm_eps": float(get("rms_norm_eps")),
-            "model.qk_norm": self.qk_norm,
-            # Qwen2-MoE always has them (v4 configs have no key; v5 writes qkv_bias)
-            "model.qkv_bias": bool(hf.get("qkv_bias", True)) if self.model_type == "qwen2_moe" else False,
             "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
             "model.dense_hidden_dim": get("intermediate_size"),
-        }
+        })
+        if self.model_type == "qwen2_moe":  # always biased in v4 configs, which have no key; v5 writes qkv_bias
+            out["model.qkv_bias"] = bool(hf.get("qkv_bias", True))
         out.update({f"moe.{k}": v for k, v in self._moe_options(hf, where).items()})
         return out
 
@@ -95,14 +119,11 @@ class Architecture:
         if experts is None:
             raise HFError(f"{where}: no {self.experts_key!r} (the number of routed experts)")
         opts = {
-            # what the architecture fixes (DeepSeek-V3 and the shared experts overwrite below): a
-            # user key that contradicts one is named instead of silently changing the model
-            "score_func": "softmax", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
-            "first_dense_layers": 0, "num_shared_experts": 0, "shared_hidden_dim": None, "shared_expert_gate": False,
+            # no shared experts: no width either (a user key setting one is named)
+            "shared_hidden_dim": None,
             "num_experts": experts,
             "top_k": get("num_experts_per_tok"),
             "hidden_dim": get(self.expert_width_key),
-            "activation": "swiglu",
             "renormalize": True if self.always_renormalize else bool(hf.get("norm_topk_prob", False)),
             "every_n_layers": hf.get("decoder_sparse_step", 1) or 1,
         }
@@ -126,7 +147,8 @@ class Architecture:
         """The :class:`moe.MoEConfig` of one of its MoE blocks (every architecture, DeepSeek-V3's
         included)."""
         _refuse(hf, where)
-        return MoEConfig(**self._moe_options(hf, where)).validate(f"{where}: ")
+        fixed = {k[len("moe."):]: v for k, v in self.fixed().items() if k.startswith("moe.")}
+        return MoEConfig(**{**fixed, **self._moe_options(hf, where)}).validate(f"{where}: ")
 
     def hf_config(self, flat: dict, base: dict | None = None) -> dict:
         """A config.json for our ``{"section.key": value}`` config: ``base`` (the one a run was
@@ -168,24 +190,9 @@ class Architecture:
             # transformers sizes OLMoE's q_norm to hidden_size, whatever head_dim says
             raise HFError(f"model.head_dim={flat['model.head_dim']} with model.n_heads={flat['model.n_heads']} is not "
                           f"model.dim={flat['model.dim']}: {self.model_type} cannot write it")
-        fixed = {
-            "model.qk_norm": self.qk_norm,
-            "moe.activation": "swiglu",
-            "moe.score_func": "softmax",
-            "moe.expert_bias": False,
-            "moe.n_group": 1,
-            "moe.routed_scaling_factor": 1.0,
-            "moe.first_dense_layers": 0,
-            "moe.num_shared_experts": 1 if self.shared_expert else 0,
-            "moe.shared_expert_gate": self.shared_gate,
-        }
-        if self.always_renormalize:
-            fixed["moe.renormalize"] = True
-        if self.model_type not in ("qwen2_moe", "qwen3_moe"):
-            fixed["moe.every_n_layers"] = 1
-        if self.model_type != "qwen2_moe":  # Qwen2-MoE writes its own qkv_bias
-            fixed["model.qkv_bias"] = False
-        for key, want in fixed.items():
+        # a trained selection bias changes the routing and no architecture here but DeepSeek-V3
+        # (never exported) has one; a run may add it on import (it starts at zero, the same model)
+        for key, want in {**self.fixed(), "moe.expert_bias": False}.items():
             if flat[key] != want:
                 raise HFError(f"{key}={flat[key]!r} cannot be written as {self.model_type} (which has {key}={want!r}); "
                               f"pick the architecture whose options the model uses (--arch)")

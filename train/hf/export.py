@@ -23,7 +23,7 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 
-from train.config import Config, ConfigError, apply_dict
+from train.config import Config, ConfigError, apply_dict, from_yaml
 from train.hf.architectures import ARCHITECTURES, Architecture, HFError
 from train.hf.load import INDEX
 from train.hf.tensors import Rule, model_rules
@@ -31,21 +31,16 @@ from train.hf.tensors import Rule, model_rules
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _run_config(checkpoint: str, meta: dict) -> dict:
-    """The ``{"section.key": value}`` config of the run that wrote ``checkpoint``: meta.json's,
-    else the run directory's config.yaml (checkpoints written before meta.json held it)."""
-    tree = meta.get("config")
-    if tree is None:
-        import yaml
-
-        saved = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))), "config.yaml")
-        if not os.path.isfile(saved):
-            raise HFError(f"{checkpoint}: its meta.json holds no config and there is no {saved}: cannot tell the model's "
-                          "shape")
-        with open(saved) as f:
-            tree = yaml.safe_load(f)
+def _run_config(checkpoint: str, meta: dict) -> Config:
+    """The config of the run that wrote ``checkpoint``: meta.json's, else the run directory's
+    config.yaml (checkpoints written before meta.json held it)."""
+    saved = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint))), "config.yaml")
+    if meta.get("config") is None and not os.path.isfile(saved):
+        raise HFError(f"{checkpoint}: its meta.json holds no config and there is no {saved}: cannot tell the model's shape")
     try:
-        return apply_dict(Config(), tree, "the checkpoint's config").to_flat()
+        if meta.get("config") is None:
+            return from_yaml(saved)
+        return apply_dict(Config(), meta["config"], "the checkpoint's config")
     except ConfigError as e:
         raise HFError(f"{checkpoint}: its config does not parse: {e}") from None
 
@@ -80,7 +75,7 @@ def export(checkpoint: str, out_dir: str, arch: str | None = None, dtype: str | 
     ``out_dir``; returns its config.json as a dict. ``dtype``: of the written tensors
     (``float32``, ``bfloat16``, ``float16``; default: the ``dtype`` of the config the run was
     initialised from, else float32, the checkpoint's own)."""
-    from train.checkpoint import Checkpointer
+    from train.checkpoint import Checkpointer, read_meta
     from train.runtime import Runtime
 
     tmp = out_dir.rstrip("/") + ".tmp"
@@ -91,9 +86,9 @@ def export(checkpoint: str, out_dir: str, arch: str | None = None, dtype: str | 
             raise HFError(f"--to {out_dir}: {path} exists and is not empty (pass --overwrite to replace it)")
     one_process = Runtime(0, 0, 1, 1, torch.device("cpu"), None)
     Checkpointer(os.path.dirname(os.path.abspath(checkpoint)), one_process).verify(checkpoint)
-    with open(os.path.join(checkpoint, "meta.json")) as f:
-        meta = json.load(f)
-    flat = _run_config(checkpoint, meta)
+    meta = read_meta(checkpoint)
+    cfg = _run_config(checkpoint, meta)
+    flat = cfg.to_flat()
     base = meta.get("hf_config")
     if arch is not None:
         if arch not in ARCHITECTURES:
@@ -111,7 +106,7 @@ def export(checkpoint: str, out_dir: str, arch: str | None = None, dtype: str | 
         raise HFError(f"--dtype {dtype!r}: one of {', '.join(DTYPES)}")
     hf_config["dtype"] = dtype
 
-    rules = model_rules(chosen, flat)
+    rules = model_rules(chosen, cfg)
     saved = {k[len("model."):]: m for k, m in dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata.items()
              if k.startswith("model.")}
     for name, rule in rules.items():

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from moe import GroupedExperts
+from train.config import Config
 
 from train.hf.architectures import Architecture, HFError, architecture
 from train.hf.tensors import Rule, model_rules, moe_block_rules
@@ -46,11 +47,16 @@ def read_hf_config(directory: str) -> dict:
     return hf
 
 
-def init_options(directory: str) -> tuple[Architecture, dict]:
-    """The architecture of ``directory`` and the ``{"section.key": value}`` it sets."""
+def _architecture_of(directory: str) -> tuple[Architecture, dict, str]:
+    """The architecture of ``directory``, its parsed config.json and that file's path."""
     hf = read_hf_config(directory)
     where = os.path.join(directory, "config.json")
-    arch = architecture(hf, where)
+    return architecture(hf, where), hf, where
+
+
+def init_options(directory: str) -> tuple[Architecture, dict]:
+    """The architecture of ``directory`` and the ``{"section.key": value}`` it sets."""
+    arch, hf, where = _architecture_of(directory)
     return arch, arch.options(hf, where)
 
 
@@ -129,20 +135,20 @@ def read_rule(reader: SafetensorsDir, rule: Rule) -> torch.Tensor:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, directory: str, flat: dict) -> float:
+def load_weights(model: nn.Module, directory: str, cfg: Config) -> float:
     """Fill every parameter and buffer of ``model`` (a :class:`train.model.MoETransformer` of
-    config ``flat``, before any FSDP wrapping; under EP its layers hold their rank's experts,
+    config ``cfg``, before any FSDP wrapping; under EP its layers hold their rank's experts,
     which are the ones read) from ``directory``; returns the seconds it took. Tensors of ours
     with no HF counterpart must be the ones the architecture lacks by design (an ``expert_bias``
     the run adds): left as initialised."""
     start = time.perf_counter()
-    arch = architecture(read_hf_config(directory), os.path.join(directory, "config.json"))
+    arch, _, _ = _architecture_of(directory)
     reader = SafetensorsDir(directory)
     # a tied model's file may hold lm_head.weight as well (transformers ignores it): so do we
-    check_names(reader, model_rules(arch, flat), directory, ("lm_head.weight",) if flat["model.tie_embeddings"] else ())
+    check_names(reader, model_rules(arch, cfg), directory, ("lm_head.weight",) if cfg.model.tie_embeddings else ())
     held = [m for m in model.modules() if isinstance(m, GroupedExperts)]
-    ep_size = flat["moe.num_experts"] // held[0].num_experts if held else 1
-    rules = model_rules(arch, flat, held[0].first_expert // held[0].num_experts if held else 0, ep_size)
+    ep_size = cfg.moe.num_experts // held[0].num_experts if held else 1
+    rules = model_rules(arch, cfg, held[0].first_expert // held[0].num_experts if held else 0, ep_size)
     state = dict(model.named_parameters())
     state.update((n, b) for n, b in model.named_buffers() if b is not None)
     for name, target in state.items():
@@ -164,23 +170,19 @@ def moe_block_state(directory: str, layer: int, ep_rank: int = 0, ep_size: int =
     experts of EP rank ``ep_rank`` of ``ep_size``), for any architecture here, DeepSeek-V3's
     included: ``layer.load_state_dict(moe_block_state(d, i))`` on a layer built with
     ``config=moe_config(d)``."""
-    hf = read_hf_config(directory)
-    where = os.path.join(directory, "config.json")
-    arch = architecture(hf, where)
+    arch, hf, where = _architecture_of(directory)
     moe_cfg = arch.moe_config(hf, where)
     if not moe_cfg.is_moe_layer(layer):
         raise HFError(f"{where}: layer {layer} is a dense layer, not an MoE block")
-    flat = {"model.dim": hf["hidden_size"], **{f"moe.{k}": v for k, v in vars(moe_cfg).items()}}
     L = moe_cfg.num_experts // ep_size
     theirs = f"model.layers.{layer}.{arch.moe_module}"
     reader = SafetensorsDir(directory)
-    rules = moe_block_rules(arch, "", theirs, flat, ep_rank * L, L)
+    rules = moe_block_rules(arch, "", theirs, hf["hidden_size"], moe_cfg, ep_rank * L, L)
     check_names_present(reader, rules, directory)
     return {name[1:]: read_rule(reader, rule) for name, rule in rules.items()}
 
 
 def moe_config(directory: str):
     """The :class:`moe.MoEConfig` of the MoE blocks of the HF model in ``directory``."""
-    hf = read_hf_config(directory)
-    where = os.path.join(directory, "config.json")
-    return architecture(hf, where).moe_config(hf, where)
+    arch, hf, where = _architecture_of(directory)
+    return arch.moe_config(hf, where)

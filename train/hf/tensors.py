@@ -22,6 +22,8 @@ from typing import Literal
 
 import torch
 
+from moe import MoEConfig
+from train.config import Config
 from train.hf.architectures import Architecture
 
 Kind = Literal["copy", "rows", "experts_w1", "experts_w2"]
@@ -64,11 +66,12 @@ def _mlp_rules(ours: str, theirs: str, names: tuple[str, str, str], dim: int, wi
             f"{ours}.w2.weight": Rule("copy", (down,), ((dim, width),))}
 
 
-def moe_block_rules(arch: Architecture, ours: str, theirs: str, flat: dict, first: int, count: int) -> dict[str, Rule]:
-    """The rules of one MoE block: our ``<ours>.router.weight``, ``.experts.*`` (global experts
-    ``[first, first + count)``), ``.shared_experts.*``, ``.shared_expert_gate.weight`` from HF
-    ``<theirs>.*`` (``model.layers.<i>.<moe_module>``)."""
-    D, F, E = flat["model.dim"], flat["moe.hidden_dim"], flat["moe.num_experts"]
+def moe_block_rules(arch: Architecture, ours: str, theirs: str, D: int, moe_cfg: MoEConfig, first: int,
+                    count: int) -> dict[str, Rule]:
+    """The rules of one MoE block of width ``D``: our ``<ours>.router.weight``, ``.experts.*``
+    (global experts ``[first, first + count)``), ``.shared_experts.*``,
+    ``.shared_expert_gate.weight`` from HF ``<theirs>.*`` (``model.layers.<i>.<moe_module>``)."""
+    F, E = moe_cfg.hidden_dim, moe_cfg.num_experts
     gate, up, down = arch.expert_names
     rules = {f"{ours}.router.weight": Rule("copy", (f"{theirs}.gate.weight",), ((E, D),))}
     if arch.model_type == "deepseek_v3":
@@ -80,7 +83,7 @@ def moe_block_rules(arch: Architecture, ours: str, theirs: str, flat: dict, firs
     rules[f"{ours}.experts.w2_LFD"] = Rule(
         "experts_w2", tuple(f"{theirs}.experts.{e}.{down}.weight" for e in experts), ((D, F),) * count)
     if arch.shared_expert:
-        width = flat["moe.num_shared_experts"] * (flat["moe.shared_hidden_dim"] or F)
+        width = moe_cfg.num_shared_experts * (moe_cfg.shared_hidden_dim or F)
         rules.update(_mlp_rules(f"{ours}.shared_experts", f"{theirs}.{arch.shared_expert}",
                                 ("gate_proj", "up_proj", "down_proj"), D, width))
     if arch.shared_gate:
@@ -88,21 +91,19 @@ def moe_block_rules(arch: Architecture, ours: str, theirs: str, flat: dict, firs
     return rules
 
 
-def model_rules(arch: Architecture, flat: dict, ep_rank: int = 0, ep_size: int = 1) -> dict[str, Rule]:
-    """Every tensor of our :class:`train.model.MoETransformer` of config ``flat``
-    (``{"section.key": value}``) on expert-parallel rank ``ep_rank`` of ``ep_size``, by our name."""
-    from moe import MoEConfig
-
-    moe_cfg = MoEConfig(**{k[4:]: v for k, v in flat.items() if k.startswith("moe.")})
-    D, V = flat["model.dim"], flat["model.vocab_size"]
-    H, Hd = flat["model.n_heads"], flat["model.head_dim"] or flat["model.dim"] // flat["model.n_heads"]
-    Hkv = flat["model.n_kv_heads"] or H
-    L = flat["moe.num_experts"] // ep_size
+def model_rules(arch: Architecture, cfg: Config, ep_rank: int = 0, ep_size: int = 1) -> dict[str, Rule]:
+    """Every tensor of our :class:`train.model.MoETransformer` of config ``cfg`` on expert-parallel
+    rank ``ep_rank`` of ``ep_size``, by our name."""
+    m, moe_cfg = cfg.model, cfg.moe
+    D, V = m.dim, m.vocab_size
+    H, Hd = m.n_heads, m.head_dim or m.dim // m.n_heads
+    Hkv = m.n_kv_heads or H
+    L = moe_cfg.num_experts // ep_size
     rules = {"embed.weight": Rule("copy", ("model.embed_tokens.weight",), ((V, D),)),
              "norm.weight": Rule("copy", ("model.norm.weight",), ((D,),))}
-    if not flat["model.tie_embeddings"]:
+    if not m.tie_embeddings:
         rules["lm_head.weight"] = Rule("copy", ("lm_head.weight",), ((V, D),))
-    for i in range(flat["model.n_layers"]):
+    for i in range(m.n_layers):
         ours, theirs = f"blocks.{i}", f"model.layers.{i}"
         attn = f"{theirs}.self_attn"
         rules[f"{ours}.attn_norm.weight"] = Rule("copy", (f"{theirs}.input_layernorm.weight",), ((D,),))
@@ -110,16 +111,16 @@ def model_rules(arch: Architecture, flat: dict, ep_rank: int = 0, ep_size: int =
         qkv_rows = ((H * Hd,), (Hkv * Hd,), (Hkv * Hd,))
         rules[f"{ours}.attn.qkv.weight"] = Rule("rows", tuple(f"{attn}.{p}_proj.weight" for p in "qkv"),
                                                 tuple((n, D) for (n,) in qkv_rows))
-        if flat["model.qkv_bias"]:
+        if m.qkv_bias:
             rules[f"{ours}.attn.qkv.bias"] = Rule("rows", tuple(f"{attn}.{p}_proj.bias" for p in "qkv"), qkv_rows)
         rules[f"{ours}.attn.out.weight"] = Rule("copy", (f"{attn}.o_proj.weight",), ((D, H * Hd),))
-        if flat["model.qk_norm"] != "none":
-            q_width, k_width = (Hd, Hd) if flat["model.qk_norm"] == "head" else (H * Hd, Hkv * Hd)
+        if m.qk_norm != "none":
+            q_width, k_width = (Hd, Hd) if m.qk_norm == "head" else (H * Hd, Hkv * Hd)
             rules[f"{ours}.attn.q_norm.weight"] = Rule("copy", (f"{attn}.q_norm.weight",), ((q_width,),))
             rules[f"{ours}.attn.k_norm.weight"] = Rule("copy", (f"{attn}.k_norm.weight",), ((k_width,),))
         if moe_cfg.is_moe_layer(i):
-            rules.update(moe_block_rules(arch, f"{ours}.ffn", f"{theirs}.{arch.moe_module}", flat, ep_rank * L, L))
+            rules.update(moe_block_rules(arch, f"{ours}.ffn", f"{theirs}.{arch.moe_module}", D, moe_cfg, ep_rank * L, L))
         else:
             rules.update(_mlp_rules(f"{ours}.ffn", f"{theirs}.mlp", ("gate_proj", "up_proj", "down_proj"), D,
-                                    flat["model.dense_hidden_dim"]))
+                                    m.dense_hidden_dim))
     return rules
