@@ -101,8 +101,35 @@ def plan_routing(
         rank_in_seg = pair_P - seg_starts[seg_sorted]
         kept_P = torch.empty_like(expert_P, dtype=torch.bool)
         kept_P[ranked] = rank_in_seg < capacity
-    # kept pairs sorted by expert, dropped pairs (key E) last; stable keeps pair order within
-    sort_key_P = torch.where(kept_P, expert_P, num_experts)
-    order_P = torch.argsort(sort_key_P, stable=True)
-    kept_E = _count(expert_P, num_experts, kept_P)
+    order_P, kept_E = _pack(expert_P, kept_P, num_experts)
     return RoutingPlan(order_P, kept_P.view(T, K), kept_E, routed_E)
+
+
+def _pack(expert_P: torch.Tensor, kept_P: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order_P, kept_per_expert_E) of a plan: kept pairs sorted by expert, then the dropped
+    pairs (key E); the stable sort keeps pair order within an expert."""
+    sort_key_P = torch.where(kept_P, expert_P, num_experts)
+    return torch.argsort(sort_key_P, stable=True), _count(expert_P, num_experts, kept_P)
+
+
+def split_plan(plan: RoutingPlan, experts_TK: torch.Tensor, num_chunks: int) -> list[tuple[slice, RoutingPlan]]:
+    """The plan of T tokens as the plans of ``num_chunks`` contiguous token ranges (as equal as
+    possible), for dispatching a layer's tokens chunk by chunk. Always ``num_chunks`` of them,
+    empty ones too when T < num_chunks: under expert parallelism every rank makes the same
+    dispatches (collectives), whatever its own token count.
+
+    The drops are the whole plan's (the capacity was applied over all T tokens), so the chunks
+    together keep exactly its pairs. Each chunk's ``order_P`` indexes the chunk's own pairs
+    ``(t − start)·K + k``. ``routed_per_expert_E`` counts the chunk's pairs before the cap.
+    Returns ``[(token slice, chunk plan), ...]``. No host synchronisation.
+    """
+    T, K = plan.kept_TK.shape
+    num_experts = plan.kept_per_expert_E.numel()
+    bounds = [T * c // num_chunks for c in range(num_chunks + 1)]
+    chunks = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        expert_P = experts_TK[start:end].reshape(-1)
+        kept_P = plan.kept_TK[start:end].reshape(-1)
+        order_P, kept_E = _pack(expert_P, kept_P, num_experts)
+        chunks.append((slice(start, end), RoutingPlan(order_P, kept_P.view(end - start, K), kept_E, _count(expert_P, num_experts))))
+    return chunks

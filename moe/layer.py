@@ -145,11 +145,11 @@ class MoELayer(nn.Module):
         capacity = expert_capacity(T // cfg.capacity_groups, cfg.num_experts, K, cfg.capacity_factor)
         plan = plan_routing(route.experts_TK, route.priority_TK, cfg.num_experts, capacity, cfg.drop_policy, cfg.capacity_groups)
 
-        rows_RD, offsets_J, meta = self.dispatcher.dispatch(x_TD, plan)
-        y_RD = self.experts(rows_RD, offsets_J)
-        # fp32 accumulation of the K weighted expert outputs; dropped pairs weigh zero
+        # dispatch → experts → combine (fp32 accumulation of the K weighted expert outputs;
+        # dropped pairs weigh zero), pipelined in chunks by a dispatcher that overlaps
         w_TK = route.weights_TK * plan.kept_TK
-        out_TD = self.dispatcher.combine(y_RD, meta, w_TK, x.dtype)
+        out_TD = self.dispatcher.run_experts(self.experts, x_TD, plan, route.experts_TK, w_TK, x.dtype,
+                                             row_dtype=self.experts.compute_dtype(x_TD))
         if self.shared_experts is not None:
             shared_TD = self.shared_experts(x_TD)
             if self.shared_expert_gate is not None:

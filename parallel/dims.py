@@ -136,6 +136,7 @@ class ParallelDims:
     def ep_rank(self) -> int:
         return self.rank % self.ep
 
-    def dispatcher(self):
-        """An :class:`AllToAllDispatcher` over this rank's EP group (aux inputs over the world)."""
-        return AllToAllDispatcher(self.ep_group, self.world_group)
+    def dispatcher(self, overlap_chunks: int = 1):
+        """An :class:`AllToAllDispatcher` over this rank's EP group (aux inputs over the world),
+        pipelining each layer's tokens in ``overlap_chunks`` chunks."""
+        return AllToAllDispatcher(self.ep_group, self.world_group, overlap_chunks=overlap_chunks)

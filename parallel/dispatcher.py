@@ -108,6 +108,18 @@ class _Route:
     layer: str
 
 
+@dataclass(frozen=True)
+class _Counts:
+    """One dispatch's counts from :meth:`AllToAllDispatcher._prepare`: recv_E (E,) int64 pairs
+    each expert of the group receives from this rank's peers, on the device (by source rank,
+    then local expert); host_2E (2, E) the sent and received counts on the host, valid once
+    ``copied`` (None: a CPU run, already valid) has completed."""
+
+    recv_E: torch.Tensor
+    host_2E: torch.Tensor
+    copied: "torch.cuda.Event | None"
+
+
 def _send_positions(order_P: torch.Tensor) -> torch.Tensor:
     """(P,) int64 inverse of the permutation ``order_P``: each pair's place in the send order."""
     positions = torch.arange(order_P.numel(), device=order_P.device)
@@ -120,7 +132,7 @@ def _remote(splits: list[int], me: int) -> list[int]:
 
 
 class _DispatchFn(torch.autograd.Function):
-    """x_TD (T, D) -> rows_RD (R, D): [own rows for the local experts; rows received, by source].
+    """x_TD (T, D) -> rows_RD (R, D) in row_dtype: [own rows for the local experts; rows received, by source].
 
     Forward: pack the remote pairs (before the host waits for the counts), exchange them, and
     write the own pairs straight into rows_RD while the exchange runs. Backward: the reverse
@@ -129,11 +141,12 @@ class _DispatchFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_TD, route: _Route, counts_2GL: torch.Tensor, copied):
+    def forward(ctx, x_TD, route: _Route, counts_2GL: torch.Tensor, copied, row_dtype: torch.dtype):
         T, D = x_TD.shape
         K, me = route.pos_TK.shape[1], route.me
         x_TD = x_TD.contiguous()
-        send_MD = x_TD.new_empty((T * K, D))  # upper bound: M is not on the host yet
+        ctx.x_dtype = x_TD.dtype
+        send_MD = x_TD.new_empty((T * K, D), dtype=row_dtype)  # upper bound: M is not on the host yet
         scatter_pairs(x_TD, route.pos_TK, route.ends_G, me, send_MD, local=False)
         if copied is not None:
             copied.synchronize()
@@ -141,7 +154,7 @@ class _DispatchFn(torch.autograd.Function):
         send_splits, recv_splits = splits_2G.tolist()
         num_own = send_splits[me]
         remote_send, remote_recv = _remote(send_splits, me), _remote(recv_splits, me)
-        rows_RD = x_TD.new_empty((sum(recv_splits), D))
+        rows_RD = x_TD.new_empty((sum(recv_splits), D), dtype=row_dtype)
         _exchange_beside(route, rows_RD[num_own:], send_MD[:sum(remote_send)], remote_recv, remote_send,
                          lambda: scatter_pairs(x_TD, route.pos_TK, route.ends_G, me, rows_RD[:num_own], local=True),
                          "dispatch rows")
@@ -155,8 +168,9 @@ class _DispatchFn(torch.autograd.Function):
         grad_RD = grad_RD.contiguous()
         back_MD = grad_RD.new_empty((sum(remote_send), grad_RD.shape[1]))
         _exchange(back_MD, grad_RD[num_own:], remote_send, remote_recv, route, "dispatch rows (backward)")
-        grad_TD = gather_pairs_sum(back_MD, grad_RD[:num_own], route.pos_TK, route.ends_G, route.me)
-        return grad_TD, None, None, None
+        grad_TD = gather_pairs_sum(back_MD, grad_RD[:num_own], route.pos_TK, route.ends_G, route.me,
+                                   out_dtype=ctx.x_dtype)
+        return grad_TD, None, None, None, None
 
 
 class _CombineFn(torch.autograd.Function):
@@ -219,26 +233,37 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
     Keeps no state between ``dispatch`` and ``combine`` (the timer only accumulates durations).
     """
 
-    def __init__(self, ep_group=None, world_group=None, time_comm: bool = False):
-        super().__init__(ep_group, world_group)
+    def __init__(self, ep_group=None, world_group=None, time_comm: bool = False, overlap_chunks: int = 1):
+        super().__init__(ep_group, world_group, overlap_chunks)
         self.comm_timer = CommTimer() if time_comm else None
         self._side_streams = SideStreams()
 
-    def _dispatch_ep(self, x_TD: torch.Tensor, plan: RoutingPlan,
-                     num_experts: int) -> tuple[torch.Tensor, torch.Tensor, AllToAllMeta]:
+    def _prepare(self, kept_NE: torch.Tensor) -> list["_Counts"]:
+        """The per-expert counts of N dispatches in one small all-to-all (N·E int64 per rank), and
+        the sent and received counts on their way to the host in one copy: the one host sync of a
+        layer's dispatches, taken by the first of them (in :class:`_DispatchFn`)."""
+        N, E = kept_NE.shape
+        G = self.ep_size
+        send_GNL = kept_NE.view(N, G, E // G).transpose(0, 1).contiguous()  # by destination rank
+        recv_GNL = torch.empty_like(send_GNL)  # by source rank
+        _timed_all_to_all(recv_GNL, send_GNL, None, None, self.ep_group, self.comm_timer, "dispatch counts")
+        recv_NE = recv_GNL.transpose(0, 1).reshape(N, E)
+        host_2NE = torch.stack([kept_NE, recv_NE]).to("cpu", non_blocking=True)
+        copied = torch.cuda.Event() if kept_NE.is_cuda else None
+        if copied is not None:
+            copied.record()
+        return [_Counts(recv_NE[n], host_2NE[:, n], copied) for n in range(N)]
+
+    def _dispatch_ep(self, x_TD: torch.Tensor, plan: RoutingPlan, num_experts: int, prepared: "_Counts",
+                     row_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, AllToAllMeta]:
         """x_TD (T, D) -> rows_RD (R, D) in blocks [own rows; each other source rank's rows], each
         block by local expert; offsets_J (G·L,) int32 cumulative segment ends (segment b·L + l:
         block b, local expert l); and the metadata for :meth:`combine`."""
         G, me = self.ep_size, self.ep_rank
         L = num_experts // G
         T, K = plan.kept_TK.shape
-        send_counts_E = plan.kept_per_expert_E.contiguous()
-        recv_counts_E = torch.empty_like(send_counts_E)
-        _timed_all_to_all(recv_counts_E, send_counts_E, None, None, self.ep_group, self.comm_timer, "dispatch counts")
-        counts_2GL = torch.cat([send_counts_E, recv_counts_E]).to("cpu", non_blocking=True).view(2, G, L)
-        copied = torch.cuda.Event() if send_counts_E.is_cuda else None
-        if copied is not None:
-            copied.record()
+        send_counts_E, recv_counts_E = plan.kept_per_expert_E, prepared.recv_E
+        counts_2GL = prepared.host_2E.view(2, G, L)
         # Everything that does not need the counts on the host is enqueued before the host waits
         # (in _DispatchFn, after the remote rows are packed): it runs while the counts travel.
         route = _Route(
@@ -251,7 +276,7 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         recv_GL = recv_counts_E.view(G, L)
         blocks_GL = recv_GL if me == 0 else torch.cat([recv_GL[me:me + 1], recv_GL[:me], recv_GL[me + 1:]])
         offsets_J = blocks_GL.flatten().cumsum(0, dtype=torch.int32)
-        rows_RD, splits_2G = _DispatchFn.apply(x_TD, route, counts_2GL, copied)
+        rows_RD, splits_2G = _DispatchFn.apply(x_TD, route, counts_2GL, prepared.copied, row_dtype)
         send_splits, recv_splits = splits_2G.tolist()
         return rows_RD, offsets_J, AllToAllMeta(route=route, send_splits=send_splits, recv_splits=recv_splits)
 

@@ -10,16 +10,18 @@ NCCL all-to-all; :class:`~parallel.P2PDispatcher`: NVLink peer stores) implement
 ``_dispatch_ep`` and ``_combine_ep`` for a group of more than one rank.
 """
 
+import contextlib
 from abc import abstractmethod
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from moe.capacity import RoutingPlan
+from moe.capacity import RoutingPlan, split_plan
 from moe.dispatch import Dispatcher, DispatchMeta, LocalDispatcher, LocalDispatchMeta
 from parallel import flight
 from parallel.all_to_all import all_reduce_sum
+from parallel.comm import SideStreams
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,19 +78,26 @@ class ExpertParallelDispatcher(Dispatcher):
             is its rank in the group).
         world_group: every rank holding part of the batch; the load-balancing loss's inputs are
             summed over it. Default: the default (world) group.
+        overlap_chunks: N; :meth:`run_experts` cuts a layer's tokens into N contiguous chunks and
+            pipelines them, so that one chunk's exchange runs while another chunk's experts
+            compute (see :meth:`run_experts`). 1: no pipelining.
 
     With a group of one rank, dispatch and combine are the local gather/scatter (no host sync)
     and only the loss inputs are reduced. Subclasses implement the exchange for more ranks.
     """
 
-    def __init__(self, ep_group=None, world_group=None):
+    def __init__(self, ep_group=None, world_group=None, overlap_chunks: int = 1):
         if not dist.is_initialized():
             raise RuntimeError(f"{type(self).__name__} needs torch.distributed.init_process_group() first")
+        if not isinstance(overlap_chunks, int) or isinstance(overlap_chunks, bool) or overlap_chunks < 1:
+            raise ValueError(f"{type(self).__name__}: overlap_chunks must be an int >= 1, got {overlap_chunks!r}")
         self.ep_group = ep_group
         self.world_group = world_group
+        self.overlap_chunks = overlap_chunks
         self._ep_size = dist.get_world_size(ep_group)
         self._ep_rank = dist.get_rank(ep_group)
         self._local = LocalDispatcher()
+        self._overlap_streams = SideStreams()
 
     @property
     def ep_size(self) -> int:
@@ -101,16 +110,73 @@ class ExpertParallelDispatcher(Dispatcher):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(ep_size={self.ep_size}, ep_rank={self.ep_rank})"
 
-    def dispatch(self, x_TD: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor, DispatchMeta]:
+    def dispatch(self, x_TD: torch.Tensor, plan: RoutingPlan, row_dtype: torch.dtype | None = None,
+                 prepared=None) -> tuple[torch.Tensor, torch.Tensor, DispatchMeta]:
+        """See :meth:`moe.Dispatcher.dispatch`; ``prepared``: this dispatch's entry of
+        :meth:`_prepare` when :meth:`run_experts` prepared several at once (None: its own)."""
         if self.ep_size == 1:
-            return self._local.dispatch(x_TD, plan)
+            return self._local.dispatch(x_TD, plan, row_dtype)
         num_experts = plan.kept_per_expert_E.numel()
         if num_experts % self.ep_size:
             raise ValueError(f"{type(self).__name__}: {num_experts} experts do not split over {self.ep_size} ranks")
-        rows_RD, offsets_J, meta = self._dispatch_ep(x_TD, plan, num_experts)
+        if prepared is None:
+            prepared = self._prepare(plan.kept_per_expert_E[None])[0]
+        rows_RD, offsets_J, meta = self._dispatch_ep(x_TD, plan, num_experts, prepared, row_dtype or x_TD.dtype)
         if rows_RD.shape[0] == 0:
             meta = replace(meta, empty_rows_RD=rows_RD)
         return rows_RD, offsets_J, meta
+
+    def run_experts(self, experts, x_TD: torch.Tensor, plan: RoutingPlan, experts_TK: torch.Tensor,
+                    w_TK: torch.Tensor, out_dtype: torch.dtype | None = None,
+                    row_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """:meth:`moe.Dispatcher.run_experts`, pipelined over ``overlap_chunks`` = N token chunks.
+
+        The whole plan's drops are cut into N chunk plans (:func:`moe.capacity.split_plan`). What
+        every chunk dispatch needs first (the NCCL transport: the per-expert counts, read on the
+        host) is exchanged for all N at once (:meth:`_prepare`: one host sync per layer, not N).
+        Then, on a second CUDA stream, the N dispatches are enqueued; on the current stream the
+        experts of chunk c wait only for dispatch c, and combine c (second stream again) waits
+        only for them. So the second stream runs dispatch c+1 while chunk c's experts compute, and
+        combine c while chunk c+1's experts compute: of the 2N exchanges, dispatch 0 and combine
+        N−1 are left exposed. The backward keeps the overlap: autograd runs each backward on its
+        forward's stream (combine c's backward beside the experts' backward of chunk c+1's, ...).
+
+        The results equal the unchunked path's up to the experts' and combine's rounding (the
+        same pairs, weights and drops; the weight gradients summed over chunks). On a CPU the
+        chunks run one after the other.
+        """
+        if self.overlap_chunks == 1 or self.ep_size == 1:
+            return super().run_experts(experts, x_TD, plan, experts_TK, w_TK, out_dtype, row_dtype)
+        out_dtype = out_dtype or x_TD.dtype
+        chunks = split_plan(plan, experts_TK, self.overlap_chunks)
+        main, side = _current_stream(x_TD.device), self._overlap_streams.get(x_TD.device)
+        if side is not None:
+            side.wait_stream(main)  # the plan and x_TD are made on the current stream
+        dispatched, ready = [], []
+        with _on(side):
+            prepared = self._prepare(torch.stack([p.kept_per_expert_E for _, p in chunks]))
+            for (tokens, chunk_plan), prep in zip(chunks, prepared):
+                dispatched.append(self.dispatch(x_TD[tokens], chunk_plan, row_dtype, prep))
+                ready.append(side.record_event() if side is not None else None)
+        outs = []
+        for (tokens, _), (rows_RD, offsets_J, meta), event in zip(chunks, dispatched, ready):
+            if side is not None:
+                main.wait_event(event)
+                rows_RD.record_stream(main)  # made on the side stream, read here
+            y_RD = experts(rows_RD, offsets_J)
+            if side is not None:
+                side.wait_stream(main)
+                y_RD.record_stream(side)
+            with _on(side):
+                out_TD = self.combine(y_RD, meta, w_TK[tokens], out_dtype)
+            outs.append(out_TD)
+        if side is not None:
+            main.wait_stream(side)
+            for out_TD in outs:
+                out_TD.record_stream(main)
+            x_TD.record_stream(side)
+            w_TK.record_stream(side)
+        return torch.cat(outs)
 
     def combine(self, y_RD: torch.Tensor, meta: DispatchMeta, w_TK: torch.Tensor,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -119,10 +185,17 @@ class ExpertParallelDispatcher(Dispatcher):
         y_RD = _keep_in_graph(y_RD, meta.empty_rows_RD)
         return self._combine_ep(y_RD, meta, w_TK, out_dtype or y_RD.dtype)
 
+    def _prepare(self, kept_NE: torch.Tensor) -> list:
+        """What N dispatches need before they move rows, done for all N at once, from their (N, E)
+        kept-pair counts: one entry per dispatch, handed to :meth:`_dispatch_ep`. None here."""
+        return [None] * kept_NE.shape[0]
+
     @abstractmethod
-    def _dispatch_ep(self, x_TD: torch.Tensor, plan: RoutingPlan,
-                     num_experts: int) -> tuple[torch.Tensor, torch.Tensor, ExpertParallelMeta]:
-        """:meth:`dispatch` over more than one rank; ``num_experts`` E is a multiple of ep_size."""
+    def _dispatch_ep(self, x_TD: torch.Tensor, plan: RoutingPlan, num_experts: int, prepared,
+                     row_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, ExpertParallelMeta]:
+        """:meth:`dispatch` over more than one rank; ``num_experts`` E is a multiple of ep_size;
+        ``prepared``: this dispatch's entry of :meth:`_prepare`; rows sent and returned in
+        ``row_dtype``, the backward's sum in fp32 into x's dtype."""
 
     @abstractmethod
     def _combine_ep(self, y_RD: torch.Tensor, meta: ExpertParallelMeta, w_TK: torch.Tensor,
@@ -157,3 +230,12 @@ class ExpertParallelDispatcher(Dispatcher):
         flight.record("all_reduce of the expert counts", self.ep_group)
         dist.all_reduce(total, group=self.ep_group)
         return total
+
+
+def _current_stream(device: torch.device) -> "torch.cuda.Stream | None":
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def _on(stream: "torch.cuda.Stream | None"):
+    """``torch.cuda.stream(stream)``, or nothing to switch when there is none (CPU)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

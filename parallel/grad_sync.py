@@ -92,7 +92,7 @@ def _by_kind(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter], 
     return sharded, dense, experts
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float, dims=None) -> torch.Tensor:
+def clip_grad_norm_(model: nn.Module, max_norm: float, dims=None, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
     """The gradient norm of one process on the global batch, and clipping to ``max_norm``.
 
     Call after the gradients are reduced (:func:`sync_gradients`, or FSDP's reduce-scatter).
@@ -104,8 +104,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, dims=None) -> torch.Tenso
       squares are summed over the EP group (``dims``: a :class:`~parallel.dims.ParallelDims`,
       None for one process).
     Every gradient is scaled by ``max_norm / norm`` when that is below 1 (``max_norm`` 0: no
-    clipping). Returns the norm as a device tensor: read it only when logging, so no host sync
-    per step.
+    clipping). With a fused ``optimizer`` (``fused=True``) the factor is handed to it instead, as
+    its ``grad_scale``, which its kernel divides each gradient by as it reads it (and writes the
+    result back): the same clipped step without a pass that reads and writes every gradient
+    (2.7B fp32 gradients: 8 ms of a 185 ms step on an H100, bench/results/step_profile.md).
+    Returns the norm as a device tensor: read it only when logging, so no host sync per step.
     """
     sharded, dense, experts = ([p.grad for p in params if p.grad is not None] for params in _by_kind(model))
     sharded = [g.to_local() for g in sharded]
@@ -127,7 +130,13 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, dims=None) -> torch.Tenso
         dist.all_reduce(sharded_sq, group=dims.world_group)
     norm = (dense_sq + expert_sq + sharded_sq).sqrt()
     if max_norm > 0:
-        torch._foreach_mul_(dense + experts + sharded, (max_norm / (norm + 1e-6)).clamp(max=1.0).float())
+        factor = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
+        if optimizer is None:
+            torch._foreach_mul_(dense + experts + sharded, factor)
+        elif not all(group.get("fused") for group in optimizer.param_groups):
+            raise ValueError("clip_grad_norm_: the optimizer clips by grad_scale only with fused=True")
+        else:
+            optimizer.grad_scale = 1.0 / factor
     return norm.float()
 
 

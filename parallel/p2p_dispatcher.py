@@ -179,14 +179,14 @@ class _P2PDispatchFn(torch.autograd.Function):
             out=(route.row_TK, route.dest_TK, route.offsets_J))
         slot.tickets += programs
         bufs.barrier()
-        ctx.route = route
+        ctx.route, ctx.x_dtype = route, x_TD.dtype
         return bufs.views["recv"].view_as(bufs.views["recv"])
 
     @staticmethod
     def backward(ctx, grad_RD):
         route = ctx.route
         route.check()
-        return _home_and_sum(route, grad_RD.contiguous()), None, None, None
+        return _home_and_sum(route, grad_RD.contiguous(), out_dtype=ctx.x_dtype), None, None, None
 
 
 class _P2PCombineFn(torch.autograd.Function):
@@ -272,16 +272,17 @@ class P2PDispatcher(ExpertParallelDispatcher):
         increment_version(slot.buf.views["recv"])
         return slot, grad, index, P_cap
 
-    def _dispatch_ep(self, x_TD: torch.Tensor, plan: RoutingPlan,
-                     num_experts: int) -> tuple[torch.Tensor, torch.Tensor, P2PMeta]:
+    def _dispatch_ep(self, x_TD: torch.Tensor, plan: RoutingPlan, num_experts: int, prepared,
+                     row_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, P2PMeta]:
         """As :meth:`~moe.dispatch.Dispatcher.dispatch`, but rows_RD has R_cap rows (padding past
-        ``offsets[-1]``); raises ValueError when T > ``max_tokens``."""
+        ``offsets[-1]``); raises ValueError when T > ``max_tokens``. Nothing to prepare: the
+        counts travel inside the dispatch kernel."""
         me, E = self.ep_rank, num_experts
         T, K = plan.kept_TK.shape
         if T > self.max_tokens:
             raise ValueError(f"P2PDispatcher: {T} tokens on rank {me} exceed max_tokens={self.max_tokens}")
         device = x_TD.device
-        slot, grad, index, P_cap = self._take_slot(x_TD.shape[1], x_TD.dtype, K, E, device)
+        slot, grad, index, P_cap = self._take_slot(x_TD.shape[1], row_dtype, K, E, device)
         route_2TK = torch.empty((2, T, K), dtype=torch.int64, device=device)
         route = _P2PRoute(route_2TK[0], route_2TK[1], torch.empty(E, dtype=torch.int32, device=device), slot,
                           slot.generation, grad, me, P_cap, index)

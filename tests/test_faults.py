@@ -11,8 +11,8 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+import train.model
 from tests.test_train import REPO, SMALL, _free_port, _losses, _metrics, _run_inprocess, _torchrun
 from train.checkpoint import Checkpointer
 from train.config import load_config
@@ -89,15 +89,15 @@ def test_a_diverging_run_names_a_layer_and_writes_no_non_finite_checkpoint(tmp_p
 
 
 def _nan_on_call(monkeypatch, calls: set[int]) -> None:
-    """F.cross_entropy returns NaN on the given (1-based) calls."""
-    cross_entropy, count = F.cross_entropy, [0]
+    """The model's loss (train.lm_loss.linear_cross_entropy) is NaN on the given (1-based) calls."""
+    loss, count = train.model.linear_cross_entropy, [0]
 
     def patched(*a, **k):
         count[0] += 1
-        out = cross_entropy(*a, **k)
+        out = loss(*a, **k)
         return out * float("nan") if count[0] in calls else out
 
-    monkeypatch.setattr(F, "cross_entropy", patched)
+    monkeypatch.setattr(train.model, "linear_cross_entropy", patched)
 
 
 def test_skip_drops_the_bad_steps_update_and_counts_it(tmp_path, monkeypatch):

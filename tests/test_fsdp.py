@@ -140,7 +140,7 @@ def _equivalence(case: Case, dims: ParallelDims, device) -> dict:
     opt = build_optimizer(model, cfg.optim)
     loss, grads = _loss_and_grads(model, tokens[rank * BATCH:(rank + 1) * BATCH], cfg, dims, device)
     dist.all_reduce(loss)
-    norm = clip_grad_norm_(model, CLIP, dims)
+    norm = clip_grad_norm_(model, CLIP, dims, optimizer=opt)  # the reference clips the gradients, this the step
     opt.step()
     params = {n: _full(p) for n, p in model.named_parameters()}
 

@@ -93,8 +93,7 @@ def measured_saved_bytes(cfg: Config) -> int:
         return saved
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: saved.tensor):
-        logits_BSV = model(x_BS)
-        loss = F.cross_entropy(logits_BSV.flatten(0, 1), y_BS.flatten()) + moe_aux_loss(model)
+        loss = model(x_BS, y_BS) + moe_aux_loss(model)
     storages = {}
     for ref in packed:
         saved = ref()
@@ -113,9 +112,9 @@ def test_saved_tensors_match_the_formula(name, gpu_kernels):
     parts = memory.saved_for_backward(cfg, lay, CPU_FP32)
     predicted = sum(p.nbytes for p in parts)
     # the formula leaves out the (E,) and scalar tensors of the losses: the balancing loss's f_E
-    # and token count per MoE block, the cross-entropy's total weight
+    # and token count per MoE block
     s = ModelShape.of(cfg)
-    slack = sum(s.moe_blocks) * (4 * s.E + 4) + 4
+    slack = sum(s.moe_blocks) * (4 * s.E + 4)
     measured = measured_saved_bytes(cfg)
     assert 0 <= measured - predicted <= slack, (name, measured, predicted)
     # the check is tight enough to miss none of the small parts it must catch
@@ -142,8 +141,9 @@ class _Allocations(TorchDispatchMode):
 
 def measured_live_bytes(cfg: Config, checkpointing: str) -> int:
     """Bytes a forward + loss leave allocated for the backward: the storages made during it and
-    alive after it (the training loop keeps the loss), parameters excluded, the token ids and the
-    targets included. This sees what saved-tensor hooks cannot: the inputs a checkpoint keeps."""
+    alive after it (the training loop keeps the loss), parameters excluded, the token ids (the
+    embedding's backward reads them) included. This sees what saved-tensor hooks cannot: the
+    inputs a checkpoint keeps."""
     cfg = copy.deepcopy(cfg)
     cfg.train.activation_checkpointing = checkpointing
     torch.manual_seed(0)
@@ -153,14 +153,11 @@ def measured_live_bytes(cfg: Config, checkpointing: str) -> int:
     x_BS, y_BS = torch.randint(0, V, (B, S)), torch.randint(0, V, (B, S))
     allocations = _Allocations()
     with allocations:
-        logits_BSV = model(x_BS)
-        loss = F.cross_entropy(logits_BSV.flatten(0, 1), y_BS.flatten()) + moe_aux_loss(model)
-    del logits_BSV  # kept by the loop's variable, not for the backward
+        loss = model(x_BS, y_BS) + moe_aux_loss(model)
     gc.collect()  # Triton's interpreter keeps a kernel's arguments in reference cycles until then
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     alive = {ptr: n for ptr, (ref, n) in allocations.storages.items() if not ref.expired() and ptr not in params}
-    for t in (x_BS, y_BS):  # made before the mode (a view of the targets may be in it already)
-        alive[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    alive[x_BS.untyped_storage().data_ptr()] = x_BS.untyped_storage().nbytes()  # made before the mode
     assert loss.requires_grad
     return sum(alive.values())
 
@@ -195,8 +192,9 @@ def test_checkpointing_keeps_less(name, world, data_parallel):
     assert full < selective < none
     s = ModelShape.of(cfg)
     T, D = cfg.data.batch_size * cfg.data.seq_len, cfg.model.dim
-    root = sum(p.nbytes for p in memory.root_parts(s, cfg.data.batch_size, cfg.data.seq_len, memory.GPU_BF16)
-               + memory.loss_parts(s, cfg.data.batch_size, cfg.data.seq_len))
+    lay = Layout(world=world, ep=1, data_parallel=data_parallel, checkpointing="full")
+    root = sum(p.nbytes for p in memory.root_parts(s, cfg.data.batch_size, cfg.data.seq_len, memory.GPU_BF16, lay)
+               + memory.loss_parts(s, cfg.data.batch_size, cfg.data.seq_len, memory.GPU_BF16, lay))
     # full: each block keeps its input; fp32, except under bf16-gathered FSDP, whose
     # MixedPrecisionPolicy casts every block's forward input to bf16
     inputs = len(s.moe_blocks) * T * D * (2 if data_parallel == "fsdp" else 4)
@@ -274,9 +272,16 @@ def test_fsdp_leaves_routers_and_edp1_experts_unsharded():
     assert fsdp.ignored_master == 4 * (expert_w + s.E * s.D)
     assert fsdp.casts_kept == 2 * expert_w  # the experts' .to(bf16); the dense weights are gathered in bf16
     # EP 1 over 2 ranks (edp 2): the experts are an FSDP unit of their own, gathered in bf16, no casts
-    ep1 = load_config(["--config", "configs/olmoe_bench.yaml", "--parallel.ep=1"], world_size=2)
     b = memory.block_state(s, groups, 0, B, S, Layout(2, 1, "fsdp", "none"), num)
     assert b.expert_unit == 2 * expert_w and b.casts_kept == 0 and b.ignored_master == 4 * s.E * s.D
+
+
+@pytest.mark.xfail(strict=True, reason="measured with the (T, V) logits materialised, before the chunked LM head "
+                   "loss (train/lm_loss.py): re-measure with bench/memory_check.py --gpus 2, then update")
+def test_fsdp_predictions_match_the_measured_peaks():
+    cfg = load_config(["--config", "configs/olmoe_bench.yaml"], world_size=2)
+    ep1 = load_config(["--config", "configs/olmoe_bench.yaml", "--parallel.ep=1"], world_size=2)
+    num = memory.gpu_numerics("2.11.0")
     # the measured peaks (2xH200, torch 2.11, 10 steps) within 3%
     for c, ep, ac, measured in [(cfg, 2, "none", 70.96), (cfg, 2, "selective", 55.43), (cfg, 2, "full", 55.27),
                                 (ep1, 1, "none", 64.95), (ep1, 1, "selective", 55.58)]:

@@ -48,6 +48,7 @@ class Case:
     # "first_rank": every choice is an expert of EP rank 0 (the other ranks receive nothing)
     expert_bias: bool = False
     z_loss_coef: float = 1e-3
+    overlap_chunks: int = 1  # the dispatcher pipelines each layer's tokens in this many chunks
 
 
 DIM, HIDDEN = 16, 12  # CPU: odd hidden width; on CUDA the aligned sizes the Triton GEMM tiles
@@ -63,6 +64,10 @@ WORLD2 = [
     Case("rank1_receives_nothing", ep=2, route="first_rank"),
     Case("zero_token_rank", ep=2, tokens=(10, 0), z_loss_coef=0.0),
     Case("expert_bias", ep=2, expert_bias=True, capacity_factor=1.0),
+    Case("overlap_2_chunks", ep=2, tokens=(13, 9), overlap_chunks=2, z_loss_coef=0.0),
+    Case("overlap_3_chunks_capacity", ep=2, num_experts=6, top_k=3, capacity_factor=0.75, overlap_chunks=3),
+    Case("overlap_fewer_tokens_than_chunks", ep=2, tokens=(2, 0), overlap_chunks=3, z_loss_coef=0.0),
+    Case("overlap_rank1_receives_nothing", ep=2, route="first_rank", overlap_chunks=2),
 ]
 WORLD4 = [
     Case("ep2_dp2_dropless", ep=2),
@@ -73,6 +78,7 @@ WORLD4 = [
     Case("ep4_dp1_dropless", ep=4, num_experts=8),
     Case("ep4_dp1_capacity", ep=4, num_experts=8, capacity_factor=1.25, drop_policy="position"),
     Case("ep4_dp1_first_rank_only", ep=4, num_experts=8, route="first_rank"),
+    Case("ep2_dp2_overlap_capacity", ep=2, num_experts=6, capacity_factor=1.0, overlap_chunks=2),
     Case("ep1_dp4_capacity", ep=1, capacity_factor=1.0),
 ]
 
@@ -110,11 +116,11 @@ def _force_routes(model: Tiny, case: Case, num_local: int) -> None:
             w[:num_local] = 1.0 + 0.3 * torch.randn_like(w[:num_local])
 
 
-def _dispatcher(dims: ParallelDims, transport: str, tokens: tuple[int, ...]):
+def _dispatcher(dims: ParallelDims, transport: str, tokens: tuple[int, ...], overlap_chunks: int = 1):
     if transport == "p2p":
         from parallel.p2p_dispatcher import P2PDispatcher
         return P2PDispatcher(dims.ep_group, dims.world_group, max_tokens=max(max(tokens), 1))
-    return dims.dispatcher()
+    return dims.dispatcher(overlap_chunks)
 
 
 def _equivalence(case: Case, dims: ParallelDims, device, dtype, transport: str = "nccl") -> dict:
@@ -133,7 +139,7 @@ def _equivalence(case: Case, dims: ParallelDims, device, dtype, transport: str =
     torch.manual_seed(99)
     ref = Tiny(case, None, groups, device, dtype, dim, hidden)
     _force_routes(ref, case, num_local)
-    par = Tiny(case, _dispatcher(dims, transport, tokens), 1, device, dtype, dim, hidden)
+    par = Tiny(case, _dispatcher(dims, transport, tokens, case.overlap_chunks), 1, device, dtype, dim, hidden)
     with torch.no_grad():
         ref_params = dict(ref.named_parameters())
         for name, p in par.named_parameters():
@@ -394,3 +400,31 @@ def test_p2p_buffer_slots_two_layers_in_flight():
     for res in run_distributed(_p2p_slots, 2, backend="nccl"):
         assert res[2] == {"out": True, "dx": True, "dw": True}, res
         assert "num_buffers" in res[1], res[1]
+
+
+def test_overlap_chunks_validation():
+    """parallel.overlap_chunks: a positive int, for the nccl dispatcher under EP only; and
+    split_plan cuts a plan into exactly that many chunks that together keep its pairs."""
+    from moe.capacity import plan_routing, split_plan
+    from train.config import ConfigError, load_config
+
+    for bad in ("0", "-2"):
+        with pytest.raises(ConfigError, match="parallel.overlap_chunks: must be > 0"):
+            load_config(["--config", "tiny", f"--parallel.overlap_chunks={bad}"], world_size=2)
+    with pytest.raises(ConfigError, match="parallel.overlap_chunks=2 is ignored with parallel.ep=1"):
+        load_config(["--config", "tiny", "--parallel.ep=1", "--parallel.overlap_chunks=2"], world_size=2)
+    with pytest.raises(ConfigError, match="parallel.overlap_chunks=2 pipelines the nccl dispatcher only"):
+        load_config(["--config", "tiny", "--parallel.dispatcher=p2p", "--parallel.overlap_chunks=2"], world_size=2)
+    gen = torch.Generator().manual_seed(5)
+    experts_TK = torch.rand(7, 6, generator=gen).topk(3, dim=1).indices
+    plan = plan_routing(experts_TK, torch.rand(7, 3, generator=gen), 6, capacity=2)
+    for n in (1, 3, 9):
+        chunks = split_plan(plan, experts_TK, n)
+        assert len(chunks) == n
+        assert torch.equal(torch.cat([p.kept_TK for _, p in chunks]), plan.kept_TK)
+        assert torch.equal(sum(p.kept_per_expert_E for _, p in chunks), plan.kept_per_expert_E)
+        for tokens, p in chunks:
+            kept = int(p.kept_TK.sum())
+            flat = experts_TK[tokens].reshape(-1)[p.order_P[:kept]]
+            assert torch.equal(flat, flat.sort().values)  # kept pairs sorted by expert
+            assert bool(p.kept_TK.reshape(-1)[p.order_P[:kept]].all()) and not bool(p.kept_TK.reshape(-1)[p.order_P[kept:]].any())

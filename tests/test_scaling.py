@@ -28,9 +28,10 @@ from train.config import ConfigError, load_config
 from train.report import summarize, to_markdown
 
 CONFIGS = os.path.join(REPO, "configs")
-# the OLMoE-shaped configs cut to CPU size in width, depth and tokens; experts stay 64 top-8
+# the OLMoE-shaped configs cut to CPU size in width, depth and tokens (bytes, not the BPE of 50304);
+# experts stay 64 top-8
 SCALED_DOWN = [
-    "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.vocab_size=256",
+    "--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.vocab_size=256", "--data.tokenizer=bytes",
     "--moe.hidden_dim=64", "--data.seq_len=32", "--data.batch_size=2", "--data.max_bytes=400000",
     "--train.steps=3", "--log.every=1", "--optim.warmup_steps=1", "--log.time_comm=true",
     "--log.wandb_mode=disabled", "--log.progress=false", "--parallel.device=cpu",

@@ -14,8 +14,9 @@ What is compared (each a flat ``{key: value}`` of JSON-able values, "facts"):
   0 reads (:data:`RANK_ZERO_ONLY`), and the code version: ``code.sha`` (:func:`source_sha` of the
   library's own sources), ``code.torch``, ``code.triton``. Called once the process group exists,
   before the model is built.
-- :func:`data_facts`: each split's token count and a CRC-32 of evenly spaced samples of it.
-  Called once every rank has loaded the splits, before it takes its shard.
+- :func:`data_facts`: the tokenizer (``data.tokenizer``'s SHA-256 prefix, :mod:`train.tokenizer`),
+  each split's token count and a CRC-32 of evenly spaced samples of it. Called once every rank
+  has loaded the splits, before it takes its shard.
 
 How. One ``all_gather_object`` of the facts over the world; every rank compares all of them with
 rank 0's, so every rank raises the same :class:`~train.config.ConfigError` (or none) and no rank
@@ -83,17 +84,20 @@ def config_facts(cfg: Config) -> dict:
     return {**{k: v for k, v in cfg.to_flat().items() if k not in RANK_ZERO_ONLY}, **code_facts()}
 
 
-def data_facts(train_tokens: np.ndarray, val_tokens: np.ndarray) -> dict:
-    """``data.{train,val}_tokens`` (each split's length) and ``data.{train,val}_crc32`` (a CRC-32
-    of :data:`SAMPLE_WINDOWS` evenly spaced windows of :data:`SAMPLE_TOKENS` tokens, the first
-    and the last included).
+def data_facts(train_tokens: np.ndarray, val_tokens: np.ndarray, tokenizer: str = "bytes") -> dict:
+    """``data.tokenizer`` (``tokenizer``: ``"bytes"``, or the SHA-256 prefix of the json of the
+    tokenizer that encoded the splits: ranks with different files of the same name differ here),
+    ``data.{train,val}_tokens`` (each split's length) and ``data.{train,val}_crc32`` (a CRC-32 of
+    :data:`SAMPLE_WINDOWS` evenly spaced windows of :data:`SAMPLE_TOKENS` tokens, the first and
+    the last included). The tokenizer comes first: where it differs, so do the tokens, and the
+    message names the cause.
 
     The splits are the whole loaded data, before :func:`train.data.shard`: for ``stdlib`` they
     depend on the Python installation, for ``tokens`` and ``text`` on the file the node holds
     (whose size the two counts give). A sample, not a hash of the whole: a rank reads only
     its shard, and a whole multi-terabyte file per rank is too much to read for a check.
     """
-    facts = {}
+    facts = {"data.tokenizer": tokenizer}
     for name, tokens in (("train", train_tokens), ("val", val_tokens)):
         starts = np.unique(np.linspace(0, max(len(tokens) - SAMPLE_TOKENS, 0), SAMPLE_WINDOWS, dtype=np.int64))
         crc = 0

@@ -79,6 +79,10 @@ class ParallelConfig:
     dispatcher: Literal["nccl", "p2p"] = option(
         "nccl", "how MoE rows cross the EP group (ep > 1 only): nccl (all-to-all; any devices, any nodes) | "
                 "p2p (NVLink stores into symmetric memory; CUDA, every EP group on one node)")
+    overlap_chunks: int = option(
+        1, "the nccl dispatcher cuts each MoE layer's tokens into this many chunks and pipelines them on a second "
+           "CUDA stream: one chunk's all-to-all runs while another chunk's experts compute, forward and backward "
+           "(1: no pipelining; ep > 1, dispatcher nccl)")
     data_parallel: Literal["replicate", "fsdp"] = option(
         "fsdp", "how the data-parallel copies hold their state: fsdp (FSDP2: dense state sharded over the world, "
                 "each expert shard's state over its expert-data-parallel group, gradients reduce-scattered during "
@@ -113,6 +117,14 @@ class DataConfig:
                                "seq_len + 1 tokens")
     batch_size: int = option(8, "B, sequences per rank and micro-batch")
     val_batches: int = option(4, "micro-batches per rank in one validation pass")
+    tokenizer: str = option(
+        "bytes", "sources stdlib and text: bytes (one token per byte, vocabulary 256) | bpe (a byte-level BPE of "
+                 "model.vocab_size tokens, trained on the training split once and cached with the encoded splits in "
+                 "data.cache_dir) | the path of a tokenizer.json (Hugging Face tokenizers, e.g. a model directory's; "
+                 "its vocabulary must fit model.vocab_size; the encoded splits are cached)")
+    cache_dir: str | None = option(
+        None, "where a data.tokenizer other than bytes keeps the trained BPE and the encoded splits; none: "
+              "$XDG_CACHE_HOME/moe-ep, else ~/.cache/moe-ep")
 
 
 @dataclass
@@ -420,7 +432,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     positive = {
         "model.vocab_size": cfg.model.vocab_size, "model.dim": cfg.model.dim, "model.n_layers": cfg.model.n_layers,
         "model.n_heads": cfg.model.n_heads, "model.dense_hidden_dim": cfg.model.dense_hidden_dim,
-        "parallel.ep": cfg.parallel.ep,
+        "parallel.ep": cfg.parallel.ep, "parallel.overlap_chunks": cfg.parallel.overlap_chunks,
         "data.seq_len": cfg.data.seq_len, "data.batch_size": cfg.data.batch_size, "data.val_batches": cfg.data.val_batches,
         "train.steps": cfg.train.steps, "train.grad_accum": cfg.train.grad_accum, "log.every": cfg.log.every,
     }
@@ -461,6 +473,10 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         # slots of the blocks not yet recomputed still hold their rows
         raise ConfigError("train.activation_checkpointing=full recomputes the dispatch: not with parallel.dispatcher=p2p "
                           "(use selective, or the nccl dispatcher)")
+    if cfg.parallel.dispatcher == "p2p" and cfg.parallel.overlap_chunks > 1:
+        # its combine backwards share one gradient buffer: two chunks' in flight would overwrite it
+        raise ConfigError(f"parallel.overlap_chunks={cfg.parallel.overlap_chunks} pipelines the nccl dispatcher only, "
+                          "not parallel.dispatcher=p2p")
     if cfg.parallel.dispatcher == "p2p" and cfg.log.time_comm:
         # the timer brackets the NCCL all-to-alls; the P2P path makes none, so it would log 0 ms
         raise ConfigError("log.time_comm=true times the NCCL all-to-alls only: not with parallel.dispatcher=p2p")
@@ -468,8 +484,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(f"data.val_fraction: must be in (0, 1), got {cfg.data.val_fraction}")
     if cfg.data.source != "stdlib" and not cfg.data.path:
         raise ConfigError(f"data.path: required for data.source={cfg.data.source!r}")
-    if cfg.data.source in ("stdlib", "text") and cfg.model.vocab_size < 256:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size}: byte-level data needs >= 256")
+    check_tokenizer(cfg)
     if cfg.optim.lr <= 0 or not 0 <= cfg.optim.min_lr_ratio <= 1:
         raise ConfigError("optim.lr must be > 0 and optim.min_lr_ratio in [0, 1]")
     if cfg.optim.warmup_steps < 0 or cfg.optim.grad_clip < 0:
@@ -482,6 +497,27 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
             raise ConfigError(f"{key}: must be >= 0")
     check_ignored(cfg)
     return cfg
+
+
+def check_tokenizer(cfg: Config) -> None:
+    """``data.tokenizer``'s spelling, its source, and the vocabulary it needs (of a tokenizer.json
+    file, its size is checked once the file is read: train/preflight.py)."""
+    d, vocab = cfg.data, cfg.model.vocab_size
+    if d.tokenizer not in ("bytes", "bpe") and not d.tokenizer.endswith(".json"):
+        raise ConfigError(f"data.tokenizer: bytes, bpe or the path of a tokenizer.json file (a Hugging Face model "
+                          f"directory's), got {d.tokenizer!r}")
+    if d.source == "tokens" and d.tokenizer != "bytes":
+        raise ConfigError(f"data.tokenizer={d.tokenizer} with data.source=tokens: the token file holds ids already; "
+                          f"drop data.tokenizer (it encodes the text sources, stdlib and text)")
+    if d.tokenizer == "bytes" and d.source in ("stdlib", "text") and vocab < 256:
+        raise ConfigError(f"model.vocab_size={vocab}: byte-level data needs >= 256")
+    if d.tokenizer == "bpe":
+        from train.tokenizer import MIN_BPE_VOCAB  # train/tokenizer.py imports this module
+
+        if vocab < MIN_BPE_VOCAB:
+            raise ConfigError(f"model.vocab_size={vocab}: data.tokenizer=bpe trains a tokenizer of that many "
+                              f"entries, which needs >= {MIN_BPE_VOCAB} (the 256 bytes and the special "
+                              f"<|endoftext|>)")
 
 
 def _show(value) -> str:
@@ -506,8 +542,12 @@ def check_ignored(cfg: Config) -> None:
         ("data.token_dtype", d.source != "tokens", "data.source", "only a token file (data.source=tokens) has a dtype"),
         ("data.max_bytes", d.source != "stdlib", "data.source",
          "it caps the stdlib corpus only; a token or text file is read whole"),
+        ("data.cache_dir", d.tokenizer == "bytes", "data.tokenizer",
+         "bytes are read as they are, nothing is cached (set data.tokenizer=bpe or a tokenizer.json)"),
         ("log.time_comm", cfg.parallel.ep == 1, "parallel.ep",
          "with one expert-parallel rank there are no all-to-alls to time (set parallel.ep > 1)"),
+        ("parallel.overlap_chunks", cfg.parallel.ep == 1, "parallel.ep",
+         "with one expert-parallel rank there is no exchange to overlap (set parallel.ep > 1)"),
     ]
     for key, ignored, because, why in rules:
         if ignored and cfg.is_set(key):

@@ -1,5 +1,7 @@
 """Training data with no download: byte-level tokens of Python's own standard library sources
 (present on every machine with Python), or a memory-mapped token file, or a plain text file.
+The text sources (stdlib, text) are byte-level here; ``data.tokenizer`` encodes the same text
+with a BPE instead (train/tokenizer.py, which cuts the splits as here, then encodes each).
 
 Legend: B sequences per micro-batch, S sequence length, W ranks of the world; a split holds n
 tokens.
@@ -20,6 +22,7 @@ is the stream's whole state, saved in checkpoints, so a resumed run sees the sam
 import os
 import sysconfig
 import zlib
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -52,18 +55,30 @@ def stdlib_plan(max_bytes: int, val_fraction: float, root: str | None = None) ->
     return plan
 
 
+def stdlib_documents(plan: list[tuple[str, int, bool]], root: str | None = None) -> Iterator[bytes]:
+    """The bytes of each file of ``plan`` (rows of :func:`stdlib_plan`) as the corpus takes them,
+    one file at a time."""
+    root = root or sysconfig.get_paths()["stdlib"]
+    for rel, n, _ in plan:
+        with open(os.path.join(root, rel), "rb") as f:
+            yield f.read(n)
+
+
 def stdlib_corpus(max_bytes: int, val_fraction: float, root: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(train, val) uint8 byte arrays of the stdlib sources (see module docstring)."""
-    root = root or sysconfig.get_paths()["stdlib"]
-    train, val = [], []
-    for rel, n, is_val in stdlib_plan(max_bytes, val_fraction, root):
-        with open(os.path.join(root, rel), "rb") as f:
-            (val if is_val else train).append(f.read(n))
-    return np.frombuffer(b"".join(train), dtype=np.uint8), np.frombuffer(b"".join(val), dtype=np.uint8)
+    plan = stdlib_plan(max_bytes, val_fraction, root)
+    train, val = (b"".join(stdlib_documents([row for row in plan if row[2] == is_val], root)) for is_val in (False, True))
+    return np.frombuffer(train, dtype=np.uint8), np.frombuffer(val, dtype=np.uint8)
+
+
+def tail_cut(n: int, val_fraction: float) -> int:
+    """Where the validation split of ``n`` tokens (bytes) of a file starts: its last
+    ``val_fraction``."""
+    return int(n * (1.0 - val_fraction))
 
 
 def _tail_split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    cut = int(len(tokens) * (1.0 - val_fraction))
+    cut = tail_cut(len(tokens), val_fraction)
     return tokens[:cut], tokens[cut:]
 
 

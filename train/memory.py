@@ -28,9 +28,11 @@ What is counted, per GPU:
   the end of the backward to the optimizer step (with ``train.grad_accum`` > 1, from the start).
 - optimizer state: AdamW's exp_avg and exp_avg_sq, fp32, shaped like the masters.
 - activations: what autograd keeps from the forward to the backward (``ctx.save_for_backward`` of
-  grouped_mm.py, combine.py, flash_attn.py and the dispatchers; the saved tensors of the plain
-  PyTorch ops), by part in ``--detail``; O(E)-sized and scalar ones (the load-balancing loss's
-  f_E, token counts) are left out.
+  grouped_mm.py, combine.py, flash_attn.py, the dispatchers and train/lm_loss.py; the saved
+  tensors of the plain PyTorch ops), by part in ``--detail``; O(E)-sized and scalar ones (the
+  load-balancing loss's f_E, token counts) are left out. The LM head and its cross-entropy
+  (``model(tokens, targets)``, train/lm_loss.py) keep the gradients they compute in the forward:
+  their input's (T, D) and the weight's (V, D), no (T, V) tensor.
 - dispatch: what the exchange holds per MoE layer until its backward (the rows the combine keeps,
   the route's index tensors, with selective checkpointing the received rows), and with
   ``parallel.dispatcher=p2p`` the symmetric-memory slots (one per MoE block) and gradient buffer;
@@ -39,17 +41,19 @@ What is counted, per GPU:
 - weights: bf16 copies of the weights. replicate: autocast's casts of the linear weights and the
   experts' ``.to(bf16)`` copies, kept by the backward that reads them (autocast also caches every
   cast of a leaf parameter until the autocast region exits: all of them exist at the end of the
-  forward); fsdp: the bf16 all-gathered parameters held (the root's, never resharded; every
-  block's when ``parallel.reshard_after_forward`` is false), and the casts of what FSDP leaves
-  out (the edp = 1 experts' ``.to(bf16)``; the routers run in fp32 with autocast off).
-- transients at the peak: the fp32 logits (the loop's variable holds them until the step
-  returns), the cross-entropy's B·S·V temporaries, a block's backward working set (incoming
-  gradients, dgrad outputs, the bf16 wgrad before its fp32 accumulate), the activations a
-  checkpointed block recomputes, FSDP's buffers (below), the all-reduce's flat bucket (every
-  gradient when replicated; the routers' under FSDP).
+  forward; the LM head's cast lives only through the LM head's own forward); fsdp: the bf16
+  all-gathered parameters held (the root's, never resharded; every block's when
+  ``parallel.reshard_after_forward`` is false), and the casts of what FSDP leaves out (the edp = 1
+  experts' ``.to(bf16)``; the routers run in fp32 with autocast off).
+- transients at the peak: the LM head and loss's chunk (one chunk's logits in bf16 and fp32 or
+  its bf16 gradient beside them, its (V, D) bf16 weight-gradient product, the fp32 (V, D)
+  accumulator), a block's backward working set (incoming gradients, dgrad outputs, the bf16
+  wgrad before its fp32 accumulate), the activations a checkpointed block recomputes, FSDP's
+  buffers (below), the all-reduce's flat bucket (every gradient when replicated; the routers'
+  under FSDP).
 
-The peak is the largest total over the moments of a step: the end of the forward, the
-cross-entropy backward, each block's backward (the largest of its phases: the FFN's backward,
+The peak is the largest total over the moments of a step: the end of the forward (the LM head
+and loss's chunk loop), each block's backward (the largest of its phases: the FFN's backward,
 then the attention's, which never overlap; under FSDP also its units' copy-outs and
 reduce-scatters), the end of the backward (FSDP: the root's reduce-scatter), and the gradient
 sync + optimizer step (the fused
@@ -98,6 +102,11 @@ every FSDP buffer at once) and after:
 | --model.n_layers=30 (EP 2) | replicate | none | 132.74 | 132.74 | 134.33 | 0.988 |
 | --model.n_layers=40 (EP 2) | fsdp | full | 132.91 | 131.04 | 130.29 | 1.006 |
 
+These were measured with the LM head's fp32 logits materialised (``F.cross_entropy`` of
+``model(tokens)``, before train/lm_loss.py): the model of that path counted them, the (T, V)
+log-softmax output and its backward's temporaries; its predictions are the "new" column. The
+chunked path's predictions are smaller by about those (T, V) tensors and are not yet measured.
+
 tests/test_memory.py checks what a forward keeps under each checkpointing setting against a CPU
 forward (fp32, the Triton kernels in the interpreter): equal but for the O(E) tensors left out.
 Not measured: the P2P dispatcher, gradient accumulation, torch >= 2.12 on a GPU (rms_norm in
@@ -113,6 +122,7 @@ from dataclasses import dataclass
 
 from parallel.grad_sync import BUCKET_BYTES
 from train.config import Config, ConfigError, load_config, validate
+from train.lm_loss import chunk_rows
 
 GiB = 1 << 30
 DATA_PARALLEL = ("replicate", "fsdp")
@@ -402,17 +412,39 @@ def block_parts(s: ModelShape, moe: bool, B: int, S: int, lay: Layout, num: Nume
 
 
 def root_parts(s: ModelShape, B: int, S: int, num: Numerics, lay: "Layout | None" = None) -> list[Part]:
-    """What the embedding, the final norm and the LM head keep."""
+    """What the embedding and the final norm keep."""
     T = B * S
     nb = norm_bytes(lay, num) if lay else 4
-    return [Part("token ids (embedding)", T * 8)] + _norm("final norm", T, s.D, num, "rest", nb) + [
-        Part("LM head input", T * s.D * num.compute_bytes)]
+    return [Part("token ids (embedding)", T * 8)] + _norm("final norm", T, s.D, num, "rest", nb)
 
 
-def loss_parts(s: ModelShape, B: int, S: int) -> list[Part]:
-    """F.cross_entropy = log_softmax (keeps its fp32 output) + nll_loss (keeps the targets)."""
+def head_weight_bytes(lay: "Layout | None") -> int:
+    """Bytes per element of the LM head's weight as the forward reads it: the fp32 master, or under
+    FSDP the root's gathered copy (param dtype)."""
+    return lay.param_bytes if lay and lay.sharded else 4
+
+
+def loss_parts(s: ModelShape, B: int, S: int, num: Numerics, lay: "Layout | None" = None) -> list[Part]:
+    """train/lm_loss.py: the LM head and its cross-entropy compute their gradients in the forward
+    and keep them, the input's in the final norm output's dtype and the weight's in its own."""
     T = B * S
-    return [Part("cross-entropy log_softmax output (fp32)", T * s.V * 4), Part("cross-entropy targets", T * 8)]
+    nb = norm_bytes(lay, num) if lay else 4
+    return [Part("LM head + loss: gradient of its input", T * s.D * nb),
+            Part("LM head + loss: gradient of the weight", s.V * s.D * head_weight_bytes(lay))]
+
+
+def lm_head_forward_bytes(s: ModelShape, T: int, lay: Layout, num: Numerics) -> int:
+    """The LM head and loss's forward at its largest, besides what it keeps (train/lm_loss.py): the
+    fp32 weight-gradient accumulator, plus the larger of one chunk's working set (n rows: the
+    compute-dtype logits or gradient beside the fp32 shifted logits; or the gradient beside the
+    chunk's (V, D) weight-gradient product; the chunk's input cast) and, when the weight is not
+    fp32, the accumulator's cast to it at the end."""
+    V, D, c = s.V, s.D, num.compute_bytes
+    n = min(T, chunk_rows(V))
+    cast_input = n * D * c if norm_bytes(lay, num) != c else 0
+    chunk = cast_input + max(n * V * (c + 4), n * V * c + V * D * c)
+    wb = head_weight_bytes(lay)
+    return V * D * 4 + max(chunk, V * D * wb if wb != 4 else 0)
 
 
 def residual_bytes(s: ModelShape, i: int, lay: Layout) -> int:
@@ -454,7 +486,7 @@ def saved_for_backward(cfg: Config, lay: Layout, num: Numerics = GPU_BF16, shape
     B, S = cfg.data.batch_size, cfg.data.seq_len
     blocks = [checkpointed(block_parts(s, moe, B, S, lay, num), s, i, B, S, lay, num)
               for i, moe in enumerate(s.moe_blocks)]
-    return [p for parts in blocks for p in parts] + root_parts(s, B, S, num, lay) + loss_parts(s, B, S)
+    return [p for parts in blocks for p in parts] + root_parts(s, B, S, num, lay) + loss_parts(s, B, S, num, lay)
 
 
 @dataclass(frozen=True)
@@ -604,11 +636,12 @@ def predict(cfg: Config, lay: Layout, shape: ModelShape | None = None, num: Nume
     root_unsharded = sum(math.prod(shape) for g in ("embed", "head", "norm") for shape in groups[g])
     params = sum(root_master.values()) + sum(b.master for b in blocks)
     optimizer = 2 * params
-    root, loss = _sum(root_parts(s, B, S, num, lay)), _sum(loss_parts(s, B, S))
+    root = _sum(root_parts(s, B, S, num, lay))
+    grad_h = _sum(loss_parts(s, B, S, num, lay)[:1])  # the LM head's input gradient, written chunk by chunk
     p2p = p2p_buffer_bytes(s, T, lay, norm_bytes(lay, num))
     pb, rb = lay.param_bytes, lay.reduce_bytes
 
-    # the LM head weight's cast (tied: the embedding's, read by F.linear) lives until its backward
+    # the LM head weight's cast (tied: the embedding's) lives through the LM head's forward only
     head_cast = 2 * V * D if num.casts and not lay.bf16_params else 0
     # FSDP: the root (embeddings, final norm, LM head) stays gathered from its forward through the
     # backward (parallel/fsdp.py: never resharded after the forward); a block's unit (its dense
@@ -624,19 +657,17 @@ def predict(cfg: Config, lay: Layout, shape: ModelShape | None = None, num: Nume
         grads_before = params
         if lay.sharded:
             grads_before += (sum(b.unit + b.expert_unit for b in blocks) + root_unsharded) * rb
-    logits = T * V * 4  # the fp32 logits, held by the loop's variable until train_step returns
     acts = [_sum(b.kept, dispatch=False) for b in blocks]
     disp = [_sum(b.kept, dispatch=True) for b in blocks]
 
+    # the forward's last op is the LM head and loss (its backward only scales what it kept, in
+    # place): every block's activations, autocast's cache of every linear-weight cast (the region
+    # exits after the loss), the input gradient it fills and its chunk's working set; what it keeps
+    # at the end (the weight's gradient) is never more than its fp32 accumulator was
     moments = [
-        # autocast's cache holds every linear-weight cast until the region exits, after the
-        # logits' bf16 → fp32 copy (both alive at once); the previous micro-batch's logits too
-        Moment("forward end", params, grads_before, optimizer, sum(acts) + root, sum(disp) + p2p,
-               held + head_cast + sum(b.casts_forward for b in blocks),
-               T * V * 2 + logits * (2 if accum > 1 else 1)),
-        # log_softmax's backward: the logits, the nll_loss gradient and its own output (T, V)
-        Moment("loss backward", params, grads_before, optimizer, sum(acts) + root + loss, sum(disp) + p2p,
-               held + head_cast + sum(b.casts_kept for b in blocks), 3 * logits),
+        Moment("forward end (LM head + loss)", params, grads_before, optimizer, sum(acts) + root + grad_h,
+               sum(disp) + p2p, held + head_cast + sum(b.casts_forward for b in blocks),
+               lm_head_forward_bytes(s, T, lay, num)),
     ]
     # the head, the final norm and (tied) the embedding have their gradients once the blocks' begin;
     # FSDP reduce-scatters the root's only when the backward ends (its forward's input, the token
@@ -655,7 +686,7 @@ def predict(cfg: Config, lay: Layout, shape: ModelShape | None = None, num: Nume
             # the FFN's backward and the attention's do not overlap
             work = max(b.workspace_ffn + b.recompute_ffn, b.workspace_attn + b.recompute_attn)
             moments.append(Moment(f"block {i} backward", params, max(grads_done, grads_before), optimizer,
-                                  acts_i, disp_i, weights, logits + work))
+                                  acts_i, disp_i, weights, work))
             continue
         if not lay.reshard_after_forward:
             weights += sum(gathered[:i])  # the blocks before it still hold their gathered copies
@@ -701,13 +732,13 @@ def predict(cfg: Config, lay: Layout, shape: ModelShape | None = None, num: Nume
         grads_done += b.master
         best = max(phases, key=lambda ph: max(ph[1], grads_before) + ph[2] + ph[3])
         moments.append(Moment(f"block {i} backward ({best[0]})", params, max(best[1], grads_before), optimizer,
-                              acts_i, disp_i, weights, logits + best[2] + best[3]))
+                              acts_i, disp_i, weights, best[2] + best[3]))
     if lay.sharded:
         # the final callback: the root's post-backward reshards it, frees block 0's reduce-scatter
         # input and fills its own from the root's unsharded gradients (the embedding's now too)
         moments.append(Moment("backward end (root reduce-scatter)", params,
                               max(sum(b.master for b in blocks), grads_before), optimizer, 0, p2p, 0,
-                              logits + (pb + rb) * root_unsharded))
+                              (pb + rb) * root_unsharded))
     # the all-reduce flattens gradients into 64 MiB buckets, a larger gradient alone
     # (parallel/grad_sync.py); it runs before the step, whose fused AdamW allocates nothing; it
     # reduces what FSDP does not: every parameter when replicated, the routers under FSDP (the
@@ -718,7 +749,7 @@ def predict(cfg: Config, lay: Layout, shape: ModelShape | None = None, num: Nume
                    if (g.endswith("router") or not lay.sharded) and (lay.edp > 1 or not g.endswith("experts"))]
         if reduced:
             bucket = max(max(reduced), min(BUCKET_BYTES, sum(reduced)))
-    moments.append(Moment("grad sync + optimizer step", params, params, optimizer, 0, p2p, 0, logits + bucket))
+    moments.append(Moment("grad sync + optimizer step", params, params, optimizer, 0, p2p, 0, bucket))
     peak = max(moments, key=lambda m: m.total)
     return Prediction(lay, peak, moments, p2p)
 
@@ -765,7 +796,7 @@ def detail(cfg: Config, lay: Layout, shape: ModelShape | None = None, num: Numer
                  f"{state.workspace_ffn / 2**20:.1f}; attention phase recompute {state.recompute_attn / 2**20:.1f}, "
                  f"working set {state.workspace_attn / 2**20:.1f}; bf16 weight casts kept {state.casts_kept / 2**20:.1f}")
     lines.append("root keeps, MiB:")
-    lines += [f"  {p.nbytes / 2**20:10.1f}  {p.name}" for p in root_parts(s, B, S, num, lay) + loss_parts(s, B, S)]
+    lines += [f"  {p.nbytes / 2**20:10.1f}  {p.name}" for p in root_parts(s, B, S, num, lay) + loss_parts(s, B, S, num, lay)]
     lines.append("moments, GiB: " + ", ".join(f"{m.name} {_gib(m.total)}" for m in predict(cfg, lay, s, num).moments))
     return "\n".join(lines)
 

@@ -1,4 +1,4 @@
-"""The MoE transformer language model: embeddings → blocks → final norm → LM head.
+"""The MoE transformer language model: embeddings → blocks → final norm → LM head (→ loss).
 
 Legend: B batch, S sequence length, D model dim, V vocabulary, E experts (global), L experts on this rank.
 
@@ -14,6 +14,10 @@ one generator seeded by ``seed`` (identical on every rank), and global expert e 
 drawn from its own generator seeded by ``(seed, l, e)``, so rank r's slice of experts equals the
 same slice of a one-process model. Output projections (attention out, FFN down) use
 ``std / sqrt(2 · n_layers)`` (GPT-2's residual scaling).
+
+Given the targets, the forward ends in the loss instead of the logits: the LM head and the
+cross-entropy run together in chunks of tokens (:func:`train.lm_loss.linear_cross_entropy`), so
+training never holds the (B·S, V) fp32 logits nor their gradient.
 """
 
 import math
@@ -26,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from attention import Attention
 from moe import DenseMLP, GroupedExperts, MoELayer
 from train.config import Config
+from train.lm_loss import linear_cross_entropy
 
 
 def num_moe_blocks(cfg: Config) -> int:
@@ -76,7 +81,8 @@ class Block(nn.Module):
 
 
 class MoETransformer(nn.Module):
-    """``forward(tokens_BS int64) -> logits_BSV`` (fp32 under autocast too)."""
+    """``forward(tokens_BS int64) -> logits_BSV`` (fp32 under autocast too), or with
+    ``targets_BS`` (int64) the mean cross-entropy over the B·S tokens (fp32, 0-dim)."""
 
     def __init__(self, cfg: Config, dispatcher=None):
         super().__init__()
@@ -87,13 +93,23 @@ class MoETransformer(nn.Module):
         self.norm = nn.RMSNorm(m.dim, eps=m.norm_eps)
         self.lm_head = None if m.tie_embeddings else nn.Linear(m.dim, m.vocab_size, bias=False)
 
-    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits (B, S, V), or given ``targets_BS`` the loss, equal to ``F.cross_entropy`` of
+        those logits, through :func:`train.lm_loss.linear_cross_entropy` (no (B·S, V) tensor).
+
+        The loss is computed here rather than by the caller from the weight: under FSDP2 the root
+        module's forward hooks gather the LM head (the embedding, when tied) for its forward and
+        keep it gathered for the backward, so the weight read here is the whole unsharded
+        parameter, and its gradient flows back to it through autograd.
+        """
         x_BSD = self.embed(tokens_BS)
         for block in self.blocks:
             x_BSD = block(x_BSD)
         x_BSD = self.norm(x_BSD)
         weight_VD = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x_BSD, weight_VD).float()
+        if targets_BS is None:
+            return F.linear(x_BSD, weight_VD).float()
+        return linear_cross_entropy(x_BSD.flatten(0, 1), weight_VD, targets_BS.flatten())
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

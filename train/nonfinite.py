@@ -85,12 +85,14 @@ def first_nonfinite(model: nn.Module, run: Callable[[], torch.Tensor], group=Non
     """Where a step's values first went non-finite, found by running it again with hooks.
 
     ``run()`` repeats the step's forward passes and returns its loss (every rank calls this
-    together: the replay makes the step's collectives). Forward hooks check every module's output
-    in the order the modules finish; hooks on those outputs check the gradients in the order the
-    backward reaches them; then the parameters' gradients. The earliest finding over the ranks
-    (forward before backward) is returned as one phrase, e.g. ``"the output of blocks.1.ffn.router
-    (forward, rank 1)"``. Costs one forward and backward with a host sync per module: only run
-    once a step has gone bad.
+    together: the replay makes the step's collectives). Forward hooks check every submodule's
+    output in the order the submodules finish; hooks on those outputs check the gradients in the
+    order the backward reaches them; then the parameters' gradients. The model's own output is not
+    hooked: it is the loss (``model(tokens, targets)``: the LM head and the cross-entropy in one
+    function) or the logits it is computed from, so a non-finite one after finite submodules is
+    named as the loss. The earliest finding over the ranks (forward before backward) is returned
+    as one phrase, e.g. ``"the output of blocks.1.ffn.router (forward, rank 1)"``. Costs one
+    forward and backward with a host sync per module: only run once a step has gone bad.
     """
     found: dict[int, str] = {}  # phase (0 forward, 1 backward, 2 parameter gradients) -> the first finding
 
@@ -110,7 +112,7 @@ def first_nonfinite(model: nn.Module, run: Callable[[], torch.Tensor], group=Non
                     t.register_hook(on_grad(name))
         return hook
 
-    handles = [m.register_forward_hook(on_forward(n or "the model")) for n, m in model.named_modules()]
+    handles = [m.register_forward_hook(on_forward(n)) for n, m in model.named_modules() if m is not model]
     try:
         loss = run()
         if not found and not bool(torch.isfinite(loss.detach()).all()):

@@ -10,7 +10,13 @@ config asks of the machine, each cheaply enough to run on every rank at every st
   ``data.batch_size`` windows of ``data.seq_len + 1`` tokens. Computed from file sizes, nothing is
   read: for ``tokens``/``text`` the file's size, for ``stdlib`` :func:`train.data.stdlib_plan`,
   the sizes of the files the corpus reads (a walk and one stat per file, 0.09 s for 1,790 files
-  on a 2-core machine; reading the 8 MB corpus itself took 0.21 s);
+  on a 2-core machine; reading the 8 MB corpus itself took 0.21 s). With a ``data.tokenizer``
+  (train/tokenizer.py) the token counts are known once the splits are encoded: the cached
+  counts when the cache holds them; else, for ``bpe``, the bytes bound them (a byte-level BPE
+  token covers one byte or more), so a split that holds too few bytes is refused before any
+  training or encoding, and one that holds enough bytes but too few tokens is TokenStream's
+  error after the encoding; a tokenizer.json's count has no such bound. A tokenizer.json is read
+  (its vocabulary must fit ``model.vocab_size``);
 - GPU memory: with bf16 training on a GPU, the peak that :mod:`train.memory` predicts for the
   run's layout (a few ms of arithmetic) against the GPU's memory (``train.memory_check``).
 
@@ -23,7 +29,8 @@ import numpy as np
 import torch
 
 from train.config import Config, ConfigError
-from train.data import stdlib_plan
+from train.data import stdlib_plan, tail_cut
+from train.tokenizer import TokenCache, fitting_tokenizer, text_cut
 
 GiB = 1 << 30
 
@@ -60,7 +67,8 @@ def check_device(cfg: Config) -> None:
 
 def split_sizes(cfg: Config) -> tuple[int, int, str]:
     """(train tokens, validation tokens, a few words on where they come from) of ``cfg.data``,
-    from file sizes; raises ConfigError for a missing or malformed data file."""
+    from file sizes (of the text sources: bytes, the tokens of ``data.tokenizer=bytes``); raises
+    ConfigError for a missing or malformed data file."""
     d = cfg.data
     if d.source == "stdlib":
         plan = stdlib_plan(d.max_bytes, d.val_fraction)
@@ -75,7 +83,7 @@ def split_sizes(cfg: Config) -> tuple[int, int, str]:
         raise ConfigError(f"data.path={d.path}: {size:,} bytes is not a whole number of data.token_dtype={d.token_dtype} "
                           f"tokens ({itemsize} bytes each): is the dtype right?")
     n = size // itemsize
-    cut = int(n * (1.0 - d.val_fraction))  # train.data._tail_split
+    cut = text_cut(d.path, d.val_fraction) if d.tokenizer != "bytes" else tail_cut(n, d.val_fraction)
     unit = "tokens" if d.source == "tokens" else "bytes"
     return cut, n - cut, f"the {n:,} {unit} of {d.path}"
 
@@ -86,17 +94,31 @@ def check_data(cfg: Config, world_size: int) -> None:
     many windows, so fewer would repeat windows)."""
     d = cfg.data
     n_train, n_val, origin = split_sizes(cfg)
+    bound = ""  # bpe, not cached yet: the counts are bytes, bounds of the tokens that refuse what is short by them
+    if d.tokenizer != "bytes":
+        if d.tokenizer != "bpe":
+            fitting_tokenizer(d.tokenizer, cfg.model.vocab_size)
+        manifest = TokenCache(d, cfg.model.vocab_size).manifest()
+        if manifest is not None:
+            n_train, n_val = manifest["tokens"]["train"], manifest["tokens"]["val"]
+            origin = f"the {n_train + n_val:,} data.tokenizer={d.tokenizer} tokens (cached) of {origin}"
+        elif d.tokenizer == "bpe":
+            bound = ", at most one data.tokenizer=bpe token a byte"
+        else:
+            return
     need = d.batch_size * d.seq_len + 1  # (n - 1) // seq_len >= batch_size windows
     for split, n in (("training", n_train), ("validation", n_val)):
         per_rank = n // world_size  # the smallest shard (train.data.shard)
         if per_rank < need:
             windows = max(per_rank - 1, 0) // d.seq_len
             ranks = f" over {world_size} ranks" if world_size > 1 else ""
+            at_most = "at most " if bound else ""
             raise ConfigError(
-                f"data.seq_len={d.seq_len}, data.batch_size={d.batch_size}: a rank's {split} shard holds {per_rank:,} "
-                f"tokens (the {split} split is {n:,} of {origin}, data.val_fraction={d.val_fraction}{ranks}): "
-                f"{windows} window{'s' if windows != 1 else ''} of seq_len + 1, fewer than one batch of {d.batch_size} "
-                f"({need:,} tokens); lower data.seq_len or data.batch_size, or use more data")
+                f"data.seq_len={d.seq_len}, data.batch_size={d.batch_size}: a rank's {split} shard holds {at_most}"
+                f"{per_rank:,} tokens (the {split} split is {n:,} of {origin}{bound}, data.val_fraction="
+                f"{d.val_fraction}{ranks}): {at_most}{windows} window{'s' if windows != 1 else ''} of seq_len + 1, "
+                f"fewer than one batch of {d.batch_size} ({need:,} tokens); lower data.seq_len or data.batch_size, or "
+                f"use more data")
 
 
 def check_memory(cfg: Config, world_size: int) -> None:

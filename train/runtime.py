@@ -45,7 +45,7 @@ class Runtime:
             t.div_(self.world_size)
         return t
 
-    def dispatcher(self, kind: str = "nccl", max_tokens: int = 0, num_buffers: int = 1):
+    def dispatcher(self, kind: str = "nccl", max_tokens: int = 0, num_buffers: int = 1, overlap_chunks: int = 1):
         """The MoE layers' expert-parallel dispatcher, None for one process.
 
         With ep 1 over several ranks the dispatcher's group has one rank: rows stay local, but the
@@ -54,12 +54,13 @@ class Runtime:
 
         kind ``"nccl"``: the all-to-all :class:`~parallel.AllToAllDispatcher`. ``"p2p"``: the
         :class:`~parallel.P2PDispatcher`, whose buffers hold ``max_tokens`` tokens per dispatch
-        in each of ``num_buffers`` slots (one per MoE layer).
+        in each of ``num_buffers`` slots (one per MoE layer). ``overlap_chunks``: the nccl
+        dispatcher's pipelining of each layer's tokens (:meth:`parallel.ExpertParallelDispatcher.run_experts`).
         """
         if not self.distributed:
             return None
         if kind == "nccl" or self.ep == 1:
-            return self.dims.dispatcher()
+            return self.dims.dispatcher(overlap_chunks)
         if kind != "p2p":
             raise ValueError(f"parallel.dispatcher: unknown kind {kind!r} (nccl | p2p)")
         if self.device.type != "cuda":

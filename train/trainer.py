@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 
 from moe import moe_aux_loss, moe_layers, update_expert_biases
@@ -30,7 +29,7 @@ from parallel.stats import global_moe_stats, update_expert_biases_global
 from train.agreement import check_ranks_agree, config_facts, data_facts
 from train.checkpoint import Checkpointer, list_checkpoints
 from train.config import Config, ConfigError, to_yaml
-from train.data import TokenStream, load_splits, shard, val_batches
+from train.data import TokenStream, shard, val_batches
 from train.flops import param_counts, peak_flops, train_flops_per_token
 from train.logger import RunLogger
 from train.hf import load_weights, read_hf_config
@@ -40,6 +39,7 @@ from train.optim import WarmupCosine, build_optimizer
 from train.parallelize import parallelize, reduce_gradients, set_gradient_sync, trains_in_bf16
 from train.rundir import check_run_dir, ckpt_dir_of, clear_run_dir, run_dir_of
 from train.runtime import Runtime, init_runtime
+from train.tokenizer import load_tokens
 
 
 def autocast_context(cfg: Config, device: torch.device):
@@ -53,8 +53,7 @@ def evaluate(model, batches, rt: Runtime, autocast) -> float:
     total = 0.0
     for x, y in batches:
         with autocast():
-            logits = model(x.to(rt.device))
-        total += F.cross_entropy(logits.flatten(0, 1), y.to(rt.device).flatten()).item()
+            total += model(x.to(rt.device), y.to(rt.device)).item()
     return rt.all_reduce_mean([total / len(batches)])[0]
 
 
@@ -176,8 +175,8 @@ class Trainer:
     def build_data(self) -> None:
         """The token stream and validation batches of this rank's shard: every rank reads its own."""
         cfg, rt, d = self.cfg, self.rt, self.cfg.data
-        train_tokens, val_tokens = load_splits(d.source, d.path, d.token_dtype, d.max_bytes, d.val_fraction)
-        check_ranks_agree("data", data_facts(train_tokens, val_tokens))  # the same files on every node
+        train_tokens, val_tokens, tokenizer = load_tokens(d, cfg.model.vocab_size, rt.local_rank)
+        check_ranks_agree("data", data_facts(train_tokens, val_tokens, tokenizer))  # the same files on every node
         if d.source == "tokens":  # one pass over the memmap; an id past the table would fail deep in the embedding
             top = int(max(train_tokens.max(initial=0), val_tokens.max(initial=0)))
             if top >= cfg.model.vocab_size:
@@ -198,7 +197,7 @@ class Trainer:
         # and every MoE block holds a slot from its dispatch to its backward; a model without MoE
         # blocks never dispatches, but a dispatcher has at least one slot
         self.dispatcher = rt.dispatcher(cfg.parallel.dispatcher, max_tokens=d.batch_size * d.seq_len,
-                                        num_buffers=max(num_moe_blocks(cfg), 1))
+                                        num_buffers=max(num_moe_blocks(cfg), 1), overlap_chunks=cfg.parallel.overlap_chunks)
         # all-to-all timing (ep > 1): every MoE layer shares this dispatcher, hence the one timer
         self.comm_timer = None
         if cfg.log.time_comm and rt.ep > 1:
@@ -268,7 +267,7 @@ class Trainer:
         # the summed micro-batch gradients of this rank → those of one process on the global batch
         flight.phase(f"step {self.step + 1}: gradient sync and optimizer")
         reduce_gradients(model, rt.dims)
-        grad_norm = clip_grad_norm_(model, cfg.optim.grad_clip, rt.dims)
+        grad_norm = clip_grad_norm_(model, cfg.optim.grad_clip, rt.dims, self.optimizer)  # clipped in the AdamW kernel
         losses = rt.all_reduce_mean_(torch.stack([ce_sum, aux_sum]) / accum)
         self.guard.update(self.step + 1, losses, grad_norm)  # a bad step: the fused AdamW skips it
         self.optimizer.step()
@@ -286,9 +285,8 @@ class Trainer:
         """Forward of the stream's next micro-batch: (cross-entropy, aux losses)."""
         x_BS, y_BS = self.stream.next_batch()
         x_BS, y_BS = x_BS.to(self.rt.device, non_blocking=True), y_BS.to(self.rt.device, non_blocking=True)
-        with self.autocast():
-            logits_BSV = self.model(x_BS)
-        ce = F.cross_entropy(logits_BSV.flatten(0, 1), y_BS.flatten())
+        with self.autocast():  # the LM head and its cross-entropy in chunks: no (B·S, V) logits
+            ce = self.model(x_BS, y_BS)
         return ce, moe_aux_loss(self.model).to(ce.device)
 
     def check_finite(self) -> int:

@@ -1,0 +1,361 @@
+"""Where a training step's time goes: a ``torch.profiler`` trace of whole steps, each GPU kernel
+put in one category, summarised as a table.
+
+    torchrun --standalone --nproc_per_node=2 bench/step_profile.py --config configs/olmoe_bench.yaml \
+        --label "before" --out bench/results/step_profile.md [--warm 8] [--steps 3] [--section.key=value ...]
+
+How a kernel gets its category. The script (not the library) marks regions of the forward with
+``record_function`` ranges from module hooks and wrappers: each :class:`attention.Attention`,
+each ``RMSNorm``, the router, the routing plan (capacity bookkeeping and the pair sort), the
+dispatcher's ``dispatch`` and ``combine``, the grouped experts, dense MLPs, the LM head + loss
+(from the final norm to the loss), and the gradient sync, clipping and optimizer step of
+:meth:`train.trainer.Trainer.train_step`. A forward kernel takes the innermost range around the
+CPU op that launched it; a backward kernel is launched by an autograd node whose sequence number
+is that of the forward op that made it, and takes that op's range (so the backward of the
+attention counts as attention). NCCL kernels go by their collective: all-to-all and send/recv
+are the expert-parallel exchange, the rest in the optimizer phase is gradient sync. What is left
+(residual adds, the embedding, casts) is "elementwise, other".
+
+What the columns mean. ``GPU ms``: the summed durations of the category's kernels per step (on
+several streams they may overlap, so the column can sum past the step). ``exposed``: the part
+of the category's kernel time during which no kernel of another category runs; for the
+all-to-all that is the communication nobody hides. ``idle``: step time with no kernel running
+(host work, launch gaps, waits). Rank 0's trace; the step time is the mean over the profiled
+steps of the slowest rank's time.
+"""
+
+import argparse
+import bisect
+import collections
+import datetime
+import gzip
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import moe.layer  # noqa: E402
+import train.trainer  # noqa: E402
+from attention import Attention  # noqa: E402
+from moe import DenseMLP, GroupedExperts, MoELayer, Router  # noqa: E402
+from train.config import load_config  # noqa: E402
+from train.flops import param_counts  # noqa: E402
+
+CATEGORIES = (
+    "attention", "expert GEMMs", "all-to-all", "dispatch/combine", "router + routing plan", "dense MLP",
+    "norms", "LM head + loss", "elementwise, other", "gradient sync", "optimizer + clip",
+)
+ALL_TO_ALL = "all-to-all"
+
+
+class Ranges:
+    """``record_function`` ranges opened and closed from hooks, named ``cat::<category>``."""
+
+    def __init__(self):
+        self.open = []
+
+    def enter(self, category: str) -> None:
+        self.open.append(torch.ops.profiler._record_function_enter_new(f"cat::{category}", None))
+
+    def exit(self) -> None:
+        torch.ops.profiler._record_function_exit._RecordFunction(self.open.pop())
+
+    def wrap(self, fn, category: str):
+        def wrapped(*args, **kwargs):
+            self.enter(category)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.exit()
+        return wrapped
+
+    def around_module(self, module: nn.Module, category: str) -> None:
+        module.register_forward_pre_hook(lambda *_: self.enter(category))
+        module.register_forward_hook(lambda *_: self.exit())
+
+
+def instrument(trainer) -> Ranges:
+    """Mark the regions of ``trainer``'s step (see the module docstring)."""
+    ranges = Ranges()
+    model = trainer.model
+    for mod in model.modules():
+        if isinstance(mod, MoELayer):  # what the inner ranges leave: stats, aux losses, counts, weights
+            ranges.around_module(mod, "router + routing plan")
+        elif isinstance(mod, Attention):
+            ranges.around_module(mod, "attention")
+        elif isinstance(mod, nn.RMSNorm) and mod is not model.norm:
+            ranges.around_module(mod, "norms")
+        elif isinstance(mod, Router):
+            ranges.around_module(mod, "router + routing plan")
+        elif isinstance(mod, GroupedExperts):
+            ranges.around_module(mod, "expert GEMMs")
+        elif isinstance(mod, DenseMLP):
+            ranges.around_module(mod, "dense MLP")
+    # the LM head + loss: from the final norm's start to the end of the micro-batch's loss
+    model.norm.register_forward_pre_hook(lambda *_: ranges.enter("LM head + loss"))
+    micro = trainer._micro_batch_loss
+
+    def micro_batch_loss():
+        depth = len(ranges.open)
+        try:
+            return micro()
+        finally:
+            while len(ranges.open) > depth:
+                ranges.exit()
+    trainer._micro_batch_loss = micro_batch_loss
+    moe.layer.plan_routing = ranges.wrap(moe.layer.plan_routing, "router + routing plan")
+    # one dispatcher serves every layer under EP; without EP each layer has its own
+    for d in {id(m.dispatcher): m.dispatcher for m in model.modules() if isinstance(m, MoELayer)}.values():
+        d.dispatch = ranges.wrap(d.dispatch, "dispatch/combine")
+        d.combine = ranges.wrap(d.combine, "dispatch/combine")
+    train.trainer.reduce_gradients = ranges.wrap(train.trainer.reduce_gradients, "gradient sync")
+    train.trainer.clip_grad_norm_ = ranges.wrap(train.trainer.clip_grad_norm_, "optimizer + clip")
+    trainer.optimizer.step = ranges.wrap(trainer.optimizer.step, "optimizer + clip")
+    trainer.optimizer.zero_grad = ranges.wrap(trainer.optimizer.zero_grad, "optimizer + clip")
+    return ranges
+
+
+def _stacks(ops: list[dict]):
+    """Per thread, ``at(pid, tid, ts) -> [ops enclosing ts, innermost first]``. Ops nest per
+    thread, so each gets its parent from one sweep; the innermost op around ``ts`` is then the
+    last op starting before ``ts`` or one of its ancestors."""
+    tables = {}
+    by_tid = collections.defaultdict(list)
+    for e in ops:
+        by_tid[(e["pid"], e["tid"])].append(e)
+    for key, evs in by_tid.items():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        parent, open_ = [], []
+        for i, e in enumerate(evs):
+            while open_ and evs[open_[-1]]["ts"] + evs[open_[-1]]["dur"] < e["ts"]:
+                open_.pop()
+            parent.append(open_[-1] if open_ else -1)
+            open_.append(i)
+        tables[key] = (evs, [e["ts"] for e in evs], parent)
+
+    def at(pid, tid, ts):
+        evs, starts, parent = tables.get((pid, tid), ([], [], []))
+        i = bisect.bisect_right(starts, ts) - 1
+        while i >= 0 and evs[i]["ts"] + evs[i]["dur"] < ts:
+            i = parent[i]
+        out = []
+        while i >= 0:
+            out.append(evs[i])
+            i = parent[i]
+        return out
+    return at
+
+
+def _range_of(stack: list[dict]) -> str | None:
+    """The innermost ``cat::`` range in ``stack`` (innermost first)."""
+    for e in stack:
+        if e["name"].startswith("cat::"):
+            return e["name"][5:]
+    return None
+
+
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def host_syncs(events: list[dict], at) -> collections.Counter:
+    """Where the host waits for the GPU: ``(range, innermost op) -> count`` over the trace. The
+    profiler's own step-end synchronize has no op around it and is left out."""
+    out = collections.Counter()
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and e["name"] in SYNCS:
+            stack = at(e["pid"], e["tid"], e["ts"])
+            ops = [x["name"] for x in stack if x.get("cat") == "cpu_op"]
+            if ops:
+                out[(_range_of(stack) or "-", ops[0][:60])] += 1
+    return out
+
+
+def classify(events: list[dict]) -> tuple[list[tuple[float, float, str, str]], collections.Counter]:
+    """(start µs, end µs, category, kernel name) of every GPU kernel, memset and memcpy in the
+    trace's complete events, and the :func:`host_syncs`."""
+    ops = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function")]
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    at = _stacks(ops)
+    # the range of each forward op that records a sequence number, for the backward node that
+    # carries the same number (autograd::engine::evaluate_function: <Node>)
+    seq_range = {}
+    for e in ops:
+        seq = e.get("args", {}).get("Sequence number")
+        if seq is None:
+            continue
+        stack = at(e["pid"], e["tid"], e["ts"])
+        if any(x["name"].startswith("autograd::engine") for x in stack):
+            continue  # an op of a backward carries its node's number too: not the forward's
+        cat = _range_of(stack)
+        if cat is not None:
+            seq_range.setdefault(seq, cat)
+    out = []
+    for k in events:
+        if k.get("cat") not in ("kernel", "gpu_memset", "gpu_memcpy"):
+            continue
+        launch = launches.get(k.get("args", {}).get("correlation"))
+        stack = at(launch["pid"], launch["tid"], launch["ts"]) if launch is not None else []
+        cat = _range_of(stack)
+        if cat is None:  # a backward kernel: the range of the forward op its node came from
+            for e in stack:
+                seq = e.get("args", {}).get("Sequence number")
+                if e["name"].startswith("autograd::engine") and seq in seq_range:
+                    cat = seq_range[seq]
+                    break
+        if k["name"].startswith("nccl"):
+            if "SendRecv" in k["name"] or "AllToAll" in k["name"]:
+                cat = ALL_TO_ALL
+            elif cat in (None, "optimizer + clip"):  # an all-reduce in a layer (counts, aux inputs) keeps its range
+                cat = "gradient sync"
+        out.append((k["ts"], k["ts"] + k["dur"], cat or "elementwise, other", k["name"]))
+    return out, host_syncs(events, at)
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((s, e))
+    return merged
+
+
+def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of union(a) not covered by union(b)."""
+    a, b = _union(a), _union(b)
+    total, j = 0.0, 0
+    for s, e in a:
+        covered = 0.0
+        while j < len(b) and b[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < e:
+            covered += min(e, b[k][1]) - max(s, b[k][0])
+            k += 1
+        total += (e - s) - covered
+    return total
+
+
+def summarise(kernels, step_ms: float, steps: int) -> list[tuple[str, float, float]]:
+    """(category, GPU ms per step, exposed ms per step) in CATEGORIES order, then idle."""
+    rows = []
+    for cat in CATEGORIES:
+        mine = [(s, e) for s, e, c, _ in kernels if c == cat]
+        others = [(s, e) for s, e, c, _ in kernels if c != cat]
+        busy = sum(e - s for s, e in mine) / 1e3 / steps
+        exposed = _minus(mine, others) / 1e3 / steps
+        rows.append((cat, busy, exposed))
+    lo = min(s for s, _, _, _ in kernels)
+    hi = max(e for _, e, _, _ in kernels)
+    covered = sum(e - s for s, e in _union([(s, e) for s, e, _, _ in kernels])) / 1e3 / steps
+    rows.append(("idle (no kernel running)", max(step_ms - covered, 0.0), max(step_ms - covered, 0.0)))
+    rows.append(("(trace span per step)", (hi - lo) / 1e3 / steps, float("nan")))
+    return rows
+
+
+def top_kernels(kernels, steps: int, n: int = 12) -> list[tuple[str, str, float]]:
+    """The ``n`` (kernel, category) pairs of most GPU time, ms per step."""
+    total = collections.Counter()
+    for s, e, c, name in kernels:
+        total[(name, c)] += (e - s) / 1e3 / steps
+    return [(name[:90], c, ms) for (name, c), ms in total.most_common(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--label", default="", help="what this run is (a before/after name), for the table")
+    ap.add_argument("--warm", type=int, default=8, help="steps before the profiled ones (autotuning, warm-up)")
+    ap.add_argument("--steps", type=int, default=3, help="steps profiled")
+    ap.add_argument("--out", help="append the table to this markdown file (rank 0)")
+    ap.add_argument("--keep-trace", help="write rank 0's trace (complete events only) here, gzipped JSON")
+    args, extra = ap.parse_known_args()
+    argv = ["--config", args.config, f"--train.steps={args.warm + args.steps + 1}", "--log.wandb_mode=disabled",
+            "--log.progress=false", "--log.every=1000000", "--train.eval_every=0", "--checkpoint.every=0",
+            f"--log.dir={tempfile.mkdtemp()}", "--log.overwrite=true", *extra]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = load_config(argv, world)
+    trainer = train.trainer.Trainer(cfg, argv)
+    rt = trainer.rt
+    instrument(trainer)
+    for _ in range(args.warm):
+        trainer.train_step()
+    torch.cuda.synchronize()
+    trace = os.path.join(tempfile.mkdtemp(), f"trace{rt.rank}.json")
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    times = []
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            if rt.distributed:
+                dist.barrier()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            trainer.train_step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    step_s = torch.tensor(times, device=rt.device)
+    if rt.distributed:
+        dist.all_reduce(step_s, op=dist.ReduceOp.MAX)
+    step_ms = float(step_s.mean()) * 1e3
+    peak_gb = torch.cuda.max_memory_allocated() / 1e9
+    if rt.rank == 0:
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+        if args.keep_trace:
+            with gzip.open(args.keep_trace, "wt") as f:
+                json.dump({"traceEvents": events}, f)
+        kernels, syncs = classify(events)
+        rows = summarise(kernels, step_ms, args.steps)
+        tokens = trainer.tokens_per_step
+        mfu = tokens / (step_ms / 1e3) * trainer.flops_per_token / (rt.world_size * trainer.peak)
+        counts = param_counts(trainer.model, cfg, rt.ep)
+        lines = [
+            f"## {args.label or args.config}",
+            "",
+            f"- device: {torch.cuda.get_device_name(0)} × {rt.world_size} (EP {rt.ep}); torch {torch.__version__}; "
+            f"Python {platform.python_version()}; {datetime.datetime.now():%Y-%m-%d %H:%M}",
+            f"- command: `torchrun --nproc_per_node={rt.world_size} bench/step_profile.py --config {args.config} "
+            f"--warm {args.warm} --steps {args.steps}{''.join(' ' + x for x in extra)}`",
+            f"- {counts['params_total'] / 1e9:.2f}B params, {counts['params_active'] / 1e9:.2f}B active; "
+            f"{tokens:,} tokens/step; step {step_ms:.1f} ms (mean of {args.steps}, slowest rank); "
+            f"{tokens / (step_ms / 1e3):,.0f} tokens/s; MFU {mfu:.1%}; peak memory rank 0 {peak_gb:.1f} GB",
+            "",
+            "| category | GPU ms/step | % of step | exposed ms/step | exposed % |",
+            "|---|---|---|---|---|",
+            *[f"| {c} | {b:.1f} | {100 * b / step_ms:.1f} | {x:.1f} | {100 * x / step_ms:.1f} |" for c, b, x in rows],
+            "",
+            "Top kernels (rank 0, ms/step):",
+            "",
+            "| kernel | category | ms/step |",
+            "|---|---|---|",
+            *[f"| `{n}` | {c} | {ms:.2f} |" for n, c, ms in top_kernels(kernels, args.steps)],
+            "",
+            f"Host syncs per step (the host waits for the GPU; {sum(syncs.values()) / args.steps:g} in all):",
+            "",
+            "| range | op | per step |",
+            "|---|---|---|",
+            *[f"| {r} | `{op}` | {n / args.steps:g} |" for (r, op), n in syncs.most_common()],
+            "",
+        ]
+        text = "\n".join(lines)
+        print(text, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(text + "\n")
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""The LM head and its cross-entropy in chunks of tokens: no (T, V) tensor outlives one chunk.
+
+Legend: T tokens, D model dim, V vocabulary, n the rows of one chunk.
+
+Why: ``F.cross_entropy(F.linear(h_TD, weight_VD).float(), targets_T)`` materialises the logits in
+the compute dtype and in fp32, keeps the log-softmax output (T, V) fp32 for the backward, and the
+backward makes two more (T, V) tensors (the gradient of the log-softmax output, its own output):
+at T = 16,384 and V = 50,304 each fp32 one is 3.3 GB. Here the tokens are taken ``chunk`` rows at
+a time: logits ``h_nD @ weightᵀ`` in the compute dtype (the autocast dtype under autocast, as
+``F.linear`` there, else the inputs'), then in fp32 the shifted logits, their log-sum-exp and the
+loss sum. When a gradient is asked for, the forward finishes the chunk's backward at once: the
+gradient of its logits ``(softmax − onehot) / T``, cast back to the compute dtype as the
+reference's ``.float()`` backward does, then ``dh_nD = g_nV @ weight`` and ``dW_VD += g_nVᵀ @
+h_nD`` (the sum over chunks in fp32).
+
+What is saved for the backward: the two gradients, ``dh_TD`` in h's dtype and ``dW_VD`` in the
+weight's: the size of h and of the weight, never T·V. The backward only scales them by the
+incoming gradient (in place). With no gradient asked for (validation, ``torch.no_grad``) only the
+loss is computed.
+
+What it costs: the same three GEMMs as the reference (logits, dgrad, wgrad; none recomputed) and
+elementwise passes over each chunk's logits (shift, exp, sum, scale, cast: no log-softmax output
+written, no separate nll-loss gradient), about ten kernel launches per chunk. The weight's
+gradient is accumulated in fp32 from each chunk's product rounded to the compute dtype (the
+reference rounds the whole product once); that product, (V, D) in the compute dtype, is a
+transient of every chunk, and the fp32 accumulator lives from the forward to the backward, where
+it becomes (or joins, tied to the embedding) the weight's gradient anyway.
+
+The weight is an input of the autograd Function (never ``.data``): under FSDP2 it is the unsharded
+parameter the root module's forward gathered, and its gradient reaches the parameter through
+autograd like any other, summed with the embedding lookup's when the embeddings are tied.
+"""
+
+import torch
+
+# A chunk's fp32 logits (n · V · 4 bytes) are kept near 256 MiB: n = 1,280 rows at V = 50,304,
+# 384 at V = 151,936, whatever T is (the reference's fp32 logits grow with T: 3.3 GB at 16k × 50k).
+# With the compute-dtype logits before them and the compute-dtype gradient after them, a chunk's
+# working set is about 1.5 times that. Rows come in multiples of 128 (the GEMM tiles), at least
+# 128; each chunk's GEMMs are still 2 · n · V · D FLOPs (0.24 TFLOP at n = 384, V = 151,936,
+# D = 2048), large GEMMs for a GPU: more chunks should cost launches rather than GEMM efficiency
+# (bench/lm_loss.py measures the whole against the materialised logits).
+LOGITS_BUDGET_BYTES = 256 * 2**20
+
+
+def chunk_rows(V: int) -> int:
+    """Tokens per chunk for a vocabulary of ``V``: fp32 logits near :data:`LOGITS_BUDGET_BYTES`."""
+    return max(LOGITS_BUDGET_BYTES // (4 * V) // 128 * 128, 128)
+
+
+def _chunk(h_nD, w_VD, y_n, inv_T: float, grad_h_nD, grad_w_VD) -> torch.Tensor:
+    """One chunk's summed loss (fp32, 0-dim). ``h_nD`` and ``w_VD`` in the compute dtype. With
+    ``grad_h_nD`` (a slice of h's gradient) or ``grad_w_VD`` (the fp32 accumulator) given, writes
+    the chunk's gradient of h there and adds its gradient of the weight there."""
+    logits_nV = h_nD @ w_VD.T
+    # the max of compute-dtype values is exact; subtracting it from them promotes to fp32: the
+    # reference's .float() and log-softmax shift in one pass
+    z_nV = logits_nV - logits_nV.amax(dim=1, keepdim=True).float()
+    del logits_nV
+    z_target_n1 = z_nV.gather(1, y_n[:, None])
+    z_nV.exp_()
+    sum_n1 = z_nV.sum(dim=1, keepdim=True)
+    loss = (sum_n1.log() - z_target_n1).sum()
+    if grad_h_nD is None and grad_w_VD is None:
+        return loss
+    z_nV.mul_(sum_n1.reciprocal_().mul_(inv_T))  # softmax / T
+    z_nV[torch.arange(len(y_n), device=y_n.device), y_n] -= inv_T
+    g_nV = z_nV.to(h_nD.dtype)
+    del z_nV
+    if grad_h_nD is not None:
+        grad_h_nD.copy_(g_nV @ w_VD)
+    if grad_w_VD is not None:
+        _add_wgrad(grad_w_VD, g_nV, h_nD)
+    return loss
+
+
+def _add_wgrad(grad_w_VD: torch.Tensor, g_nV: torch.Tensor, h_nD: torch.Tensor) -> None:
+    """``grad_w_VD += g_nVᵀ @ h_nD`` into the fp32 sum. On CUDA one cuBLAS GEMM with an fp32 output
+    accumulates in place (no (V, D) product in the compute dtype, no add pass: measured on an H100
+    at T 8192, V 50,304, D 2048, chunks of 1,280 rows, the product-then-add cost 0.82× the
+    reference's time); elsewhere (no fp32-output GEMM for bf16 inputs) the product, then the add."""
+    if g_nV.is_cuda:
+        torch.addmm(grad_w_VD, g_nV.T, h_nD, out_dtype=torch.float32, out=grad_w_VD)
+    else:
+        grad_w_VD.add_(g_nV.T @ h_nD)
+
+
+def _loss_and_grads(h_TD, weight_VD, targets_T, chunk: int, dtype: torch.dtype, need_h: bool, need_w: bool):
+    """(mean loss, dh_TD in h's dtype or None, dW_VD in the weight's dtype or None)."""
+    T = h_TD.shape[0]
+    # autocast off: every operand is cast here, once, to the dtype F.linear would compute in
+    with torch.autocast(h_TD.device.type, enabled=False):
+        w_VD = weight_VD.to(dtype)
+        grad_h_TD = torch.empty_like(h_TD) if need_h else None
+        grad_w_VD = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device) if need_w else None
+        total = torch.zeros((), dtype=torch.float32, device=h_TD.device)
+        for start in range(0, T, chunk):
+            end = min(start + chunk, T)
+            total += _chunk(h_TD[start:end].to(dtype), w_VD, targets_T[start:end], 1.0 / T,
+                            None if grad_h_TD is None else grad_h_TD[start:end], grad_w_VD)
+        del w_VD
+        if grad_w_VD is not None:
+            grad_w_VD = grad_w_VD.to(weight_VD.dtype)
+    return total / T, grad_h_TD, grad_w_VD
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """``(h_TD, weight_VD, targets_T, chunk, dtype) -> ()`` mean cross-entropy of ``h_TD @
+    weight_VDᵀ``; the gradients are computed in the forward (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, h_TD, weight_VD, targets_T, chunk, dtype):
+        need_h, need_w = ctx.needs_input_grad[:2]
+        loss, grad_h_TD, grad_w_VD = _loss_and_grads(h_TD, weight_VD, targets_T, chunk, dtype, need_h, need_w)
+        ctx.save_for_backward(grad_h_TD, grad_w_VD)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h_TD, grad_w_VD = ctx.saved_tensors
+        # in place: nothing else reads them, and a second backward through a retained graph then
+        # fails autograd's check of the saved tensors' versions instead of scaling them twice
+        for grad in (grad_h_TD, grad_w_VD):
+            if grad is not None:
+                grad.mul_(grad_loss)
+        return grad_h_TD, grad_w_VD, None, None, None
+
+
+def linear_cross_entropy(h_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor,
+                         chunk: int | None = None) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(h_TD, weight_VD).float(), targets_T)`` (the mean over T, fp32,
+    0-dim) without the (T, V) logits: ``chunk`` tokens at a time (default :func:`chunk_rows`).
+
+    The logits are computed in autocast's dtype when autocast is on for h's device, as F.linear
+    there, else in the inputs' dtype (which must then match). Differentiable in ``h_TD`` and
+    ``weight_VD``.
+    """
+    if h_TD.dim() != 2 or weight_VD.dim() != 2 or targets_T.shape != h_TD.shape[:1] or (chunk is not None and chunk < 1):
+        raise ValueError(f"linear_cross_entropy takes h (T, D), weight (V, D), targets (T,) and chunk >= 1; got "
+                         f"{tuple(h_TD.shape)}, {tuple(weight_VD.shape)}, {tuple(targets_T.shape)} and {chunk}")
+    device_type = h_TD.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h_TD.dtype
+    chunk = chunk or chunk_rows(weight_VD.shape[0])
+    if torch.is_grad_enabled() and (h_TD.requires_grad or weight_VD.requires_grad):
+        return LinearCrossEntropy.apply(h_TD, weight_VD, targets_T, chunk, dtype)
+    return _loss_and_grads(h_TD, weight_VD, targets_T, chunk, dtype, False, False)[0]
