@@ -33,14 +33,15 @@ autograd like any other, summed with the embedding lookup's when the embeddings 
 
 import torch
 
-# A chunk's fp32 logits (n · V · 4 bytes) are kept near 256 MiB: n = 1,280 rows at V = 50,304,
-# 384 at V = 151,936, whatever T is (the reference's fp32 logits grow with T: 3.3 GB at 16k × 50k).
-# With the compute-dtype logits before them and the compute-dtype gradient after them, a chunk's
-# working set is about 1.5 times that. Rows come in multiples of 128 (the GEMM tiles), at least
-# 128; each chunk's GEMMs are still 2 · n · V · D FLOPs (0.24 TFLOP at n = 384, V = 151,936,
-# D = 2048), large GEMMs for a GPU: more chunks should cost launches rather than GEMM efficiency
-# (bench/lm_loss.py measures the whole against the materialised logits).
-LOGITS_BUDGET_BYTES = 256 * 2**20
+# A chunk's fp32 logits (n · V · 4 bytes) are kept near 1.5 GiB: n = 7,936 rows at V = 50,304,
+# 2,560 at V = 151,936, whatever T is (the reference's fp32 logits grow with T: 3.3 GB at 16k × 50k,
+# and it keeps two more (T, V) fp32 tensors). Measured on an H100 (T 8192, D 2048, bf16 autocast,
+# fwd+bwd, bench/results/lm_loss.md): at V 50,304 chunks of 1,280 / 2,560 / 4,096 rows ran 0.92 /
+# 0.98 / 1.03× the reference's speed, at V 151,936 0.67 / 1.02 / 1.06× (peak 2.7 / 3.0 / 3.5 GiB
+# and 6.1 / 8.0 / 9.3 GiB against the reference's 4.8 and 14.5): the fixed cost of a chunk (the
+# softmax passes over its logits, a weight-gradient GEMM that writes all of (V, D)) needs a few
+# thousand rows to amortise. Rows come in multiples of 128 (the GEMM tiles), at least 128.
+LOGITS_BUDGET_BYTES = 3 * 2**29
 
 
 def chunk_rows(V: int) -> int:
