@@ -61,6 +61,7 @@ class MoEConfig:
     shared_expert_gate: the shared experts' output is multiplied per token by
         ``sigmoid(x · w_g)`` (one ``Linear(D, 1)`` without bias, ``layer.shared_expert_gate``)
         before it is added (Qwen2-MoE). Needs ``num_shared_experts > 0``.
+    force_balance: benchmark only: the top-k selection is uniform random (see :class:`moe.Router`).
     """
 
     # each field's metadata["help"] is its one-line meaning (the training script's --help)
@@ -108,6 +109,11 @@ class MoEConfig:
     shared_expert_gate: bool = field(default=False, metadata={
         "help": "multiply the shared experts' output by sigmoid(x · w_g) per token, w_g a (dim, 1) weight "
                 "(Qwen2-MoE); needs num_shared_experts > 0"})
+    force_balance: bool = field(default=False, metadata={
+        "help": "BENCHMARK ONLY (Megatron's force load balancing): each token's top_k experts are drawn uniformly "
+                "at random instead of by the router, so every expert gets about T·K/E pairs whatever the model "
+                "learned; the combine weights and losses still come from the router. For speed comparisons "
+                "that must not depend on the routing; never for a model you want to use"})
 
     def validate(self, prefix: str = "MoEConfig: ") -> "MoEConfig":
         """Raise ValueError unless every option is in range; return self.

@@ -100,7 +100,8 @@ class MoELayer(nn.Module):
         self.router = Router(
             dim, cfg.num_experts, cfg.top_k, score_func=cfg.score_func, renormalize=cfg.renormalize,
             expert_bias=cfg.expert_bias, bias_update_rate=cfg.bias_update_rate, n_group=cfg.n_group,
-            topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor, device=device,
+            topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
+            force_balance=cfg.force_balance, device=device,
         )
         # One draw from the global CPU RNG, the same whatever the EP size or device: global expert
         # e is initialised from its own generator seeded init_seed + e, so with one

@@ -81,6 +81,11 @@ class Router(nn.Module):
             ``n_group=1`` (or ``topk_group == n_group``) keeps every expert and runs no extra op.
         routed_scaling_factor: multiplies the combine weights (after the renormalisation), as
             DeepSeek-V3's ``routed_scaling_factor``; 1.0 runs no extra op.
+        force_balance: benchmark only (Megatron's ``moe_router_force_load_balancing``): the K
+            experts of each token are the top-K of uniform random scores, drawn from the device's
+            default generator, instead of the router's; the combine weights are still the chosen
+            experts' router scores, so the router trains and every kernel sees the shapes of
+            perfectly balanced routing.
     """
 
     def __init__(
@@ -96,6 +101,7 @@ class Router(nn.Module):
         n_group: int = 1,
         topk_group: int = 1,
         routed_scaling_factor: float = 1.0,
+        force_balance: bool = False,
         device=None,
     ):
         super().__init__()
@@ -114,6 +120,7 @@ class Router(nn.Module):
         self.n_group = n_group
         self.topk_group = topk_group
         self.routed_scaling_factor = routed_scaling_factor
+        self.force_balance = force_balance
         # The router stays fp32 whatever the model's dtype: top-k on bf16 logits flips
         # near-ties and the softmax of bf16 logits loses the small probabilities.
         self.weight = nn.Parameter(torch.empty(num_experts, dim, device=device, dtype=torch.float32))
@@ -136,7 +143,9 @@ class Router(nn.Module):
         else:
             scores_TE = logits_TE.sigmoid()
         select_TE = scores_TE if self.expert_bias is None else scores_TE + self.expert_bias
-        if self.topk_group < self.n_group:
+        if self.force_balance:
+            select_TE = torch.rand_like(scores_TE)
+        elif self.topk_group < self.n_group:
             select_TE = self._limit_to_groups(select_TE.detach())
         experts_TK = select_TE.topk(self.top_k, dim=-1, sorted=True).indices
         priority_TK = scores_TE.gather(1, experts_TK)

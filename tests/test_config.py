@@ -450,3 +450,6 @@ def test_start_line_says_what_comes_first():
     line = preflight.start_line(cfg, 2)
     assert line.startswith("config tiny: checked | world 2 (ep 2) on ")
     assert "1·8·16384 = 131,072 tokens" in line and "TFLOP a step" in line and "train 200 steps" in line
+    assert "BENCHMARK ONLY" not in line
+    forced = load_config(["--config", "tiny", "--moe.force_balance=true"], world_size=2)
+    assert preflight.start_line(forced, 2).endswith("| moe.force_balance: BENCHMARK ONLY, the experts are chosen at random")

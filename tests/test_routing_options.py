@@ -332,3 +332,22 @@ def test_first_dense_layers():
     assert [cfg.is_moe_layer(i) for i in range(5)] == [False, True, False, True, False]
     with pytest.raises(ValueError, match="moe.first_dense_layers must be an int >= 0"):
         MoEConfig(first_dense_layers=-1).validate("moe.")
+
+
+def test_force_balance_spreads_the_pairs_evenly_and_the_router_still_trains():
+    """moe.force_balance (benchmark only): random top-k, so the load is flat even when the router
+    sends every token to one expert; the combine weights are the router's, so it gets gradients."""
+    torch.manual_seed(3)
+    T, D, E, K = 4096, 16, 8, 2
+    x = torch.randn(T, D) + 1.0
+    for force in (False, True):
+        layer = MoELayer(D, 12, E, K, force_balance=force)
+        with torch.no_grad():
+            layer.router.weight[0] = 1.0  # every token's favourite: expert 0
+        out, aux = layer.forward_with_aux(x)
+        (out.square().mean() + aux.loss).backward()
+        imbalance = float(aux.stats.load_imbalance)
+        assert (imbalance < 1.15) if force else (imbalance > 3.5), (force, imbalance)
+        assert layer.router.weight.grad.abs().sum() > 0
+    experts_TK = layer.router(x).experts_TK
+    assert bool((experts_TK[:, 0] != experts_TK[:, 1]).all())  # K distinct experts per token

@@ -166,4 +166,5 @@ def start_line(cfg: Config, world_size: int) -> str:
     return (f"config {cfg.log.run_name}: checked | world {world_size} (ep {cfg.parallel.ep}) on {device} | per rank: "
             f"{t.grad_accum}·{d.batch_size}·{d.seq_len} = {t.grad_accum * tokens:,} tokens and ~{flop(step)} a step, "
             f"~{flop(val)} a validation pass | next: build the run, validate, train {t.steps} steps "
-            f"(a line every {cfg.log.every})")
+            f"(a line every {cfg.log.every})"
+            + (" | moe.force_balance: BENCHMARK ONLY, the experts are chosen at random" if cfg.moe.force_balance else ""))
