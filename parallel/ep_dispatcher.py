@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from moe.capacity import RoutingPlan, split_plan
+from moe.config import check_positive_int
 from moe.dispatch import Dispatcher, DispatchMeta, LocalDispatcher, LocalDispatchMeta
 from parallel import flight
 from parallel.all_to_all import all_reduce_sum
@@ -89,8 +90,7 @@ class ExpertParallelDispatcher(Dispatcher):
     def __init__(self, ep_group=None, world_group=None, overlap_chunks: int = 1):
         if not dist.is_initialized():
             raise RuntimeError(f"{type(self).__name__} needs torch.distributed.init_process_group() first")
-        if not isinstance(overlap_chunks, int) or isinstance(overlap_chunks, bool) or overlap_chunks < 1:
-            raise ValueError(f"{type(self).__name__}: overlap_chunks must be an int >= 1, got {overlap_chunks!r}")
+        check_positive_int(f"{type(self).__name__}: overlap_chunks", overlap_chunks)
         self.ep_group = ep_group
         self.world_group = world_group
         self.overlap_chunks = overlap_chunks
@@ -147,7 +147,6 @@ class ExpertParallelDispatcher(Dispatcher):
         """
         if self.overlap_chunks == 1 or self.ep_size == 1:
             return super().run_experts(experts, x_TD, plan, experts_TK, w_TK, out_dtype, row_dtype)
-        out_dtype = out_dtype or x_TD.dtype
         chunks = split_plan(plan, experts_TK, self.overlap_chunks)
         main, side = _current_stream(x_TD.device), self._overlap_streams.get(x_TD.device)
         if side is not None:

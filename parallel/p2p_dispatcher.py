@@ -58,6 +58,7 @@ import torch.distributed as dist
 from torch.autograd.graph import increment_version
 
 from moe.capacity import RoutingPlan
+from moe.config import check_positive_int
 from parallel import flight
 from parallel.ep_dispatcher import ExpertParallelDispatcher, ExpertParallelMeta
 from parallel.p2p_rows import dispatch_rows, push_back, push_rows, sum_pairs
@@ -237,8 +238,7 @@ class P2PDispatcher(ExpertParallelDispatcher):
     def __init__(self, ep_group=None, world_group=None, max_tokens: int = 0, num_buffers: int = 1):
         super().__init__(ep_group, world_group)
         for name, value in (("max_tokens", max_tokens), ("num_buffers", num_buffers)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"P2PDispatcher: {name} must be a positive int, got {value!r}")
+            check_positive_int(f"P2PDispatcher: {name}", value)
         if not torch.cuda.is_available():
             raise RuntimeError("P2PDispatcher needs CUDA GPUs (symmetric memory); use AllToAllDispatcher")
         self.max_tokens = max_tokens

@@ -225,7 +225,7 @@ def test_the_manifest_lists_every_file_with_its_size_and_hash(two_saved):
     assert meta["format"] == "dcp-2"
     assert sorted(meta["files"]) == sorted(set(os.listdir(step2)) - {"meta.json"}) == [".metadata", "__0_0.distcp"]
     for name, entry in meta["files"].items():
-        assert entry == ckpt._digest(os.path.join(step2, name))
+        assert entry == ckpt.file_digest(os.path.join(step2, name))
     assert Checkpointer(d, _Run(1, 1, "replicate", seed=11).rt).verify(step2) is True
 
 
@@ -323,8 +323,8 @@ def _two_ranks_verify(rank: int, world: int, tmp: str) -> dict:
     file of step 2 damaged; resumed by name and by ``auto``; then a NaN in rank 1's experts only."""
     d = f"{tmp}/ck"
     hashed = []
-    digest = ckpt._digest
-    ckpt._digest = lambda path: hashed.append(os.path.basename(path)) or digest(path)
+    digest = ckpt.file_digest
+    ckpt.file_digest = lambda path: hashed.append(os.path.basename(path)) or digest(path)
     run = _Run(2, 2, "replicate", seed=3)
     saver = Checkpointer(d, run.rt)
     run.step(0)
@@ -347,7 +347,7 @@ def _two_ranks_verify(rank: int, world: int, tmp: str) -> dict:
     except CheckpointError as e:
         by_name = str(e)
     info, said = _restore(fresh, d, "auto")
-    ckpt._digest = digest
+    ckpt.file_digest = digest
     experts = sorted(n for n, _ in run.model.named_parameters() if "experts" in n)
     if rank == 1:
         with torch.no_grad():

@@ -350,7 +350,7 @@ def test_two_process_ep2_and_resume_exact_and_into_ep1_replicated(tmp_path):
     meta = json.loads((step3 / "meta.json").read_text())
     assert meta.pop("config")["parallel"]["ep"] == 2  # the run's config tree (what train.export reads)
     assert meta == {"format": "dcp-2", "step": 3, "world_size": 2, "ep": 2, "data_parallel": "fsdp",
-                    "files": {n: ckpt._digest(str(step3 / n)) for n in (".metadata", "__0_0.distcp", "__1_0.distcp")}}
+                    "files": {n: ckpt.file_digest(str(step3 / n)) for n in (".metadata", "__0_0.distcp", "__1_0.distcp")}}
     # resume the same checkpoint into EP=1, replicated (DCP reslices experts and moments) ...
     os.makedirs(tmp_path / "ep1")
     os.symlink(tmp_path / "part" / "checkpoints", tmp_path / "ep1" / "checkpoints")

@@ -64,7 +64,6 @@ collectives never interleave with the training's. The checkpoint is hashed and b
 rank's write has completed.
 """
 
-import hashlib
 import json
 import os
 import random
@@ -85,13 +84,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from parallel import flight
 from train.config import ConfigError
+from train.digest import file_digest
 from train.model import expert_parameter_names
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 FORMAT = "dcp-2"
 UNVERIFIED_FORMAT = "dcp-1"  # the DCP format before the manifest: still loads, unverified
 META = "meta.json"
-CHUNK = 16 << 20  # hashing reads: large enough that hashlib, not Python, sets the pace
 
 
 class CheckpointError(ValueError):
@@ -143,19 +142,6 @@ def _global_expert(t: torch.Tensor, dims) -> torch.Tensor:
     return DTensor.from_local(local, dims.mesh, [over_edp, Shard(0)], run_check=False)
 
 
-def _digest(path: str) -> dict:
-    """A file's manifest entry: ``{"bytes": size, "sha256": hex digest}``, read in CHUNK pieces."""
-    h = hashlib.sha256()
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
-    size = 0
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-            size += n
-    return {"bytes": size, "sha256": h.hexdigest()}
-
-
 def _file_problem(path: str, expected: dict) -> str | None:
     """What is wrong with the file at ``path`` against its manifest entry, None if nothing."""
     try:
@@ -163,7 +149,7 @@ def _file_problem(path: str, expected: dict) -> str | None:
         if size != expected["bytes"]:
             how = "truncated" if size < expected["bytes"] else "longer than written"
             return f"{size} bytes, manifest says {expected['bytes']} ({how})"
-        if _digest(path)["sha256"] != expected["sha256"]:
+        if file_digest(path)["sha256"] != expected["sha256"]:
             return "SHA-256 differs from the manifest (contents altered)"
     except FileNotFoundError:
         return "missing"
@@ -298,7 +284,7 @@ class Checkpointer:
         self.rt.barrier()  # every rank's files are written
         # rank 0's listing for all: a rank on another node might list before its view catches up
         names = self._all_gather(sorted(os.listdir(tmp)) if self.rt.rank == 0 else None)[0]
-        hashed = self._all_gather({n: _digest(os.path.join(tmp, n)) for n in self._mine(names)})
+        hashed = self._all_gather({n: file_digest(os.path.join(tmp, n)) for n in self._mine(names)})
         if self.rt.rank == 0:
             files = {n: d for share in hashed for n, d in share.items()}
             meta = {"format": FORMAT, "step": step, "world_size": self.rt.world_size, "ep": self.rt.ep,

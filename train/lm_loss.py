@@ -21,10 +21,11 @@ loss is computed.
 What it costs: the same three GEMMs as the reference (logits, dgrad, wgrad; none recomputed) and
 elementwise passes over each chunk's logits (shift, exp, sum, scale, cast: no log-softmax output
 written, no separate nll-loss gradient), about ten kernel launches per chunk. The weight's
-gradient is accumulated in fp32 from each chunk's product rounded to the compute dtype (the
-reference rounds the whole product once); that product, (V, D) in the compute dtype, is a
-transient of every chunk, and the fp32 accumulator lives from the forward to the backward, where
-it becomes (or joins, tied to the embedding) the weight's gradient anyway.
+gradient is summed over the chunks in fp32: on CUDA each chunk's GEMM adds into the fp32 sum
+itself (:func:`_add_wgrad`); elsewhere each chunk's product, (V, D) rounded to the compute dtype,
+is a transient added to it (the reference rounds the whole product once). The fp32 sum lives
+from the forward to the backward, where it becomes (or joins, tied to the embedding) the weight's
+gradient anyway.
 
 The weight is an input of the autograd Function (never ``.data``): under FSDP2 it is the unsharded
 parameter the root module's forward gathered, and its gradient reaches the parameter through

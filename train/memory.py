@@ -46,8 +46,7 @@ What is counted, per GPU:
   ``parallel.reshard_after_forward`` is false), and the casts of what FSDP leaves out (the edp = 1
   experts' ``.to(bf16)``; the routers run in fp32 with autocast off).
 - transients at the peak: the LM head and loss's chunk (one chunk's logits in bf16 and fp32 or
-  its bf16 gradient beside them, its (V, D) bf16 weight-gradient product, the fp32 (V, D)
-  accumulator), a block's backward working set (incoming gradients, dgrad outputs, the bf16
+  its bf16 gradient beside them, the fp32 (V, D) weight-gradient accumulator the GEMM adds into), a block's backward working set (incoming gradients, dgrad outputs, the bf16
   wgrad before its fp32 accumulate), the activations a checkpointed block recomputes, FSDP's
   buffers (below), the all-reduce's flat bucket (every gradient when replicated; the routers'
   under FSDP).
@@ -434,15 +433,16 @@ def loss_parts(s: ModelShape, B: int, S: int, num: Numerics, lay: "Layout | None
 
 
 def lm_head_forward_bytes(s: ModelShape, T: int, lay: Layout, num: Numerics) -> int:
-    """The LM head and loss's forward at its largest, besides what it keeps (train/lm_loss.py): the
-    fp32 weight-gradient accumulator, plus the larger of one chunk's working set (n rows: the
-    compute-dtype logits or gradient beside the fp32 shifted logits; or the gradient beside the
-    chunk's (V, D) weight-gradient product; the chunk's input cast) and, when the weight is not
-    fp32, the accumulator's cast to it at the end."""
+    """The LM head and loss's forward at its largest on a GPU, besides what it keeps
+    (train/lm_loss.py): the fp32 weight-gradient accumulator, plus the larger of one chunk's
+    working set (n rows: the compute-dtype logits or gradient beside the fp32 shifted logits; the
+    chunk's input cast; the weight gradient is accumulated into the fp32 sum by the GEMM itself,
+    with no (V, D) product) and, when the weight is not fp32, the accumulator's cast to it at the
+    end."""
     V, D, c = s.V, s.D, num.compute_bytes
     n = min(T, chunk_rows(V))
     cast_input = n * D * c if norm_bytes(lay, num) != c else 0
-    chunk = cast_input + max(n * V * (c + 4), n * V * c + V * D * c)
+    chunk = cast_input + n * V * (c + 4)
     wb = head_weight_bytes(lay)
     return V * D * 4 + max(chunk, V * D * wb if wb != 4 else 0)
 

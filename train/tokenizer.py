@@ -77,6 +77,7 @@ import numpy as np
 
 from train.config import ConfigError, DataConfig
 from train.data import load_splits, stdlib_documents, stdlib_plan, tail_cut
+from train.digest import file_digest
 
 FORMAT = 1  # the layout and meaning of the cache's files: a new value makes every older entry a miss
 SPECIALS = ("<|endoftext|>",)
@@ -156,12 +157,8 @@ def _key(*parts) -> str:
 
 
 def file_sha256(path: str) -> str:
-    """The first 16 hex digits of the SHA-256 of a file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()[:16]
+    """The first 16 hex digits of the SHA-256 of a file's bytes (:func:`train.digest.file_digest`)."""
+    return file_digest(path)["sha256"][:16]
 
 
 @contextlib.contextmanager
