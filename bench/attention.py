@@ -10,10 +10,8 @@ triton.testing.do_bench (median); the claim is the median over rounds of anchor_
 """
 
 import argparse
-import datetime
 import glob
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -24,7 +22,9 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 from attention import flash_attention  # noqa: E402
+from common import alternate, header, median_ratio, write_results  # noqa: E402
 
 TOKENS = 16384
 
@@ -65,15 +65,10 @@ def bench_row(Hd, S, causal, mode, rounds, warmup, rep, a_vs_a):
     names = list(IMPLS) + (["ours_again"] if a_vs_a else [])
     fns = {n: _runner(IMPLS["ours" if n == "ours_again" else n], q, k, v, do, causal, mode)
            for n in names}
-    times = {n: [] for n in names}
-    for _ in range(rounds):
-        for n in names:
-            times[n].append(triton.testing.do_bench(fns[n], warmup=warmup, rep=rep,
-                                                    return_mode="median"))
+    times = alternate(fns, rounds, warmup, rep)
     flops = _flops(B, H, S, Hd, causal, mode)
     tflops = {n: flops / statistics.median(t) / 1e9 for n, t in times.items()}
-    ratios = {n: statistics.median(a / o for a, o in zip(times[n], times["ours"]))
-              for n in names if n != "ours"}
+    ratios = {n: median_ratio(times[n], times["ours"]) for n in names if n != "ours"}
     return dict(Hd=Hd, S=S, B=B, H=H, causal=causal, mode=mode, tflops=tflops, ratios=ratios)
 
 
@@ -126,20 +121,13 @@ def tune_report(cases):
 
 
 def to_markdown(rows, args):
-    props = torch.cuda.get_device_properties(0)
-    out = [
-        "# FlashAttention (Triton) vs scaled_dot_product_attention",
-        "",
-        f"- device: {props.name} ({props.multi_processor_count} SMs)",
-        f"- torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}, "
-        f"cuDNN {torch.backends.cudnn.version()}, Python {platform.python_version()}",
-        f"- date: {datetime.date(2026, 11, 22).isoformat()}; command: "
-        f"`python bench/attention.py {' '.join(sys.argv[1:])}`",
-        f"- bf16, MHA, B·S = {TOKENS} tokens, H = 16 (Hd 128) / 32 (Hd 64); {args.rounds} rounds "
+    out = header(
+        "FlashAttention (Triton) vs scaled_dot_product_attention", "bench/attention.py",
+        f"bf16, MHA, B·S = {TOKENS} tokens, H = 16 (Hd 128) / 32 (Hd 64); {args.rounds} rounds "
         f"of do_bench(warmup={args.warmup}, rep={args.rep}) median, alternating implementations",
-        "- TFLOP/s = FLOPs / median time; FLOPs 4·B·H·S²·Hd fwd, /2 causal, ×3.5 fwd+bwd",
-        "- ratio = median over rounds of (anchor time / our time): > 1 means ours is faster",
-        "",
+        "TFLOP/s = FLOPs / median time; FLOPs 4·B·H·S²·Hd fwd, /2 causal, ×3.5 fwd+bwd",
+        "ratio = median over rounds of (anchor time / our time): > 1 means ours is faster",
+    ) + [
         "| Hd | S | B×H | causal | mode | ours | SDPA-FLASH | SDPA-cuDNN | vs FLASH | vs cuDNN |"
         " A-vs-A |",
         "|---:|---:|---:|:---:|:---|---:|---:|---:|---:|---:|---:|",
@@ -184,10 +172,7 @@ def main():
     md = to_markdown(rows, args)
     if args.sass:
         md += "\n## SASS check\n\n```\n" + "\n".join(report_sass()) + "\n```\n"
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(md)
-    print(md)
+    write_results(args.out, md)
 
 
 if __name__ == "__main__":

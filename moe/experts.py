@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from moe.kernels import grouped_mm, row_tile_size
+from moe.kernels import grouped_mlp, row_tile_size
 from moe.mlp import ACTIVATIONS, Activation
 
 
@@ -89,5 +89,4 @@ class GroupedExperts(nn.Module):
     def _mlp(self, x_RD: torch.Tensor, offsets_J: torch.Tensor) -> torch.Tensor:
         dtype = self.compute_dtype(x_RD)
         x_RD = x_RD.to(dtype)
-        h_RF = grouped_mm(x_RD, self.w1_LDU.to(dtype), offsets_J, activation=self.activation)
-        return grouped_mm(h_RF, self.w2_LFD.to(dtype), offsets_J)
+        return grouped_mlp(x_RD, self.w1_LDU.to(dtype), self.w2_LFD.to(dtype), offsets_J, self.activation)

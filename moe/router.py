@@ -9,7 +9,8 @@ from typing import Literal
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from moe.kernels.router_mm import router_logits
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 SCORE_FUNCS = typing.get_args(ScoreFunc)
@@ -136,8 +137,7 @@ class Router(nn.Module):
             self.expert_bias.zero_()
 
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
-        with torch.autocast(device_type=x_TD.device.type, enabled=False):
-            logits_TE = F.linear(x_TD.float(), self.weight.float())
+        logits_TE = router_logits(x_TD, self.weight)
         if self.score_func == "softmax":
             scores_TE = logits_TE.softmax(dim=-1)
         else:

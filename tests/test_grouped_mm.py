@@ -10,7 +10,8 @@ output and the input gradient.
 import pytest
 import torch
 
-from moe.kernels import DEFAULT_BLOCK_M, grouped_mm, grouped_mm_reference, grouped_mm_triton, row_tile_size
+from moe.kernels import DEFAULT_BLOCK_M, grouped_mlp, grouped_mm, grouped_mm_reference, grouped_mm_triton, row_tile_size
+from moe.kernels.activation import activation_backward, swiglu_forward
 from moe.kernels.grouped_mm_fwd import grouped_mm_kernel
 from kernel_floor import tma_ok, use_tensor_descriptors
 from moe.kernels.grouped_mm_wgrad import grouped_mm_wgrad, grouped_mm_wgrad_kernel, wgrad_configs
@@ -89,6 +90,57 @@ def test_matches_reference(loads, case, activation, dtype):
     sizes, padding = CPU_CASES[case]
     I, N = CPU_IN[loads]
     _check(sizes, padding, I=I, N=N, activation=activation, dtype=dtype)
+
+
+def _mlp_chain_and_fused(sizes, padding, I, F, dtype, device=DEVICE):
+    """The SwiGLU expert MLP as two GroupedMMFn nodes and as one GroupedSwiGLUMLPFn node:
+    (outputs, dx, dw1, dw2) of each, and the bytes each graph saves for the backward."""
+    L, M = len(sizes), sum(sizes) + padding
+    offsets = _offsets(sizes, device)
+    x = torch.randn(M, I, device=device).to(dtype)
+    w1 = (torch.randn(L, I, 2 * F, device=device) / I**0.5).to(dtype)
+    w2 = (torch.randn(L, F, I, device=device) / F**0.5).to(dtype)
+    dy = torch.randn(M, I, device=device).to(dtype)
+    results = []
+    for fused in (False, True):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w2)]
+        saved = {}
+
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if fused:
+                y = grouped_mlp(leaves[0], leaves[1], leaves[2], offsets, "swiglu", backend="triton")
+            else:
+                h = grouped_mm_triton(leaves[0], leaves[1], offsets, "swiglu")
+                y = grouped_mm_triton(h, leaves[2], offsets)
+        results.append((y, *torch.autograd.grad(y, leaves, dy), sum(saved.values())))
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", list(CPU_CASES))
+def test_fused_swiglu_mlp_equals_the_chain_and_keeps_no_h(case, dtype):
+    """One node, same bits as the two-node chain, and M·F·itemsize fewer saved bytes (no h)."""
+    sizes, padding = CPU_CASES[case]
+    I, F = 56, 40
+    chain, fused = _mlp_chain_and_fused(sizes, padding, I, F, dtype)
+    for name, a, b in zip(("y", "dx", "dw1", "dw2"), chain[:4], fused[:4]):
+        assert torch.equal(a, b), name
+    M = sum(sizes) + padding
+    assert chain[4] - fused[4] == M * F * torch.finfo(dtype).bits // 8
+
+
+def test_activation_backward_returns_the_forward_activation():
+    z = torch.randn(37, 2 * 24, device=DEVICE, dtype=torch.float16)
+    dh = torch.randn(37, 24, device=DEVICE, dtype=torch.float16)
+    dz, h = activation_backward(z, dh, "swiglu", return_h=True)
+    assert torch.equal(h, swiglu_forward(z))
+    assert torch.equal(dz, activation_backward(z, dh, "swiglu"))
+    with pytest.raises(ValueError, match="return_h is for swiglu only"):
+        activation_backward(z, z, "gelu", return_h=True)
 
 
 def test_block_multiples_int32_offsets():
@@ -206,6 +258,14 @@ def test_gpu_bf16_segments_share_weights(activation):
     # 4 source ranks x 3 weight groups, as an expert-parallel dispatcher hands them over.
     sizes = [300, 0, 77, 1, 513, 0, 0, 129, 2, 640, 0, 5]
     _check(sizes, 17, I=520, N=600, activation=activation, dtype=torch.bfloat16, num_groups=3)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_swiglu_mlp_equals_the_chain():
+    chain, fused = _mlp_chain_and_fused([300, 0, 1, 517, 129], 40, 512, 384, torch.bfloat16)
+    for name, a, b in zip(("y", "dx", "dw1", "dw2"), chain[:4], fused[:4]):
+        assert torch.equal(a, b), name
+    assert chain[4] - fused[4] == (300 + 1 + 517 + 129 + 40) * 384 * 2
 
 
 @pytest.mark.gpu

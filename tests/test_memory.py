@@ -54,6 +54,13 @@ CASES = {
 }
 
 
+def _triton_chain(x_MI, w1, w2, offsets_J, activation):
+    """The expert MLP as a GPU runs it on fp32 operands: two grouped GEMM nodes, the second
+    keeping h (16-bit SwiGLU is one node that keeps no h: tests/test_grouped_mm.py)."""
+    h = grouped_mm(x_MI, w1, offsets_J, activation=activation, backend="triton")
+    return grouped_mm(h, w2, offsets_J, backend="triton")
+
+
 @pytest.fixture
 def gpu_kernels(monkeypatch):
     """The Triton autograd Functions a GPU runs (grouped GEMM, combine, FlashAttention), here in
@@ -62,7 +69,7 @@ def gpu_kernels(monkeypatch):
     GPU host) the compiled kernels cannot take these CPU tensors."""
     if torch.cuda.is_available():
         pytest.skip("runs the Triton kernels on CPU tensors through the interpreter: CPU hosts only")
-    monkeypatch.setattr(moe.experts, "grouped_mm", functools.partial(grouped_mm, backend="triton"))
+    monkeypatch.setattr(moe.experts, "grouped_mlp", _triton_chain)
     monkeypatch.setattr(moe.dispatch, "weighted_combine", functools.partial(weighted_combine, backend="triton"))
     monkeypatch.setattr(F, "scaled_dot_product_attention",
                         lambda q, k, v, is_causal, enable_gqa: flash_attention(q, k, v, causal=is_causal))

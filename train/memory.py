@@ -374,8 +374,8 @@ def block_parts(s: ModelShape, moe: bool, B: int, S: int, lay: Layout, num: Nume
         return parts + _mlp("dense MLP", T, D, s.F_dense, s, num, shares_input=False)
     P, rows = T * s.K, expert_rows(s, T, lay)
     parts += [
-        # the router runs with autocast off on x.float(): the fp32 norm output itself (a copy of a bf16 one)
-        Part("router input (fp32 norm output)", T * D * 4),
+        # the router's 3xTF32 kernel keeps the norm output as it is (fp32, or bf16 without a copy)
+        Part("router input (the norm output)", T * D * nb),
         Part("router scores (softmax/sigmoid output)", T * s.E * 4),
         Part("router logits (z-loss logsumexp)", T * s.E * 4),
         Part("z-loss logsumexp", T * 4),
@@ -390,13 +390,15 @@ def block_parts(s: ModelShape, moe: bool, B: int, S: int, lay: Layout, num: Nume
         parts += _mlp("shared experts", T, D, s.F_shared, s, num, shares_input=True)
     U = s.up(s.F)
     parts += [
-        # GroupedExperts casts the rows to the compute dtype; GroupedMMFn saves x, z (the
-        # pre-activation), and the second GEMM its input h
+        # GroupedExperts casts the rows to the compute dtype; the expert MLP saves x and z (the
+        # pre-activation); with SwiGLU in 16 bits it is one GroupedSwiGLUMLPFn, which recomputes
+        # h in the backward, otherwise the second GEMM keeps its input h
         Part("expert rows (compute dtype)", rows.R * D * c, "experts"),
         Part("expert pre-activation z", rows.R * U * c, "experts"),
-        Part("expert hidden h", rows.R * s.F * c, "experts"),
         Part("grouped-GEMM offsets", rows.J * 4, "experts"),
     ]
+    if not (s.swiglu and c == 2):
+        parts.append(Part("expert hidden h", rows.R * s.F * c, "experts"))
     if lay.transport == "local":
         parts += [Part("dispatch gather index", P * 8, dispatch=True),
                   Part("combine: expert output rows", rows.R * D * c, dispatch=True),

@@ -6,7 +6,9 @@ for SwiGLU, F for GELU), F = N/2 for SwiGLU.
 Forward (SwiGLU only; GELU is fused into the GEMM epilogue): ``h = silu(gate) · up`` from the
 GEMM output ``z = [gate | up]``, one read of z and one write of h, math in fp32.
 Backward: the saved pre-activation ``z_MN`` and the output gradient ``dh`` give ``dz_MN``,
-which both dgrad and wgrad then read. Math in fp32:
+which both dgrad and wgrad then read; for SwiGLU the same pass can also write ``h`` again
+(``return_h``), bit-identical to the forward's, so the expert MLP need not keep h (M, F) for the
+second matmul's weight gradient (it reads z here anyway: one more write of M·F). Math in fp32:
 SwiGLU ``h = silu(g)·u``: ``dg = dh·u·σ(g)(1 + g(1 − σ(g)))``, ``du = dh·silu(g)``;
 tanh-GELU: ``d/dz [0.5 z (1 + tanh s)] = 0.5(1 + tanh s) + 0.5 z (1 − tanh² s) s'``,
 ``s = c(z + 0.044715 z³)``, ``s' = c(1 + 3·0.044715 z²)``.
@@ -57,9 +59,9 @@ def swiglu_forward(z_MN: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _activation_bwd_kernel(
-    z_ptr, dh_ptr, dz_ptr, M, F,
-    stride_zm, stride_dhm, stride_dzm,
-    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
+    z_ptr, dh_ptr, dz_ptr, h_ptr, M, F,
+    stride_zm, stride_dhm, stride_dzm, stride_hm,
+    ACT: tl.constexpr, WRITE_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -76,6 +78,10 @@ def _activation_bwd_kernel(
         d_up = dh * z * sig
         tl.store(dz_ptrs, d_gate.to(dz_ptr.dtype.element_ty), mask=mask)
         tl.store(dz_ptrs + F, d_up.to(dz_ptr.dtype.element_ty), mask=mask)
+        if WRITE_H:
+            # the forward's expression (_swiglu_fwd_kernel), so the bits match
+            h = z * tl.sigmoid(z) * up
+            tl.store(h_ptr + rows64[:, None] * stride_hm + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
     else:
         s = 0.7978845608028654 * (z + 0.044715 * z * z * z)
         t = 2.0 * tl.sigmoid(2.0 * s) - 1.0
@@ -84,19 +90,23 @@ def _activation_bwd_kernel(
         tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
 
 
-def activation_backward(z_MN: torch.Tensor, dh: torch.Tensor, activation: str) -> torch.Tensor:
+def activation_backward(z_MN: torch.Tensor, dh: torch.Tensor, activation: str, return_h: bool = False):
     """Gradient w.r.t. the pre-activation.
 
     Args:
         z_MN: (M, N) saved pre-activation, row-major.
         dh: (M, N/2) for ``"swiglu"``, (M, N) for ``"gelu"``; row-major, any float dtype.
         activation: ``"swiglu"`` or ``"gelu"``.
+        return_h: SwiGLU only: also return the activation ``h`` (M, N/2), bit-identical to
+            ``swiglu_forward(z_MN)``.
 
     Returns:
-        dz_MN: (M, N) in z's dtype.
+        dz_MN: (M, N) in z's dtype; with ``return_h``, ``(dz_MN, h)``, h in z's dtype.
     """
     if activation not in ("swiglu", "gelu"):
         raise ValueError(f"activation must be 'swiglu' or 'gelu', got {activation!r}")
+    if return_h and activation != "swiglu":
+        raise ValueError("return_h is for swiglu only (GELU's output is the GEMM epilogue's)")
     M, N = z_MN.shape
     f = N // 2 if activation == "swiglu" else N
     if dh.shape != (M, f):
@@ -104,12 +114,13 @@ def activation_backward(z_MN: torch.Tensor, dh: torch.Tensor, activation: str) -
     if z_MN.stride(1) != 1 or dh.stride(1) != 1:
         raise ValueError(f"z_MN and dh must be row-major, got strides {z_MN.stride()}, {dh.stride()}")
     dz = torch.empty_like(z_MN)
-    if dz.numel() == 0:
-        return dz
-    block_m, block_f = 32, 128
-    grid = (triton.cdiv(M, block_m), triton.cdiv(f, block_f))
-    _activation_bwd_kernel[grid](
-        z_MN, dh, dz, M, f, z_MN.stride(0), dh.stride(0), dz.stride(0),
-        ACT=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_F=block_f, num_warps=4,
-    )
-    return dz
+    h = z_MN.new_empty(M, f) if return_h else None
+    if dz.numel():
+        block_m, block_f = 32, 128
+        grid = (triton.cdiv(M, block_m), triton.cdiv(f, block_f))
+        _activation_bwd_kernel[grid](
+            z_MN, dh, dz, dz if h is None else h, M, f, z_MN.stride(0), dh.stride(0), dz.stride(0),
+            0 if h is None else h.stride(0),
+            ACT=ACTIVATIONS[activation], WRITE_H=return_h, BLOCK_M=block_m, BLOCK_F=block_f, num_warps=4,
+        )
+    return (dz, h) if return_h else dz

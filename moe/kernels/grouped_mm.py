@@ -57,6 +57,57 @@ class GroupedMMFn(torch.autograd.Function):
         return dx, dw, None, None
 
 
+class GroupedSwiGLUMLPFn(torch.autograd.Function):
+    """The expert MLP ``y = swiglu(x @ w1[s]) @ w2[s]`` as one autograd node that keeps x and
+    the pre-activation z for the backward, not the activation h.
+
+    Two :class:`GroupedMMFn` nodes keep h (M, F) as the second matmul's input; here the
+    activation backward, which reads z anyway, writes h again for the second matmul's weight
+    gradient (bit-identical: the same kernel expression on the same z). Saved activation bytes
+    fall by M·F·2 (K·F·2 per token: 16 KiB at OLMoE's F 1024, top-8), for one more (M, F)
+    write in the backward. Gradients equal the two-node chain's bit for bit.
+    """
+
+    @staticmethod
+    def forward(ctx, x_MI, w1_LIU, w2_LFN, offsets_J):
+        needs_grad = any(ctx.needs_input_grad[:3])
+        h, z = grouped_mm_forward(x_MI, w1_LIU, offsets_J, "swiglu", save_preact=needs_grad)
+        y, _ = grouped_mm_forward(h, w2_LFN, offsets_J)
+        ctx.save_for_backward(x_MI, w1_LIU, w2_LFN, offsets_J, z)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_MI, w1_LIU, w2_LFN, offsets_J, z = ctx.saved_tensors
+        dy = dy.contiguous()
+        dh, _ = grouped_mm_forward(dy, w2_LFN.transpose(1, 2), offsets_J, record_tile=False)
+        dz, h = activation_backward(z, dh, "swiglu", return_h=True)
+        del dh
+        dx = dw1 = dw2 = None
+        if ctx.needs_input_grad[2]:
+            dw2 = grouped_mm_wgrad(h, dy, offsets_J, w2_LFN.shape[0])
+        del h
+        if ctx.needs_input_grad[0]:
+            dx, _ = grouped_mm_forward(dz, w1_LIU.transpose(1, 2), offsets_J, record_tile=False)
+        if ctx.needs_input_grad[1]:
+            dw1 = grouped_mm_wgrad(x_MI, dz, offsets_J, w1_LIU.shape[0])
+        return dx, dw1, dw2, None
+
+
+def grouped_mlp(x_MI: torch.Tensor, w1_LIU: torch.Tensor, w2_LFN: torch.Tensor, offsets_J: torch.Tensor,
+                activation: str, backend: str = "auto") -> torch.Tensor:
+    """``act(x[rows of s] @ w1[s % L]) @ w2[s % L]``: the expert MLP, differentiable in x, w1, w2.
+
+    Shapes and backends as :func:`grouped_mm` (w1 (L, I, U), U = 2F for ``"swiglu"``; w2 (L, F, N)).
+    The Triton SwiGLU path is one :class:`GroupedSwiGLUMLPFn` node (h is not kept for the
+    backward); GELU and the reference chain two :func:`grouped_mm` calls.
+    """
+    if activation == "swiglu" and not use_reference(backend, not x_MI.is_cuda or x_MI.dtype == torch.float32):
+        return GroupedSwiGLUMLPFn.apply(x_MI, w1_LIU, w2_LFN, offsets_J)
+    h = grouped_mm(x_MI, w1_LIU, offsets_J, activation=activation, backend=backend)
+    return grouped_mm(h, w2_LFN, offsets_J, backend=backend)
+
+
 def grouped_mm_triton(
     x_MI: torch.Tensor,
     w_LIN: torch.Tensor,

@@ -1,0 +1,54 @@
+"""What every GPU benchmark shares: the results-file header and the alternating timing protocol.
+
+Protocol (the one every ``bench/results`` table states): per row, ``rounds`` rounds; each round
+times every implementation once with ``triton.testing.do_bench(warmup, rep)`` (median), in the
+same order, so slow drifts of clock or temperature hit all of them alike. A claim is the median
+over rounds of ``t_anchor / t_ours`` (> 1: ours faster); ``ours_again`` (ours timed a second time
+in the same round) gives the A-vs-A row, the noise floor of such a ratio.
+"""
+
+import datetime
+import os
+import platform
+import statistics
+import sys
+
+import torch
+import triton
+
+
+def header(title: str, script: str, *notes: str) -> list[str]:
+    """Markdown lines: the title, then device, versions, today's date and the command line."""
+    props = torch.cuda.get_device_properties(0)
+    return [
+        f"# {title}",
+        "",
+        f"- device: {props.name} ({props.multi_processor_count} SMs)",
+        f"- torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}, "
+        f"cuDNN {torch.backends.cudnn.version()}, Python {platform.python_version()}",
+        f"- date: {datetime.date.today().isoformat()}; command: `python {script} {' '.join(sys.argv[1:])}`",
+        *(f"- {n}" for n in notes),
+        "",
+    ]
+
+
+def alternate(fns: dict, rounds: int, warmup: int = 100, rep: int = 200) -> dict[str, list[float]]:
+    """``{name: [ms per round]}``: each round runs every ``fns[name]`` through do_bench in order."""
+    times = {n: [] for n in fns}
+    for _ in range(rounds):
+        for n, fn in fns.items():
+            times[n].append(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    return times
+
+
+def median_ratio(anchor_ms: list[float], ours_ms: list[float]) -> float:
+    """Median over rounds of anchor / ours (> 1: ours faster)."""
+    return statistics.median(a / o for a, o in zip(anchor_ms, ours_ms))
+
+
+def write_results(path: str, md: str) -> None:
+    """Write a results table (making its folder) and echo it."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(md)
+    print(md)

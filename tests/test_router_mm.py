@@ -1,0 +1,94 @@
+"""The router's 3xTF32 logits kernel (moe/kernels/router_mm.py) against fp64 PyTorch.
+
+On CPU the kernel runs under the interpreter (sizes <= 128, several tiles and K slices each);
+on a GPU the same tests run compiled, plus model-sized cases where TF32 alone would miss the
+tolerance (that is what the 3x split is for).
+"""
+
+import pytest
+import torch
+
+from moe.kernels import router_mm
+from moe.kernels.router_mm import router_logits
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _reference(x_TD, w_ED, dlogits_TE):
+    x64 = x_TD.detach().double().requires_grad_()
+    w64 = w_ED.detach().double().requires_grad_()
+    logits = x64 @ w64.t()
+    dx, dw = torch.autograd.grad(logits, (x64, w64), dlogits_TE.double())
+    return logits, dx, dw
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("T,D,E", [(1, 16, 8), (37, 48, 7), (100, 64, 16), (128, 96, 33)])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16])
+def test_matches_fp64(T, D, E, x_dtype):
+    x = torch.randn(T, D, device=DEVICE).to(x_dtype).requires_grad_()
+    w = (0.02 * torch.randn(E, D, device=DEVICE)).requires_grad_()
+    dlogits = torch.randn(T, E, device=DEVICE)
+    logits = router_logits(x, w, backend="triton")
+    dx, dw = torch.autograd.grad(logits, (x, w), dlogits)
+    ref, dx_ref, dw_ref = _reference(x, w, dlogits)
+    assert logits.dtype == torch.float32 and logits.shape == (T, E)
+    assert dx.dtype == x_dtype and dw.dtype == torch.float32
+    assert _rel(logits, ref) < 1e-5
+    # dx is stored in x's dtype: its rounding, not the product's, bounds the error
+    assert _rel(dx, dx_ref) < (1e-5 if x_dtype == torch.float32 else 1e-3)
+    assert _rel(dw, dw_ref) < 1e-5
+
+
+def test_weight_grad_split_over_tokens_sums_in_order(monkeypatch):
+    """dw's K (token) range cut into slices: same value as one slice, bit-identical on repeats."""
+    x = torch.randn(300, 32, device=DEVICE, requires_grad=True)
+    w = torch.randn(8, 32, device=DEVICE, requires_grad=True)
+    dlogits = torch.randn(300, 8, device=DEVICE)
+    monkeypatch.setattr(router_mm, "_weight_grad_splits", lambda *a: 3)
+    dw3 = torch.autograd.grad(router_logits(x, w, backend="triton"), w, dlogits)[0]
+    dw3_again = torch.autograd.grad(router_logits(x, w, backend="triton"), w, dlogits)[0]
+    monkeypatch.setattr(router_mm, "_weight_grad_splits", lambda *a: 1)
+    dw1 = torch.autograd.grad(router_logits(x, w, backend="triton"), w, dlogits)[0]
+    assert torch.equal(dw3, dw3_again)
+    assert _rel(dw3, _reference(x, w, dlogits)[2]) < 1e-5
+    assert _rel(dw3, dw1) < 1e-5
+
+
+def test_empty_tokens_and_reference_backend():
+    w = torch.randn(4, 16, device=DEVICE, requires_grad=True)
+    x = torch.randn(0, 16, device=DEVICE, requires_grad=True)
+    logits = router_logits(x, w, backend="triton")
+    assert logits.shape == (0, 4)
+    dw = torch.autograd.grad(logits.sum(), w)[0]
+    assert torch.equal(dw, torch.zeros_like(w))
+    # the reference is F.linear in fp32 (fp64 inputs too), autocast or not
+    x = torch.randn(5, 16, device=DEVICE, dtype=torch.bfloat16)
+    with torch.autocast(device_type=DEVICE, dtype=torch.bfloat16):
+        ref = router_logits(x, w, backend="reference")
+    assert ref.dtype == torch.float32
+    assert torch.equal(ref, x.float() @ w.detach().t())
+    assert router_logits(x.double(), w.double()).dtype == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,D,E", [(16384, 2048, 64), (4099, 7168, 256), (1000, 2048, 128)])
+def test_model_sized_beats_tf32(T, D, E):
+    """At model sizes the kernel is fp32-accurate: within 1e-5 of fp64, where plain TF32 is not."""
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (0.02 * torch.randn(E, D, device="cuda")).requires_grad_()
+    dlogits = torch.randn(T, E, device="cuda") / T
+    logits = router_logits(x, w)
+    dx, dw = torch.autograd.grad(logits, (x, w), dlogits)
+    ref, dx_ref, dw_ref = _reference(x, w, dlogits)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        tf32 = x.float() @ w.detach().t()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    assert _rel(logits, ref) < 1e-5 < _rel(tf32, ref)
+    assert _rel(dx, dx_ref) < 5e-3  # bf16 storage
+    assert _rel(dw, dw_ref) < 1e-5
