@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from moe.capacity import RoutingPlan
-from moe.kernels.combine import weighted_combine
+from moe.kernels.combine import gather_rows, weighted_combine
 
 
 @dataclass(frozen=True)
@@ -114,8 +114,7 @@ class _GatherRowsFn(torch.autograd.Function):
     def forward(ctx, x_TD, order_P, kept_TK, row_dtype):
         ctx.save_for_backward(order_P, kept_TK)
         ctx.x_dtype = x_TD.dtype
-        # cast the T tokens, then gather the P = T·K rows: the cast touches K times fewer rows
-        return x_TD.to(row_dtype).index_select(0, order_P // kept_TK.shape[1])
+        return gather_rows(x_TD, order_P, kept_TK.shape[1], row_dtype)
 
     @staticmethod
     def backward(ctx, grad_RD):

@@ -14,7 +14,7 @@ rows in a random order, with dropped pairs, empty buffers, one token and all pai
 import pytest
 import torch
 
-from moe.kernels.combine import weighted_combine, weighted_combine_reference
+from moe.kernels.combine import gather_rows, weighted_combine, weighted_combine_reference
 from parallel.p2p_rows import push_rows, push_rows_reference, sum_pairs, sum_pairs_reference
 from parallel.pair_rows import (
     gather_pairs_sum, gather_pairs_sum_reference, locate_reference, scatter_pairs, scatter_pairs_reference,
@@ -99,6 +99,19 @@ def test_combine_of_identical_rows_is_the_row_times_the_kept_weights():
 
 def test_combine_out_dtype_is_respected():
     _check_combine(7, 2, 40, 11, torch.float16, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("T,K,D", [(1, 1, 8), (37, 3, 70), (64, 8, 200)])
+@pytest.mark.parametrize("x_dtype,row_dtype", [(torch.float32, torch.float16), (torch.float16, torch.float16)])
+def test_gather_rows_is_index_select(T, K, D, x_dtype, row_dtype):
+    """The dispatch's packing kernel: the reference's rows bit for bit (a copy and a cast), any
+    permutation of the pairs (all tokens to one slot order, reversed, random)."""
+    x = torch.randn(T, D, device=DEVICE).to(x_dtype)
+    for order in (torch.randperm(T * K, device=DEVICE), torch.arange(T * K, device=DEVICE).flip(0)):
+        ours = gather_rows(x, order, K, row_dtype, backend="triton")
+        ref = gather_rows(x, order, K, row_dtype, backend="reference")
+        assert ours.dtype == row_dtype and torch.equal(ours, ref)
+        assert torch.equal(ours, x[order // K].to(row_dtype))
 
 
 def test_combine_rejects_bad_arguments():

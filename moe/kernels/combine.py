@@ -85,6 +85,27 @@ class WeightedCombineFn(torch.autograd.Function):
         return dy_RD, None, dw_TK, None
 
 
+def gather_rows(x_TD: torch.Tensor, order_P: torch.Tensor, top_k: int, row_dtype: torch.dtype,
+                backend: str = "auto") -> torch.Tensor:
+    """The dispatch's packing: ``rows[r] = x[order_P[r] // top_k]`` in ``row_dtype`` (P, D), not
+    differentiable (the dispatcher's autograd node sums the gradient back with the combine).
+
+    Triton: the combine backward's scatter kernel without weights, one program per token reading
+    its row once and writing its K copies (cast on the store). PyTorch's ``index_select`` reads a
+    source row per output row: measured on an H100 (OLMoE layer, T 16k, K 8, D 2048, bf16), 0.35
+    ms for 0.6 GB moved. ``order_P`` must be a permutation of the T·K pairs (every row written).
+    """
+    T, D = x_TD.shape
+    if use_reference(backend, not x_TD.is_cuda):
+        # cast the T tokens, then gather the P = T·K rows: the cast touches K times fewer rows
+        return x_TD.to(row_dtype).index_select(0, order_P // top_k)
+    rows_PD = x_TD.new_empty((order_P.shape[0], D), dtype=row_dtype)
+    row_of_pair_P = row_of_pair(order_P, T * top_k)
+    scatter_rows(x_TD.contiguous(), _to_row, _locate_row, row_of_pair_P, None, 0, rows_PD.shape[0], rows_PD,
+                 row_dtype, rows_PD.stride(0), K=top_k)
+    return rows_PD
+
+
 def weighted_combine_reference(y_RD: torch.Tensor, pair_R: torch.Tensor, w_TK: torch.Tensor,
                                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """PyTorch version: each pair's row (zeros for pairs without one), then the weighted sum over
