@@ -22,7 +22,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.append(os.path.dirname(__file__))  # after the repo root: bench/attention.py must not shadow the package
 from attention import flash_attention  # noqa: E402
 from common import alternate, header, median_ratio, write_results  # noqa: E402
 
