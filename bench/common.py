@@ -1,6 +1,8 @@
-"""What every GPU benchmark shares: the results-file header and the alternating timing protocol.
+"""What the GPU benchmarks share: the results-file header and the alternating timing protocol
+(used by bench/attention.py and bench/moe_layer.py; bench/grouped_gemm.py and bench/combine.py
+still write their own header and average ours before and after the anchor).
 
-Protocol (the one every ``bench/results`` table states): per row, ``rounds`` rounds; each round
+Protocol: per row, ``rounds`` rounds; each round
 times every implementation once with ``triton.testing.do_bench(warmup, rep)`` (median), in the
 same order, so slow drifts of clock or temperature hit all of them alike. A claim is the median
 over rounds of ``t_anchor / t_ours`` (> 1: ours faster); ``ours_again`` (ours timed a second time

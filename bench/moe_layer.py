@@ -132,7 +132,6 @@ def bench_shape(name, E, D, F_, T, K, rounds):
         ))
     for impl in ("ours", "anchor"):
         rows[0][f"saved_{impl}"] = saved_bytes(impls[impl], x_TD, params) / T
-    torch.cuda.reset_peak_memory_stats()
     del layer, anchor
     return rows
 

@@ -104,8 +104,8 @@ def test_combine_out_dtype_is_respected():
 @pytest.mark.parametrize("T,K,D", [(1, 1, 8), (37, 3, 70), (12, 8, 130)])
 @pytest.mark.parametrize("x_dtype,row_dtype", [(torch.float32, torch.float16), (torch.float16, torch.float16)])
 def test_gather_rows_is_index_select(T, K, D, x_dtype, row_dtype):
-    """The dispatch's packing kernel: the reference's rows bit for bit (a copy and a cast), any
-    permutation of the pairs (all tokens to one slot order, reversed, random)."""
+    """The dispatch's packing kernel: the reference's rows bit for bit (a copy and a cast), for a
+    random and a reversed permutation of the pairs."""
     x = torch.randn(T, D, device=DEVICE).to(x_dtype)
     for order in (torch.randperm(T * K, device=DEVICE), torch.arange(T * K, device=DEVICE).flip(0)):
         ours = gather_rows(x, order, K, row_dtype, backend="triton")

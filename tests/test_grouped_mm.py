@@ -92,10 +92,12 @@ def test_matches_reference(loads, case, activation, dtype):
     _check(sizes, padding, I=I, N=N, activation=activation, dtype=dtype)
 
 
-def _mlp_chain_and_fused(sizes, padding, I, F, dtype, device=DEVICE):
+def _mlp_chain_and_fused(sizes, padding, I, F, dtype, device=DEVICE, num_groups=None, grads=(True, True, True)):
     """The SwiGLU expert MLP as two GroupedMMFn nodes and as one GroupedSwiGLUMLPFn node:
-    (outputs, dx, dw1, dw2) of each, and the bytes each graph saves for the backward."""
-    L, M = len(sizes), sum(sizes) + padding
+    (outputs, then the gradients of those of x, w1, w2 flagged in ``grads``) of each, and the
+    bytes each graph saves for the backward. ``num_groups`` L: segment s uses weight s % L."""
+    L = len(sizes) if num_groups is None else num_groups
+    M = sum(sizes) + padding
     offsets = _offsets(sizes, device)
     x = torch.randn(M, I, device=device).to(dtype)
     w1 = (torch.randn(L, I, 2 * F, device=device) / I**0.5).to(dtype)
@@ -103,7 +105,7 @@ def _mlp_chain_and_fused(sizes, padding, I, F, dtype, device=DEVICE):
     dy = torch.randn(M, I, device=device).to(dtype)
     results = []
     for fused in (False, True):
-        leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w2)]
+        leaves = [t.detach().clone().requires_grad_(g) for t, g in zip((x, w1, w2), grads)]
         saved = {}
 
         def pack(t):
@@ -116,7 +118,8 @@ def _mlp_chain_and_fused(sizes, padding, I, F, dtype, device=DEVICE):
             else:
                 h = grouped_mm_triton(leaves[0], leaves[1], offsets, "swiglu")
                 y = grouped_mm_triton(h, leaves[2], offsets)
-        results.append((y, *torch.autograd.grad(y, leaves, dy), sum(saved.values())))
+        wanted = [t for t in leaves if t.requires_grad]
+        results.append((y, *torch.autograd.grad(y, wanted, dy), sum(saved.values())))
     return results
 
 
@@ -131,6 +134,16 @@ def test_fused_swiglu_mlp_equals_the_chain_and_keeps_no_h(case, dtype):
         assert torch.equal(a, b), name
     M = sum(sizes) + padding
     assert chain[4] - fused[4] == M * F * torch.finfo(dtype).bits // 8
+
+
+@pytest.mark.parametrize("grads", [(False, True, True), (True, False, False), (False, False, True)])
+def test_fused_swiglu_mlp_segments_and_partial_gradients(grads):
+    """J = G·L segments (what the expert-parallel dispatcher hands over) and only some inputs
+    needing a gradient: still the chain's bits."""
+    chain, fused = _mlp_chain_and_fused([3, 0, 17, 9, 1, 12], 5, 56, 40, torch.float16, num_groups=2, grads=grads)
+    assert len(chain) == len(fused) == 2 + sum(grads)
+    for a, b in zip(chain[:-1], fused[:-1]):
+        assert torch.equal(a, b)
 
 
 def test_activation_backward_returns_the_forward_activation():

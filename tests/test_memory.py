@@ -55,8 +55,9 @@ CASES = {
 
 
 def _triton_chain(x_MI, w1, w2, offsets_J, activation):
-    """The expert MLP as a GPU runs it on fp32 operands: two grouped GEMM nodes, the second
-    keeping h (16-bit SwiGLU is one node that keeps no h: tests/test_grouped_mm.py)."""
+    """The expert MLP as two grouped GEMM nodes, the second keeping h: what the formula counts for
+    fp32 compute (a GPU runs fp32 on the PyTorch reference, which keeps the same tensors; 16-bit
+    SwiGLU is one node that keeps no h, checked in tests/test_grouped_mm.py)."""
     h = grouped_mm(x_MI, w1, offsets_J, activation=activation, backend="triton")
     return grouped_mm(h, w2, offsets_J, backend="triton")
 

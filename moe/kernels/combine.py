@@ -14,6 +14,7 @@ with the inverse index ``row_of_pair`` as the locator:
   (fp32) for each of its pairs p = (t, k): no atomics, deterministic.
 
 A pair with no row (dropped by the capacity, or not sent) contributes zero and gets ``dw = 0``.
+:func:`gather_rows`, the local dispatch's packing, is the backward kernel without weights.
 ``weighted_combine_reference`` is the plain PyTorch version beside it.
 """
 
@@ -90,10 +91,12 @@ def gather_rows(x_TD: torch.Tensor, order_P: torch.Tensor, top_k: int, row_dtype
     """The dispatch's packing: ``rows[r] = x[order_P[r] // top_k]`` in ``row_dtype`` (P, D), not
     differentiable (the dispatcher's autograd node sums the gradient back with the combine).
 
-    Triton: the combine backward's scatter kernel without weights, one program per token reading
-    its row once and writing its K copies (cast on the store). PyTorch's ``index_select`` reads a
-    source row per output row: measured on an H100 (OLMoE layer, T 16k, K 8, D 2048, bf16), 0.35
-    ms for 0.6 GB moved. ``order_P`` must be a permutation of the T·K pairs (every row written).
+    It lives here because it is the combine backward's scatter kernel without weights: one
+    program per token reads its row once and writes its K copies (cast on the store). PyTorch's
+    ``index_select`` reads a source row per output row: measured on an H100 (OLMoE layer, T 16k,
+    K 8, D 2048, bf16), 0.22 ms here against 0.35 ms. ``order_P`` must hold each of the T·K
+    pair ids once (the local dispatcher's plan does: dropped pairs are packed last); a row named
+    by no pair would stay uninitialised, where ``index_select`` needed only valid ids.
     """
     T, D = x_TD.shape
     if use_reference(backend, not x_TD.is_cuda):

@@ -17,14 +17,15 @@ is bf16 (and its saved bytes), and the cast of dx back; the kernel reads x in it
 converts in registers. Measured per call on an H100 (T 16k, D 2048, bf16 x; ours / PyTorch fp32,
 ms): logits 0.080 / 0.209 (E 64), 0.126 / 0.288 (E 128); dx (3xTF32) 0.108 / 0.204, 0.185 /
 0.299; dw 0.128 / 0.104, 0.241 / 0.180 (PyTorch's from the saved fp32 copy). In the layer: 0.29
-ms of kernels where the fp32 path took 0.52 (OLMoE shape). With fp32 x at E 64 (the training
-model's fp32 norm output) PyTorch's logits were faster (0.108 vs 0.187 ms 3xTF32): Triton 3.6
-lowers 3xTF32 to three mma.sync products, not wgmma, so the gain is the casts, not the GEMM.
+ms of kernels where the fp32 path took 0.52 (OLMoE shape). With fp32 x (the training model's
+fp32 norm output) there is no cast to save and PyTorch's logits were faster at E 64 (0.108 vs
+0.187 ms): Triton 3.6 lowers 3xTF32 to three mma.sync products, not wgmma. So ``"auto"`` runs
+the kernel for 16-bit x only.
 
 One kernel serves the three products through strides:
 - forward ``logits_TE = x_TD @ w_EDᵀ`` (A = x, B = wᵀ);
-- ``dx_TD = dlogits_TE @ w_ED`` (A = dlogits, B = w), stored in x's dtype (plain TF32 products when
-  that dtype is 16-bit: they are finer than its rounding);
+- ``dx_TD = dlogits_TE @ w_ED`` (A = dlogits, B = w), stored in x's dtype (plain TF32 products for
+  bf16 x: finer than its 7-bit rounding);
 - ``dw_ED = dlogits_TEᵀ @ x_TD`` (A = dlogitsᵀ, B = x): a reduction over T into only
   ``cdiv(E, BLOCK_M) · cdiv(D, BLOCK_N)`` tiles (16 at E 64, D 2048), so it is split over T
   into partial sums (SPLIT, E, D) that one ``sum(0)`` adds in a fixed order: deterministic.
@@ -39,13 +40,16 @@ from kernel_floor import AUTOTUNE, INTERPRET, band_swizzle, fixed_config, sm_cou
 
 
 def _configs():
+    # One BLOCK_K for all: 3xTF32 sums each BLOCK_K slice's three products before adding them to
+    # the accumulator, so the slice width sets the rounding. With one width a token's logits do
+    # not depend on which config the autotuner timed fastest for this token count (T / N on N
+    # ranks vs T on one; top-k turns an ulp into another route).
     if INTERPRET:
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
         for bm, bn, bk, w, s in [
-            (128, 128, 32, 8, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3), (128, 128, 16, 8, 4),
-            (64, 64, 32, 4, 4),
+            (128, 128, 32, 8, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3), (64, 64, 32, 4, 4),
         ]
     ]
 
@@ -115,8 +119,8 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, splits: in
 
 
 def _weight_grad_splits(E: int, D: int, T: int, device: torch.device) -> int:
-    """Slices of T for ``dw``: enough (128x128-tile, smallest config) programs for two waves."""
-    tiles = triton.cdiv(E, 128) * triton.cdiv(D, 128)
+    """Slices of T for ``dw``: enough programs for two waves counted in the largest (128x128) tiles."""
+    tiles = max(triton.cdiv(E, 128) * triton.cdiv(D, 128), 1)
     return max(1, min(triton.cdiv(2 * sm_count(device), tiles), triton.cdiv(T, 1024)))
 
 
@@ -134,10 +138,9 @@ class RouterLogitsFn(torch.autograd.Function):
         dlogits_TE = dlogits_TE.float()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            # dx is stored in x's dtype: for 16-bit x plain TF32 (10-bit mantissa) is already
-            # finer than the bf16/fp16 rounding of the result (measured on an H100: 0.108 ms
-            # 3xTF32 at T 16k, D 2048, E 64); fp32 x keeps the 3x split
-            precision = "tf32x3" if x_TD.dtype == torch.float32 else "tf32"
+            # dx is stored in x's dtype: for bf16 x plain TF32 products (10-bit mantissa) are
+            # finer than the result's 7-bit rounding; fp16 (10 bits) and fp32 keep the 3x split
+            precision = "tf32" if x_TD.dtype == torch.bfloat16 else "tf32x3"
             dx = _matmul(dlogits_TE, w_ED, x_TD.dtype, precision=precision)
         if ctx.needs_input_grad[1]:
             T, D = x_TD.shape
@@ -149,11 +152,14 @@ class RouterLogitsFn(torch.autograd.Function):
 def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """``x_TD @ w_EDᵀ`` in fp32, (T, E), differentiable; autocast does not apply.
 
-    ``backend``: ``"auto"`` runs the Triton kernel for 16/32-bit float inputs on CUDA and the
-    reference elsewhere; ``"triton"`` forces the kernel (tests run it under the interpreter);
-    ``"reference"``: ``F.linear`` on fp32 copies (fp64 inputs too: the router is fp32).
+    ``backend``: ``"auto"`` runs the Triton kernel for bf16/fp16 x on CUDA (fp32 x has no cast
+    to save, and PyTorch's fp32 GEMM was as fast or faster, see the module docstring) and the
+    reference elsewhere; ``"triton"`` forces the kernel for any float x but fp64 (tests run it
+    under the interpreter); ``"reference"``: ``F.linear`` on fp32 copies (fp64 inputs too: the
+    router is fp32).
     """
+    sixteen_bit = x_TD.dtype in (torch.bfloat16, torch.float16)
     with torch.autocast(device_type=x_TD.device.type, enabled=False):
-        if use_reference(backend, not x_TD.is_cuda or torch.float64 in (x_TD.dtype, w_ED.dtype)):
+        if use_reference(backend, not (x_TD.is_cuda and sixteen_bit)) or torch.float64 in (x_TD.dtype, w_ED.dtype):
             return torch.nn.functional.linear(x_TD.float(), w_ED.float())
         return RouterLogitsFn.apply(x_TD, w_ED.float())
