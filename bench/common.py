@@ -1,6 +1,6 @@
 """What the GPU benchmarks share: the results-file header and the alternating timing protocol
-(used by bench/attention.py and bench/moe_layer.py; bench/grouped_gemm.py and bench/combine.py
-still write their own header and average ours before and after the anchor).
+(used by bench/attention.py, bench/lm_loss.py and bench/moe_layer.py; bench/grouped_gemm.py
+and bench/combine.py still write their own header and average ours before and after the anchor).
 
 Protocol: per row, ``rounds`` rounds; each round
 times every implementation once with ``triton.testing.do_bench(warmup, rep)`` (median), in the

@@ -15,17 +15,17 @@ noise).
 """
 
 import argparse
-import datetime
-import platform
 import statistics
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parent))
+from common import alternate, header, median_ratio, write_results  # noqa: E402
+
 from train.lm_loss import chunk_rows, linear_cross_entropy  # noqa: E402
 
 SHAPES = [(T, 2048, V) for V in (50304, 151936) for T in (8192, 16384)]  # (T, D, V)
@@ -65,33 +65,25 @@ def bench_row(T, D, V, rounds):
     errors = [abs(loss.item() / ref_loss.item() - 1)] + [rel_err(g, r) for g, r in zip(grads, ref_grads)]
     del loss, grads, ref_loss, ref_grads
     mem_ours, mem_ref = peak_bytes(ours), peak_bytes(ref)
-    times = {"ours": [], "anchor": [], "ours_again": []}
-    for _ in range(rounds):
-        for name, fn in (("ours", ours), ("anchor", ref), ("ours_again", ours)):
-            times[name].append(triton.testing.do_bench(fn, warmup=100, rep=200, return_mode="median"))
+    times = alternate({"ours": ours, "anchor": ref, "ours_again": ours}, rounds)
     med = statistics.median
     return dict(T=T, D=D, V=V, chunk=min(T, chunk_rows(V)), ms_ours=med(times["ours"]), ms_anchor=med(times["anchor"]),
-                ratio=med(a / o for a, o in zip(times["anchor"], times["ours"])),
-                a_vs_a=med(b / o for b, o in zip(times["ours_again"], times["ours"])),
+                ratio=median_ratio(times["anchor"], times["ours"]),
+                a_vs_a=median_ratio(times["ours_again"], times["ours"]),
                 tflops=6 * T * V * D / med(times["ours"]) / 1e9, mem_ours=mem_ours, mem_anchor=mem_ref, errors=errors)
 
 
 def to_markdown(rows, rounds) -> str:
-    props = torch.cuda.get_device_properties(0)
-    out = [
-        "# Chunked LM head + cross-entropy vs materialised logits",
-        "",
-        f"- device: {props.name} ({props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB)",
-        f"- torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}, "
-        f"Python {platform.python_version()}",
-        f"- date: {datetime.date.today().isoformat()}; command: `python bench/lm_loss.py {' '.join(sys.argv[1:])}`",
-        "- forward + backward (autograd.grad for h and W), bf16 autocast, h and W fp32, random inputs and targets; "
+    out = header(
+        "Chunked LM head + cross-entropy vs materialised logits", "bench/lm_loss.py",
+        f"GPU memory: {torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB",
+        "forward + backward (autograd.grad for h and W), bf16 autocast, h and W fp32, random inputs and targets; "
         "anchor: `F.cross_entropy(F.linear(h, W).float(), y)`",
-        f"- {rounds} rounds alternating ours / anchor / ours, each do_bench(warmup=100, rep=200) median; ratio = "
+        f"{rounds} rounds alternating ours / anchor / ours, each do_bench(warmup=100, rep=200) median; ratio = "
         "median over rounds of anchor time / our time (> 1: ours faster); A-vs-A = median of ours again / ours",
-        "- peak: max_memory_allocated of one forward + backward above the inputs; TFLOP/s = 6·T·V·D / our time",
-        "- errors: |loss / anchor loss − 1|, and ‖ours − anchor‖ / ‖anchor‖ of the gradients of h and W",
-        "",
+        "peak: max_memory_allocated of one forward + backward above the inputs; TFLOP/s = 6·T·V·D / our time",
+        "errors: |loss / anchor loss − 1|, and ‖ours − anchor‖ / ‖anchor‖ of the gradients of h and W",
+    ) + [
         "| T | D | V | chunk | ours ms | anchor ms | anchor / ours | A-vs-A | ours TFLOP/s | ours peak GiB "
         "| anchor peak GiB | loss err | dh err | dW err |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -114,10 +106,7 @@ def main():
         rows.append(bench_row(T, D, V, args.rounds))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
-    text = to_markdown(rows, args.rounds)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
-    print(text)
+    write_results(args.out, to_markdown(rows, args.rounds))
 
 
 if __name__ == "__main__":

@@ -97,13 +97,19 @@ def saved_bytes(fn, x_TD, params) -> int:
     return sum(seen.values())
 
 
-def bench_shape(name, E, D, F_, T, K, rounds):
+def _setup(E, D, F_, T, K):
+    """A dropless bf16 layer (seeded), its differentiable weights, a random input and output gradient."""
     torch.manual_seed(0)
     layer = MoELayer(D, F_, E, K, capacity_factor=None, device="cuda", dtype=torch.bfloat16)
-    anchor = TorchtitanStyleMoE(layer)
     params = [layer.router.weight, layer.experts.w1_LDU, layer.experts.w2_LFD]
     x_TD = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy_TD = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    return layer, params, x_TD, dy_TD
+
+
+def bench_shape(name, E, D, F_, T, K, rounds):
+    layer, params, x_TD, dy_TD = _setup(E, D, F_, T, K)
+    anchor = TorchtitanStyleMoE(layer)
     impls = {"ours": ours_forward(layer), "anchor": anchor}
 
     with torch.no_grad():
@@ -139,11 +145,7 @@ def bench_shape(name, E, D, F_, T, K, rounds):
 def profile_shape(name, E, D, F_, T, K, top=25):
     """Per-kernel GPU time of ours, fwd+bwd, so the layer's non-GEMM share is visible."""
     from torch.profiler import ProfilerActivity, profile
-    torch.manual_seed(0)
-    layer = MoELayer(D, F_, E, K, capacity_factor=None, device="cuda", dtype=torch.bfloat16)
-    params = [layer.router.weight, layer.experts.w1_LDU, layer.experts.w2_LFD]
-    x_TD = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy_TD = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    layer, params, x_TD, dy_TD = _setup(E, D, F_, T, K)
     step = lambda: torch.autograd.grad(layer(x_TD), [x_TD, *params], dy_TD)  # noqa: E731
     for _ in range(3):
         step()

@@ -57,6 +57,14 @@ class GroupedMMFn(torch.autograd.Function):
         return dx, dw, None, None
 
 
+def _runs_reference(x_MI: torch.Tensor, backend: str) -> bool:
+    """Whether ``backend`` picks the PyTorch reference for these rows. fp32 stays on it under
+    "auto": the kernels' tuned tiles are sized for 16-bit operands, and an fp32 run of the NCCL
+    test on 2×H200 hit "out of resource: shared memory" with the first forward config (262160 B
+    needed, 232448 B available)."""
+    return use_reference(backend, not x_MI.is_cuda or x_MI.dtype == torch.float32)
+
+
 class GroupedSwiGLUMLPFn(torch.autograd.Function):
     """The expert MLP ``y = swiglu(x @ w1[s]) @ w2[s]`` as one autograd node that keeps x and
     the pre-activation z for the backward, not the activation h.
@@ -102,7 +110,7 @@ def grouped_mlp(x_MI: torch.Tensor, w1_LIU: torch.Tensor, w2_LFN: torch.Tensor, 
     The Triton SwiGLU path is one :class:`GroupedSwiGLUMLPFn` node (h is not kept for the
     backward); GELU and the reference chain two :func:`grouped_mm` calls.
     """
-    if activation == "swiglu" and not use_reference(backend, not x_MI.is_cuda or x_MI.dtype == torch.float32):
+    if activation == "swiglu" and not _runs_reference(x_MI, backend):
         return GroupedSwiGLUMLPFn.apply(x_MI, w1_LIU, w2_LFN, offsets_J)
     h = grouped_mm(x_MI, w1_LIU, offsets_J, activation=activation, backend=backend)
     return grouped_mm(h, w2_LFN, offsets_J, backend=backend)
@@ -143,9 +151,6 @@ def grouped_mm(
         y: (M, N or F) in x's dtype; rows at or past ``offsets[-1]`` are zero, and so are
         those rows of the input gradient.
     """
-    # fp32 stays on the reference under "auto": the kernels' tuned tiles are sized for 16-bit
-    # operands, and an fp32 run of the NCCL test on 2×H200 hit "out of resource: shared memory"
-    # with the first forward config (262160 B needed, 232448 B available).
-    if use_reference(backend, not x_MI.is_cuda or x_MI.dtype == torch.float32):
+    if _runs_reference(x_MI, backend):
         return grouped_mm_reference(x_MI, w_LIN, offsets_J, activation)
     return grouped_mm_triton(x_MI, w_LIN, offsets_J, activation)
