@@ -1,0 +1,143 @@
+"""Routing health under training: which remedy keeps the expert load balanced from the start?
+
+Each variant is one training run of the OLMoE-shaped benchmark model at reduced depth, on one
+GPU (EP 1, 8,192 tokens a step, BPE data, the default coefficients: aux 0.01, z 0.001), run in
+its own process; the table lists each logged step's worst layer's load max/mean (8.0 = every
+token sends a slot to the same expert, the most top-8 of 64 allows) and the step from which it
+stays ≤ 2.0. Variants that are not options of the library are applied here, as patches of the
+router for this process only, to decide whether one is worth building:
+
+- ``centre``: router logits centred per expert over the step's tokens (forward and backward).
+  The route of a token then depends on the other tokens of its batch.
+- ``grad_centre``: the forward untouched; the gradient that reaches the logits through the
+  combine weights (the LM's) is centred per expert over the step's tokens, so the LM cannot
+  raise or lower an expert's mean logit; the aux and z-losses keep their whole gradient.
+- ``router_lr_0.1``: the router weights in their own AdamW group at a tenth of the rate.
+
+    python bench/routing_health.py --steps 300 [--layers 6] [--variants base,expert_bias,...]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+
+# name: (config overrides, router patches)
+VARIANTS = {
+    "base": ([], []),
+    "expert_bias": (["--moe.expert_bias=true"], []),
+    "router_lr_0.1": ([], ["router_lr_0.1"]),
+    "warmup_100": (["--optim.warmup_steps=100"], []),
+    "centre": ([], ["centre"]),
+    "centre+expert_bias": (["--moe.expert_bias=true"], ["centre"]),
+    "grad_centre": ([], ["grad_centre"]),
+    "grad_centre+expert_bias": (["--moe.expert_bias=true"], ["grad_centre"]),
+}
+
+
+def _patch(names: list[str]) -> None:
+    """Apply the router patches of one variant to this process."""
+    import torch
+
+    import moe.router as mr
+    import train.trainer as tt
+
+    class CentreGrad(torch.autograd.Function):
+        """Identity forward; the (T, E) gradient minus its mean over the tokens."""
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g - g.mean(0, keepdim=True)
+
+    plain_logits, plain_forward, plain_build = mr.router_logits, mr.Router.forward, tt.build_optimizer
+    if "centre" in names:
+        mr.router_logits = lambda x, w, backend="auto": (lambda l: l - l.mean(0, keepdim=True))(plain_logits(x, w, backend))
+    if "grad_centre" in names:
+        def forward(self, x_TD):
+            out = plain_forward(self, x_TD)
+            lm_TE = CentreGrad.apply(out.logits_TE).softmax(dim=-1)
+            priority_TK = lm_TE.gather(1, out.experts_TK)
+            weights_TK = priority_TK / priority_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+            return mr.RouterOutput(out.logits_TE, out.scores_TE, out.experts_TK, priority_TK, weights_TK)
+        mr.Router.forward = forward
+    if "router_lr_0.1" in names:
+        def build(model, cfg):
+            opt = plain_build(model, cfg)
+            router = {id(p) for n, p in model.named_parameters() if n.endswith("router.weight")}
+            groups = []
+            for g in opt.param_groups:
+                for params, mult in (([p for p in g["params"] if id(p) not in router], 1.0),
+                                     ([p for p in g["params"] if id(p) in router], 0.1)):
+                    if params:
+                        groups.append({**g, "params": params, "base_lr": g["base_lr"] * mult, "lr": g["lr"] * mult})
+            return torch.optim.AdamW(groups, betas=opt.defaults["betas"], eps=opt.defaults["eps"], fused=True)
+        tt.build_optimizer = build
+
+
+def _summary(path: str) -> tuple[list[tuple[int, float, list[float]]], dict]:
+    rows, last = [], {}
+    for line in open(path):
+        r = json.loads(line)
+        keys = sorted((k for k in r if k.startswith("moe/layer") and k.endswith("/load_imbalance")),
+                      key=lambda k: int(k.split("/")[1][5:]))
+        if keys:
+            rows.append((r["step"], r.get("train/loss", float("nan")), [r[k] for k in keys]))
+        last.update(r)
+    return rows, last
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--out", default=os.path.join(ROOT, "bench/results/routing_health.md"))
+    p.add_argument("--log-dir", default="/tmp/routing_health")
+    p.add_argument("--run", help=argparse.SUPPRESS)  # a child: one variant's training run
+    args, train_args = p.parse_known_args()
+    if args.run:
+        _patch(VARIANTS[args.run][1])
+        from train.train import cli
+        cli(train_args)
+        return
+    names = args.variants.split(",")
+    common = ["--config", os.path.join(ROOT, "configs/olmoe_bench.yaml"), "--parallel.ep=1",
+              f"--model.n_layers={args.layers}", f"--train.steps={args.steps}", "--log.every=10",
+              "--log.heatmap_every=0", "--log.wandb_mode=disabled", f"--log.dir={args.log_dir}", "--log.overwrite=true"]
+    from common import header, write_results
+    md = header("Routing health: load max/mean of the worst layer while training", "bench/routing_health.py",
+                f"model: configs/olmoe_bench.yaml at {args.layers} layers, EP 1 (one GPU), 8,192 tokens a step, "
+                "warmup 10 steps, aux 0.01, z 0.001, one seed; the variants are described in the script's docstring",
+                "a cell: the worst layer's load max/mean at that step (every layer's, in the last column); "
+                "'≤ 2.0 from': the first logged step after which every logged step stays ≤ 2.0")
+    marks = list(range(30, args.steps + 1, 30))
+    md += ["| variant | " + " | ".join(f"step {s}" for s in marks) + " | ≤ 2.0 from | loss / val at end | layers at end |",
+           "|---" * (len(marks) + 4) + "|"]
+    for name in names:
+        cmd = [sys.executable, os.path.abspath(__file__), "--run", name, *common, f"--log.run_name={name}", *VARIANTS[name][0]]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
+            md.append(f"| {name} | failed (exit {proc.returncode}) |")
+            continue
+        rows, last = _summary(os.path.join(args.log_dir, name, "metrics.jsonl"))
+        worst = {s: max(imb) for s, _, imb in rows}
+        healthy = next((s for s, _, _ in rows if all(worst[t] <= 2.0 for t in worst if t >= s)), None)
+        md.append(f"| {name} | " + " | ".join(f"{worst[s]:.1f}" if s in worst else "" for s in marks)
+                  + f" | {healthy if healthy is not None else 'never'} | {rows[-1][1]:.2f} / {last.get('val/loss', float('nan')):.2f} | "
+                  + " ".join(f"{v:.1f}" for v in rows[-1][2]) + " |")
+        print(md[-1], flush=True)
+    write_results(args.out, "\n".join(md) + "\n")
+
+
+if __name__ == "__main__":
+    main()
