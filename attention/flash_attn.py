@@ -1,11 +1,11 @@
 """FlashAttention forward and backward in Triton (FlashAttention-2 scheme), with GQA.
 
 Shape legend: B batch, H query heads, Hkv key/value heads (H % Hkv == 0, each key/value head serving
-H / Hkv query heads), S sequence (queries and keys have the same length), Hd head dim.
+H / Hkv query heads), Sq query length, Sk key/value length, Hd head dim.
 
 - ``_attn_fwd_kernel``: one program per (query block, b, h); streams key/value blocks through an
   online softmax, writes O and the per-row log-sum-exp (fp32, base 2, of the scaled scores).
-  The S×S score matrix never exists in memory.
+  The Sq×Sk score matrix never exists in memory.
 - ``_attn_bwd_delta_kernel``: delta = rowsum(dO ∘ O) in fp32.
 - ``_attn_bwd_dkdv_kernel``: one program per (key block, b, hkv); recomputes the scores of every
   query block of all H / Hkv query heads of its group and accumulates dK, dV in registers, so the GQA
@@ -14,10 +14,26 @@ H / Hkv query heads), S sequence (queries and keys have the same length), Hd hea
   every key block and accumulates dQ in registers. No atomics anywhere: repeated backward passes
   are bit-identical.
 
-Causal masking aligns the diagonal top-left (self-attention, Sq == Sk). Blocks entirely above the
-diagonal are never visited; only blocks crossing the diagonal or the sequence end pay for masks.
-The kernels take arbitrary strides (last dim contiguous), so (B, S, H, Hd) tensors viewed as
-(B, H, S, Hd) need no copy.
+Which keys a query sees. Queries and keys are aligned bottom-right (FlashAttention >= 2.1,
+``torch.nn.attention.bias.causal_lower_right``): query i sits at key position i' = i + Sk − Sq, so
+the last query lines up with the last key, which is what chunked prefill (Sq new queries after
+Sk − Sq cached keys) needs; with Sq == Sk this is the usual top-left diagonal. Query i sees key j
+iff i' − left <= j <= i' + right, with ``window=(left, right)`` (FlashAttention-2's
+``window_size``; None: unlimited both ways) and right = 0 under ``causal``. A query that sees no
+key (i' + right < 0: only when Sq > Sk, causal or with a short right reach) outputs 0, gets zero
+gradients, and its LSE holds +inf: the recomputed probabilities exp2(s − LSE) of the backward are
+then exactly 0, never NaN.
+
+Only the blocks a band can reach are visited. ``_block_ranges`` gives each block of one axis the
+range of the other axis that any of its rows sees (query blocks: keys, for the forward and dQ;
+key blocks: the queries whose window holds any of its keys, the mirrored band, for dK/dV), split
+into an interior that every row sees whole (no mask: the fast path) and the blocks at either edge
+of the band or at the sequence end, which pay for a mask. Blocks outside every window cost nothing.
+
+Head dims: any multiple of 8 up to 256. The tiles are BLOCK_D = next power of two (>= 16) wide;
+loads and stores mask the columns past Hd (zeros, which add nothing to the dot products), so
+Hd 96 runs on 128-wide tiles and powers of two pay no mask. The kernels take arbitrary strides
+(last dim contiguous), so (B, S, H, Hd) tensors viewed as (B, H, S, Hd) need no copy.
 """
 
 import math
@@ -28,34 +44,48 @@ import triton.language as tl
 
 from kernel_floor import INTERPRET
 
-SUPPORTED_HEAD_DIMS = (32, 64, 128)
+MAX_HEAD_DIM = 256
+HEAD_DIM_MULTIPLE = 8
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
+# The autotune key. S_BUCKET is passed to the kernels for it alone; CAUSAL and BAND also pick
+# the code path at compile time (see _visible).
+_TUNE_KEY = ["HEAD_DIM", "CAUSAL", "BAND", "S_BUCKET"]
 
 
-def _configs(space, interpreter_point):
-    """Autotune space on a GPU; the interpreter cannot autotune, so it gets one small config."""
+def _tune(space, wide_space, interpreter_point):
+    """``triton.autotune`` arguments. On a GPU, ``space`` serves head-dim tiles up to 128 wide and
+    ``wide_space`` the 256-wide ones (smaller blocks and 2 stages: the 256-wide q/k/v tiles and
+    fp32 accumulators must fit in registers and shared memory), split by pruning on BLOCK_D. The
+    interpreter cannot autotune, so it gets one small config."""
     if INTERPRET:
         bm, bn = interpreter_point
-        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=1)]
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bm, bn, w, s in space
-    ]
+        return {"configs": [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4,
+                                          num_stages=1)], "key": _TUNE_KEY}
+    narrow, wide = ([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+                     for bm, bn, w, s in configs] for configs in (space, wide_space))
+
+    def by_tile_width(configs, named_args, **kwargs):
+        return [c for c in configs if (c in wide) == (kwargs["BLOCK_D"] > 128)]
+
+    return {"configs": narrow + wide, "key": _TUNE_KEY,
+            "prune_configs_by": {"early_config_prune": by_tile_width}}
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages). Forward and dQ need BLOCK_M % BLOCK_N == 0 (the
-# causal split at the diagonal), dK/dV needs BLOCK_N % BLOCK_M == 0. Chosen from 7 candidates per
-# kernel timed on an H100 (bf16, B·S = 16k; `python bench/attention.py --tune`): Hd 128 picks
-# fwd 128x64 w8 s3 (4.24 ms at S=16k vs 4.39 for 128x128), dK/dV 64x128 w8 s3 (9.0 ms; 64x64 w4
-# 15.3), dQ 128x64 w8 s3 (5.0 ms; 64x64 w4 6.3); Hd 64 causal picks fwd 128x64 w8 s4, dK/dV
-# 64x64 w4 s3 and dQ 128x64 w4 s3. Candidates that never came first or second are dropped.
-_FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3)], (32, 16))
-_DKDV_CONFIGS = _configs(
-    [(64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 4, 3), (32, 64, 4, 4)], (16, 32)
-)
-_DQ_CONFIGS = _configs([(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2)], (32, 16))
-_TUNE_KEY = ["HEAD_DIM", "CAUSAL", "S_BUCKET"]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); any block sizes work (the key ranges are computed per
+# block). Chosen from 7 candidates per kernel timed on an H100 (bf16, B·S = 16k;
+# `python bench/attention.py --tune`): Hd 128 picks fwd 128x64 w8 s3 (4.24 ms at S=16k vs 4.39 for
+# 128x128), dK/dV 64x128 w8 s3 (9.0 ms; 64x64 w4 15.3), dQ 128x64 w8 s3 (5.0 ms; 64x64 w4 6.3);
+# Hd 64 causal picks fwd 128x64 w8 s4, dK/dV 64x64 w4 s3 and dQ 128x64 w4 s3. Candidates that
+# never came first or second are dropped. The 256-wide lists are not timed yet: chosen from sm_90
+# compiles (no GPU) as the candidates with the fewest register spills, each list holding one that
+# also fits fp32 tiles in shared memory (a config that does not fit is skipped by the autotuner).
+_FWD_TUNE = _tune([(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3)],
+                  [(128, 32, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2)], (32, 16))
+_DKDV_TUNE = _tune([(64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 4, 3), (32, 64, 4, 4)],
+                   [(32, 32, 8, 2), (16, 32, 4, 2), (32, 64, 8, 2)], (16, 32))
+_DQ_TUNE = _tune([(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2)],
+                 [(32, 64, 8, 2), (32, 32, 4, 2), (64, 32, 8, 2)], (32, 16))
 
 
 def _s_bucket(S):
@@ -66,82 +96,148 @@ def _s_bucket(S):
 
 
 @triton.jit
-def _query_block(S, H, GROUP, BLOCK_M: tl.constexpr):
+def _query_block(SQ, H, GROUP, BLOCK_M: tl.constexpr):
     """This program's query block start and its (batch, head, kv head) indices. Causal: the last
     query blocks have the most work; launch them first so the tail of the grid is made of short
     programs (the order is harmless without a mask)."""
-    start_m = (tl.cdiv(S, BLOCK_M) - 1 - tl.program_id(0)) * BLOCK_M
+    start_m = (tl.cdiv(SQ, BLOCK_M) - 1 - tl.program_id(0)) * BLOCK_M
     bh = tl.program_id(1)
     h = bh % H
     return start_m, bh, (bh // H).to(tl.int64), h, h // GROUP
 
 
 @triton.jit
-def _key_ranges(start_m, S, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key positions ``[0, full_end)`` that need no mask for this query block, and the end of
-    ``[full_end, masked_end)`` that needs one (the diagonal block, or the ragged last block)."""
-    if CAUSAL:
-        full_end = start_m
-        masked_end = tl.minimum(start_m + BLOCK_M, S)
-    else:
-        full_end = (S // BLOCK_N) * BLOCK_N
-        masked_end = S
-    return full_end, masked_end
+def _block_ranges(start, n_self, n_other, diag_lo, diag_hi,
+                  BLOCK_SELF: tl.constexpr, BLOCK_OTHER: tl.constexpr):
+    """The other axis' range for the block ``[start, start + BLOCK_SELF)`` of one axis, where
+    index i of this axis sees index j of the other iff diag_lo <= j − i <= diag_hi (queries over
+    keys: the band's DIAG_LO, DIAG_HI; keys over queries, the mirror: −DIAG_HI, −DIAG_LO).
+
+    Returns ``lo <= full_lo <= full_hi <= hi``: ``[lo, hi)`` holds every j that a row of the block
+    sees (nothing outside it is visited; empty when the block sees nothing); every row sees every j
+    of ``[full_lo, full_hi)`` and it lies inside ``n_other``, so those blocks need no mask. lo,
+    full_lo and full_hi are multiples of BLOCK_OTHER, so every range walks whole aligned blocks.
+    """
+    last = tl.minimum(start + BLOCK_SELF, n_self) - 1
+    # Floor/ceil to a block only on non-negative values (division rounds toward zero on a GPU,
+    # down in the interpreter). Few scalar ops: each costs the interpreter a millisecond.
+    lo = tl.maximum(start + diag_lo, 0) // BLOCK_OTHER * BLOCK_OTHER
+    hi = tl.maximum(tl.minimum(last + diag_hi + 1, n_other), lo)
+    full_lo = tl.minimum((tl.maximum(last + diag_lo, lo) + BLOCK_OTHER - 1)
+                         // BLOCK_OTHER * BLOCK_OTHER, hi)
+    full_hi = tl.maximum(tl.maximum(tl.minimum(start + diag_hi + 1, hi), 0)
+                         // BLOCK_OTHER * BLOCK_OTHER, full_lo)
+    return lo, full_lo, full_hi, hi
 
 
 @triton.jit
-def _load_kv(K, V, cols, stride_ks, stride_vs, offs_d, S, MASKED: tl.constexpr):
-    """(BLOCK_N, HEAD_DIM) tiles of k and v at key positions ``cols``."""
-    k_ptrs = K + cols[:, None] * stride_ks + offs_d[None, :]
-    v_ptrs = V + cols[:, None] * stride_vs + offs_d[None, :]
-    if MASKED:
-        k = tl.load(k_ptrs, mask=(cols < S)[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=(cols < S)[:, None], other=0.0)
+def _plain_ranges(start_m, SK, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """_block_ranges of a query block without a band (Sq == Sk, no window), in the fewest
+    scalars: (0, 0, full_hi, hi), keys [0, full_hi) unmasked and [full_hi, hi) masked (the
+    diagonal block, or the ragged end)."""
+    if CAUSAL:
+        full_hi = start_m // BLOCK_N * BLOCK_N
+        hi = tl.minimum(start_m + BLOCK_M, SK)
     else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-    return k, v
+        full_hi = SK // BLOCK_N * BLOCK_N
+        hi = SK
+    return 0, 0, full_hi, hi
 
 
 @triton.jit
-def _score_mask(offs_m, cols, S, CAUSAL: tl.constexpr):
-    """Scores to keep in a masked block: keys inside the sequence, and not after the query."""
-    keep = (cols < S)[None, :]
-    if CAUSAL:
-        keep = keep & (offs_m[:, None] >= cols[None, :])
+def _visible(q_pos, k_pos, SQ, SK, DIAG_LO, DIAG_HI, CAUSAL: tl.constexpr, BAND: tl.constexpr):
+    """Whether query ``q_pos`` sees key ``k_pos`` (broadcast against each other): both inside
+    their sequences, and the key on a diagonal of the band.
+
+    BAND is False for the common case, Sq == Sk without a window. Then the kernels take their
+    ranges from _plain_ranges and this plain test: the general band code made the backward
+    kernels spill registers where the plain code does not (ptxas -v, sm_90: dK/dV hd 64 at 64×64,
+    4 warps, 48 bytes against 0) and cost that case 3-10% of fwd+bwd time on an H100 (same-run
+    A/B; hd 64 causal the worst)."""
+    if BAND:
+        diag = k_pos - q_pos
+        keep = (q_pos < SQ) & (k_pos < SK) & (diag >= DIAG_LO) & (diag <= DIAG_HI)
+    else:
+        # Only the streamed axis' end (SK None: the dK/dV kernel, which streams queries): rows
+        # of the program's own block past its end are never stored, and their zero-filled
+        # q/dO/LSE/delta add nothing to the others.
+        keep = (q_pos < SQ) if SK is None else (k_pos < SK)
+        if CAUSAL:
+            keep = keep & (q_pos >= k_pos)
     return keep
 
 
 @triton.jit
+def _row_mask(rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(rows, BLOCK_D) mask: rows inside the sequence, and columns inside the head dim when the
+    tile is padded."""
+    mask = (rows < n_rows)[:, None]
+    if HEAD_DIM != BLOCK_D:
+        mask = mask & (offs_d < HEAD_DIM)[None, :]
+    return mask
+
+
+@triton.jit
+def _load_pair(A, B, rows, stride_a, stride_b, offs_d, n_rows, ROW_MASK: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(rows, BLOCK_D) tiles of A and B at the same rows (k and v, or q and dO), zeros where
+    masked: rows past ``n_rows`` when ROW_MASK, padded head-dim columns always; interior tiles of
+    a power-of-two head dim load without a mask. (One call for both tiles: every nested call costs
+    the interpreter milliseconds.)"""
+    a_ptrs = A + rows[:, None] * stride_a + offs_d[None, :]
+    b_ptrs = B + rows[:, None] * stride_b + offs_d[None, :]
+    if ROW_MASK:
+        mask = _row_mask(rows, n_rows, offs_d, HEAD_DIM, BLOCK_D)
+        a = tl.load(a_ptrs, mask=mask, other=0.0)
+        b = tl.load(b_ptrs, mask=mask, other=0.0)
+    elif HEAD_DIM != BLOCK_D:
+        a = tl.load(a_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    else:
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+    return a, b
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, K, V, stride_ks, stride_vs, offs_m, offs_n, offs_d, lo, hi,
-               S, qk_scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+               SQ, SK, DIAG_LO, DIAG_HI, qk_scale, CAUSAL: tl.constexpr,
+               BAND: tl.constexpr, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k, v = _load_kv(K, V, cols, stride_ks, stride_vs, offs_d, S, MASKED)
+        k, v = _load_pair(K, V, cols, stride_ks, stride_vs, offs_d, SK, MASKED, HEAD_DIM, BLOCK_D)
         qk = tl.dot(q, tl.trans(k))
         if MASKED:
-            qk = tl.where(_score_mask(offs_m, cols, S, CAUSAL), qk * qk_scale, float("-inf"))
+            keep = _visible(offs_m[:, None], cols[None, :], SQ, SK, DIAG_LO, DIAG_HI, CAUSAL, BAND)
+            qk = tl.where(keep, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.math.exp2(qk - m_new[:, None])
+            # A row that has seen no key yet keeps m = -inf; subtracting 0 instead makes its p
+            # and alpha exp2(-inf) = 0 rather than exp2(-inf + inf) = NaN.
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk - m_sub[:, None])
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_sub = m_new
             p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+        alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_TUNE_KEY)
+@triton.autotune(**_FWD_TUNE)
 @triton.jit
 def _attn_fwd_kernel(Q, K, V, O, LSE,
                      stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                      stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
-                     H, GROUP, S, S_BUCKET, qk_scale,
-                     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                     H, GROUP, SQ, SK, DIAG_LO, DIAG_HI, S_BUCKET, qk_scale,
+                     CAUSAL: tl.constexpr, BAND: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    start_m, bh, b, h, hk = _query_block(S, H, GROUP, BLOCK_M)
+    start_m, bh, b, h, hk = _query_block(SQ, H, GROUP, BLOCK_M)
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + hk * stride_kh
     V += b * stride_vb + hk * stride_vh
@@ -149,64 +245,72 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < S
-    q = tl.load(Q + offs_m[:, None] * stride_qs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(Q + offs_m[:, None] * stride_qs + offs_d[None, :],
+                mask=_row_mask(offs_m, SQ, offs_d, HEAD_DIM, BLOCK_D), other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    full_end, masked_end = _key_ranges(start_m, S, CAUSAL, BLOCK_M, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if BAND:
+        lo, full_lo, full_hi, hi = _block_ranges(start_m, SQ, SK, DIAG_LO, DIAG_HI,
+                                                 BLOCK_M, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_ks, stride_vs, offs_m, offs_n,
+                                   offs_d, lo, full_lo, SQ, SK, DIAG_LO, DIAG_HI, qk_scale,
+                                   CAUSAL, BAND, True, HEAD_DIM, BLOCK_D, BLOCK_N)
+    else:
+        lo, full_lo, full_hi, hi = _plain_ranges(start_m, SK, CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_ks, stride_vs, offs_m, offs_n,
-                               offs_d, 0, full_end, S, qk_scale, CAUSAL, False, BLOCK_N)
+                               offs_d, full_lo, full_hi, SQ, SK, DIAG_LO, DIAG_HI, qk_scale,
+                               CAUSAL, BAND, False, HEAD_DIM, BLOCK_D, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_ks, stride_vs, offs_m, offs_n,
-                               offs_d, full_end, masked_end, S, qk_scale, CAUSAL, True, BLOCK_N)
-    acc = acc / l_i[:, None]
-    tl.store(O + offs_m[:, None] * stride_os + offs_d[None, :], acc.to(O.dtype.element_ty),
-             mask=row_ok[:, None])
-    tl.store(LSE + bh * S + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
+                               offs_d, full_hi, hi, SQ, SK, DIAG_LO, DIAG_HI, qk_scale,
+                               CAUSAL, BAND, True, HEAD_DIM, BLOCK_D, BLOCK_N)
+    # l_i >= 1 for a row that saw a key (its maximum contributes exp2(0)); l_i = 0 and acc = 0
+    # for one that saw none: it outputs 0 and its LSE is +inf (see the module docstring).
+    seen = l_i > 0
+    l_i = tl.where(seen, l_i, 1.0)
+    tl.store(O + offs_m[:, None] * stride_os + offs_d[None, :],
+             (acc / l_i[:, None]).to(O.dtype.element_ty),
+             mask=_row_mask(offs_m, SQ, offs_d, HEAD_DIM, BLOCK_D))
+    tl.store(LSE + bh * SQ + offs_m, tl.where(seen, m_i + tl.math.log2(l_i), float("inf")),
+             mask=offs_m < SQ)
 
 
 @triton.jit
 def _attn_bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_os,
-                           stride_dob, stride_doh, stride_dos, H, S,
-                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+                           stride_dob, stride_doh, stride_dos, H, SQ,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = bh % H
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < S
-    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos
-                 + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    offs_d = tl.arange(0, BLOCK_D)
+    o, do = _load_pair(O + b * stride_ob + h * stride_oh, DO + b * stride_dob + h * stride_doh,
+                       offs_m, stride_os, stride_dos, offs_d, SQ, True, HEAD_DIM, BLOCK_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + bh * S + offs_m, delta, mask=row_ok)
+    tl.store(DELTA + bh * SQ + offs_m, delta, mask=offs_m < SQ)
 
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qs, stride_dos, offs_n, offs_d, lo, hi,
-                S, qk_scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr):
+                SQ, SK, DIAG_LO, DIAG_HI, qk_scale, CAUSAL: tl.constexpr,
+                BAND: tl.constexpr, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q_ptrs = Q + offs_m[:, None] * stride_qs + offs_d[None, :]
-        do_ptrs = DO + offs_m[:, None] * stride_dos + offs_d[None, :]
+        q, do = _load_pair(Q, DO, offs_m, stride_qs, stride_dos, offs_d, SQ, MASKED, HEAD_DIM,
+                           BLOCK_D)
         if MASKED:
-            row_ok = offs_m < S
-            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+            row_ok = offs_m < SQ
             lse = tl.load(LSE + offs_m, mask=row_ok, other=0.0)
             delta = tl.load(DELTA + offs_m, mask=row_ok, other=0.0)
         else:
-            q = tl.load(q_ptrs)
-            do = tl.load(do_ptrs)
             lse = tl.load(LSE + offs_m)
             delta = tl.load(DELTA + offs_m)
         pT = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
         if MASKED:
-            keep = row_ok[None, :]
-            if CAUSAL:
-                keep = keep & (offs_m[None, :] >= offs_n[:, None])
+            keep = _visible(offs_m[None, :], offs_n[:, None], SQ, SK if BAND else None,
+                            DIAG_LO, DIAG_HI, CAUSAL, BAND)
             pT = tl.where(keep, pT, 0.0)
         dv = tl.dot(pT.to(do.dtype), do, dv)
         dpT = tl.dot(v, tl.trans(do))
@@ -215,14 +319,15 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qs, stride_dos, offs_n, 
     return dk, dv
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=_TUNE_KEY)
+@triton.autotune(**_DKDV_TUNE)
 @triton.jit
 def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                           stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                           stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
                           stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-                          H, GROUP, S, S_BUCKET, qk_scale, sm_scale,
-                          HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                          H, GROUP, SQ, SK, DIAG_LO, DIAG_HI, S_BUCKET, qk_scale, sm_scale,
+                          CAUSAL: tl.constexpr, BAND: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     bhk = tl.program_id(1)
@@ -230,87 +335,105 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     b = (bhk // H_KV).to(tl.int64)
     hk = bhk % H_KV
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    col_ok = offs_n < S
-    k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
-                mask=col_ok[:, None], other=0.0)
-    v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
-                mask=col_ok[:, None], other=0.0)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    full_end = (S // BLOCK_M) * BLOCK_M
-    if CAUSAL:
-        full_start = start_n + BLOCK_N
+    offs_d = tl.arange(0, BLOCK_D)
+    k, v = _load_pair(K + b * stride_kb + hk * stride_kh, V + b * stride_vb + hk * stride_vh,
+                      offs_n, stride_ks, stride_vs, offs_d, SK, True, HEAD_DIM, BLOCK_D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    if BAND or BLOCK_N % BLOCK_M != 0:
+        # The queries whose window holds any key of this block: the mirrored band.
+        lo, full_lo, full_hi, hi = _block_ranges(start_n, SK, SQ, -DIAG_HI, -DIAG_LO,
+                                                 BLOCK_N, BLOCK_M)
+        diag_hi, tail_lo = full_lo, full_hi
     else:
-        full_start = 0
+        # Without a band, in the fewest scalars: the diagonal block's queries [start_n,
+        # diag_hi) masked (causal), then [full_lo, full_hi) unmasked, then the ragged end.
+        lo, hi = start_n, SQ
+        diag_hi = tl.minimum(start_n + BLOCK_N, SQ)
+        full_lo = start_n + BLOCK_N if CAUSAL else 0
+        full_hi = SQ // BLOCK_M * BLOCK_M
+        tail_lo = tl.maximum(full_lo, full_hi)
     # The G query heads of this key/value head, summed in a fixed order: no atomics.
     for g in range(GROUP):
         h = hk * GROUP + g
         Qh = Q + b * stride_qb + h * stride_qh
         DOh = DO + b * stride_dob + h * stride_doh
-        LSEh = LSE + (b * H + h) * S
-        DELTAh = DELTA + (b * H + h) * S
-        if CAUSAL:
-            # Query blocks crossing the diagonal of this key block; those above it are skipped.
+        LSEh = LSE + (b * H + h) * SQ
+        DELTAh = DELTA + (b * H + h) * SQ
+        if BAND or CAUSAL:  # otherwise every key is seen from query 0: lo == diag_hi == 0
             dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qs, stride_dos,
-                                 offs_n, offs_d, start_n, tl.minimum(start_n + BLOCK_N, S), S,
-                                 qk_scale, CAUSAL, True, BLOCK_M)
+                                 offs_n, offs_d, lo, diag_hi, SQ, SK, DIAG_LO, DIAG_HI, qk_scale,
+                                 CAUSAL, BAND, True, HEAD_DIM, BLOCK_D, BLOCK_M)
         dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qs, stride_dos, offs_n,
-                             offs_d, full_start, full_end, S, qk_scale, CAUSAL, False, BLOCK_M)
+                             offs_d, full_lo, full_hi, SQ, SK, DIAG_LO, DIAG_HI, qk_scale,
+                             CAUSAL, BAND, False, HEAD_DIM, BLOCK_D, BLOCK_M)
         dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qs, stride_dos, offs_n,
-                             offs_d, tl.maximum(full_start, full_end), S, S, qk_scale, CAUSAL,
-                             True, BLOCK_M)
+                             offs_d, tail_lo, hi, SQ, SK, DIAG_LO, DIAG_HI, qk_scale,
+                             CAUSAL, BAND, True, HEAD_DIM, BLOCK_D, BLOCK_M)
+    col_mask = _row_mask(offs_n, SK, offs_d, HEAD_DIM, BLOCK_D)
     tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
-             (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=col_mask)
     tl.store(DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+             dv.to(DV.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
 def _dq_inner(dq, q, do, lse, delta, K, V, stride_ks, stride_vs, offs_m, offs_n, offs_d, lo, hi,
-              S, qk_scale, CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+              SQ, SK, DIAG_LO, DIAG_HI, qk_scale, CAUSAL: tl.constexpr,
+              BAND: tl.constexpr, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k, v = _load_kv(K, V, cols, stride_ks, stride_vs, offs_d, S, MASKED)
+        k, v = _load_pair(K, V, cols, stride_ks, stride_vs, offs_d, SK, MASKED, HEAD_DIM, BLOCK_D)
         p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
         if MASKED:
-            p = tl.where(_score_mask(offs_m, cols, S, CAUSAL), p, 0.0)
+            keep = _visible(offs_m[:, None], cols[None, :], SQ, SK, DIAG_LO, DIAG_HI, CAUSAL, BAND)
+            p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq)
     return dq
 
 
-@triton.autotune(configs=_DQ_CONFIGS, key=_TUNE_KEY)
+@triton.autotune(**_DQ_TUNE)
 @triton.jit
 def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                         stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                         stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
                         stride_dqb, stride_dqh, stride_dqs,
-                        H, GROUP, S, S_BUCKET, qk_scale, sm_scale,
-                        HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                        H, GROUP, SQ, SK, DIAG_LO, DIAG_HI, S_BUCKET, qk_scale, sm_scale,
+                        CAUSAL: tl.constexpr, BAND: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    start_m, bh, b, h, hk = _query_block(S, H, GROUP, BLOCK_M)
+    start_m, bh, b, h, hk = _query_block(SQ, H, GROUP, BLOCK_M)
     K += b * stride_kb + hk * stride_kh
     V += b * stride_vb + hk * stride_vh
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < S
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos
-                 + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    lse = tl.load(LSE + bh * S + offs_m, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + bh * S + offs_m, mask=row_ok, other=0.0)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    full_end, masked_end = _key_ranges(start_m, S, CAUSAL, BLOCK_M, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < SQ
+    q, do = _load_pair(Q + b * stride_qb + h * stride_qh, DO + b * stride_dob + h * stride_doh,
+                       offs_m, stride_qs, stride_dos, offs_d, SQ, True, HEAD_DIM, BLOCK_D)
+    lse = tl.load(LSE + bh * SQ + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + bh * SQ + offs_m, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if BAND:
+        lo, full_lo, full_hi, hi = _block_ranges(start_m, SQ, SK, DIAG_LO, DIAG_HI,
+                                                 BLOCK_M, BLOCK_N)
+        dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_ks, stride_vs, offs_m, offs_n, offs_d,
+                       lo, full_lo, SQ, SK, DIAG_LO, DIAG_HI, qk_scale,
+                       CAUSAL, BAND, True, HEAD_DIM, BLOCK_D, BLOCK_N)
+    else:
+        lo, full_lo, full_hi, hi = _plain_ranges(start_m, SK, CAUSAL, BLOCK_M, BLOCK_N)
     dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_ks, stride_vs, offs_m, offs_n, offs_d,
-                   0, full_end, S, qk_scale, CAUSAL, False, BLOCK_N)
+                   full_lo, full_hi, SQ, SK, DIAG_LO, DIAG_HI, qk_scale,
+                   CAUSAL, BAND, False, HEAD_DIM, BLOCK_D, BLOCK_N)
     dq = _dq_inner(dq, q, do, lse, delta, K, V, stride_ks, stride_vs, offs_m, offs_n, offs_d,
-                   full_end, masked_end, S, qk_scale, CAUSAL, True, BLOCK_N)
+                   full_hi, hi, SQ, SK, DIAG_LO, DIAG_HI, qk_scale,
+                   CAUSAL, BAND, True, HEAD_DIM, BLOCK_D, BLOCK_N)
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
-             (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+             (dq * sm_scale).to(DQ.dtype.element_ty),
+             mask=_row_mask(offs_m, SQ, offs_d, HEAD_DIM, BLOCK_D))
 
 
 def _strides(t):
@@ -321,7 +444,18 @@ def _last_dim_contiguous(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _check_inputs(q, k, v, causal):
+def _check_window(window, causal):
+    if window is None:
+        return
+    if not (isinstance(window, (tuple, list)) and len(window) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in window)):
+        raise ValueError(f"window must be None or (left, right), two ints >= 0, got {window!r}")
+    if causal and window[1] > 0:
+        raise ValueError(f"window right = {window[1]} with causal=True, which sees no key after "
+                         f"the query: pass window=({window[0]}, 0), or causal=False")
+
+
+def _check_inputs(q, k, v, causal, window):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (B, heads, S, Hd), got shape {tuple(t.shape)}")
@@ -331,99 +465,125 @@ def _check_inputs(q, k, v, causal):
         raise ValueError(f"q dtype {q.dtype} unsupported; use one of {SUPPORTED_DTYPES}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
-    B, H, S, Hd = q.shape
+    B, H, _, Hd = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k shape {tuple(k.shape)} != v shape {tuple(v.shape)}")
-    Bk, Hkv, Sk, Hdk = k.shape
-    if Hd not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim {Hd} unsupported; supported: {SUPPORTED_HEAD_DIMS}")
+    Bk, Hkv, _, Hdk = k.shape  # the k/v length may differ from the q length
+    if Hd % HEAD_DIM_MULTIPLE or not 0 < Hd <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim {Hd} unsupported: it must be a multiple of "
+                         f"{HEAD_DIM_MULTIPLE} in [{HEAD_DIM_MULTIPLE}, {MAX_HEAD_DIM}]")
     if Hdk != Hd:
         raise ValueError(f"k/v head dim {Hdk} != q head dim {Hd}")
     if Bk != B:
         raise ValueError(f"k/v batch {Bk} != q batch {B}")
     if Hkv == 0 or H % Hkv != 0:
         raise ValueError(f"q heads H={H} must be a multiple of k/v heads Hkv={Hkv}")
-    if Sk != S:
-        mode = "causal" if causal else "non-causal"
-        raise ValueError(f"k/v length {Sk} != q length {S}: only self-attention (Sq == Sk) is "
-                         f"supported ({mode})")
+    _check_window(window, causal)
 
 
-def attention_forward(q, k, v, causal=True, scale=None):
+def _launch_args(q, k, causal, window):
+    """Length, band and tune-key arguments shared by the kernels: (SQ, SK, DIAG_LO, DIAG_HI,
+    S_BUCKET). Key j of query i lies on diagonal j − i; the band is the diagonals
+    Sk − Sq − left … Sk − Sq + right. An unlimited side is clamped to one that already reaches
+    every key (left Sk, right Sq), so the kernels have no "unlimited" case."""
+    Sq, Sk = q.shape[2], k.shape[2]
+    left, right = (Sk, Sq) if window is None else window
+    left, right = min(left, Sk), (0 if causal else min(right, Sq))
+    # Tune for the longest run of keys (queries, for dK/dV) one block streams.
+    longest = min(max(Sq, Sk), left + right + 1)
+    return Sq, Sk, Sk - Sq - left, Sk - Sq + right, _s_bucket(longest)
+
+
+def _path_args(q, k, causal, window):
+    """The compile-time CAUSAL and BAND (a window, or Sq != Sk: see _visible)."""
+    return {"CAUSAL": bool(causal), "BAND": window is not None or q.shape[2] != k.shape[2]}
+
+
+def _head_dim_args(Hd):
+    return {"HEAD_DIM": Hd, "BLOCK_D": max(16, triton.next_power_of_2(Hd))}
+
+
+def attention_forward(q, k, v, causal=True, scale=None, window=None):
     """Launch the forward kernel.
 
-    q: (B, H, S, Hd); k, v: (B, Hkv, S, Hd); fp16/bf16 (fp32 runs with tf32 dots on a GPU).
-    Returns o (B, H, S, Hd) with q's dtype and strides, and lse (B, H, S) fp32: the base-2
-    log-sum-exp of the scores scaled by scale·log2(e), which the backward reuses.
+    q: (B, H, Sq, Hd); k, v: (B, Hkv, Sk, Hd); fp16/bf16 (fp32 runs with tf32 dots on a GPU).
+    Returns o (B, H, Sq, Hd) with q's dtype and strides, and lse (B, H, Sq) fp32: the base-2
+    log-sum-exp of the scores scaled by scale·log2(e), which the backward reuses (+inf for a query
+    that sees no key).
     """
-    _check_inputs(q, k, v, causal)
+    _check_inputs(q, k, v, causal, window)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    B, H, S, Hd = q.shape
+    B, H, Sq, Hd = q.shape
     scale = 1.0 / math.sqrt(Hd) if scale is None else float(scale)
     o = torch.empty_like(q)
-    lse = torch.empty(B, H, S, device=q.device, dtype=torch.float32)
+    lse = torch.empty(B, H, Sq, device=q.device, dtype=torch.float32)
     if q.numel() == 0:
         return o, lse
-    grid = lambda meta: (triton.cdiv(S, meta["BLOCK_M"]), B * H)  # noqa: E731
+    grid = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * H)  # noqa: E731
     _attn_fwd_kernel[grid](
         q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        H, H // k.shape[1], S, _s_bucket(S), scale * _LOG2E,
-        HEAD_DIM=Hd, CAUSAL=bool(causal),
+        H, H // k.shape[1], *_launch_args(q, k, causal, window), scale * _LOG2E,
+        **_path_args(q, k, causal, window), **_head_dim_args(Hd),
     )
     return o, lse
 
 
-def attention_backward(do, q, k, v, o, lse, causal=True, scale=None):
+def attention_backward(do, q, k, v, o, lse, causal=True, scale=None, window=None):
     """Launch the backward kernels; returns dq, dk, dv shaped and typed like q, k, v.
 
-    do, o: (B, H, S, Hd); lse: (B, H, S) fp32 from ``attention_forward``. Deterministic.
+    do, o: (B, H, Sq, Hd); lse: (B, H, Sq) fp32 from ``attention_forward``. Deterministic.
     """
     do = _last_dim_contiguous(do)
-    B, H, S, Hd = q.shape
-    Hkv = k.shape[1]
+    B, H, Sq, Hd = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(Hd) if scale is None else float(scale)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if q.numel() == 0:
-        return dq, dk, dv
+    if q.numel() == 0:  # no query: keys and values get no gradient
+        return dq, dk.zero_(), dv.zero_()
     delta = torch.empty_like(lse)
     delta_block = 64
-    _attn_bwd_delta_kernel[(triton.cdiv(S, delta_block), B * H)](
-        o, do, delta, *_strides(o), *_strides(do), H, S, HEAD_DIM=Hd, BLOCK_M=delta_block,
+    _attn_bwd_delta_kernel[(triton.cdiv(Sq, delta_block), B * H)](
+        o, do, delta, *_strides(o), *_strides(do), H, Sq, BLOCK_M=delta_block,
+        **_head_dim_args(Hd),
     )
-    common = (H, H // Hkv, S, _s_bucket(S), scale * _LOG2E, scale)
-    _attn_bwd_dkdv_kernel[lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v),
-        *_strides(do), *_strides(dk), *_strides(dv), *common, HEAD_DIM=Hd, CAUSAL=bool(causal),
-    )
-    _attn_bwd_dq_kernel[lambda meta: (triton.cdiv(S, meta["BLOCK_M"]), B * H)](
+    common = (H, H // Hkv, *_launch_args(q, k, causal, window), scale * _LOG2E, scale)
+    constexprs = {**_path_args(q, k, causal, window), **_head_dim_args(Hd)}
+    if Sk > 0:
+        _attn_bwd_dkdv_kernel[lambda meta: (triton.cdiv(Sk, meta["BLOCK_N"]), B * Hkv)](
+            q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v),
+            *_strides(do), *_strides(dk), *_strides(dv), *common, **constexprs,
+        )
+    _attn_bwd_dq_kernel[lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * H)](
         q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
-        *_strides(dq), *common, HEAD_DIM=Hd, CAUSAL=bool(causal),
+        *_strides(dq), *common, **constexprs,
     )
     return dq, dk, dv
 
 
 class FlashAttentionFn(torch.autograd.Function):
-    """Autograd wrapper: saves q, k, v, o and the fp32 log-sum-exp (O(S) memory), no scores."""
+    """Autograd wrapper: saves q, k, v, o and the fp32 log-sum-exp (O(Sq) memory), no scores."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
-        o, lse = attention_forward(q, k, v, causal, scale)
+    def forward(ctx, q, k, v, causal, scale, window):
+        o, lse = attention_forward(q, k, v, causal, scale, window)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.scale, ctx.window = causal, scale, window
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = attention_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.window)
+        return dq, dk, dv, None, None, None
 
 
-def flash_attention(q, k, v, causal=True, scale=None):
-    """Softmax attention without the S×S matrix.
+def flash_attention(q, k, v, causal=True, scale=None, window=None):
+    """Softmax attention without the Sq×Sk matrix.
 
-    q: (B, H, S, Hd); k, v: (B, Hkv, S, Hd) with H % Hkv == 0; Hd in {32, 64, 128}; fp16 or bf16
-    (fp32 accepted). ``scale`` defaults to 1/sqrt(Hd). Causal masking is top-left aligned and
-    needs Sq == Sk (the only case supported). Returns (B, H, S, Hd) in q's dtype.
+    q: (B, H, Sq, Hd); k, v: (B, Hkv, Sk, Hd) with H % Hkv == 0; Hd a multiple of 8 up to 256;
+    fp16 or bf16 (fp32 accepted). ``scale`` defaults to 1/sqrt(Hd). Query i sits at key position
+    i' = i + Sk − Sq (bottom-right alignment) and sees key j iff i' − left <= j <= i' + right:
+    ``window=(left, right)`` (ints >= 0; None: unlimited), right = 0 when ``causal``. A query
+    that sees no key outputs 0. Returns (B, H, Sq, Hd) in q's dtype.
     """
-    return FlashAttentionFn.apply(q, k, v, causal, scale)
+    return FlashAttentionFn.apply(q, k, v, causal, scale, window)

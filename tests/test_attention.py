@@ -1,14 +1,21 @@
-"""FlashAttention kernels against the PyTorch reference; the attention module; RoPE.
+"""FlashAttention kernels against the PyTorch reference; the reference against SDPA; the attention
+module; RoPE.
 
 Accuracy rule: against the fp32 reference, our error (max abs, for O, dQ, dK, dV) must be at most
 2× the error of plain PyTorch computing in the same low precision, plus a small floor per dtype
 (the floor covers outputs that are exactly representable, e.g. dQ = 0 when S = 1).
 """
 
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from attention import Attention, attention_reference, flash_attention
+from attention.flash_attn import attention_forward
+from attention.reference import visible_keys
 from attention.rope import apply_rope, rope_cos_sin
 
 ATOL_FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}
@@ -19,10 +26,11 @@ interpreter_only = pytest.mark.skipif(torch.cuda.is_available(),
                                       reason="Triton interpreter cases (no GPU present)")
 
 
-def _inputs(B, H, Hkv, S, Hd, dtype, device):
+def _inputs(B, H, Hkv, S, Hd, dtype, device, Sk=None):
+    Sk = S if Sk is None else Sk
     q = torch.randn(B, H, S, Hd, device=device, dtype=dtype, requires_grad=True)
-    k = torch.randn(B, Hkv, S, Hd, device=device, dtype=dtype, requires_grad=True)
-    v = torch.randn(B, Hkv, S, Hd, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, Hkv, Sk, Hd, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, Hkv, Sk, Hd, device=device, dtype=dtype, requires_grad=True)
     do = torch.randn(B, H, S, Hd, device=device, dtype=dtype)
     return q, k, v, do
 
@@ -32,12 +40,13 @@ def _out_and_grads(fn, q, k, v, do):
     return (o, *torch.autograd.grad(o, (q, k, v), do))
 
 
-def _check_against_reference(B, H, Hkv, S, Hd, causal, dtype, device):
-    q, k, v, do = _inputs(B, H, Hkv, S, Hd, dtype, device)
-    ours = _out_and_grads(lambda a, b, c: flash_attention(a, b, c, causal=causal), q, k, v, do)
-    exact = _out_and_grads(lambda a, b, c: attention_reference(a, b, c, causal), q, k, v, do)
+def _assert_accurate(ours, q, k, v, do, causal, window, dtype):
+    """``ours`` (o, dq, dk, dv) against the fp32 reference on q, k, v, by the accuracy rule."""
+    exact = _out_and_grads(
+        lambda a, b, c: attention_reference(a, b, c, causal, window=window), q, k, v, do)
     torch_low = _out_and_grads(
-        lambda a, b, c: attention_reference(a, b, c, causal, upcast=False), q, k, v, do)
+        lambda a, b, c: attention_reference(a, b, c, causal, upcast=False, window=window),
+        q, k, v, do)
     for name, x, ref, base in zip(("o", "dq", "dk", "dv"), ours, exact, torch_low):
         assert x.shape == ref.shape and x.dtype == ref.dtype, name
         assert torch.isfinite(x).all(), f"{name} has non-finite values"
@@ -45,6 +54,79 @@ def _check_against_reference(B, H, Hkv, S, Hd, causal, dtype, device):
         torch_err = (base.float() - ref.float()).abs().max().item()
         bound = 2 * torch_err + ATOL_FLOOR[dtype]
         assert err <= bound, f"{name}: error {err:.3g} > bound {bound:.3g} (torch {torch_err:.3g})"
+
+
+def _check_against_reference(B, H, Hkv, S, Hd, causal, dtype, device, Sk=None, window=None):
+    """S queries against Sk keys (default S)."""
+    q, k, v, do = _inputs(B, H, Hkv, S, Hd, dtype, device, Sk)
+    ours = _out_and_grads(lambda a, b, c: flash_attention(a, b, c, causal=causal, window=window),
+                          q, k, v, do)
+    _assert_accurate(ours, q, k, v, do, causal, window, dtype)
+
+
+def _mask_by_diagonals(Sq, Sk, causal, window):
+    """The visibility rule written with diagonals (key j of query i lies on diagonal j − i; the
+    query's own, bottom-right aligned, is Sk − Sq): independent of ``visible_keys``."""
+    keep = torch.ones(Sq, Sk, dtype=torch.bool)
+    if causal:
+        keep = keep.tril(Sk - Sq)
+    if window is not None:
+        keep = keep.tril(Sk - Sq + window[1]).triu(Sk - Sq - window[0])
+    return keep
+
+
+def _check_rows_seeing_nothing(Sq, Sk, causal, window, dtype, device):
+    """Queries that see no key output exactly 0 and get dQ = 0, LSE = +inf there; every other
+    row's LSE is the base-2 log-sum-exp of its scaled visible scores; the rest by the rule."""
+    H, Hkv, Hd = 2, 1, 32
+    empty = ~_mask_by_diagonals(Sq, Sk, causal, window).any(dim=1).to(device)
+    assert empty.any() and not empty.all()
+    q, k, v, do = _inputs(1, H, Hkv, Sq, Hd, dtype, device, Sk)
+    ours = _out_and_grads(lambda a, b, c: flash_attention(a, b, c, causal=causal, window=window),
+                          q, k, v, do)
+    o, dq = ours[0], ours[1]
+    assert (o[:, :, empty] == 0).all() and (dq[:, :, empty] == 0).all()
+    _assert_accurate(ours, q, k, v, do, causal, window, dtype)
+    _, lse = attention_forward(q.detach(), k.detach(), v.detach(), causal, window=window)
+    assert (lse[:, :, empty] == float("inf")).all()
+    kk = k.detach().float().repeat_interleave(H // Hkv, dim=1)
+    scores = (q.detach().float() @ kk.transpose(-1, -2)) / math.sqrt(Hd)
+    scores = scores.masked_fill(~_mask_by_diagonals(Sq, Sk, causal, window).to(device), -math.inf)
+    lse_ref = torch.logsumexp(scores, dim=-1) / math.log(2)
+    torch.testing.assert_close(lse[:, :, ~empty], lse_ref[:, :, ~empty], rtol=1e-4, atol=2e-3)
+
+
+def _check_skips_unseen_blocks(poison_keys, dtype, device, A):
+    """Blocks outside every window are never visited: inputs that no result depends on are NaN,
+    and the results stay exact only if no program takes them into a dot (0 · NaN = NaN).
+
+    A: a multiple of every block size in use. poison_keys: A/2 queries at key positions
+    2A … 2.5A − 1 of 2.5A keys with window (A/2 − 1, 0) see keys from 1.5A + 1 on; keys below A
+    are NaN. Otherwise: 2.5A queries against A/2 keys, causal, so queries below 2A see nothing;
+    their q and dO rows below A are NaN (the dK/dV kernel must skip those query blocks).
+    """
+    if poison_keys:
+        Sq, Sk, window = A // 2, 5 * A // 2, (A // 2 - 1, 0)
+    else:
+        Sq, Sk, window = 5 * A // 2, A // 2, None
+    q, k, v, do = _inputs(1, 4, 2, Sq, 32, dtype, device, Sk)
+    poisoned = [t.detach().clone() for t in (q, k, v, do)]
+    for t in (poisoned[1:3] if poison_keys else poisoned[::3]):
+        t[:, :, :A] = float("nan")
+    pq, pk, pv, pdo = (t.requires_grad_(i < 3) for i, t in enumerate(poisoned))
+    ours = _out_and_grads(lambda a, b, c: flash_attention(a, b, c, causal=True, window=window),
+                          pq, pk, pv, pdo)
+    _assert_accurate(ours, q, k, v, do, True, window, dtype)
+
+
+def _check_empty_lengths(device):
+    """No query: empty output, zero dK and dV. No key: every query outputs 0, dQ = 0."""
+    for Sq, Sk in ((0, 5), (5, 0)):
+        q, k, v, do = _inputs(1, 2, 1, Sq, 32, torch.float16, device, Sk)
+        o, dq, dk, dv = _out_and_grads(lambda a, b, c: flash_attention(a, b, c), q, k, v, do)
+        assert o.shape == (1, 2, Sq, 32) and dk.shape == (1, 1, Sk, 32)
+        for t in (o, dq, dk, dv):
+            assert (t == 0).all()
 
 
 # ---- CPU: Triton interpreter, small sizes ------------------------------------------------------
@@ -82,13 +164,144 @@ def test_interpreter_scale_argument():
     assert (out - ref).abs().max().item() < 1e-5
 
 
+@interpreter_only
+@pytest.mark.parametrize("Sq,Sk,H,Hkv,causal", [
+    (17, 70, 2, 2, True), (17, 70, 4, 1, False), (70, 17, 4, 2, True), (70, 17, 2, 2, False),
+    (1, 127, 4, 1, True), (127, 1, 2, 1, False), (33, 80, 2, 2, True),
+])
+def test_interpreter_cross_lengths_fp16(Sq, Sk, H, Hkv, causal):
+    """Sq != Sk (cross-attention, chunked prefill), causal bottom-right aligned."""
+    _check_against_reference(1, H, Hkv, Sq, 32, causal, torch.float16, "cpu", Sk=Sk)
+
+
+@interpreter_only
+@pytest.mark.parametrize("Sq,Sk,causal", [(40, 100, True), (100, 40, True), (48, 20, False)])
+def test_interpreter_cross_lengths_fp32(Sq, Sk, causal):
+    _check_against_reference(1, 4, 2, Sq, 64, causal, torch.float32, "cpu", Sk=Sk)
+
+
+@interpreter_only
+@pytest.mark.parametrize("Sq,Sk,H,Hkv,causal,window,dtype", [
+    # Narrower than every block (3 < 16), wider than a block, and a window over Sq < Sk.
+    (70, 70, 2, 2, True, (3, 0), torch.float16),
+    (80, 80, 2, 1, True, (40, 0), torch.float16),
+    (30, 100, 4, 2, True, (20, 0), torch.float32),
+    # Left and right, non-causal, also with lengths that differ either way.
+    (70, 70, 2, 1, False, (5, 7), torch.float16),
+    (64, 64, 2, 2, False, (0, 0), torch.float32),
+    (40, 90, 2, 1, False, (17, 3), torch.float16),
+    (90, 40, 2, 1, False, (2, 30), torch.float32),
+])
+def test_interpreter_window(Sq, Sk, H, Hkv, causal, window, dtype):
+    _check_against_reference(1, H, Hkv, Sq, 32, causal, dtype, "cpu", Sk=Sk, window=window)
+
+
+@interpreter_only
+@pytest.mark.parametrize("Sq,Sk,causal,window", [
+    (64, 64, True, (1, 0)), (64, 64, True, (15, 0)), (64, 64, True, (16, 0)),
+    (64, 64, True, (17, 0)), (64, 64, True, (33, 0)), (64, 64, False, (0, 1)),
+    (64, 64, False, (16, 15)), (64, 64, False, (31, 17)), (48, 64, True, (1, 0)),
+    (47, 64, True, (17, 0)), (64, 49, True, (16, 0)), (64, 33, False, (15, 32)),
+    (49, 64, False, (32, 1)), (63, 80, True, None), (80, 65, True, None),
+])
+def test_interpreter_band_edges(Sq, Sk, causal, window):
+    """Band edges at, just before and just after block boundaries (interpreter blocks are 16 and
+    32): every off-by-one in the key and mirrored query ranges shows up in one of these."""
+    _check_against_reference(1, 1, 1, Sq, 16, causal, torch.float32, "cpu", Sk=Sk, window=window)
+
+
+@interpreter_only
+@pytest.mark.parametrize("Sq,Sk,causal,window,dtype", [
+    (70, 20, True, None, torch.float16), (50, 30, True, (4, 0), torch.float32),
+    (60, 20, False, (3, 2), torch.float16),
+])
+def test_interpreter_rows_seeing_nothing(Sq, Sk, causal, window, dtype):
+    _check_rows_seeing_nothing(Sq, Sk, causal, window, dtype, "cpu")
+
+
+@interpreter_only
+@pytest.mark.parametrize("poison_keys", [True, False])
+def test_interpreter_skips_blocks_outside_every_window(poison_keys):
+    _check_skips_unseen_blocks(poison_keys, torch.float32, "cpu", A=32)
+
+
+@interpreter_only
+@pytest.mark.parametrize("Hd,Sq,Sk,H,Hkv,causal,window,dtype", [
+    (96, 70, 70, 2, 2, True, None, torch.float16),
+    (96, 17, 127, 4, 2, False, None, torch.float32),
+    (96, 70, 40, 2, 1, True, (9, 0), torch.float16),
+    (256, 33, 33, 2, 2, True, None, torch.float16),
+    (256, 1, 70, 4, 1, False, None, torch.float32),
+    (256, 40, 40, 2, 1, False, (6, 4), torch.float32),
+    (8, 17, 17, 2, 2, True, None, torch.float16),
+    (40, 127, 1, 2, 2, False, None, torch.float32),
+])
+def test_interpreter_head_dims(Hd, Sq, Sk, H, Hkv, causal, window, dtype):
+    """Head dims that are not a power of two run on padded tiles; 256 on the widest."""
+    _check_against_reference(1, H, Hkv, Sq, Hd, causal, dtype, "cpu", Sk=Sk, window=window)
+
+
+@interpreter_only
+def test_interpreter_empty_lengths():
+    _check_empty_lengths("cpu")
+
+
+def test_reference_visible_keys_by_hand():
+    """The rule on small cases worked out by hand (rows: queries, columns: keys)."""
+    def table(rows):
+        return torch.tensor([[c == "x" for c in r] for r in rows])
+    # Bottom-right causal: the last query sees every key; the first Sk − Sq keys are the cache.
+    assert torch.equal(visible_keys(3, 5), table(["xxx..", "xxxx.", "xxxxx"]))
+    # More queries than keys: the first two see nothing.
+    assert torch.equal(visible_keys(4, 2), table(["..", "..", "x.", "xx"]))
+    assert torch.equal(visible_keys(3, 5, window=(1, 0)), table([".xx..", "..xx.", "...xx"]))
+    assert torch.equal(visible_keys(3, 3, causal=False, window=(0, 1)),
+                       table(["xx.", ".xx", "..x"]))
+    assert torch.equal(visible_keys(2, 4, causal=False, window=(3, 0)), table(["xxx.", "xxxx"]))
+
+
+@pytest.mark.parametrize("Sq,Sk,causal,window", [
+    (5, 12, True, None), (12, 5, True, None), (9, 9, True, None), (7, 13, False, None),
+    (13, 7, False, None), (16, 16, True, (3, 0)), (6, 15, True, (4, 0)), (15, 6, True, (2, 0)),
+    (11, 11, False, (2, 3)), (8, 14, False, (0, 5)), (14, 8, False, (4, 0)),
+])
+def test_reference_matches_sdpa_fp64(Sq, Sk, causal, window):
+    """The reference (fp64) against SDPA with a boolean mask from the rule (GQA, rows that see
+    nothing included), and bottom-right causal against ``causal_lower_right`` where it is
+    defined (Sq <= Sk)."""
+    q, k, v, do = _inputs(2, 4, 2, Sq, 8, torch.float64, "cpu", Sk)
+    ours = _out_and_grads(lambda a, b, c: attention_reference(a, b, c, causal, window=window),
+                          q, k, v, do)
+    mask = _mask_by_diagonals(Sq, Sk, causal, window)
+    sdpa = _out_and_grads(lambda a, b, c: F.scaled_dot_product_attention(
+        a, b, c, attn_mask=mask, enable_gqa=True), q, k, v, do)
+    for name, x, ref in zip(("o", "dq", "dk", "dv"), ours, sdpa):
+        torch.testing.assert_close(x, ref, msg=name)
+    if causal and window is None and Sq <= Sk:
+        lower_right = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(Sq, Sk),
+                                                     enable_gqa=True)
+        torch.testing.assert_close(ours[0], lower_right)
+
+
+@pytest.mark.parametrize("window,causal", [
+    ((-1, 0), True), ((2, -3), False), ((4,), True), ((1, 2, 3), False), ((1.5, 0), True),
+    ((True, 0), True), (8, True), ("ab", False), ((2, 1), True),
+])
+def test_window_errors(window, causal):
+    q = torch.ones(1, 2, 8, 32, dtype=torch.float16)
+    with pytest.raises(ValueError, match="window"):
+        flash_attention(q, q.clone(), q.clone(), causal=causal, window=window)
+
+
 @pytest.mark.parametrize(
     "q_shape,kv_shape,dtypes,match",
     [
-        ((1, 2, 8, 48), (1, 2, 8, 48), (torch.float16,) * 2, "head dim 48"),
+        ((1, 2, 8, 36), (1, 2, 8, 36), (torch.float16,) * 2, "head dim 36"),
+        ((1, 2, 8, 264), (1, 2, 8, 264), (torch.float16,) * 2, "head dim 264"),
         ((1, 2, 8, 32), (1, 2, 8, 32), (torch.float16, torch.bfloat16), "dtypes differ"),
         ((1, 6, 8, 32), (1, 4, 8, 32), (torch.float16,) * 2, "multiple of k/v heads"),
-        ((1, 2, 8, 32), (1, 2, 9, 32), (torch.float16,) * 2, "Sq == Sk"),
+        ((1, 2, 8, 32), (2, 2, 9, 32), (torch.float16,) * 2, "k/v batch"),
+        ((1, 2, 8, 32), (1, 2, 9, 64), (torch.float16,) * 2, "k/v head dim 64"),
         ((1, 2, 8, 32), (1, 2, 8, 32), (torch.int32,) * 2, "unsupported"),
     ],
 )
@@ -144,7 +357,7 @@ def test_module_rejects_bad_heads():
         Attention(dim=64, n_heads=6, n_kv_heads=4)
 
 
-# ---- GPU: compiled kernels, bf16 ---------------------------------------------------------------
+# ---- GPU: compiled kernels, bf16 and fp16 ------------------------------------------------------
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("S", [1, 17, 239, 1000])
@@ -162,14 +375,73 @@ def test_gpu_other_head_dim_and_fp16(Hd, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("Sq,Sk", [(256, 2048), (2048, 256), (700, 1500), (1500, 700), (1, 999)])
 @pytest.mark.parametrize("causal", [True, False])
-def test_gpu_backward_bit_identical_on_repeat(causal):
+@pytest.mark.parametrize("Hd", [64, 128])
+def test_gpu_cross_lengths_bf16(Sq, Sk, causal, Hd):
+    _check_against_reference(2, 8, 2, Sq, Hd, causal, torch.bfloat16, DEVICE_GPU, Sk=Sk)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Sq,Sk,causal,window", [
+    (2048, 2048, True, (256, 0)), (2000, 2000, True, (10, 0)), (1024, 2048, True, (100, 0)),
+    (2000, 2000, False, (128, 64)), (300, 1200, False, (17, 5)), (1200, 300, False, (0, 700)),
+    (1500, 700, True, (50, 0)),
+])
+@pytest.mark.parametrize("Hd,dtype", [(64, torch.bfloat16), (128, torch.bfloat16), (256, torch.float16)])
+def test_gpu_window(Sq, Sk, causal, window, Hd, dtype):
+    _check_against_reference(2, 8, 2, Sq, Hd, causal, dtype, DEVICE_GPU, Sk=Sk, window=window)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", [1, 17, 239, 1000])
+@pytest.mark.parametrize("Hd", [96, 256])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_head_dims_bf16(S, Hd, causal):
+    _check_against_reference(2, 8, 2, S, Hd, causal, torch.bfloat16, DEVICE_GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Hd", [40, 96, 256])
+def test_gpu_head_dims_fp16_cross(Hd):
+    _check_against_reference(2, 8, 2, 333, Hd, True, torch.float16, DEVICE_GPU, Sk=1027)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Sq,Sk,causal,window", [
+    (1500, 300, True, None), (1200, 500, True, (64, 0)), (900, 100, False, (30, 20)),
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_rows_seeing_nothing(Sq, Sk, causal, window, dtype):
+    _check_rows_seeing_nothing(Sq, Sk, causal, window, dtype, DEVICE_GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("poison_keys", [True, False])
+def test_gpu_skips_blocks_outside_every_window(poison_keys):
+    _check_skips_unseen_blocks(poison_keys, torch.bfloat16, DEVICE_GPU, A=128)
+
+
+@pytest.mark.gpu
+def test_gpu_empty_lengths():
+    _check_empty_lengths(DEVICE_GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Sq,Sk,causal,window", [
+    (2049, 2049, True, None), (2049, 2049, False, None), (1000, 2049, True, (300, 0)),
+    (2049, 700, False, (100, 60)),
+])
+def test_gpu_backward_bit_identical_on_repeat(Sq, Sk, causal, window):
     """Race detector: no atomics, so every repeat must give the same bits."""
-    q, k, v, do = _inputs(2, 16, 4, 2049, 128, torch.bfloat16, DEVICE_GPU)
-    first = _out_and_grads(lambda a, b, c: flash_attention(a, b, c, causal=causal), q, k, v, do)
+    q, k, v, do = _inputs(2, 16, 4, Sq, 128, torch.bfloat16, DEVICE_GPU, Sk)
+
+    def fn(a, b, c):
+        return flash_attention(a, b, c, causal=causal, window=window)
+
+    first = _out_and_grads(fn, q, k, v, do)
     for _ in range(3):
-        again = _out_and_grads(lambda a, b, c: flash_attention(a, b, c, causal=causal),
-                               q, k, v, do)
+        again = _out_and_grads(fn, q, k, v, do)
         for name, x, y in zip(("o", "dq", "dk", "dv"), first, again):
             assert torch.equal(x, y), f"{name} differs between repeats"
 
