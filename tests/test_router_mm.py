@@ -94,7 +94,11 @@ def test_model_sized_beats_tf32(T, D, E, x_dtype):
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allowed
     assert _rel(logits, ref) < 1e-5 < _rel(tf32, ref)
-    assert _rel(dx, dx_ref) < {torch.bfloat16: 5e-3, torch.float16: 1e-3, torch.float32: 1e-5}[x_dtype]
+    # dx is stored in x's dtype: at T = 16k, dlogits / T puts fp16 dx among the subnormals (below
+    # 6.1e-5), where the kernel's error (1.76e-3 from fp64 on an H100) is exactly the rounding of
+    # the exact dx to fp16; so the bound is twice that rounding, never looser than the dtype's
+    storage = _rel(dx_ref.to(x_dtype), dx_ref)
+    assert _rel(dx, dx_ref) < max({torch.bfloat16: 5e-3, torch.float16: 1e-3, torch.float32: 1e-5}[x_dtype], 2 * storage)
     assert _rel(dw, dw_ref) < 1e-5
 
 
