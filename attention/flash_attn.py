@@ -32,7 +32,7 @@ of the band or at the sequence end, which pay for a mask. Blocks outside every w
 
 Head dims: any multiple of 8 up to 256. The tiles are BLOCK_D = next power of two (>= 16) wide;
 loads and stores mask the columns past Hd (zeros, which add nothing to the dot products), so
-Hd 96 runs on 128-wide tiles and powers of two pay no mask. The kernels take arbitrary strides
+Hd 96 runs on 128-wide tiles and powers of two from 16 pay no mask. The kernels take arbitrary strides
 (last dim contiguous), so (B, S, H, Hd) tensors viewed as (B, H, S, Hd) need no copy.
 """
 
@@ -73,19 +73,24 @@ def _tune(space, wide_space, interpreter_point):
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); any block sizes work (the key ranges are computed per
-# block). Chosen from 7 candidates per kernel timed on an H100 (bf16, B·S = 16k;
+# block; a dK/dV shape with BLOCK_N % BLOCK_M != 0, which no list holds, would take the slower band
+# code also without a band). Chosen from 7 candidates per kernel timed on an H100 (bf16, B·S = 16k;
 # `python bench/attention.py --tune`): Hd 128 picks fwd 128x64 w8 s3 (4.24 ms at S=16k vs 4.39 for
 # 128x128), dK/dV 64x128 w8 s3 (9.0 ms; 64x64 w4 15.3), dQ 128x64 w8 s3 (5.0 ms; 64x64 w4 6.3);
 # Hd 64 causal picks fwd 128x64 w8 s4, dK/dV 64x64 w4 s3 and dQ 128x64 w4 s3. Candidates that
 # never came first or second are dropped. The 256-wide lists are not timed yet: chosen from sm_90
 # compiles (no GPU) as the candidates with the fewest register spills, each list holding one that
 # also fits fp32 tiles in shared memory (a config that does not fit is skipped by the autotuner).
-_FWD_TUNE = _tune([(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3)],
-                  [(128, 32, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2)], (32, 16))
-_DKDV_TUNE = _tune([(64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 4, 3), (32, 64, 4, 4)],
-                   [(32, 32, 8, 2), (16, 32, 4, 2), (32, 64, 8, 2)], (16, 32))
-_DQ_TUNE = _tune([(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2)],
-                 [(32, 64, 8, 2), (32, 32, 4, 2), (64, 32, 8, 2)], (32, 16))
+# (narrow, wide) lists; the interpreter's tests force each listed block shape in turn.
+FWD_SPACE = ([(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3)],
+             [(128, 32, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2)])
+DKDV_SPACE = ([(64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 4, 3), (32, 64, 4, 4)],
+              [(32, 32, 8, 2), (16, 32, 4, 2), (32, 64, 8, 2)])
+DQ_SPACE = ([(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2)],
+            [(32, 64, 8, 2), (32, 32, 4, 2), (64, 32, 8, 2)])
+_FWD_TUNE = _tune(*FWD_SPACE, (32, 16))
+_DKDV_TUNE = _tune(*DKDV_SPACE, (16, 32))
+_DQ_TUNE = _tune(*DQ_SPACE, (32, 16))
 
 
 def _s_bucket(S):
@@ -116,7 +121,8 @@ def _block_ranges(start, n_self, n_other, diag_lo, diag_hi,
     Returns ``lo <= full_lo <= full_hi <= hi``: ``[lo, hi)`` holds every j that a row of the block
     sees (nothing outside it is visited; empty when the block sees nothing); every row sees every j
     of ``[full_lo, full_hi)`` and it lies inside ``n_other``, so those blocks need no mask. lo,
-    full_lo and full_hi are multiples of BLOCK_OTHER, so every range walks whole aligned blocks.
+    full_lo and full_hi are multiples of BLOCK_OTHER or equal to hi (leaving the later ranges
+    empty), so every range walks whole aligned blocks.
     """
     last = tl.minimum(start + BLOCK_SELF, n_self) - 1
     # Floor/ceil to a block only on non-negative values (division rounds toward zero on a GPU,
@@ -159,9 +165,10 @@ def _visible(q_pos, k_pos, SQ, SK, DIAG_LO, DIAG_HI, CAUSAL: tl.constexpr, BAND:
         diag = k_pos - q_pos
         keep = (q_pos < SQ) & (k_pos < SK) & (diag >= DIAG_LO) & (diag <= DIAG_HI)
     else:
-        # Only the streamed axis' end (SK None: the dK/dV kernel, which streams queries): rows
-        # of the program's own block past its end are never stored, and their zero-filled
-        # q/dO/LSE/delta add nothing to the others.
+        # Only the streamed axis' end (SK None: the dK/dV kernel, which streams queries). The
+        # program's own rows past the end (queries in the forward and dQ, keys in dK/dV) are
+        # never stored, and each output row depends only on its own row of scores, so they
+        # cannot reach a stored result; they stay finite (key 0 is always seen here).
         keep = (q_pos < SQ) if SK is None else (k_pos < SK)
         if CAUSAL:
             keep = keep & (q_pos >= k_pos)
@@ -360,7 +367,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
         DOh = DO + b * stride_dob + h * stride_doh
         LSEh = LSE + (b * H + h) * SQ
         DELTAh = DELTA + (b * H + h) * SQ
-        if BAND or CAUSAL:  # otherwise every key is seen from query 0: lo == diag_hi == 0
+        if BAND or CAUSAL:  # otherwise full_lo == 0: the next two loops cover every query
             dk, dv = _dkdv_inner(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qs, stride_dos,
                                  offs_n, offs_d, lo, diag_hi, SQ, SK, DIAG_LO, DIAG_HI, qk_scale,
                                  CAUSAL, BAND, True, HEAD_DIM, BLOCK_D, BLOCK_M)

@@ -11,9 +11,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 from torch.nn.attention.bias import causal_lower_right
 
 from attention import Attention, attention_reference, flash_attention
+import attention.flash_attn as fa
 from attention.flash_attn import attention_forward
 from attention.reference import visible_keys
 from attention.rope import apply_rope, rope_cos_sin
@@ -98,7 +100,10 @@ def _check_rows_seeing_nothing(Sq, Sk, causal, window, dtype, device):
 
 def _check_skips_unseen_blocks(poison_keys, dtype, device, A):
     """Blocks outside every window are never visited: inputs that no result depends on are NaN,
-    and the results stay exact only if no program takes them into a dot (0 · NaN = NaN).
+    and the results stay exact only if no program takes them into a dot (0 · NaN = NaN). With
+    poisoned keys every kernel is checked (k and v are both NaN); with poisoned queries, the
+    dK/dV kernel (a forward or dQ program of rows that see nothing masks its scores to −inf, so
+    a visit there would not show). Only visits of blocks below A are caught.
 
     A: a multiple of every block size in use. poison_keys: A/2 queries at key positions
     2A … 2.5A − 1 of 2.5A keys with window (A/2 − 1, 0) see keys from 1.5A + 1 on; keys below A
@@ -206,8 +211,28 @@ def test_interpreter_window(Sq, Sk, H, Hkv, causal, window, dtype):
 ])
 def test_interpreter_band_edges(Sq, Sk, causal, window):
     """Band edges at, just before and just after block boundaries (interpreter blocks are 16 and
-    32): every off-by-one in the key and mirrored query ranges shows up in one of these."""
+    32): an off-by-one in the key and mirrored query ranges at these block shapes shows up in
+    one of these (the GPU lists' shapes: test_interpreter_every_listed_block_shape)."""
     _check_against_reference(1, 1, 1, Sq, 16, causal, torch.float32, "cpu", Sk=Sk, window=window)
+
+
+@interpreter_only
+def test_interpreter_every_listed_block_shape(monkeypatch):
+    """The interpreter runs one small config; here every (BLOCK_M, BLOCK_N) of the GPU lists is
+    forced in turn (the shapes a GPU run only times unless the autotuner picks them): the plain
+    path at ragged lengths, causal and not, and a band, against the reference."""
+    kernels = ((fa._attn_fwd_kernel, fa.FWD_SPACE), (fa._attn_bwd_dkdv_kernel, fa.DKDV_SPACE),
+               (fa._attn_bwd_dq_kernel, fa.DQ_SPACE))
+    shapes = [sorted({(bm, bn) for bm, bn, _, _ in narrow + wide}) for _, (narrow, wide) in kernels]
+    for i in range(max(map(len, shapes))):
+        for (kernel, _), listed in zip(kernels, shapes):
+            bm, bn = listed[i % len(listed)]
+            monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn},
+                                                                  num_warps=4, num_stages=1)])
+        for Sq, Sk, causal, window in ((200, 200, True, None), (70, 70, False, None),
+                                       (150, 200, True, (40, 0))):
+            _check_against_reference(1, 2, 1, Sq, 16, causal, torch.float32, "cpu", Sk=Sk,
+                                     window=window)
 
 
 @interpreter_only
