@@ -18,7 +18,6 @@ router for this process only, to decide whether one is worth building:
 """
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -60,7 +59,10 @@ def _patch(names: list[str]) -> None:
 
     plain_logits, plain_forward, plain_build = mr.router_logits, mr.Router.forward, tt.build_optimizer
     if "centre" in names:
-        mr.router_logits = lambda x, w, backend="auto": (lambda l: l - l.mean(0, keepdim=True))(plain_logits(x, w, backend))
+        def centred_logits(x, w, backend="auto"):
+            logits_TE = plain_logits(x, w, backend)
+            return logits_TE - logits_TE.mean(0, keepdim=True)
+        mr.router_logits = centred_logits
     if "grad_centre" in names:
         def forward(self, x_TD):
             out = plain_forward(self, x_TD)
@@ -84,9 +86,12 @@ def _patch(names: list[str]) -> None:
 
 
 def _summary(path: str) -> tuple[list[tuple[int, float, list[float]]], dict]:
+    """Per logged step (step, train loss, every layer's load max/mean), and the run's last
+    value of each key (the final validation loss among them)."""
+    from train.plots import read_metrics
+
     rows, last = [], {}
-    for line in open(path):
-        r = json.loads(line)
+    for r in read_metrics(path):
         keys = sorted((k for k in r if k.startswith("moe/layer") and k.endswith("/load_imbalance")),
                       key=lambda k: int(k.split("/")[1][5:]))
         if keys:

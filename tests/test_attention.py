@@ -58,11 +58,16 @@ def _assert_accurate(ours, q, k, v, do, causal, window, dtype):
         assert err <= bound, f"{name}: error {err:.3g} > bound {bound:.3g} (torch {torch_err:.3g})"
 
 
+def _ours(q, k, v, do, causal, window):
+    """flash_attention's (o, dq, dk, dv)."""
+    return _out_and_grads(lambda a, b, c: flash_attention(a, b, c, causal=causal, window=window),
+                          q, k, v, do)
+
+
 def _check_against_reference(B, H, Hkv, S, Hd, causal, dtype, device, Sk=None, window=None):
     """S queries against Sk keys (default S)."""
     q, k, v, do = _inputs(B, H, Hkv, S, Hd, dtype, device, Sk)
-    ours = _out_and_grads(lambda a, b, c: flash_attention(a, b, c, causal=causal, window=window),
-                          q, k, v, do)
+    ours = _ours(q, k, v, do, causal, window)
     _assert_accurate(ours, q, k, v, do, causal, window, dtype)
 
 
@@ -84,8 +89,7 @@ def _check_rows_seeing_nothing(Sq, Sk, causal, window, dtype, device):
     empty = ~_mask_by_diagonals(Sq, Sk, causal, window).any(dim=1).to(device)
     assert empty.any() and not empty.all()
     q, k, v, do = _inputs(1, H, Hkv, Sq, Hd, dtype, device, Sk)
-    ours = _out_and_grads(lambda a, b, c: flash_attention(a, b, c, causal=causal, window=window),
-                          q, k, v, do)
+    ours = _ours(q, k, v, do, causal, window)
     o, dq = ours[0], ours[1]
     assert (o[:, :, empty] == 0).all() and (dq[:, :, empty] == 0).all()
     _assert_accurate(ours, q, k, v, do, causal, window, dtype)
@@ -119,8 +123,7 @@ def _check_skips_unseen_blocks(poison_keys, dtype, device, A):
     for t in (poisoned[1:3] if poison_keys else poisoned[::3]):
         t[:, :, :A] = float("nan")
     pq, pk, pv, pdo = (t.requires_grad_(i < 3) for i, t in enumerate(poisoned))
-    ours = _out_and_grads(lambda a, b, c: flash_attention(a, b, c, causal=True, window=window),
-                          pq, pk, pv, pdo)
+    ours = _ours(pq, pk, pv, pdo, True, window)
     _assert_accurate(ours, q, k, v, do, True, window, dtype)
 
 
