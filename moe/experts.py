@@ -4,12 +4,34 @@ Legend: R packed rows (sorted by expert), D model dim, F expert hidden dim, U wi
 matmul (2F for SwiGLU, F for GELU), L experts held here, J row segments.
 """
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 from moe.kernels import grouped_mlp, row_tile_size
+from moe.kernels.master_grad import accumulate_master_grad_
 from moe.mlp import ACTIVATIONS, Activation
+
+
+class _MasterCopy(torch.autograd.Function):
+    """``copy``, the fp32 weight ``master`` cast to the compute dtype, as an autograd node whose
+    backward adds the gradient into ``master.grad`` itself, in one pass
+    (:func:`~moe.kernels.master_grad.accumulate_master_grad_`), and hands autograd no gradient
+    for ``master``: the fusion Megatron-LM calls gradient_accumulation_fusion. Autograd's
+    ``AccumulateGrad`` (and any hook on ``master``) does not run for it."""
+
+    @staticmethod
+    def forward(ctx, master, copy):
+        ctx.master = master
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx, grad):
+        accumulate_master_grad_(ctx.master, grad)
+        return None, None
 
 
 class GroupedExperts(nn.Module):
@@ -23,6 +45,11 @@ class GroupedExperts(nn.Module):
     run the two GEMMs again there (activation checkpointing of the expert MLP: the (R, U)
     pre-activation and (R, F) hidden rows, the largest tensors of a fine-grained MoE layer, are
     not kept).
+
+    ``fuse_master_weights`` (attribute, default False; :func:`master_weight_step` sets it): fp32
+    weights under a 16-bit autocast are cast once and the copy reused while their version is
+    unchanged (every micro-batch of an optimizer step), and each micro-batch's weight gradient
+    is added into the fp32 ``.grad`` in one pass (:class:`_MasterCopy`).
 
     ``init_seed``, ``first_expert``: these L experts are the global experts
     ``[first_expert, first_expert + L)``, each initialised from its own generator seeded
@@ -42,6 +69,8 @@ class GroupedExperts(nn.Module):
         self.w1_LDU = nn.Parameter(torch.empty(num_experts, dim, width, device=device, dtype=dtype))
         self.w2_LFD = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, device=device, dtype=dtype))
         self.recompute = False
+        self.fuse_master_weights = False
+        self._copies = None  # (dtype, versions) and the weights cast to that dtype
         self.reset_parameters()
 
     @torch.no_grad()
@@ -86,7 +115,44 @@ class GroupedExperts(nn.Module):
             return checkpoint(self._mlp, x_RD, offsets_J, use_reentrant=False)
         return self._mlp(x_RD, offsets_J)
 
+    def compute_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w1, w2) in ``dtype``, differentiable in the parameters."""
+        w1, w2 = self.w1_LDU, self.w2_LFD
+        if not self.fuse_master_weights or (w1.dtype == dtype and w2.dtype == dtype):
+            return w1.to(dtype), w2.to(dtype)
+        key = (dtype, w1._version, w2._version)
+        if self._copies is None or self._copies[0] != key:
+            with torch.no_grad():
+                self._copies = (key, w1.to(dtype), w2.to(dtype))
+        _, c1, c2 = self._copies
+        return _MasterCopy.apply(w1, c1), _MasterCopy.apply(w2, c2)
+
     def _mlp(self, x_RD: torch.Tensor, offsets_J: torch.Tensor) -> torch.Tensor:
         dtype = self.compute_dtype(x_RD)
-        x_RD = x_RD.to(dtype)
-        return grouped_mlp(x_RD, self.w1_LDU.to(dtype), self.w2_LFD.to(dtype), offsets_J, self.activation)
+        w1, w2 = self.compute_weights(dtype)
+        return grouped_mlp(x_RD.to(dtype), w1, w2, offsets_J, self.activation)
+
+
+@contextmanager
+def master_weight_step(model: nn.Module):
+    """The micro-batches of one optimizer step over ``model``: inside, every
+    :class:`GroupedExperts` not managed by FSDP (whose own mixed precision casts its weights)
+    sets ``fuse_master_weights``; leaving frees the cast copies, before the optimizer step
+    needs the memory.
+
+    Inside, take gradients with ``backward()``: the experts' weight gradients are written into
+    ``.grad`` directly, so ``torch.autograd.grad`` does not return them and hooks on those
+    weights do not fire. Measured on an H100 (OLMoE-shaped model at 6 layers, 2.4B expert
+    parameters, bench/results/master_weights.md): the per-micro-batch cast (4.8 ms) and
+    autograd's two gradient passes (about 8 ms each) went; a step of 16 micro-batches ran 1.136x
+    faster (MFU 26.2 % → 29.6 %), one of a single micro-batch 1.016x.
+    """
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts) and not isinstance(m, FSDPModule)]
+    for m in experts:
+        m.fuse_master_weights = True
+    try:
+        yield
+    finally:
+        for m in experts:
+            m.fuse_master_weights = False
+            m._copies = None

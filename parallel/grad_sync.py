@@ -68,8 +68,8 @@ def _buckets(grads: list[torch.Tensor]):
 def all_reduce_mean_(grads: list[torch.Tensor], group, divisor: int) -> None:
     """In place: each gradient becomes its sum over ``group`` divided by ``divisor``."""
     if dist.get_world_size(group) == 1:  # e.g. the EDP group when ep = world: nothing to sum
-        for g in grads:
-            g.div_(divisor)
+        if divisor != 1 and grads:  # skipped at one process under torchrun: a pass over every gradient for nothing
+            torch._foreach_div_(grads, divisor)
         return
     for bucket in _buckets(grads):
         flat = torch.cat([g.reshape(-1) for g in bucket])

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from moe import moe_aux_loss, moe_layers, update_expert_biases
+from moe import master_weight_step, moe_aux_loss, moe_layers, update_expert_biases
 from parallel import CommTimer, clip_grad_norm_, flight
 from parallel.flight import Watchdog
 from parallel.stats import global_moe_stats, update_expert_biases_global
@@ -253,17 +253,18 @@ class Trainer:
         ce_sum, aux_sum = torch.zeros((), device=rt.device), torch.zeros((), device=rt.device)
         lb = {n: 0.0 for n in self.moe_layers}
         zl = {n: 0.0 for n in self.moe_layers}
-        for micro in range(accum):
-            set_gradient_sync(model, cfg, rt.dims, micro == accum - 1)
-            flight.phase(f"step {self.step + 1}, micro-batch {micro}: forward")
-            ce, aux = self._micro_batch_loss()
-            flight.phase(f"step {self.step + 1}, micro-batch {micro}: backward")
-            ((ce + aux) / accum).backward()
-            ce_sum += ce.detach()
-            aux_sum += aux.detach()
-            for n, m in self.moe_layers.items():
-                lb[n] += m.last_aux.load_balancing_loss.detach() / accum
-                zl[n] += m.last_aux.z_loss.detach() / accum
+        with master_weight_step(model):  # the experts' fp32 weights cast once for all micro-batches
+            for micro in range(accum):
+                set_gradient_sync(model, cfg, rt.dims, micro == accum - 1)
+                flight.phase(f"step {self.step + 1}, micro-batch {micro}: forward")
+                ce, aux = self._micro_batch_loss()
+                flight.phase(f"step {self.step + 1}, micro-batch {micro}: backward")
+                ((ce + aux) / accum).backward()
+                ce_sum += ce.detach()
+                aux_sum += aux.detach()
+                for n, m in self.moe_layers.items():
+                    lb[n] += m.last_aux.load_balancing_loss.detach() / accum
+                    zl[n] += m.last_aux.z_loss.detach() / accum
         # the summed micro-batch gradients of this rank → those of one process on the global batch
         flight.phase(f"step {self.step + 1}: gradient sync and optimizer")
         reduce_gradients(model, rt.dims)

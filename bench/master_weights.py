@@ -1,0 +1,93 @@
+"""Training step time with the experts' master-weight step (``moe.master_weight_step``: the fp32
+weights cast once per optimizer step, gradients added into ``.grad`` in one pass) against the
+plain per-micro-batch ``w.to(bf16)``, in one trainer, alternated.
+
+    torchrun --standalone --nproc_per_node=1 bench/master_weights.py --accum 16 --rounds 5 [--append] \
+        --model.n_layers=6 --parallel.ep=1 --data.tokenizer=bytes
+
+One process builds the trainer once (``configs/olmoe_bench.yaml`` plus the overrides given, with
+``--accum`` micro-batches a step) and alternates rounds of ``--steps`` timed optimizer steps with
+the anchor (the trainer's loop with ``master_weight_step`` replaced by a no-op) and ours. Timed
+without the profiler, which inflates a host-bound step (bench/step_profile.py's idle column). The
+claim is the median over rounds of anchor / ours; the A-vs-A column is the anchor's round-to-round
+ratio. MFU as the trainer logs it (train/flops.py). ``--append`` adds the row to the table a run
+with another ``--accum`` wrote (its header keeps that run's command).
+"""
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+
+import train.trainer as trainer_module  # noqa: E402
+from moe import master_weight_step  # noqa: E402
+from train.config import load_config  # noqa: E402
+
+VARIANTS = {"anchor": lambda model: contextlib.nullcontext(), "ours": master_weight_step}
+
+
+def timed_steps(trainer, steps: int) -> float:
+    """Seconds per optimizer step over ``steps`` steps, after one untimed step."""
+    trainer.train_step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="configs/olmoe_bench.yaml")
+    ap.add_argument("--accum", type=int, default=16, help="micro-batches per optimizer step")
+    ap.add_argument("--append", action="store_true", help="add the row to an existing --out table")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per round and variant")
+    ap.add_argument("--out", default="bench/results/master_weights.md")
+    args, extra = ap.parse_known_args()
+    argv = ["--config", args.config, "--train.steps=1000000", "--log.wandb_mode=disabled", "--log.progress=false",
+            "--log.every=1000000", "--train.eval_every=0", "--checkpoint.every=0", f"--log.dir={tempfile.mkdtemp()}",
+            "--log.overwrite=true", f"--train.grad_accum={args.accum}", *extra]
+    from common import header, write_results
+
+    md = header("Experts' master-weight step vs the per-micro-batch cast, training steps", "bench/master_weights.py",
+                f"model: {args.config} with {' '.join(extra) or 'no overrides'}",
+                f"{args.rounds} rounds alternating anchor / ours, {args.steps} timed optimizer steps each (one untimed "
+                "step before), one trainer; ratio = median over rounds of anchor / ours step time (> 1: ours faster)")
+    md += ["| grad accum | tokens/step | anchor ms/step | ours ms/step | anchor / ours | A-vs-A | ours tokens/s | ours MFU | peak GB |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    cfg = load_config(argv, int(os.environ.get("WORLD_SIZE", "1")))
+    trainer = trainer_module.Trainer(cfg, argv)
+    for _ in range(2):  # autotuning and allocator warm-up
+        trainer.train_step()
+    torch.cuda.reset_peak_memory_stats()
+    times = {name: [] for name in VARIANTS}
+    for _ in range(args.rounds):
+        for name, step_context in VARIANTS.items():
+            trainer_module.master_weight_step = step_context
+            times[name].append(timed_steps(trainer, args.steps))
+    ratio = statistics.median(a / o for a, o in zip(times["anchor"], times["ours"]))
+    a_vs_a = [f"{x / y:.3f}" for x, y in zip(times["anchor"][1:], times["anchor"][:-1])]
+    ours = statistics.median(times["ours"])
+    mfu = trainer.tokens_per_step / ours * trainer.flops_per_token / (trainer.rt.world_size * trainer.peak)
+    row = (f"| {args.accum} | {trainer.tokens_per_step:,} | {statistics.median(times['anchor']) * 1e3:.1f} | "
+           f"{ours * 1e3:.1f} | **{ratio:.3f}** | {', '.join(a_vs_a)} | {trainer.tokens_per_step / ours:,.0f} | "
+           f"{100 * mfu:.1f}% | {torch.cuda.max_memory_allocated() / 1e9:.1f} |")
+    if args.append and os.path.exists(args.out):
+        with open(args.out) as f:
+            md = f.read().rstrip("\n").split("\n")
+    md.append(row)
+    write_results(args.out, "\n".join(md) + "\n")
+
+
+if __name__ == "__main__":
+    main()
