@@ -107,6 +107,26 @@ def test_a_second_backward_through_a_retained_graph_fails_rather_than_scaling_tw
         loss.backward()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # bf16 math is not exact under the interpreter
+@pytest.mark.parametrize("n, V", [(5, 300), (1, 2), (3, 256)])
+def test_softmax_pass_equals_the_pytorch_math(n, V, dtype):
+    """The Triton pass (one row per program, V in blocks, the last ragged) against the same math
+    in PyTorch ops: the summed loss, and the gradient it writes over the logits."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs it on CPU tensors
+    logits = (3 * torch.randn(n, V, device=dev)).to(dtype)
+    y = torch.randint(0, V, (n,), device=dev)
+    y[0] = V - 1
+    ref_loss, ref_grad = train.lm_loss._softmax_xent_reference(logits, y, 1 / 7, with_grad=True)
+    grad = logits.clone()
+    loss = train.lm_loss._softmax_xent_(grad, y, 1 / 7, with_grad=True)
+    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(grad, ref_grad, atol=tol, rtol=tol)
+    untouched = logits.clone()
+    assert torch.allclose(train.lm_loss._softmax_xent_(untouched, y, 1 / 7, with_grad=False), ref_loss, rtol=1e-5)
+    assert torch.equal(untouched, logits), "without a gradient the logits are left as they are"
+
+
 def test_chunk_rows_keep_the_fp32_logits_near_the_budget():
     assert chunk_rows(50304) == 7936 and chunk_rows(151936) == 2560  # the module's arithmetic
     for V in (256, 32000, 50304, 129280, 151936, 262144):

@@ -18,9 +18,11 @@ weight's: the size of h and of the weight, never T·V. The backward only scales 
 incoming gradient (in place). With no gradient asked for (validation, ``torch.no_grad``) only the
 loss is computed.
 
-What it costs: the same three GEMMs as the reference (logits, dgrad, wgrad; none recomputed) and
-elementwise passes over each chunk's logits (shift, exp, sum, scale, cast: no log-softmax output
-written, no separate nll-loss gradient), about ten kernel launches per chunk. The weight's
+What it costs: the same three GEMMs as the reference (logits, dgrad, wgrad; none recomputed) and,
+on CUDA, one Triton pass per chunk (:func:`_softmax_xent_`: each row's max and sum of exponentials
+online, then the gradient written over the logits: two reads and one write of the chunk in the
+compute dtype, no fp32 copy); elsewhere the same math in PyTorch ops (shift, exp, sum, scale,
+cast: about ten kernels and an fp32 copy of the chunk). The weight's
 gradient is summed over the chunks in fp32: on CUDA each chunk's GEMM adds into the fp32 sum
 itself (:func:`_add_wgrad`); elsewhere each chunk's product, (V, D) rounded to the compute dtype,
 is a transient added to it (the reference rounds the whole product once). The fp32 sum lives
@@ -33,10 +35,16 @@ autograd like any other, summed with the embedding lookup's when the embeddings 
 """
 
 import torch
+import triton
+import triton.language as tl
+
+from kernel_floor import INTERPRET, use_reference
 
 # A chunk's fp32 logits (n · V · 4 bytes) are kept near 1.5 GiB: n = 7,936 rows at V = 50,304,
 # 2,560 at V = 151,936, whatever T is (the reference's fp32 logits grow with T: 3.3 GB at 16k × 50k,
-# and it keeps two more (T, V) fp32 tensors). Measured on an H100 (T 8192, D 2048, bf16 autocast,
+# and it keeps two more (T, V) fp32 tensors). On CUDA the Triton softmax pass keeps no fp32 copy,
+# so a chunk holds half that, in the compute dtype; with it the whole head + loss ran 1.49-1.60x the
+# reference at 3.4-11x less peak memory (H100, bench/results/lm_loss.md). Measured before it, on an H100 (T 8192, D 2048, bf16 autocast,
 # fwd+bwd, bench/results/lm_loss.md): at V 50,304 chunks of 1,280 / 2,560 / 4,096 rows ran 0.92 /
 # 0.98 / 1.03× the reference's speed, at V 151,936 0.67 / 1.02 / 1.06× (peak 2.7 / 3.0 / 3.5 GiB
 # and 6.1 / 8.0 / 9.3 GiB against the reference's 4.8 and 14.5): the fixed cost of a chunk (the
@@ -50,30 +58,79 @@ def chunk_rows(V: int) -> int:
     return max(LOGITS_BUDGET_BYTES // (4 * V) // 128 * 128, 128)
 
 
-def _chunk(h_nD, w_VD, y_n, inv_T: float, grad_h_nD, grad_w_VD) -> torch.Tensor:
+@triton.jit
+def _softmax_xent_kernel(logits_ptr, y_ptr, loss_ptr, V, stride_n, inv_T, WITH_GRAD: tl.constexpr,
+                         BLOCK_V: tl.constexpr):
+    """One row: its loss ``logsumexp(x) − x[y]`` (fp32) and, WITH_GRAD, ``(softmax(x) − onehot(y))
+    · inv_T`` written over x in x's dtype. Two reads of the row and one write."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_n
+    cols = tl.arange(0, BLOCK_V)
+    # per lane: running max (finite start, so no inf − inf) and sum of exp(x − max)
+    m = tl.full((BLOCK_V,), -1.0e30, tl.float32)
+    s = tl.zeros((BLOCK_V,), tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        x = tl.load(base + v0 + cols, mask=v0 + cols < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
+        m = m_new
+    m_row = tl.max(m, 0)
+    s_row = tl.sum(s * tl.exp(m - m_row), 0)
+    y = tl.load(y_ptr + row)
+    x_y = tl.load(base + y).to(tl.float32)
+    tl.store(loss_ptr + row, tl.log(s_row) + m_row - x_y)
+    if WITH_GRAD:
+        scale = inv_T / s_row
+        for v0 in range(0, V, BLOCK_V):
+            mask = v0 + cols < V
+            x = tl.load(base + v0 + cols, mask=mask, other=0.0).to(tl.float32)
+            g = tl.exp(x - m_row) * scale - tl.where(v0 + cols == y, inv_T, 0.0)
+            tl.store(base + v0 + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def _softmax_xent_(logits_nV: torch.Tensor, y_n: torch.Tensor, inv_T: float, with_grad: bool) -> torch.Tensor:
+    """The chunk's summed loss (fp32, 0-dim); with_grad: its logits' gradient written over them."""
+    n, V = logits_nV.shape
+    loss_n = torch.empty(n, dtype=torch.float32, device=logits_nV.device)
+    if n:
+        _softmax_xent_kernel[(n,)](logits_nV, y_n, loss_n, V, logits_nV.stride(0), inv_T, WITH_GRAD=with_grad,
+                                   BLOCK_V=256 if INTERPRET else 2048, num_warps=8)
+    return loss_n.sum()
+
+
+def _chunk(h_nD, w_VD, y_n, inv_T: float, grad_h_nD, grad_w_VD, backend: str = "auto") -> torch.Tensor:
     """One chunk's summed loss (fp32, 0-dim). ``h_nD`` and ``w_VD`` in the compute dtype. With
     ``grad_h_nD`` (a slice of h's gradient) or ``grad_w_VD`` (the fp32 accumulator) given, writes
-    the chunk's gradient of h there and adds its gradient of the weight there."""
+    the chunk's gradient of h there and adds its gradient of the weight there. On CUDA the softmax
+    passes are one Triton kernel (:func:`_softmax_xent_`)."""
     logits_nV = h_nD @ w_VD.T
-    # the max of compute-dtype values is exact; subtracting it from them promotes to fp32: the
-    # reference's .float() and log-softmax shift in one pass
-    z_nV = logits_nV - logits_nV.amax(dim=1, keepdim=True).float()
-    del logits_nV
-    z_target_n1 = z_nV.gather(1, y_n[:, None])
-    z_nV.exp_()
-    sum_n1 = z_nV.sum(dim=1, keepdim=True)
-    loss = (sum_n1.log() - z_target_n1).sum()
-    if grad_h_nD is None and grad_w_VD is None:
-        return loss
-    z_nV.mul_(sum_n1.reciprocal_().mul_(inv_T))  # softmax / T
-    z_nV[torch.arange(len(y_n), device=y_n.device), y_n] -= inv_T
-    g_nV = z_nV.to(h_nD.dtype)
-    del z_nV
+    with_grad = grad_h_nD is not None or grad_w_VD is not None
+    if not use_reference(backend, not logits_nV.is_cuda):
+        loss = _softmax_xent_(logits_nV, y_n, inv_T, with_grad)
+        g_nV = logits_nV
+    else:
+        loss, g_nV = _softmax_xent_reference(logits_nV, y_n, inv_T, with_grad)
     if grad_h_nD is not None:
         grad_h_nD.copy_(g_nV @ w_VD)
     if grad_w_VD is not None:
         _add_wgrad(grad_w_VD, g_nV, h_nD)
     return loss
+
+
+def _softmax_xent_reference(logits_nV, y_n, inv_T: float, with_grad: bool):
+    """:func:`_softmax_xent_` in PyTorch ops: (summed loss, gradient of the logits or None)."""
+    # the max of compute-dtype values is exact; subtracting it from them promotes to fp32: the
+    # reference's .float() and log-softmax shift in one pass
+    z_nV = logits_nV - logits_nV.amax(dim=1, keepdim=True).float()
+    z_target_n1 = z_nV.gather(1, y_n[:, None])
+    z_nV.exp_()
+    sum_n1 = z_nV.sum(dim=1, keepdim=True)
+    loss = (sum_n1.log() - z_target_n1).sum()
+    if not with_grad:
+        return loss, None
+    z_nV.mul_(sum_n1.reciprocal_().mul_(inv_T))  # softmax / T
+    z_nV[torch.arange(len(y_n), device=y_n.device), y_n] -= inv_T
+    return loss, z_nV.to(logits_nV.dtype)
 
 
 def _add_wgrad(grad_w_VD: torch.Tensor, g_nV: torch.Tensor, h_nD: torch.Tensor) -> None:

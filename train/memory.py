@@ -437,14 +437,14 @@ def loss_parts(s: ModelShape, B: int, S: int, num: Numerics, lay: "Layout | None
 def lm_head_forward_bytes(s: ModelShape, T: int, lay: Layout, num: Numerics) -> int:
     """The LM head and loss's forward at its largest on a GPU, besides what it keeps
     (train/lm_loss.py): the fp32 weight-gradient accumulator, plus the larger of one chunk's
-    working set (n rows: the compute-dtype logits or gradient beside the fp32 shifted logits; the
-    chunk's input cast; the weight gradient is accumulated into the fp32 sum by the GEMM itself,
-    with no (V, D) product) and, when the weight is not fp32, the accumulator's cast to it at the
-    end."""
+    working set (n rows: the compute-dtype logits, which the Triton softmax pass overwrites with
+    their gradient, no fp32 copy; the chunk's input cast; the weight gradient is accumulated into
+    the fp32 sum by the GEMM itself, with no (V, D) product) and, when the weight is not fp32, the
+    accumulator's cast to it at the end."""
     V, D, c = s.V, s.D, num.compute_bytes
     n = min(T, chunk_rows(V))
     cast_input = n * D * c if norm_bytes(lay, num) != c else 0
-    chunk = cast_input + n * V * (c + 4)
+    chunk = cast_input + n * V * c
     wb = head_weight_bytes(lay)
     return V * D * 4 + max(chunk, V * D * wb if wb != 4 else 0)
 
