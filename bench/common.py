@@ -1,6 +1,8 @@
 """What the GPU benchmarks share: the results-file header and the alternating timing protocol
-(used by bench/attention.py, bench/lm_loss.py and bench/moe_layer.py; bench/grouped_gemm.py
-and bench/combine.py still write their own header and average ours before and after the anchor).
+(used by bench/attention.py, bench/lm_loss.py, bench/moe_layer.py, bench/rope.py and
+bench/master_weights.py; bench/grouped_gemm.py and bench/combine.py still write their own header
+and average ours before and after the anchor), and the in-process trainer that
+bench/step_profile.py and bench/master_weights.py time.
 
 Protocol: per row, ``rounds`` rounds; each round
 times every implementation once with ``triton.testing.do_bench(warmup, rep)`` (median), in the
@@ -14,6 +16,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 
 import torch
 import triton
@@ -54,3 +57,17 @@ def write_results(path: str, md: str) -> None:
     with open(path, "w") as f:
         f.write(md)
     print(md)
+
+
+def bench_trainer(config: str, steps: int, extra: list[str]):
+    """A :class:`train.trainer.Trainer` built in this process to be timed: ``config`` with the
+    ``extra`` overrides and ``train.steps=steps``, no logged windows, validation, checkpoints or
+    wandb, its run folder in a fresh temporary directory. Call with the project root on
+    ``sys.path`` (the kernel benchmarks that use this module never load the training stack)."""
+    from train.config import load_config
+    from train.trainer import Trainer
+
+    argv = ["--config", config, f"--train.steps={steps}", "--log.wandb_mode=disabled", "--log.progress=false",
+            "--log.every=1000000", "--train.eval_every=0", "--checkpoint.every=0", f"--log.dir={tempfile.mkdtemp()}",
+            "--log.overwrite=true", *extra]
+    return Trainer(load_config(argv, int(os.environ.get("WORLD_SIZE", "1"))), argv)

@@ -19,7 +19,6 @@ import contextlib
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -29,7 +28,6 @@ sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
 import train.trainer as trainer_module  # noqa: E402
 from moe import master_weight_step  # noqa: E402
-from train.config import load_config  # noqa: E402
 
 VARIANTS = {"anchor": lambda model: contextlib.nullcontext(), "ours": master_weight_step}
 
@@ -54,10 +52,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per round and variant")
     ap.add_argument("--out", default="bench/results/master_weights.md")
     args, extra = ap.parse_known_args()
-    argv = ["--config", args.config, "--train.steps=1000000", "--log.wandb_mode=disabled", "--log.progress=false",
-            "--log.every=1000000", "--train.eval_every=0", "--checkpoint.every=0", f"--log.dir={tempfile.mkdtemp()}",
-            "--log.overwrite=true", f"--train.grad_accum={args.accum}", *extra]
-    from common import header, write_results
+    from common import bench_trainer, header, median_ratio, write_results
 
     md = header("Experts' master-weight step vs the per-micro-batch cast, training steps", "bench/master_weights.py",
                 f"model: {args.config} with {' '.join(extra) or 'no overrides'}",
@@ -65,8 +60,7 @@ def main() -> None:
                 "step before), one trainer; ratio = median over rounds of anchor / ours step time (> 1: ours faster)")
     md += ["| grad accum | tokens/step | anchor ms/step | ours ms/step | anchor / ours | A-vs-A | ours tokens/s | ours MFU | peak GB |",
            "|---|---|---|---|---|---|---|---|---|"]
-    cfg = load_config(argv, int(os.environ.get("WORLD_SIZE", "1")))
-    trainer = trainer_module.Trainer(cfg, argv)
+    trainer = bench_trainer(args.config, 1_000_000, [f"--train.grad_accum={args.accum}", *extra])
     for _ in range(2):  # autotuning and allocator warm-up
         trainer.train_step()
     torch.cuda.reset_peak_memory_stats()
@@ -75,7 +69,7 @@ def main() -> None:
         for name, step_context in VARIANTS.items():
             trainer_module.master_weight_step = step_context
             times[name].append(timed_steps(trainer, args.steps))
-    ratio = statistics.median(a / o for a, o in zip(times["anchor"], times["ours"]))
+    ratio = median_ratio(times["anchor"], times["ours"])
     a_vs_a = [f"{x / y:.3f}" for x, y in zip(times["anchor"][1:], times["anchor"][:-1])]
     ours = statistics.median(times["ours"])
     mfu = trainer.tokens_per_step / ours * trainer.flops_per_token / (trainer.rt.world_size * trainer.peak)

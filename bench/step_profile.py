@@ -42,12 +42,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parent))
 
 import moe.layer  # noqa: E402
 import train.trainer  # noqa: E402
 from attention import Attention  # noqa: E402
+from common import bench_trainer  # noqa: E402
 from moe import DenseMLP, GroupedExperts, MoELayer, Router  # noqa: E402
-from train.config import load_config  # noqa: E402
 from train.flops import param_counts  # noqa: E402
 
 CATEGORIES = (
@@ -281,13 +282,8 @@ def main() -> None:
     ap.add_argument("--out", help="append the table to this markdown file (rank 0)")
     ap.add_argument("--keep-trace", help="write rank 0's trace (complete events only) here, gzipped JSON")
     args, extra = ap.parse_known_args()
-    argv = ["--config", args.config, f"--train.steps={args.warm + args.steps + 1}", "--log.wandb_mode=disabled",
-            "--log.progress=false", "--log.every=1000000", "--train.eval_every=0", "--checkpoint.every=0",
-            f"--log.dir={tempfile.mkdtemp()}", "--log.overwrite=true", *extra]
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = load_config(argv, world)
-    trainer = train.trainer.Trainer(cfg, argv)
-    rt = trainer.rt
+    trainer = bench_trainer(args.config, args.warm + args.steps + 1, extra)
+    cfg, rt = trainer.cfg, trainer.rt
     instrument(trainer)
     for _ in range(args.warm):
         trainer.train_step()

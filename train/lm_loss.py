@@ -38,18 +38,19 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_floor import INTERPRET, use_reference
+from kernel_floor import INTERPRET
 
 # A chunk's fp32 logits (n · V · 4 bytes) are kept near 1.5 GiB: n = 7,936 rows at V = 50,304,
 # 2,560 at V = 151,936, whatever T is (the reference's fp32 logits grow with T: 3.3 GB at 16k × 50k,
 # and it keeps two more (T, V) fp32 tensors). On CUDA the Triton softmax pass keeps no fp32 copy,
-# so a chunk holds half that, in the compute dtype; with it the whole head + loss ran 1.49-1.60x the
-# reference at 3.4-11x less peak memory (H100, bench/results/lm_loss.md). Measured before it, on an H100 (T 8192, D 2048, bf16 autocast,
-# fwd+bwd, bench/results/lm_loss.md): at V 50,304 chunks of 1,280 / 2,560 / 4,096 rows ran 0.92 /
-# 0.98 / 1.03× the reference's speed, at V 151,936 0.67 / 1.02 / 1.06× (peak 2.7 / 3.0 / 3.5 GiB
-# and 6.1 / 8.0 / 9.3 GiB against the reference's 4.8 and 14.5): the fixed cost of a chunk (the
-# softmax passes over its logits, a weight-gradient GEMM that writes all of (V, D)) needs a few
-# thousand rows to amortise. Rows come in multiples of 128 (the GEMM tiles), at least 128.
+# so a chunk holds half that, in the compute dtype; with it the whole head + loss ran 1.49-1.60x
+# the reference at 3.4-11x less peak memory (H100, bench/results/lm_loss.md). Measured before it,
+# on an H100 (T 8192, D 2048, bf16 autocast, fwd+bwd, bench/results/lm_loss.md): at V 50,304
+# chunks of 1,280 / 2,560 / 4,096 rows ran 0.92 / 0.98 / 1.03× the reference's speed, at
+# V 151,936 0.67 / 1.02 / 1.06× (peak 2.7 / 3.0 / 3.5 GiB and 6.1 / 8.0 / 9.3 GiB against the
+# reference's 4.8 and 14.5): the fixed cost of a chunk (the softmax passes over its logits, a
+# weight-gradient GEMM that writes all of (V, D)) needs a few thousand rows to amortise. Rows
+# come in multiples of 128 (the GEMM tiles), at least 128.
 LOGITS_BUDGET_BYTES = 3 * 2**29
 
 
@@ -98,18 +99,17 @@ def _softmax_xent_(logits_nV: torch.Tensor, y_n: torch.Tensor, inv_T: float, wit
     return loss_n.sum()
 
 
-def _chunk(h_nD, w_VD, y_n, inv_T: float, grad_h_nD, grad_w_VD, backend: str = "auto") -> torch.Tensor:
+def _chunk(h_nD, w_VD, y_n, inv_T: float, grad_h_nD, grad_w_VD) -> torch.Tensor:
     """One chunk's summed loss (fp32, 0-dim). ``h_nD`` and ``w_VD`` in the compute dtype. With
     ``grad_h_nD`` (a slice of h's gradient) or ``grad_w_VD`` (the fp32 accumulator) given, writes
     the chunk's gradient of h there and adds its gradient of the weight there. On CUDA the softmax
     passes are one Triton kernel (:func:`_softmax_xent_`)."""
-    logits_nV = h_nD @ w_VD.T
     with_grad = grad_h_nD is not None or grad_w_VD is not None
-    if not use_reference(backend, not logits_nV.is_cuda):
-        loss = _softmax_xent_(logits_nV, y_n, inv_T, with_grad)
-        g_nV = logits_nV
-    else:
-        loss, g_nV = _softmax_xent_reference(logits_nV, y_n, inv_T, with_grad)
+    if h_nD.is_cuda:
+        g_nV = h_nD @ w_VD.T  # the logits, then their gradient written over them
+        loss = _softmax_xent_(g_nV, y_n, inv_T, with_grad)
+    else:  # the logits handed over, so that the reference can free them before its fp32 work
+        loss, g_nV = _softmax_xent_reference(h_nD @ w_VD.T, y_n, inv_T, with_grad)
     if grad_h_nD is not None:
         grad_h_nD.copy_(g_nV @ w_VD)
     if grad_w_VD is not None:
@@ -119,9 +119,11 @@ def _chunk(h_nD, w_VD, y_n, inv_T: float, grad_h_nD, grad_w_VD, backend: str = "
 
 def _softmax_xent_reference(logits_nV, y_n, inv_T: float, with_grad: bool):
     """:func:`_softmax_xent_` in PyTorch ops: (summed loss, gradient of the logits or None)."""
+    dtype = logits_nV.dtype
     # the max of compute-dtype values is exact; subtracting it from them promotes to fp32: the
     # reference's .float() and log-softmax shift in one pass
     z_nV = logits_nV - logits_nV.amax(dim=1, keepdim=True).float()
+    del logits_nV
     z_target_n1 = z_nV.gather(1, y_n[:, None])
     z_nV.exp_()
     sum_n1 = z_nV.sum(dim=1, keepdim=True)
@@ -130,7 +132,7 @@ def _softmax_xent_reference(logits_nV, y_n, inv_T: float, with_grad: bool):
         return loss, None
     z_nV.mul_(sum_n1.reciprocal_().mul_(inv_T))  # softmax / T
     z_nV[torch.arange(len(y_n), device=y_n.device), y_n] -= inv_T
-    return loss, z_nV.to(logits_nV.dtype)
+    return loss, z_nV.to(dtype)
 
 
 def _add_wgrad(grad_w_VD: torch.Tensor, g_nV: torch.Tensor, h_nD: torch.Tensor) -> None:
