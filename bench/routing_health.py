@@ -13,6 +13,12 @@ router for this process only, to decide whether one is worth building:
   combine weights (the LM's) is centred per expert over the step's tokens, so the LM cannot
   raise or lower an expert's mean logit; the aux and z-losses keep their whole gradient.
 - ``router_lr_0.1``: the router weights in their own AdamW group at a tenth of the rate.
+- ``lm_bias``: a (V,) bias on the LM head's logits (an extra input coordinate of 1), initialised
+  to the centred log unigram frequencies of the training split, so the residual stream need not
+  carry the unigram distribution as a component common to every token.
+- ``embed_x10`` / ``embed_x50``: the embedding initialised at 10 or 50 × ``init_std``.
+- ``logit_bias``: the expert-bias rule's bias added to the router logits for selection (a
+  token picks by ``p_e · exp(b_e)``, whatever E) instead of to the softmax probabilities.
 
     python bench/routing_health.py --steps 300 [--layers 6] [--variants base,expert_bias,...]
 """
@@ -36,6 +42,22 @@ VARIANTS = {
     "centre+expert_bias": (["--moe.expert_bias=true"], ["centre"]),
     "grad_centre": ([], ["grad_centre"]),
     "grad_centre+expert_bias": (["--moe.expert_bias=true"], ["grad_centre"]),
+    "lm_bias": ([], ["lm_bias"]),
+    "embed_x10": ([], ["embed_x10"]),
+    "embed_x10+lm_bias": ([], ["embed_x10", "lm_bias"]),
+    "embed_x50+lm_bias": ([], ["embed_x50", "lm_bias"]),
+    "embed_x50": ([], ["embed_x50"]),
+    "embed_x50+lm_bias+expert_bias": (["--moe.expert_bias=true"], ["embed_x50", "lm_bias"]),
+    "embed_x50+lm_bias+expert_bias_1e-2": (["--moe.expert_bias=true", "--moe.bias_update_rate=1e-2"], ["embed_x50", "lm_bias"]),
+    "expert_bias_1e-2": (["--moe.expert_bias=true", "--moe.bias_update_rate=1e-2"], []),
+    "no_renormalize": (["--moe.renormalize=false"], []),
+    "lr_1e-4": (["--optim.lr=1e-4"], []),
+    "logit_bias_1e-2": (["--moe.expert_bias=true", "--moe.bias_update_rate=1e-2"], ["logit_bias"]),
+    "logit_bias_3e-2": (["--moe.expert_bias=true", "--moe.bias_update_rate=3e-2"], ["logit_bias"]),
+    "embed_x50+lm_bias+logit_bias_1e-2": (["--moe.expert_bias=true", "--moe.bias_update_rate=1e-2"],
+                                          ["embed_x50", "lm_bias", "logit_bias"]),
+    "embed_x50+lm_bias+logit_bias_3e-2": (["--moe.expert_bias=true", "--moe.bias_update_rate=3e-2"],
+                                          ["embed_x50", "lm_bias", "logit_bias"]),
 }
 
 
@@ -71,6 +93,14 @@ def _patch(names: list[str]) -> None:
             weights_TK = priority_TK / priority_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
             return mr.RouterOutput(out.logits_TE, out.scores_TE, out.experts_TK, priority_TK, weights_TK)
         mr.Router.forward = forward
+    if "logit_bias" in names:
+        def forward(self, x_TD):
+            out = plain_forward(self, x_TD)
+            experts_TK = (out.logits_TE.float() + self.expert_bias).topk(self.top_k, dim=-1).indices
+            priority_TK = out.scores_TE.gather(1, experts_TK)
+            weights_TK = priority_TK / priority_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+            return mr.RouterOutput(out.logits_TE, out.scores_TE, experts_TK, priority_TK, weights_TK)
+        mr.Router.forward = forward
     if "router_lr_0.1" in names:
         def build(model, cfg):
             opt = plain_build(model, cfg)
@@ -83,6 +113,39 @@ def _patch(names: list[str]) -> None:
                         groups.append({**g, "params": params, "base_lr": g["base_lr"] * mult, "lr": g["lr"] * mult})
             return torch.optim.AdamW(groups, betas=opt.defaults["betas"], eps=opt.defaults["eps"], fused=True)
         tt.build_optimizer = build
+    scales = [float(n[len("embed_x"):]) for n in names if n.startswith("embed_x")]
+    if scales or "lm_bias" in names:
+        import numpy as np
+
+        import train.model as tm
+        plain_build_model = tt.Trainer.build_model
+
+        def build_model(self):
+            model = plain_build_model(self)
+            with torch.no_grad():
+                for s in scales:
+                    model.embed.weight.mul_(s)
+                if "lm_bias" in names:
+                    V = model.embed.weight.shape[0]
+                    counts = torch.from_numpy(np.bincount(self.stream.tokens, minlength=V).astype("float32")) + 0.1
+                    logp = counts.log() - counts.sum().log()
+                    model.lm_bias = torch.nn.Parameter((logp - logp.mean()).to(model.embed.weight.device))
+            return model
+        tt.Trainer.build_model = build_model
+
+        def forward(self, tokens_BS, targets_BS=None):
+            x_BSD = self.embed(tokens_BS)
+            for block in self.blocks:
+                x_BSD = block(x_BSD)
+            x_BSD = self.norm(x_BSD)
+            weight_VD = self.embed.weight if self.lm_head is None else self.lm_head.weight
+            if hasattr(self, "lm_bias"):  # the bias as an extra input coordinate of 1
+                x_BSD = torch.cat([x_BSD, torch.ones_like(x_BSD[..., :1])], -1)
+                weight_VD = torch.cat([weight_VD, self.lm_bias[:, None].to(weight_VD.dtype)], -1)
+            if targets_BS is None:
+                return torch.nn.functional.linear(x_BSD, weight_VD).float()
+            return tm.linear_cross_entropy(x_BSD.flatten(0, 1), weight_VD, targets_BS.flatten())
+        tm.MoETransformer.forward = forward
 
 
 def _summary(path: str) -> tuple[list[tuple[int, float, list[float]]], dict]:
