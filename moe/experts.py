@@ -12,7 +12,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 from moe.kernels import grouped_mlp, row_tile_size
-from moe.kernels.master_grad import accumulate_master_grad_
+from moe.kernels.master_grad import accumulate_master_grad_, tag_master_copy
 from moe.mlp import ACTIVATIONS, Activation
 
 
@@ -26,11 +26,13 @@ class _MasterCopy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, master, copy):
         ctx.master = master
+        ctx.set_materialize_grads(False)
         return copy.view_as(copy)
 
     @staticmethod
     def backward(ctx, grad):
-        accumulate_master_grad_(ctx.master, grad)
+        if grad is not None:  # None: the matmul added it into master.grad itself (tag_master_copy)
+            accumulate_master_grad_(ctx.master, grad)
         return None, None
 
 
@@ -49,7 +51,9 @@ class GroupedExperts(nn.Module):
     ``fuse_master_weights`` (attribute, default False; :func:`master_weight_step` sets it): fp32
     weights under a 16-bit autocast are cast once and the copy reused while their version is
     unchanged (every micro-batch of an optimizer step), and each micro-batch's weight gradient
-    is added into the fp32 ``.grad`` in one pass (:class:`_MasterCopy`).
+    is added into the fp32 ``.grad`` in one pass (:class:`_MasterCopy`); the SwiGLU MLP's
+    weight gradients on Hopper are added there by the wgrad kernel's epilogue, unrounded
+    (:func:`~moe.kernels.master_grad.accumulate_wgrad_`).
 
     ``init_seed``, ``first_expert``: these L experts are the global experts
     ``[first_expert, first_expert + L)``, each initialised from its own generator seeded
@@ -125,7 +129,7 @@ class GroupedExperts(nn.Module):
             with torch.no_grad():
                 self._copies = (key, w1.to(dtype), w2.to(dtype))
         _, c1, c2 = self._copies
-        return _MasterCopy.apply(w1, c1), _MasterCopy.apply(w2, c2)
+        return tag_master_copy(_MasterCopy.apply(w1, c1), w1), tag_master_copy(_MasterCopy.apply(w2, c2), w2)
 
     def _mlp(self, x_RD: torch.Tensor, offsets_J: torch.Tensor) -> torch.Tensor:
         dtype = self.compute_dtype(x_RD)

@@ -29,6 +29,7 @@ from kernel_floor import use_reference
 from moe.kernels.activation import activation_backward
 from moe.kernels.grouped_mm_fwd import grouped_mm_forward
 from moe.kernels.grouped_mm_wgrad import grouped_mm_wgrad
+from moe.kernels.master_grad import accumulate_wgrad_, master_of
 from moe.kernels.reference import grouped_mm_reference
 
 
@@ -82,6 +83,7 @@ class GroupedSwiGLUMLPFn(torch.autograd.Function):
         h, z = grouped_mm_forward(x_MI, w1_LIU, offsets_J, "swiglu", save_preact=needs_grad)
         y, _ = grouped_mm_forward(h, w2_LFN, offsets_J)
         ctx.save_for_backward(x_MI, w1_LIU, w2_LFN, offsets_J, z)
+        ctx.masters = master_of(w1_LIU), master_of(w2_LFN)
         return y
 
     @staticmethod
@@ -91,15 +93,25 @@ class GroupedSwiGLUMLPFn(torch.autograd.Function):
         dh, _ = grouped_mm_forward(dy, w2_LFN.transpose(1, 2), offsets_J, record_tile=False)
         dz, h = activation_backward(z, dh, "swiglu", return_h=True)
         del dh
-        dx = dw1 = dw2 = None
-        if ctx.needs_input_grad[2]:
-            dw2 = grouped_mm_wgrad(h, dy, offsets_J, w2_LFN.shape[0])
+        dx = None
+        dw2 = _weight_grad(ctx.needs_input_grad[2], ctx.masters[1], h, dy, offsets_J, w2_LFN.shape[0])
         del h
         if ctx.needs_input_grad[0]:
             dx, _ = grouped_mm_forward(dz, w1_LIU.transpose(1, 2), offsets_J, record_tile=False)
-        if ctx.needs_input_grad[1]:
-            dw1 = grouped_mm_wgrad(x_MI, dz, offsets_J, w1_LIU.shape[0])
+        dw1 = _weight_grad(ctx.needs_input_grad[1], ctx.masters[0], x_MI, dz, offsets_J, w1_LIU.shape[0])
         return dx, dw1, dw2, None
+
+
+def _weight_grad(needed, master, x_MI, dy_MN, offsets_J, num_groups):
+    """The weight gradient ``grouped_mm_wgrad`` returns, or, for a weight that is a tagged cast of
+    an fp32 master (``moe.master_weight_step``), None after adding it into ``master.grad``
+    (:func:`~moe.kernels.master_grad.accumulate_wgrad_`: on Hopper in the wgrad kernel's epilogue)."""
+    if not needed:
+        return None
+    if master is None:
+        return grouped_mm_wgrad(x_MI, dy_MN, offsets_J, num_groups)
+    accumulate_wgrad_(master, x_MI, dy_MN, offsets_J)
+    return None
 
 
 def grouped_mlp(x_MI: torch.Tensor, w1_LIU: torch.Tensor, w2_LFN: torch.Tensor, offsets_J: torch.Tensor,

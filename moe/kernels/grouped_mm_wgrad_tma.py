@@ -33,6 +33,11 @@ Mixtral (1 team) 1.004 → 0.985, DeepSeek-V3 (2 teams) 1.034 → 1.014. Four st
 (64×128 + 64×256) bf16 fit shared memory only with the epilogue stored in two 128×128 halves
 (192 + 32 KB); the halves cost nothing measurable at 3 stages (0.94–1.01 either way).
 
+Master-gradient epilogue (``moe.kernels.master_grad.accumulate_wgrad_``): given an fp32 ``dw``
+(the experts' fp32 ``.grad`` under ``moe.master_weight_step``), the fp32 tile is added into it
+with plain loads and stores instead of being rounded to 16 bits, stored, and added by a second
+pass, which read and wrote 2 + 2 + 4 + 4 bytes a parameter where this reads and writes 4 + 4.
+
 Only for one segment per group (J = L) and 16-bit operands: with J = G·L segments a tile
 reduces over G segments, each needing its own descriptors, and fp32 tiles do not fit shared
 memory with the TMA-store epilogue. Those cases run the general kernel.
@@ -72,12 +77,14 @@ def segment_descriptors(x_ptr, dy_ptr, offsets_ptr, seg, K, N, stride_xm, stride
 
 @triton.jit
 def _grouped_mm_wgrad_tma_kernel(
-    x_ptr, dy_ptr, dw_desc, offsets_ptr,
-    N, K, G, TEAM, N_TEAMS, stride_xm, stride_dym,
+    x_ptr, dy_ptr, dw_desc, dw_ptr, offsets_ptr,
+    N, K, G, TEAM, N_TEAMS, stride_xm, stride_dym, stride_dwg, stride_dwk,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    GROUP_K: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    GROUP_K: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EPILOGUE: tl.constexpr,
 ):
-    """dw_desc: 3-D descriptor over dw (G, K, N), block (1, BLOCK_K, BLOCK_N // 2), clipped at K, N."""
+    """EPILOGUE 0: dw_desc, a 3-D descriptor over dw (G, K, N), block (1, BLOCK_K, BLOCK_N // 2),
+    clipped at K, N, receives the tile in dw's dtype. 1: the fp32 tile is stored at ``dw_ptr``
+    (fp32 (G, K, N), unit last stride); 2: added to what is there."""
     pid = tl.program_id(0)
     k_tiles = tl.cdiv(K, BLOCK_K)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -99,10 +106,34 @@ def _grouped_mm_wgrad_tma_kernel(
                     dy = dy_desc.load([mt * BLOCK_M, tile_n * BLOCK_N])
                     acc = tl.dot(xt, dy, acc)
                 left, right = acc.reshape(BLOCK_K, 2, BLOCK_N // 2).permute(0, 2, 1).split()
-                dw_desc.store([g, tile_k * BLOCK_K, tile_n * BLOCK_N],
-                              left.to(dw_desc.dtype).reshape(1, BLOCK_K, BLOCK_N // 2))
-                dw_desc.store([g, tile_k * BLOCK_K, tile_n * BLOCK_N + BLOCK_N // 2],
-                              right.to(dw_desc.dtype).reshape(1, BLOCK_K, BLOCK_N // 2))
+                if EPILOGUE == 0:
+                    dw_desc.store([g, tile_k * BLOCK_K, tile_n * BLOCK_N],
+                                  left.to(dw_desc.dtype).reshape(1, BLOCK_K, BLOCK_N // 2))
+                    dw_desc.store([g, tile_k * BLOCK_K, tile_n * BLOCK_N + BLOCK_N // 2],
+                                  right.to(dw_desc.dtype).reshape(1, BLOCK_K, BLOCK_N // 2))
+                else:
+                    # fp32 master gradient: plain loads and stores, a quarter of the tile at a
+                    # time: the layout change of a half (128 x 128 fp32, 64 KB of shared memory)
+                    # beside the 4-stage pipeline (192 KB) needed 262,208 B of 232,448 on an H100
+                    ks = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
+                    row_ptrs = dw_ptr + tl.cast(g, tl.int64) * stride_dwg + tl.cast(ks, tl.int64) * stride_dwk
+                    ns = tile_n * BLOCK_N + tl.arange(0, BLOCK_N // 4)
+                    l0, l1 = left.reshape(BLOCK_K, 2, BLOCK_N // 4).permute(0, 2, 1).split()
+                    r0, r1 = right.reshape(BLOCK_K, 2, BLOCK_N // 4).permute(0, 2, 1).split()
+                    _store_fp32(row_ptrs, ns, l0, ks < K, N, EPILOGUE == 2)
+                    _store_fp32(row_ptrs, ns + BLOCK_N // 4, l1, ks < K, N, EPILOGUE == 2)
+                    _store_fp32(row_ptrs, ns + BLOCK_N // 2, r0, ks < K, N, EPILOGUE == 2)
+                    _store_fp32(row_ptrs, ns + 3 * BLOCK_N // 4, r1, ks < K, N, EPILOGUE == 2)
+
+
+@triton.jit
+def _store_fp32(row_ptrs, cols, part, row_ok, N, ADD: tl.constexpr):
+    """Store (or with ADD add into) the fp32 columns ``cols`` of the rows at ``row_ptrs``."""
+    ptrs = row_ptrs[:, None] + cols[None, :]
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    if ADD:
+        part += tl.load(ptrs, mask=mask, other=0.0)
+    tl.store(ptrs, part, mask=mask)
 
 
 def wgrad_tma_plan(L: int, I: int, N: int, device: torch.device) -> tuple[int, int, bool]:
@@ -115,17 +146,24 @@ def wgrad_tma_plan(L: int, I: int, N: int, device: torch.device) -> tuple[int, i
 
 
 def grouped_mm_wgrad_tma(x_MI: torch.Tensor, dy_MN: torch.Tensor, offsets_J: torch.Tensor,
-                         dw_LIN: torch.Tensor) -> None:
+                         dw_LIN: torch.Tensor, accumulate: bool = False) -> None:
     """Fill ``dw_LIN`` (L, I, N) for operands checked by ``grouped_mm_wgrad``: 16-bit, row-major,
-    16-byte aligned rows, one segment per group (``offsets_J`` has L entries)."""
+    16-byte aligned rows, one segment per group (``offsets_J`` has L entries).
+
+    An fp32 ``dw_LIN`` (row-major) receives the fp32 sums unrounded, and with ``accumulate``
+    they are added to its contents (``moe.kernels.master_grad.accumulate_wgrad_``); a 16-bit one
+    is overwritten in its dtype."""
     L, I, N = dw_LIN.shape
     block_k, block_n, block_m, group_k = _TILE
     team, n_teams, deep = wgrad_tma_plan(L, I, N, x_MI.device)
+    fp32 = dw_LIN.dtype == torch.float32
+    if accumulate and not fp32:
+        raise ValueError(f"accumulate needs an fp32 dw_LIN, got {dw_LIN.dtype}")
     use_tensor_descriptors()
     dw_desc = TensorDescriptor(dw_LIN, list(dw_LIN.shape), list(dw_LIN.stride()), [1, block_k, block_n // 2])
     _grouped_mm_wgrad_tma_kernel[(team * n_teams,)](
-        x_MI, dy_MN, dw_desc, offsets_J,
-        N, I, L, team, n_teams, x_MI.stride(0), dy_MN.stride(0),
+        x_MI, dy_MN, dw_desc, dw_LIN, offsets_J,
+        N, I, L, team, n_teams, x_MI.stride(0), dy_MN.stride(0), dw_LIN.stride(0), dw_LIN.stride(1),
         BLOCK_K=block_k, BLOCK_N=block_n, BLOCK_M=block_m, GROUP_K=group_k, WARP_SPECIALIZE=deep,
-        num_stages=4 if deep else 3, num_warps=8,
+        EPILOGUE=(2 if accumulate else 1) if fp32 else 0, num_stages=4 if deep else 3, num_warps=8,
     )

@@ -1,4 +1,4 @@
-"""A 16-bit weight gradient added into its fp32 master gradient in one pass.
+"""A weight gradient added into its fp32 master gradient in one pass, or in the wgrad kernel.
 
 Mixed-precision training keeps the experts' weights in fp32 and runs their GEMMs on a 16-bit
 copy, so each micro-batch's weight gradient comes out of the wgrad kernel in 16 bits. Through
@@ -10,13 +10,20 @@ same fp32 addition, so the gradient is bit-identical. Profiled on an H100 (OLMoE
 (PyTorch's mixed-dtype copy ran at about 1.8 TB/s), this pass 8 ms with accumulation and 3.3 ms
 on a step's first micro-batch; with the cast kept for the whole step (``moe.master_weight_step``)
 a 16-micro-batch step ran 1.136x faster (bench/results/master_weights.md).
+
+One pass fewer: the SwiGLU MLP's backward (``GroupedSwiGLUMLPFn``) sees that its weights are
+such casts (:func:`tag_master_copy`) and calls :func:`accumulate_wgrad_`, whose Hopper kernel
+adds its fp32 tile into ``.grad`` in the epilogue: 4 + 4 bytes a parameter instead of the
+16-bit ``dw`` written (2), then read with ``.grad`` (2 + 4) and ``.grad`` written (4).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from kernel_floor import INTERPRET
+from kernel_floor import INTERPRET, tma_ok
+from moe.kernels.grouped_mm_wgrad import grouped_mm_wgrad
+from moe.kernels.grouped_mm_wgrad_tma import grouped_mm_wgrad_tma
 
 _BLOCK = 128 if INTERPRET else 4096
 
@@ -55,3 +62,50 @@ def accumulate_master_grad_(master: torch.Tensor, grad: torch.Tensor) -> None:
         _accumulate_kernel[(triton.cdiv(n, _BLOCK),)](dst, grad, n, FIRST=old is None, BLOCK=_BLOCK, num_warps=8)
     if old is None:
         master.grad = dst
+
+
+def accumulate_wgrad_(master: torch.Tensor, x_MI: torch.Tensor, dy_MN: torch.Tensor, offsets_J: torch.Tensor) -> None:
+    """``master.grad += dw`` with ``dw[l] = x[rows of l]ᵀ @ dy[rows of l]`` (``grouped_mm_wgrad``
+    with one segment per group), in fp32.
+
+    Where the Hopper wgrad kernel runs (16-bit rows, tensor descriptors, J = L, an fp32
+    row-major master and gradient) its epilogue adds the fp32 sums into ``.grad`` (writes them
+    when ``.grad`` is None): no 16-bit ``dw`` is written and read again, and the sums are not
+    rounded to 16 bits on the way (so the result is closer to the fp32 truth than
+    ``accumulate_master_grad_(master, grouped_mm_wgrad(...))``, not bit-equal to it). Elsewhere
+    it is that two-pass form.
+
+    Args:
+        master: fp32 (L, I, N) leaf tensor. x_MI, dy_MN, offsets_J: as ``grouped_mm_wgrad``
+            (J a multiple of L; J = G·L segments take the two-pass form).
+    """
+    L, I, N = master.shape
+    if (x_MI.shape[1], dy_MN.shape[1]) != (I, N) or offsets_J.shape[0] % L:
+        raise ValueError(f"rows (M, {x_MI.shape[1]}) x (M, {dy_MN.shape[1]}) in {offsets_J.shape[0]} segments do not "
+                         f"make the gradient of a master weight of shape {tuple(master.shape)}")
+    old = master.grad
+    fused = (offsets_J.shape[0] == L and x_MI.shape[0] > 0 and master.dtype == torch.float32
+             and x_MI.dtype in (torch.float16, torch.bfloat16) and x_MI.dtype == dy_MN.dtype
+             and x_MI.stride(1) == 1 and dy_MN.stride(1) == 1
+             and (old is None or (old.dtype == torch.float32 and old.is_contiguous() and old.device == x_MI.device))
+             and tma_ok(x_MI, dy_MN, *([] if old is None else [old])))
+    if not fused:
+        accumulate_master_grad_(master, grouped_mm_wgrad(x_MI, dy_MN, offsets_J, L))
+        return
+    dst = torch.empty_like(master) if old is None else old
+    grouped_mm_wgrad_tma(x_MI, dy_MN, offsets_J, dst, accumulate=old is not None)
+    if old is None:
+        master.grad = dst
+
+
+def tag_master_copy(copy: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """Mark ``copy`` (a 16-bit cast of the fp32 ``master`` whose autograd node adds into
+    ``master.grad``) so that a matmul's backward may add its weight gradient into ``master.grad``
+    itself (:func:`accumulate_wgrad_`) and hand the copy no gradient. Returns ``copy``."""
+    copy._fp32_master = master
+    return copy
+
+
+def master_of(copy: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 master of a :func:`tag_master_copy` tensor, else None."""
+    return getattr(copy, "_fp32_master", None)
