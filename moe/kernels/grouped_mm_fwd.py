@@ -35,6 +35,12 @@ measured on an H100 (bf16, bench/grouped_gemm.py), an epilogue version with two
 accumulators (gate and up tiles of one output tile) had to run on pointer loads (its
 tensor-descriptor build died with "illegal instruction", triton 3.6) and its forward was
 0.65-0.99x the speed of a TMA GEMM followed by PyTorch's silu·mul on all four bench shapes.
+The backward's counterpart was measured too and not kept: SwiGLU's backward in the epilogue of
+the dgrad kernel that makes dh (the TMA kernel, a quarter of the tile at a time: read gate and
+up, write dz and h; bit-identical) made that kernel 0.50 ms slower in the OLMoE-shaped layer's
+fwd+bwd (4.71 -> 5.22 ms: the epilogue's 1.3 GB of traffic stalls the tensor cores) while the
+0.56 ms elementwise pass went, so the layer's kernels went 9.92 -> 9.86 ms and bench/moe_layer.py
+read the same 441 TFLOP/s (H100, 2026-11-24).
 """
 
 import torch
