@@ -25,12 +25,19 @@ class Attention(nn.Module):
     each head's Hd with one gain shared by the heads (``"head"``, Qwen3-MoE), or over the whole
     projection, H·Hd and Hkv·Hd wide (``"full"``, OLMoE). ``qkv_bias``: biases on the query, key
     and value projections (Qwen2-MoE); ``out_bias``: on the output projection.
+    ``sliding_window`` W: query i attends to keys ``i − W < j <= i`` (Mistral's and Hugging Face's
+    sliding_window; the kernel's ``window=(W − 1, 0)``); None: to every ``j <= i``.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None,
                  head_dim: int | None = None, rope_theta: float = 10000.0, *, qkv_bias: bool = False,
-                 out_bias: bool = False, qk_norm: Literal["none", "head", "full"] = "none", norm_eps: float = 1e-5):
+                 out_bias: bool = False, qk_norm: Literal["none", "head", "full"] = "none", norm_eps: float = 1e-5,
+                 sliding_window: int | None = None):
         super().__init__()
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+        self.sliding_window = sliding_window
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         head_dim = dim // n_heads if head_dim is None else head_dim
         if n_kv_heads <= 0 or n_heads % n_kv_heads:
@@ -50,7 +57,7 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(k_width, eps=norm_eps)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        """x_BSD: (B, S, D) -> (B, S, D), causal."""
+        """x_BSD: (B, S, D) -> (B, S, D), causal (within the sliding window)."""
         B, S, _ = x_BSD.shape
         H, Hkv, Hd = self.n_heads, self.n_kv_heads, self.head_dim
         # (B, S, H·Hd), (B, S, Hkv·Hd), (B, S, Hkv·Hd): views of the one projection
@@ -65,8 +72,13 @@ class Attention(nn.Module):
         k_BSHkvHd = apply_rope(k_BSHkvHd, cos_table, sin_table)
         # (B, S, H, Hd) memory viewed as (B, H, S, Hd): the kernel takes strides, no copy.
         q, k, v = (t.transpose(1, 2) for t in (q_BSHHd, k_BSHkvHd, v_BSHkvHd))
+        W = self.sliding_window if self.sliding_window is not None and self.sliding_window < S else None
         if x_BSD.is_cuda:
-            o_BHSHd = flash_attention(q, k, v, causal=True)
-        else:
+            o_BHSHd = flash_attention(q, k, v, causal=True, window=None if W is None else (W - 1, 0))
+        elif W is None:
             o_BHSHd = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)
+        else:
+            i = torch.arange(S, device=x_BSD.device)
+            visible_SS = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - W)
+            o_BHSHd = F.scaled_dot_product_attention(q, k, v, attn_mask=visible_SS, enable_gqa=Hkv != H)
         return self.out(o_BHSHd.transpose(1, 2).reshape(B, S, H * Hd))

@@ -363,7 +363,8 @@ def _module_reference(mod, x_BSD):
     q, k, v = mod.qkv(x_BSD).view(B, S, H + 2 * Hkv, Hd).split((H, Hkv, Hkv), dim=2)
     cos, sin = rope_cos_sin(S, Hd, mod.rope_theta, device=x_BSD.device)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    o = attention_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+    window = None if mod.sliding_window is None else (mod.sliding_window - 1, 0)
+    o = attention_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, window=window)
     return mod.out(o.transpose(1, 2).reshape(B, S, H * Hd))
 
 
@@ -378,6 +379,27 @@ def test_module_cpu_matches_reference_and_is_causal():
     assert torch.equal(mod(x2)[:, :15], y[:, :15])
     y.sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in mod.parameters())
+
+
+def test_module_sliding_window_cpu():
+    """Query i sees keys i-W < j <= i: the reference with window (W-1, 0), outputs from position
+    W+2 on blind to the first three tokens, and a window >= S the plain causal module."""
+    W = 5
+    mod = Attention(dim=64, n_heads=4, n_kv_heads=2, sliding_window=W)
+    x = torch.randn(2, 23, 64)
+    y = mod(x)
+    assert torch.allclose(y, _module_reference(mod, x), atol=1e-5)
+    x2 = x.clone()
+    x2[:, :3] = torch.randn(2, 3, 64)
+    y2 = mod(x2)
+    assert torch.equal(y2[:, W + 2:], y[:, W + 2:]) and not torch.allclose(y2[:, W + 1], y[:, W + 1])
+    mod.sliding_window = 23
+    full = Attention(dim=64, n_heads=4, n_kv_heads=2)
+    full.load_state_dict(mod.state_dict())
+    assert torch.equal(mod(x), full(x))
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="sliding_window must be None or an int >= 1"):
+            Attention(dim=64, n_heads=4, sliding_window=bad)
 
 
 def test_module_rejects_bad_heads():
@@ -497,8 +519,10 @@ def test_gpu_memory_linear_in_S():
 
 
 @pytest.mark.gpu
-def test_gpu_module_matches_reference():
-    mod = Attention(dim=512, n_heads=8, n_kv_heads=2, head_dim=64).to(DEVICE_GPU, torch.bfloat16)
+@pytest.mark.parametrize("sliding_window", [None, 64])
+def test_gpu_module_matches_reference(sliding_window):
+    mod = Attention(dim=512, n_heads=8, n_kv_heads=2, head_dim=64, sliding_window=sliding_window)
+    mod = mod.to(DEVICE_GPU, torch.bfloat16)
     x = torch.randn(2, 301, 512, device=DEVICE_GPU, dtype=torch.bfloat16)
     y = mod(x)
     ref = _module_reference(mod, x)

@@ -4,7 +4,7 @@ The formula in train/flops.py is written per layer from the config; here the par
 counted from a built model instead (on the meta device, so the OLMoE-shaped benchmark costs no
 memory): every matrix of a token's path is one multiply-add per weight, forward, the routed
 experts at K of E. What a parameter count does not see is added by hand: the causal attention
-scores (QKᵀ and PV, (S+1)/2 keys per token on average) and, with tied embeddings, the LM head
+scores (QKᵀ and PV, counted query by query: min(i + 1, W) keys for query i) and, with tied embeddings, the LM head
 that reuses the embedding matrix (the lookup itself costs nothing).
 """
 
@@ -30,7 +30,9 @@ def independent_forward_flops(cfg: Config) -> float:
     if m.tie_embeddings:
         active += model.embed.weight.numel()  # the LM head is the embedding matrix
     H, Hd = m.n_heads, m.head_dim or m.dim // m.n_heads
-    scores = m.n_layers * 2 * 2 * H * Hd * (cfg.data.seq_len + 1) / 2
+    S, W = cfg.data.seq_len, m.sliding_window or cfg.data.seq_len
+    visible = sum(min(i + 1, W) for i in range(S)) / S  # query i sees its last min(i + 1, W) keys
+    scores = m.n_layers * 2 * 2 * H * Hd * visible
     return 2 * active + scores
 
 
@@ -39,6 +41,7 @@ def independent_forward_flops(cfg: Config) -> float:
     ["--model.tie_embeddings=false", "--model.n_kv_heads=2", "--model.head_dim=48"],
     ["--moe.num_shared_experts=2", "--moe.shared_hidden_dim=40", "--moe.every_n_layers=2", "--moe.activation=gelu"],
     ["--moe.first_dense_layers=1", "--model.qkv_bias=true", "--moe.top_k=3"],
+    ["--model.sliding_window=5"], ["--model.sliding_window=33"], ["--model.sliding_window=40"],
 ])
 def test_flops_equal_six_times_active_params_plus_attention(overrides):
     cfg = apply_overrides(Config(), ["--model.dim=96", "--model.n_layers=3", "--model.n_heads=4", "--model.vocab_size=300",

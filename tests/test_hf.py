@@ -278,6 +278,49 @@ def _edit(directory: str, tmp_path, config_edit=None, drop=None, add=None, resha
     return str(out)
 
 
+@pytest.mark.parametrize("kind, window_keys", [("mixtral", dict(sliding_window=5)),
+                                               ("qwen3_moe", dict(use_sliding_window=True, sliding_window=5))])
+def test_sliding_window_models_match_transformers(kind, window_keys, tmp_path):
+    """One window in every layer (5 keys, 19 tokens): transformers' logits, and the window
+    written back by the export's config."""
+    cfg_name, model_name, extra = MODELS[kind]
+    torch.manual_seed(0)
+    hf_cfg = getattr(transformers, cfg_name)(**COMMON, **extra, **window_keys)
+    ref = getattr(transformers, model_name)(hf_cfg).float().eval()
+    with torch.no_grad():
+        for t in ref.parameters():
+            t.add_(torch.randn_like(t) * (0.1 if t.dim() == 1 else 0.02))
+    ref.save_pretrained(str(tmp_path / kind))
+    ours = ours_from(str(tmp_path / kind))
+    assert ours.cfg.model.sliding_window == 5
+    tokens, _ = _tokens()
+    with torch.no_grad():
+        assert (ours(tokens) - ref(tokens).logits).abs().max().item() < 1e-5
+    written = architecture(read_hf_config(str(tmp_path / kind)), "config.json").hf_config(ours.cfg.to_flat())
+    assert {k: written[k] for k in window_keys} == window_keys
+
+
+def test_windows_in_some_layers_or_where_the_architecture_has_none_are_refused(hf_dirs, tmp_path):
+    from train.hf import ARCHITECTURES
+
+    def explicit(c):  # the layer types written out (transformers 5)
+        c.update(use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+
+    def by_rule(c):  # no layer_types: transformers' default, every other layer below max_window_layers
+        c.update(use_sliding_window=True, sliding_window=8)
+        c.pop("layer_types", None)
+
+    for i, edit in enumerate((explicit, by_rule)):
+        (tmp_path / str(i)).mkdir()
+        directory = _edit(hf_dirs["qwen2_moe"][0], tmp_path / str(i), config_edit=edit)
+        with pytest.raises(ConfigError, match=r"sliding-window attention in 1 of 2 layers\) is not supported"):
+            ours_from(directory)
+    for kind in ("olmoe", "qwen2_moe"):
+        flat = {**load_config([], world_size=1).to_flat(), **ARCHITECTURES[kind].fixed(), "model.sliding_window": 8}
+        with pytest.raises(HFError, match=f"model.sliding_window=8 cannot be written as {kind}"):
+            ARCHITECTURES[kind].hf_config(flat)
+
+
 QPROJ = "model.layers.1.self_attn.q_proj.weight"
 EXPERT = "model.layers.0.block_sparse_moe.experts.3.w2.weight"
 
@@ -289,7 +332,6 @@ EXPERT = "model.layers.0.block_sparse_moe.experts.3.w2.weight"
     (dict(config_edit=lambda c: c.update(model_type="llama")), ConfigError, "model_type='llama' is not supported"),
     (dict(config_edit=lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4})), ConfigError,
      "rope_type='yarn'"),
-    (dict(config_edit=lambda c: c.update(sliding_window=64)), ConfigError, "sliding_window=64"),
     (dict(config_edit=lambda c: c.update(hidden_act="gelu")), ConfigError, "hidden_act='gelu'"),
 ])
 def test_bad_directories_are_one_error_naming_the_tensor_or_key(hf_dirs, tmp_path, edit, error, match):

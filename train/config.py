@@ -58,6 +58,9 @@ class ModelConfig:
     n_kv_heads: int | None = option(None, "Hkv, key/value heads (GQA), must divide n_heads; none: = n_heads (no GQA)")
     head_dim: int | None = option(None, "Hd, width of a head; none: dim // n_heads")
     rope_theta: float = option(10000.0, "RoPE base")
+    sliding_window: int | None = option(
+        None, "W: every query attends to the last W positions, itself included (Mistral/Mixtral's sliding_window, "
+              "in every block); none: the whole causal prefix")
     norm_eps: float = option(1e-5, "RMSNorm epsilon")
     qk_norm: Literal["none", "head", "full"] = option(
         "none", "RMSNorm of the queries and keys before RoPE: head: over each head's Hd (Qwen3-MoE), full: over all "
@@ -447,6 +450,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
     if head_dim <= 0:
         raise ConfigError(f"model.head_dim: must be > 0, got {head_dim}")
+    if m.sliding_window is not None and m.sliding_window < 1:
+        raise ConfigError(f"model.sliding_window: must be >= 1 (or none), got {m.sliding_window}")
     try:
         cfg.moe.validate("moe.")
     except ValueError as err:

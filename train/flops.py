@@ -5,7 +5,8 @@ experts a token visits, not all E):
 
 - attention projections: ``2·D·(H + 2·Hkv)·Hd`` (QKV) + ``2·H·Hd·D`` (out);
 - attention scores, causal: ``QKᵀ`` and ``PV`` are ``2·S·H·Hd`` each without a mask; a causal
-  token attends to (S+1)/2 keys on average, so ``2·2·H·Hd·(S+1)/2``;
+  token attends to (S+1)/2 keys on average, so ``2·2·H·Hd·(S+1)/2``; with a sliding window of
+  W < S keys, ``(W(W+1)/2 + (S−W)·W) / S`` keys on average (:func:`mean_visible_keys`);
 - MoE block: router ``2·D·E`` + K experts · ``2·D·F·(3 if SwiGLU else 2)`` + shared experts the same
   with their width; dense block: ``2·D·F_dense·(3 or 2)``;
 - LM head ``2·D·V`` (the embedding lookup costs no FLOPs).
@@ -42,7 +43,7 @@ def forward_flops_per_token(cfg: Config) -> float:
     flops = 2.0 * D * V
     for i in range(m.n_layers):
         flops += 2 * D * (H + 2 * Hkv) * Hd + 2 * H * Hd * D
-        flops += 2 * 2 * H * Hd * (S + 1) / 2
+        flops += 2 * 2 * H * Hd * mean_visible_keys(S, m.sliding_window)
         if e.is_moe_layer(i):
             flops += 2 * D * e.num_experts
             flops += e.top_k * 2 * D * e.hidden_dim * mlp_mults
@@ -51,6 +52,14 @@ def forward_flops_per_token(cfg: Config) -> float:
         else:
             flops += 2 * D * m.dense_hidden_dim * mlp_mults
     return flops
+
+
+def mean_visible_keys(S: int, window: int | None) -> float:
+    """Keys a causal query of a length-S sequence attends to, on average: query i sees
+    ``min(i + 1, W)``."""
+    if window is None or window >= S:
+        return (S + 1) / 2
+    return (window * (window + 1) / 2 + (S - window) * window) / S
 
 
 def train_flops_per_token(cfg: Config) -> float:

@@ -6,7 +6,7 @@ A block is pre-norm: ``x + Attention(RMSNorm(x))`` then ``x + FFN(RMSNorm(x))``,
 is an :class:`moe.MoELayer` built from the ``moe`` section in every ``moe.every_n_layers``-th
 block after the first ``moe.first_dense_layers`` (:meth:`moe.MoEConfig.is_moe_layer`) and a dense
 :class:`moe.DenseMLP` otherwise. The options around the MoE block (GQA, head_dim, RoPE base, q/k
-RMSNorm, QKV biases, norm eps, tied or separate embeddings, dense first blocks) are those of the
+RMSNorm, QKV biases, a sliding window, norm eps, tied or separate embeddings, dense first blocks) are those of the
 Hugging Face architectures :mod:`hf` loads: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE.
 
 Initialisation is seeded and independent of the expert-parallel size: dense weights come from
@@ -55,7 +55,7 @@ class Block(nn.Module):
         self.checkpointing = cfg.train.activation_checkpointing
         self.attn_norm = nn.RMSNorm(m.dim, eps=m.norm_eps)
         self.attn = Attention(m.dim, m.n_heads, m.n_kv_heads, m.head_dim, m.rope_theta, qkv_bias=m.qkv_bias,
-                              qk_norm=m.qk_norm, norm_eps=m.norm_eps)
+                              qk_norm=m.qk_norm, norm_eps=m.norm_eps, sliding_window=m.sliding_window)
         self.ffn_norm = nn.RMSNorm(m.dim, eps=m.norm_eps)
         self.is_moe = e.is_moe_layer(layer_idx)
         if self.is_moe:

@@ -18,8 +18,10 @@ deepseek_v3 sigmoid, bias, group-limited, MLA attention (not supported): the MoE
 ========== ============================ ====================================================
 
 What no architecture here has and we refuse rather than ignore: RoPE scaling (``rope_type`` other
-than ``default``), sliding-window attention, ``clip_qkv``, router jitter, activations other than
-SiLU (SwiGLU), Qwen's ``mlp_only_layers``.
+than ``default``), sliding-window attention in some layers and not others (Qwen2-MoE's
+``layer_types``), ``clip_qkv``, router jitter, activations other than SiLU (SwiGLU), Qwen's
+``mlp_only_layers``. One window in every layer (Mixtral's ``sliding_window``, Qwen3-MoE's with
+``use_sliding_window``) is ``model.sliding_window``.
 """
 
 from dataclasses import dataclass
@@ -79,6 +81,8 @@ class Architecture:
         }
         if self.always_renormalize:
             fixed["moe.renormalize"] = True
+        if self.model_type not in ("mixtral", "qwen3_moe"):  # no key for one window in every layer
+            fixed["model.sliding_window"] = None
         if self.model_type not in ("qwen2_moe", "qwen3_moe"):  # the others have no decoder_sparse_step
             fixed["moe.every_n_layers"] = 1
         if self.model_type != "qwen2_moe":  # Qwen2-MoE's qkv_bias is a key of its config
@@ -110,8 +114,31 @@ class Architecture:
         })
         if self.model_type == "qwen2_moe":  # always biased in v4 configs, which have no key; v5 writes qkv_bias
             out["model.qkv_bias"] = bool(hf.get("qkv_bias", True))
+        out["model.sliding_window"] = self._sliding_window(hf, where)
         out.update({f"moe.{k}": v for k, v in self._moe_options(hf, where).items()})
         return out
+
+    def _sliding_window(self, hf: dict, where: str) -> int | None:
+        """The window every layer attends through (transformers' rule for the architecture), None
+        for none; HFError for windows in some layers only."""
+        window = hf.get("sliding_window") or None  # Qwen2-MoE writes 0 for none
+        if self.model_type == "mixtral":
+            return window
+        if self.model_type == "qwen3_moe":
+            return window if hf.get("use_sliding_window") else None
+        if self.model_type == "qwen2_moe":
+            n = hf.get("num_hidden_layers", 0)
+            types = hf.get("layer_types") or [  # transformers' default: every other layer below max_window_layers
+                "sliding_attention" if (i + 1) % 2 and i < hf.get("max_window_layers", 28) and hf.get("use_sliding_window")
+                else "full_attention" for i in range(n)]
+            if "sliding_attention" in types:
+                raise HFError(f"{where}: layer_types={types} (sliding-window attention in "
+                              f"{types.count('sliding_attention')} of {len(types)} layers) is not supported: "
+                              "model.sliding_window is one window for every layer")
+            return None
+        if window:
+            raise HFError(f"{where}: sliding_window={window} (sliding-window attention) is not supported for {self.model_type}")
+        return None
 
     def _moe_options(self, hf: dict, where: str) -> dict:
         get = _getter(hf, where)
@@ -176,6 +203,13 @@ class Architecture:
         hf["rope_theta"] = flat["model.rope_theta"]
         if not self.always_renormalize:
             hf["norm_topk_prob"] = flat["moe.renormalize"]
+        window = flat["model.sliding_window"]
+        if self.model_type == "mixtral":
+            hf["sliding_window"] = window
+        if self.model_type == "qwen3_moe":
+            hf["use_sliding_window"] = window is not None
+            if window is not None:
+                hf["sliding_window"] = window
         if self.model_type in ("qwen2_moe", "qwen3_moe"):
             hf.update(decoder_sparse_step=flat["moe.every_n_layers"], mlp_only_layers=[])
         if self.model_type == "qwen2_moe":
@@ -246,8 +280,6 @@ def _refuse(hf: dict, where: str) -> None:
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise HFError(f"{where}: hidden_act={act!r} is not supported (SwiGLU experts: silu)")
-    if hf.get("sliding_window") and hf.get("use_sliding_window", hf.get("model_type") == "mixtral"):
-        raise HFError(f"{where}: sliding_window={hf['sliding_window']} (sliding-window attention) is not supported")
     for key in ("clip_qkv", "router_jitter_noise"):
         if hf.get(key):
             raise HFError(f"{where}: {key}={hf[key]} is not supported")
