@@ -36,7 +36,6 @@ from moe import master_weight_step  # noqa: E402
 grouped_mm_module = importlib.import_module("moe.kernels.grouped_mm")
 
 
-
 @contextlib.contextmanager
 def two_pass_step(model):
     """``master_weight_step`` with the SwiGLU MLP's weight gradients rounded to 16 bits and then

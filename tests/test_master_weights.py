@@ -114,6 +114,48 @@ def test_master_weight_step_equals_the_plain_cast(device, activation, recompute)
     assert experts._copies is None and not experts.fuse_master_weights, "leaving frees the copies"
 
 
+@pytest.fixture
+def triton_mlp(monkeypatch):
+    """The experts' MLP on the Triton path on CPU too (the interpreter): where the SwiGLU node
+    and the wgrad epilogue run."""
+    import moe.experts as experts_module
+    from moe.kernels import grouped_mlp
+
+    if not (torch.cuda.is_available() or INTERPRET):
+        pytest.skip("the Triton path on CPU tensors needs TRITON_INTERPRET (a machine without a GPU)")
+    monkeypatch.setattr(experts_module, "grouped_mlp", lambda *args: grouped_mlp(*args, backend="triton"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_swiglu_weight_gradients_come_from_the_epilogue_once(device, recompute, triton_mlp):
+    # the epilogue ran: not the plain path's bits (it rounds each micro-batch's dw to 16 bits),
+    # and within that rounding of them (a second add would double them)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    experts = GroupedExperts(3, 64, 32, "swiglu", device=device)
+    experts.recompute = recompute
+    offsets = torch.tensor([5, 5, 30], device=device, dtype=torch.int32)
+    xs = [torch.randn(30, 64, device=device) for _ in range(3)]
+    plain, _ = _step(experts, xs, offsets, device, dtype, fused=False)
+    fused, _ = _step(experts, xs, offsets, device, dtype, fused=True)
+    for a, b in zip(plain, fused):
+        assert not torch.equal(a, b)
+        assert ((a - b).norm() / a.norm()).item() < 4e-3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_gradient_of_the_input_alone_leaves_the_weights_alone(device, triton_mlp):
+    experts = GroupedExperts(2, 64, 32, "swiglu", device=device)
+    offsets = torch.tensor([4, 9], device=device, dtype=torch.int32)
+    x = torch.randn(9, 64, device=device, requires_grad=True)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    with master_weight_step(experts), torch.autocast(device, dtype=dtype):
+        (dx,) = torch.autograd.grad(experts(x, offsets).float().sum(), x)
+        experts(x, offsets).float().sum().backward(inputs=[x])
+    assert dx.shape == x.shape and x.grad is not None
+    assert experts.w1_LDU.grad is None and experts.w2_LFD.grad is None
+
+
 def test_a_weight_changed_inside_the_step_is_cast_again():
     experts = GroupedExperts(2, 64, 32, device="cpu")
     offsets = torch.tensor([4, 9], dtype=torch.int32)

@@ -74,7 +74,9 @@ class GroupedSwiGLUMLPFn(torch.autograd.Function):
     activation backward, which reads z anyway, writes h again for the second matmul's weight
     gradient (bit-identical: the same kernel expression on the same z). Saved activation bytes
     fall by M·F·2 (K·F·2 per token: 16 KiB at OLMoE's F 1024, top-8), for one more (M, F)
-    write in the backward. Gradients equal the two-node chain's bit for bit.
+    write in the backward. Gradients equal the two-node chain's bit for bit, except the weight
+    gradients of tagged fp32-master casts (``moe.master_weight_step``), added into the master's
+    ``.grad`` unrounded (:func:`_weight_grad`).
     """
 
     @staticmethod
@@ -83,7 +85,9 @@ class GroupedSwiGLUMLPFn(torch.autograd.Function):
         h, z = grouped_mm_forward(x_MI, w1_LIU, offsets_J, "swiglu", save_preact=needs_grad)
         y, _ = grouped_mm_forward(h, w2_LFN, offsets_J)
         ctx.save_for_backward(x_MI, w1_LIU, w2_LFN, offsets_J, z)
-        ctx.masters = master_of(w1_LIU), master_of(w2_LFN)
+        # a tagged cast's own autograd node (the one that would add a returned gradient into
+        # the master): the backward adds into master.grad only when the engine runs that node
+        ctx.masters = [(master_of(w), w.grad_fn) for w in (w1_LIU, w2_LFN)]
         return y
 
     @staticmethod
@@ -102,15 +106,19 @@ class GroupedSwiGLUMLPFn(torch.autograd.Function):
         return dx, dw1, dw2, None
 
 
-def _weight_grad(needed, master, x_MI, dy_MN, offsets_J, num_groups):
+def _weight_grad(needed, master_and_node, x_MI, dy_MN, offsets_J, num_groups):
     """The weight gradient ``grouped_mm_wgrad`` returns, or, for a weight that is a tagged cast of
     an fp32 master (``moe.master_weight_step``), None after adding it into ``master.grad``
-    (:func:`~moe.kernels.master_grad.accumulate_wgrad_`: on Hopper in the wgrad kernel's epilogue)."""
+    (:func:`~moe.kernels.master_grad.accumulate_wgrad_`: on Hopper in the wgrad kernel's
+    epilogue). ``torch.autograd.grad`` or ``backward(inputs=...)`` that do not reach the cast's
+    node get None and leave ``master.grad`` alone, as autograd would."""
+    master, node = master_and_node
     if not needed:
         return None
     if master is None:
         return grouped_mm_wgrad(x_MI, dy_MN, offsets_J, num_groups)
-    accumulate_wgrad_(master, x_MI, dy_MN, offsets_J)
+    if torch._C._will_engine_execute_node(node):
+        accumulate_wgrad_(master, x_MI, dy_MN, offsets_J)
     return None
 
 

@@ -9,12 +9,16 @@ same fp32 addition, so the gradient is bit-identical. Profiled on an H100 (OLMoE
 6 layers, 2.4B expert parameters): autograd's two passes took about 8 ms each a micro-batch
 (PyTorch's mixed-dtype copy ran at about 1.8 TB/s), this pass 8 ms with accumulation and 3.3 ms
 on a step's first micro-batch; with the cast kept for the whole step (``moe.master_weight_step``)
-a 16-micro-batch step ran 1.136x faster (bench/results/master_weights.md).
+a 16-micro-batch step ran 1.136x faster (bench/results/master_weights.md, its first run).
 
 One pass fewer: the SwiGLU MLP's backward (``GroupedSwiGLUMLPFn``) sees that its weights are
 such casts (:func:`tag_master_copy`) and calls :func:`accumulate_wgrad_`, whose Hopper kernel
 adds its fp32 tile into ``.grad`` in the epilogue: 4 + 4 bytes a parameter instead of the
-16-bit ``dw`` written (2), then read with ``.grad`` (2 + 4) and ``.grad`` written (4).
+16-bit ``dw`` written (2), then read with ``.grad`` (2 + 4) and ``.grad`` written (4). Only
+with one row segment per expert (J = L: expert parallelism 1); the J = G·L segments of an
+expert-parallel dispatch keep the two-pass add, so there the weight gradient is rounded to 16
+bits first. Measured on an H100 against the two-pass add (bench/results/master_weights.md):
+1.026x at one micro-batch a step, 1.004x at 16 (within the run's round-to-round spread).
 """
 
 import torch
@@ -92,7 +96,7 @@ def accumulate_wgrad_(master: torch.Tensor, x_MI: torch.Tensor, dy_MN: torch.Ten
     if not fused:
         accumulate_master_grad_(master, grouped_mm_wgrad(x_MI, dy_MN, offsets_J, L))
         return
-    dst = torch.empty_like(master) if old is None else old
+    dst = torch.empty_like(master, memory_format=torch.contiguous_format) if old is None else old
     grouped_mm_wgrad_tma(x_MI, dy_MN, offsets_J, dst, accumulate=old is not None)
     if old is None:
         master.grad = dst
