@@ -51,7 +51,8 @@ class MoEConfig:
     z_loss_coef: coefficient of the router z-loss.
     expert_bias: keep a selection-only bias for aux-loss-free balancing (see
         :meth:`moe.Router.update_expert_bias` and :func:`moe.update_expert_biases`).
-    bias_update_rate: step of that bias rule.
+    bias_update_rate: step of that bias rule, in the units of the scores (softmax scores
+        average 1/E: see the measured failure of a 10× rate in bench/results/routing_health.md).
     n_group, topk_group: group-limited top-k (DeepSeek-V3): the E experts form ``n_group`` equal
         contiguous groups, a group scores the sum of its two best selection scores (with the
         expert bias when on), and the top-K is taken among the experts of the ``topk_group`` best
@@ -97,7 +98,10 @@ class MoEConfig:
     expert_bias: bool = field(default=False, metadata={
         "help": "a per-expert bias added to the scores for selection only (aux-loss-free balancing, DeepSeek-V3): "
                 "b_e += rate · sign(mean load − load_e) once per step"})
-    bias_update_rate: float = field(default=1e-3, metadata={"help": "the rate of the expert_bias rule"})
+    bias_update_rate: float = field(default=1e-3, metadata={
+        "help": "the rate of the expert_bias rule, in units of the scores: softmax scores average 1/E, so a rate "
+                "well above 1e-3 lets the bias outgrow them (E 64, 1e-2: every token picked the same experts by bias "
+                "alone, bench/results/routing_health.md)"})
     n_group: int = field(default=1, metadata={
         "help": "group-limited routing (DeepSeek-V3): the experts form n_group equal contiguous groups, each scored by "
                 "the sum of its top-2 selection scores (bias included); 1: plain top-k"})
