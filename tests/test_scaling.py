@@ -195,6 +195,7 @@ def test_world8_equals_one_process(world8, case):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # world 4 proves both by default (tests/test_parallel.py); this fixture costs ~37 s
 def test_world8_not_divisible_and_all_to_all_op(world8):
     _check_not_divisible(world8, "not_divisible_ep4_E6", 6, 4)
     _check_not_divisible(world8, "not_divisible_ep8_E12", 12, 8)
