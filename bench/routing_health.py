@@ -20,7 +20,7 @@ router for this process only, to decide whether one is worth building:
 - ``logit_bias``: the expert-bias rule's bias added to the router logits for selection (a
   token picks by ``p_e · exp(b_e)``, whatever E) instead of to the softmax probabilities.
 
-    python bench/routing_health.py --steps 300 [--layers 6] [--variants base,expert_bias,...]
+    python bench/routing_health.py --steps 300 [--layers 6] [--variants base,expert_bias,...] [--seeds 0,1,2]
 """
 
 import argparse
@@ -168,6 +168,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--seeds", default="0", help="comma-separated train.seed values: one run per variant and seed")
     p.add_argument("--out", default=os.path.join(ROOT, "bench/results/routing_health.md"))
     p.add_argument("--log-dir", default="/tmp/routing_health")
     p.add_argument("--run", help=argparse.SUPPRESS)  # a child: one variant's training run
@@ -184,23 +185,28 @@ def main() -> None:
     from common import header, write_results
     md = header("Routing health: load max/mean of the worst layer while training", "bench/routing_health.py",
                 f"model: configs/olmoe_bench.yaml at {args.layers} layers, EP 1 (one GPU), 8,192 tokens a step, "
-                "warmup 10 steps, aux 0.01, z 0.001, one seed; the variants are described in the script's docstring",
+                f"warmup 10 steps, aux 0.01, z 0.001, seeds {args.seeds}; the variants are described in the script's "
+                "docstring",
                 "a cell: the worst layer's load max/mean at that step (every layer's, in the last column); "
                 "'≤ 2.0 from': the first logged step after which every logged step stays ≤ 2.0")
     marks = list(range(30, args.steps + 1, 30))
     md += ["| variant | " + " | ".join(f"step {s}" for s in marks) + " | ≤ 2.0 from | loss / val at end | layers at end |",
            "|---" * (len(marks) + 4) + "|"]
-    for name in names:
-        cmd = [sys.executable, os.path.abspath(__file__), "--run", name, *common, f"--log.run_name={name}", *VARIANTS[name][0]]
+    seeds = [int(x) for x in args.seeds.split(",")]
+    for name, seed in ((n, sd) for n in names for sd in seeds):
+        label = name if seeds == [0] else f"{name}, seed {seed}"
+        run_name = name if seeds == [0] else f"{name}_seed{seed}"
+        cmd = [sys.executable, os.path.abspath(__file__), "--run", name, *common, f"--train.seed={seed}",
+               f"--log.run_name={run_name}", *VARIANTS[name][0]]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
-            md.append(f"| {name} | failed (exit {proc.returncode}) |")
+            md.append(f"| {label} | failed (exit {proc.returncode}) |")
             continue
-        rows, last = _summary(os.path.join(args.log_dir, name, "metrics.jsonl"))
+        rows, last = _summary(os.path.join(args.log_dir, run_name, "metrics.jsonl"))
         worst = {s: max(imb) for s, _, imb in rows}
         healthy = next((s for s, _, _ in rows if all(worst[t] <= 2.0 for t in worst if t >= s)), None)
-        md.append(f"| {name} | " + " | ".join(f"{worst[s]:.1f}" if s in worst else "" for s in marks)
+        md.append(f"| {label} | " + " | ".join(f"{worst[s]:.1f}" if s in worst else "" for s in marks)
                   + f" | {healthy if healthy is not None else 'never'} | {rows[-1][1]:.2f} / {last.get('val/loss', float('nan')):.2f} | "
                   + " ".join(f"{v:.1f}" for v in rows[-1][2]) + " |")
         print(md[-1], flush=True)
