@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.flash_attn import flash_attention
+from attention.reference import visible_keys
 from attention.rope import apply_rope, rope_cos_sin
 
 
@@ -72,13 +73,13 @@ class Attention(nn.Module):
         k_BSHkvHd = apply_rope(k_BSHkvHd, cos_table, sin_table)
         # (B, S, H, Hd) memory viewed as (B, H, S, Hd): the kernel takes strides, no copy.
         q, k, v = (t.transpose(1, 2) for t in (q_BSHHd, k_BSHkvHd, v_BSHkvHd))
-        W = self.sliding_window if self.sliding_window is not None and self.sliding_window < S else None
+        W = self.sliding_window
+        window = (W - 1, 0) if W is not None and W < S else None
         if x_BSD.is_cuda:
-            o_BHSHd = flash_attention(q, k, v, causal=True, window=None if W is None else (W - 1, 0))
-        elif W is None:
+            o_BHSHd = flash_attention(q, k, v, causal=True, window=window)
+        elif window is None:
             o_BHSHd = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)
         else:
-            i = torch.arange(S, device=x_BSD.device)
-            visible_SS = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - W)
+            visible_SS = visible_keys(S, S, causal=True, window=window, device=x_BSD.device)
             o_BHSHd = F.scaled_dot_product_attention(q, k, v, attn_mask=visible_SS, enable_gqa=Hkv != H)
         return self.out(o_BHSHd.transpose(1, 2).reshape(B, S, H * Hd))
