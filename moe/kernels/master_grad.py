@@ -21,6 +21,8 @@ bits first. Measured on an H100 against the two-pass add (bench/results/master_w
 1.026x at one micro-batch a step, 1.004x at 16 (within the run's round-to-round spread).
 """
 
+from contextlib import contextmanager
+
 import torch
 import triton
 import triton.language as tl
@@ -51,21 +53,17 @@ def accumulate_master_grad_(master: torch.Tensor, grad: torch.Tensor) -> None:
     """
     if grad.shape != master.shape:
         raise ValueError(f"grad of shape {tuple(grad.shape)} for a master weight of shape {tuple(master.shape)}")
-    old = master.grad
-    usable = old is None or (old.dtype == torch.float32 and old.is_contiguous() and old.device == grad.device)
-    if not (grad.is_cuda or INTERPRET) or not usable or master.dtype != torch.float32:
-        if old is None:
+    if not ((grad.is_cuda or INTERPRET) and _fp32_grad_ok(master, grad.device)):
+        if master.grad is None:
             master.grad = grad.to(master.dtype)
         else:
-            old.add_(grad)
+            master.grad.add_(grad)
         return
     grad = grad.contiguous()
-    dst = torch.empty_like(master, memory_format=torch.contiguous_format) if old is None else old
-    n = grad.numel()
-    if n:
-        _accumulate_kernel[(triton.cdiv(n, _BLOCK),)](dst, grad, n, FIRST=old is None, BLOCK=_BLOCK, num_warps=8)
-    if old is None:
-        master.grad = dst
+    with _fp32_grad(master) as (dst, first):
+        n = grad.numel()
+        if n:
+            _accumulate_kernel[(triton.cdiv(n, _BLOCK),)](dst, grad, n, FIRST=first, BLOCK=_BLOCK, num_warps=8)
 
 
 def accumulate_wgrad_(master: torch.Tensor, x_MI: torch.Tensor, dy_MN: torch.Tensor, offsets_J: torch.Tensor) -> None:
@@ -88,17 +86,33 @@ def accumulate_wgrad_(master: torch.Tensor, x_MI: torch.Tensor, dy_MN: torch.Ten
         raise ValueError(f"rows (M, {x_MI.shape[1]}) x (M, {dy_MN.shape[1]}) in {offsets_J.shape[0]} segments do not "
                          f"make the gradient of a master weight of shape {tuple(master.shape)}")
     old = master.grad
-    fused = (offsets_J.shape[0] == L and x_MI.shape[0] > 0 and master.dtype == torch.float32
+    fused = (offsets_J.shape[0] == L and x_MI.shape[0] > 0 and _fp32_grad_ok(master, x_MI.device)
              and x_MI.dtype in (torch.float16, torch.bfloat16) and x_MI.dtype == dy_MN.dtype
              and x_MI.stride(1) == 1 and dy_MN.stride(1) == 1
-             and (old is None or (old.dtype == torch.float32 and old.is_contiguous() and old.device == x_MI.device))
              and tma_ok(x_MI, dy_MN, *([] if old is None else [old])))
     if not fused:
         accumulate_master_grad_(master, grouped_mm_wgrad(x_MI, dy_MN, offsets_J, L))
         return
-    dst = torch.empty_like(master, memory_format=torch.contiguous_format) if old is None else old
-    grouped_mm_wgrad_tma(x_MI, dy_MN, offsets_J, dst, accumulate=old is not None)
-    if old is None:
+    with _fp32_grad(master) as (dst, first):
+        grouped_mm_wgrad_tma(x_MI, dy_MN, offsets_J, dst, accumulate=not first)
+
+
+def _fp32_grad_ok(master: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``master.grad`` can be written in place as an fp32 row-major tensor on ``device``:
+    an fp32 master whose ``.grad`` is None or already such a tensor."""
+    old = master.grad
+    return master.dtype == torch.float32 and (
+        old is None or (old.dtype == torch.float32 and old.is_contiguous() and old.device == device))
+
+
+@contextmanager
+def _fp32_grad(master: torch.Tensor):
+    """``(dst, first)``: ``master.grad`` to add into, or (``first``) a new row-major fp32 tensor
+    to write, which becomes ``master.grad`` when the block ends (checked by :func:`_fp32_grad_ok`)."""
+    first = master.grad is None
+    dst = torch.empty_like(master, memory_format=torch.contiguous_format) if first else master.grad
+    yield dst, first
+    if first:
         master.grad = dst
 
 
