@@ -62,12 +62,15 @@ def write_results(path: str, md: str) -> None:
 def bench_trainer(config: str, steps: int, extra: list[str]):
     """A :class:`train.trainer.Trainer` built in this process to be timed: ``config`` with the
     ``extra`` overrides and ``train.steps=steps``, no logged windows, validation, checkpoints or
-    wandb, its run folder in a fresh temporary directory. Call with the project root on
+    wandb, its run folder in the temporary directory, named by torchrun's run id. Call with the project root on
     ``sys.path`` (the kernel benchmarks that use this module never load the training stack)."""
     from train.config import load_config
     from train.trainer import Trainer
 
+    # one run folder for all ranks (they must agree on the config): torchrun's run id names it
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getpid()))
+    log_dir = os.path.join(tempfile.gettempdir(), f"bench_trainer_{run_id}")
     argv = ["--config", config, f"--train.steps={steps}", "--log.wandb_mode=disabled", "--log.progress=false",
-            "--log.every=1000000", "--train.eval_every=0", "--checkpoint.every=0", f"--log.dir={tempfile.mkdtemp()}",
+            "--log.every=1000000", "--train.eval_every=0", "--checkpoint.every=0", f"--log.dir={log_dir}",
             "--log.overwrite=true", *extra]
     return Trainer(load_config(argv, int(os.environ.get("WORLD_SIZE", "1"))), argv)

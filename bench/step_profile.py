@@ -273,6 +273,29 @@ def top_kernels(kernels, steps: int, n: int = 12) -> list[tuple[str, str, float]
     return [(name[:90], c, ms) for (name, c), ms in total.most_common(n)]
 
 
+def timed_steps(trainer, steps: int) -> float:
+    """Milliseconds per optimizer step over ``steps`` steps without the profiler, the slowest rank's."""
+    rt = trainer.rt
+    if rt.distributed:
+        dist.barrier()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    torch.cuda.synchronize()
+    ms = torch.tensor((time.perf_counter() - t0) / steps * 1e3, device=rt.device)
+    if rt.distributed:
+        dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    return float(ms)
+
+
+def routing_at_end(trainer) -> list[float]:
+    """Every MoE layer's load max/mean (over the world) in the latest micro-batch (collective)."""
+    unused = dict.fromkeys(trainer.moe_layers, 0.0)  # the aux-loss columns, not read here
+    metrics, _, _ = train.trainer.moe_metrics(trainer.model, trainer.rt, unused, unused)
+    return [metrics[f"moe/layer{i}/load_imbalance"] for i in range(len(trainer.moe_layers))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True)
@@ -281,8 +304,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="steps profiled")
     ap.add_argument("--out", help="append the table to this markdown file (rank 0)")
     ap.add_argument("--keep-trace", help="write rank 0's trace (complete events only) here, gzipped JSON")
+    ap.add_argument("--timed", type=int, default=0,
+                    help="then time this many steps without the profiler (which inflates a host-bound step): the "
+                         "tokens/s and MFU of the headline come from them")
     args, extra = ap.parse_known_args()
-    trainer = bench_trainer(args.config, args.warm + args.steps + 1, extra)
+    trainer = bench_trainer(args.config, args.warm + args.steps + args.timed + 1, extra)
     cfg, rt = trainer.cfg, trainer.rt
     instrument(trainer)
     for _ in range(args.warm):
@@ -304,6 +330,8 @@ def main() -> None:
     if rt.distributed:
         dist.all_reduce(step_s, op=dist.ReduceOp.MAX)
     step_ms = float(step_s.mean()) * 1e3
+    timed_ms = timed_steps(trainer, args.timed) if args.timed else step_ms
+    routing = routing_at_end(trainer)
     peak_gb = torch.cuda.max_memory_allocated() / 1e9
     if rt.rank == 0:
         prof.export_chrome_trace(trace)
@@ -316,6 +344,7 @@ def main() -> None:
         rows = summarise(kernels, step_ms, args.steps)
         tokens = trainer.tokens_per_step
         mfu = tokens / (step_ms / 1e3) * trainer.flops_per_token / (rt.world_size * trainer.peak)
+        timed_mfu = mfu * step_ms / timed_ms
         counts = param_counts(trainer.model, cfg, rt.ep)
         lines = [
             f"## {args.label or args.config}",
@@ -323,10 +352,13 @@ def main() -> None:
             f"- device: {torch.cuda.get_device_name(0)} × {rt.world_size} (EP {rt.ep}); torch {torch.__version__}; "
             f"Python {platform.python_version()}; {datetime.datetime.now():%Y-%m-%d %H:%M}",
             f"- command: `torchrun --nproc_per_node={rt.world_size} bench/step_profile.py --config {args.config} "
-            f"--warm {args.warm} --steps {args.steps}{''.join(' ' + x for x in extra)}`",
+            f"--warm {args.warm} --steps {args.steps} --timed {args.timed}{''.join(' ' + x for x in extra)}`",
             f"- {counts['params_total'] / 1e9:.2f}B params, {counts['params_active'] / 1e9:.2f}B active; "
             f"{tokens:,} tokens/step; step {step_ms:.1f} ms (mean of {args.steps}, slowest rank); "
             f"{tokens / (step_ms / 1e3):,.0f} tokens/s; MFU {mfu:.1%}; peak memory rank 0 {peak_gb:.1f} GB",
+            *([f"- without the profiler: step {timed_ms:.1f} ms (mean of {args.timed}, slowest rank); "
+               f"**{tokens / (timed_ms / 1e3):,.0f} tokens/s; MFU {timed_mfu:.1%}**"] if args.timed else []),
+            f"- load max/mean per MoE layer at the last step (world): {' '.join(f'{r:.1f}' for r in routing)}",
             "",
             "| category | GPU ms/step | % of step | exposed ms/step | exposed % |",
             "|---|---|---|---|---|",
@@ -347,6 +379,10 @@ def main() -> None:
         ]
         text = "\n".join(lines)
         print(text, flush=True)
+        a2a = next(x for c, _, x in rows if c == ALL_TO_ALL)
+        # one line per run for a driver script's closing table
+        print(f"SUMMARY | {args.label} | {timed_ms:.1f} | {tokens / (timed_ms / 1e3):,.0f} | {timed_mfu:.1%} | "
+              f"{peak_gb:.1f} | {100 * a2a / step_ms:.1f} | {max(routing, default=float('nan')):.1f} |", flush=True)
         if args.out:
             with open(args.out, "a") as f:
                 f.write(text + "\n")

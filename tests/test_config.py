@@ -186,7 +186,7 @@ def test_non_finite_yaml_floats_name_the_key(tmp_path, text, shown):
 # ---------------------------------------------------------------- issue #19: every config problem
 # before the process group, one line, exit status 2; --help from the dataclasses; built-in configs
 
-GPU_CONFIGS = ["small", "ep2", "ep2_p2p", "olmoe_bench", "olmoe_ep4_dp2", "olmoe_ep8"]
+GPU_CONFIGS = ["small", "ep2", "ep2_p2p", "mixtral_bench", "olmoe_bench", "olmoe_ep4_dp2", "olmoe_ep8"]
 
 
 @pytest.fixture

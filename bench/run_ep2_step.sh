@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The EP 2 training-step measurements (issue #20) on a 2×H200 machine, in parts that each fit
+# one device call of 10 minutes; every run is timed and skipped when the part's budget is spent.
+#
+#   PART=1 bash bench/run_ep2_step.sh   # step profiles of configs/olmoe_bench.yaml (16 layers, EP 2,
+#                                       # 16,384 tokens a step): NCCL, NCCL + overlap_chunks 2, P2P,
+#                                       # force_balance with 1 and 2 chunks; then the NCCL/P2P GPU tests
+#   PART=2 bash bench/run_ep2_step.sh   # the realistic batch (8 micro-batches, 131,072 tokens a step)
+#                                       # with 1 and 2 chunks, configs/mixtral_bench.yaml, and 150
+#                                       # training steps of olmoe_bench for the routing per layer
+#   PART=3 bash bench/run_ep2_step.sh   # the memory model's FSDP cases (bench/memory_check.py) and the
+#                                       # other multi-GPU tests
+#
+# Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
+# (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
+# worst layer's load max/mean at the end). $OUT defaults to /tmp/run_ep2.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-/tmp/run_ep2} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export TRITON_CACHE_AUTOTUNING=1  # later launches reuse the first one's autotuning
+BUDGET=${BUDGET:-570}
+PART=${PART:-1}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv,noheader
+
+left() { echo $((BUDGET - SECONDS)); }
+
+# prof LABEL NEED_S CONFIG [step_profile args and --section.key=value overrides]
+prof() {
+    local label=$1 need=$2 config=$3 start=$SECONDS
+    shift 3
+    if [ "$(left)" -lt "$need" ]; then echo "[skipped: $label, $(left) s left]"; return; fi
+    local log="$OUT/$(echo "$label" | tr -c 'a-zA-Z0-9\n' _).log"
+    timeout "$(left)" python3 -m torch.distributed.run --standalone --nproc_per_node=2 bench/step_profile.py \
+        --config "$config" --label "$label" --out "$OUT/step_profile_ep2.md" "$@" > "$log" 2>&1
+    echo "[$label: exit $? after $((SECONDS - start)) s]"
+    grep -h "^SUMMARY" "$log" >> "$OUT/summary.txt" || tail -5 "$log"
+}
+
+if [ "$PART" = 1 ]; then
+    P="--warm 8 --steps 3 --timed 10"
+    prof "olmoe_bench EP 2, NCCL, one chunk" 90 configs/olmoe_bench.yaml $P
+    prof "olmoe_bench EP 2, NCCL, overlap_chunks 2" 70 configs/olmoe_bench.yaml $P --parallel.overlap_chunks=2
+    prof "olmoe_bench EP 2, P2P" 70 configs/olmoe_bench.yaml $P --parallel.dispatcher=p2p
+    prof "olmoe_bench EP 2, NCCL, one chunk, force_balance (benchmark mode)" 70 configs/olmoe_bench.yaml $P --moe.force_balance=true
+    prof "olmoe_bench EP 2, NCCL, overlap_chunks 2, force_balance (benchmark mode)" 70 configs/olmoe_bench.yaml $P \
+        --moe.force_balance=true --parallel.overlap_chunks=2
+    if [ "$(left)" -gt 60 ]; then
+        MOE_AUTOTUNE=0 timeout "$(left)" python3 -m pytest -q -m multigpu tests/test_parallel.py 2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
+    fi
+elif [ "$PART" = 2 ]; then
+    A="--warm 3 --steps 1 --timed 3 --train.grad_accum=8"
+    prof "olmoe_bench EP 2, NCCL, one chunk, 8 micro-batches" 100 configs/olmoe_bench.yaml $A
+    prof "olmoe_bench EP 2, NCCL, overlap_chunks 2, 8 micro-batches" 90 configs/olmoe_bench.yaml $A --parallel.overlap_chunks=2
+    prof "mixtral_bench (8 layers) EP 2, NCCL, one chunk" 90 configs/mixtral_bench.yaml --warm 6 --steps 2 --timed 8
+    prof "mixtral_bench (8 layers) EP 2, NCCL, 8 micro-batches" 90 configs/mixtral_bench.yaml $A
+    if [ "$(left)" -gt 110 ]; then  # the routing per layer over 150 steps, the default coefficients
+        timeout "$(left)" python3 -m torch.distributed.run --standalone --nproc_per_node=2 train/train.py \
+            --config configs/olmoe_bench.yaml --train.steps=150 --log.every=10 --log.heatmap_every=0 \
+            --log.wandb_mode=disabled --log.progress=false --checkpoint.every=0 --log.dir=/tmp/ep2_runs \
+            --log.run_name=routing > "$OUT/routing.log" 2>&1
+        echo "[routing run: exit $?]"
+        cp /tmp/ep2_runs/routing/metrics.jsonl "$OUT/routing_metrics.jsonl"
+        python3 - "$OUT/routing_metrics.jsonl" <<'EOF'
+import json, sys
+for r in map(json.loads, open(sys.argv[1])):
+    ks = sorted((k for k in r if k.startswith("moe/layer") and k.endswith("/load_imbalance")), key=lambda k: int(k.split("/")[1][5:]))
+    if ks:
+        print(f"step {r['step']:4d} loss {r.get('train/loss', float('nan')):.3f} tok/s {r.get('perf/tokens_per_s', 0):,.0f} "
+              f"mfu {r.get('perf/mfu', 0):.3f} | " + " ".join(f"{r[k]:.1f}" for k in ks))
+EOF
+    fi
+else
+    timeout "$(left)" python3 bench/memory_check.py --gpus 2 --steps 8 --timeout 200 --out "$OUT/memory_ep2.md" \
+        --only olmoe_bench_fsdp olmoe_bench_fsdp_selective olmoe_bench_fsdp_full olmoe_ep1_fsdp olmoe_ep1_fsdp_selective \
+        > "$OUT/memory_check.log" 2>&1
+    echo "[memory_check: exit $?]"; tail -12 "$OUT/memory_check.log"
+    if [ "$(left)" -gt 60 ]; then
+        MOE_AUTOTUNE=0 timeout "$(left)" python3 -m pytest -q -m multigpu tests/test_fsdp.py tests/test_train.py \
+            tests/test_faults.py tests/test_scaling.py 2>&1 | tail -8 | tee "$OUT/gpu_tests_3.log"
+    fi
+fi
+echo "| run | step ms (no profiler) | tokens/s | MFU | peak GB | exposed all-to-all % | worst load max/mean |"
+echo "|---|---|---|---|---|---|---|"
+sed 's/^SUMMARY //' "$OUT/summary.txt" 2>/dev/null
+echo "[part $PART done after $SECONDS s]"
