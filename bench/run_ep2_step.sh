@@ -10,6 +10,9 @@
 #                                       # training steps of olmoe_bench for the routing per layer
 #   PART=3 bash bench/run_ep2_step.sh   # the memory model's FSDP cases (bench/memory_check.py) and the
 #                                       # other multi-GPU tests
+#   PART=4 bash bench/run_ep2_step.sh   # after the overlap fix: 2 chunks at one and 8 micro-batches; P2P
+#                                       # at 8 micro-batches (also force_balance, replicate); the NCCL/P2P
+#                                       # GPU tests; mixtral_bench with P2P
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -71,6 +74,22 @@ for r in map(json.loads, open(sys.argv[1])):
               f"mfu {r.get('perf/mfu', 0):.3f} | " + " ".join(f"{r[k]:.1f}" for k in ks))
 EOF
     fi
+elif [ "$PART" = 4 ]; then
+    P="--warm 8 --steps 3 --timed 10"
+    A="--warm 3 --steps 1 --timed 3 --train.grad_accum=8"
+    prof "olmoe_bench EP 2, NCCL, overlap_chunks 2" 90 configs/olmoe_bench.yaml $P --parallel.overlap_chunks=2
+    prof "olmoe_bench EP 2, P2P, 8 micro-batches" 60 configs/olmoe_bench.yaml $A --parallel.dispatcher=p2p
+    prof "olmoe_bench EP 2, P2P, 8 micro-batches, force_balance (benchmark mode)" 60 configs/olmoe_bench.yaml $A \
+        --parallel.dispatcher=p2p --moe.force_balance=true
+    prof "olmoe_bench EP 2, NCCL, overlap_chunks 2, 8 micro-batches" 60 configs/olmoe_bench.yaml $A --parallel.overlap_chunks=2
+    prof "olmoe_bench EP 2, P2P, 8 micro-batches, replicate" 60 configs/olmoe_bench.yaml $A --parallel.dispatcher=p2p \
+        --parallel.data_parallel=replicate
+    prof "olmoe_bench EP 2, NCCL, overlap_chunks 2, force_balance (benchmark mode)" 40 configs/olmoe_bench.yaml $P \
+        --moe.force_balance=true --parallel.overlap_chunks=2
+    if [ "$(left)" -gt 80 ]; then
+        MOE_AUTOTUNE=0 timeout "$(left)" python3 -m pytest -q -m multigpu tests/test_parallel.py 2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
+    fi
+    prof "mixtral_bench (8 layers) EP 2, P2P" 60 configs/mixtral_bench.yaml --warm 6 --steps 2 --timed 8 --parallel.dispatcher=p2p
 else
     timeout "$(left)" python3 bench/memory_check.py --gpus 2 --steps 8 --timeout 200 --out "$OUT/memory_ep2.md" \
         --only olmoe_bench_fsdp olmoe_bench_fsdp_selective olmoe_bench_fsdp_full olmoe_ep1_fsdp olmoe_ep1_fsdp_selective \

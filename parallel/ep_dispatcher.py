@@ -12,7 +12,7 @@ NCCL all-to-all; :class:`~parallel.P2PDispatcher`: NVLink peer stores) implement
 
 import contextlib
 from abc import abstractmethod
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -155,26 +155,30 @@ class ExpertParallelDispatcher(Dispatcher):
         with _on(side):
             prepared = self._prepare(torch.stack([p.kept_per_expert_E for _, p in chunks]))
             for (tokens, chunk_plan), prep in zip(chunks, prepared):
+                _record_stream(side, chunk_plan)  # made on the current stream; a transport may save them
                 dispatched.append(self.dispatch(x_TD[tokens], chunk_plan, row_dtype, prep))
                 ready.append(side.record_event() if side is not None else None)
         outs = []
         for (tokens, _), (rows_RD, offsets_J, meta), event in zip(chunks, dispatched, ready):
             if side is not None:
                 main.wait_event(event)
-                rows_RD.record_stream(main)  # made on the side stream, read here
+                # made on the side stream and saved by the experts for their backward: unrecorded,
+                # offsets_J went back to the side stream's pool once the experts' backward was
+                # enqueued, and the next chunk's combine backward overwrote it while the wgrad
+                # kernel still read it (an illegal address in the first backward of the
+                # OLMoE-shaped step on 2×H200, 3 runs of 3; the tiny GPU test passed)
+                _record_stream(main, rows_RD, offsets_J)
             y_RD = experts(rows_RD, offsets_J)
             if side is not None:
                 side.wait_stream(main)
-                y_RD.record_stream(side)
+                _record_stream(side, y_RD)
             with _on(side):
                 out_TD = self.combine(y_RD, meta, w_TK[tokens], out_dtype)
             outs.append(out_TD)
         if side is not None:
             main.wait_stream(side)
-            for out_TD in outs:
-                out_TD.record_stream(main)
-            x_TD.record_stream(side)
-            w_TK.record_stream(side)
+            _record_stream(main, *outs)
+            _record_stream(side, x_TD, w_TK)
         return torch.cat(outs)
 
     def combine(self, y_RD: torch.Tensor, meta: DispatchMeta, w_TK: torch.Tensor,
@@ -233,6 +237,19 @@ class ExpertParallelDispatcher(Dispatcher):
 
 def _current_stream(device: torch.device) -> "torch.cuda.Stream | None":
     return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def _record_stream(stream: "torch.cuda.Stream | None", *objs) -> None:
+    """``record_stream(stream)`` on each tensor of ``objs`` (tensors, or dataclasses of tensors
+    such as a :class:`RoutingPlan`): the caching allocator then reuses their memory only once
+    ``stream``'s work queued before they are freed is done. Nothing on a CPU."""
+    if stream is None:
+        return
+    for obj in objs:
+        values = [obj] if isinstance(obj, torch.Tensor) else [getattr(obj, f.name) for f in fields(obj)]
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                v.record_stream(stream)
 
 
 def _on(stream: "torch.cuda.Stream | None"):
