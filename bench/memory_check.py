@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from train import memory  # noqa: E402
@@ -90,7 +92,8 @@ def run_case(name: str, gpus: int, overrides: list[str], steps: int, runs: str, 
 def predicted(gpus: int, overrides: list[str]) -> memory.Prediction:
     cfg = load_config(overrides, world_size=gpus)
     lay = memory.layout_of(cfg, gpus, cfg.parallel.data_parallel, cfg.train.activation_checkpointing)
-    return memory.predict(cfg, lay)
+    # the numerics of the torch the runs use (2.11's autocast keeps rms_norm in bf16)
+    return memory.predict(cfg, lay, num=memory.gpu_numerics(torch.__version__))
 
 
 def main() -> None:

@@ -10,7 +10,8 @@ daemon thread) watches the record: when ``timeout_s`` passes with no new entry, 
 error naming the collective waited in (on a CPU the last one issued; on a GPU, whose host runs
 ahead, the first one the stream has not passed: :meth:`FlightRecorder.stuck_entry`) and where
 the main thread stands (its innermost frames in this library and in ``torch.distributed``, which
-also names collectives issued inside torch, e.g. FSDP's all-gathers), then ends the process.
+also names collectives issued inside torch, e.g. FSDP's all-gathers), then ends the process
+(:data:`REPORT_WAIT_S` later, so the other ranks' reports are printed too).
 torchrun then stops the other ranks (and restarts the job from its last checkpoint under
 ``--max-restarts``), so a hang costs ``timeout_s``, not forever.
 
@@ -32,6 +33,12 @@ import torch
 import torch.distributed as dist
 
 GRACE_S = 60.0  # the process group's timeout is the watchdog's plus this
+# after printing its report, a watchdog waits this long before ending the process: the ranks stop
+# making progress together, so their watchdogs fire within about a poll of each other, and
+# torchrun stops every rank as soon as the first one exits. Without the wait, on 2×H200 the waiting
+# rank's report came alone: the stalled rank, the one the others wait for, was stopped before its
+# own report (tests/test_faults.py, the stall test on CUDA)
+REPORT_WAIT_S = 3.0
 EXIT_CODE = 3  # a collective timed out (torchrun reports it; 1 is an ordinary error)
 _OURS = tuple(os.sep + p + os.sep for p in ("moe", "parallel", "train", "attention", "kernel_floor"))
 
@@ -183,6 +190,7 @@ class Watchdog:
         while not self._stop.wait(poll):
             if time.monotonic() - self.recorder.last_progress > self.timeout_s:
                 print(timeout_report(self.rank, self.timeout_s, self.recorder), file=sys.stderr, flush=True)
+                time.sleep(REPORT_WAIT_S)
                 os._exit(EXIT_CODE)
 
     def stop(self) -> None:

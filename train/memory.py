@@ -510,8 +510,9 @@ class BlockState:
     unit: int  # elements of the block's FSDP unit (its dense group), as gathered
     expert_unit: int  # elements of its experts' FSDP unit (edp > 1), as gathered
     ffn_unit: int  # of ``unit``, the FFN's part (ffn_norm, the dense or shared MLP)
-    casts_kept: int  # bf16 weight casts its backward reads, kept from the forward
+    casts_kept: int  # bf16 weight casts its backward reads, kept from the forward (experts' aside)
     casts_forward: int  # bf16 weight casts alive at the end of the forward (autocast's cache)
+    step_casts: int  # the experts' bf16 casts: made by the step's first forward, freed after its last backward
 
 
 def _sum(parts: list[Part], dispatch: bool | None = None) -> int:
@@ -542,13 +543,18 @@ def block_state(s: ModelShape, groups: dict, i: int, B: int, S: int, lay: Layout
     expert_cast = 2 if num.casts and not (lay.bf16_params and lay.experts_sharded) else 0
     recomputed = {"none": (), "selective": ("attention", "experts"), "full": ("attention", "experts", "rest")}
     casts_by_region = {"attention": cast * attn_w, "experts": expert_cast * expert_w, "rest": cast * mlp_w}
-    casts_kept = sum(b for r, b in casts_by_region.items() if r not in recomputed[lay.checkpointing])
-    # autocast caches linear-weight casts until the region exits; the experts' .to() is not cached
-    casts_forward = cast * (attn_w + mlp_w) + (casts_by_region["experts"] if lay.checkpointing == "none" else 0)
+    # the experts' casts are made once per optimizer step and held to its end (the trainer's
+    # moe.master_weight_step), whatever is recomputed: 2xH200 measured the selective and full
+    # peaks of olmoe_bench 5.6 and 5.4 GiB above a model that had them recomputed per block
+    step_casts = casts_by_region["experts"]
+    casts_kept = sum(b for r, b in casts_by_region.items() if r != "experts" and r not in recomputed[lay.checkpointing])
+    # autocast caches linear-weight casts until the region exits
+    casts_forward = cast * (attn_w + mlp_w) + step_casts
 
     parts = block_parts(s, moe, B, S, lay, num)
     kept = checkpointed(parts, s, i, B, S, lay, num)
-    by_region = {r: _sum([p for p in parts if p.region == r]) + casts_by_region[r] for r in casts_by_region}
+    by_region = {r: _sum([p for p in parts if p.region == r]) + casts_by_region[r] * (r != "experts")
+                 for r in casts_by_region}
     rows = expert_rows(s, T, lay)
     U = s.up(s.F)
     # backward working sets: attention (dO, dq/dk/dv, the re-fused dqkv, delta); the experts' first
@@ -563,19 +569,19 @@ def block_state(s: ModelShape, groups: dict, i: int, B: int, S: int, lay: Layout
     # the FFN's backward runs (and frees what it recomputed) before the attention sub-layer's;
     # full: the whole block is recomputed as its backward starts
     if lay.checkpointing == "full":
-        recompute_ffn, recompute_attn = _sum(parts) + sum(casts_by_region.values()), by_region["attention"]
+        recompute_ffn, recompute_attn = _sum(parts) + sum(casts_by_region.values()) - step_casts, by_region["attention"]
     elif lay.checkpointing == "selective":
         recompute_ffn, recompute_attn = (by_region["experts"] if moe else 0), by_region["attention"]
     else:
         recompute_ffn = recompute_attn = 0
     return BlockState(kept, recompute_ffn, recompute_attn, workspace_ffn, workspace_attn, master, masters["experts"],
-                      masters["dense"], ignored, unit, expert_unit, ffn_unit, casts_kept, casts_forward)
+                      masters["dense"], ignored, unit, expert_unit, ffn_unit, casts_kept, casts_forward, step_casts)
 
 
 def p2p_buffer_bytes(s: ModelShape, T: int, lay: Layout, row_bytes: int = 4) -> int:
     """P2PDispatcher's symmetric memory: one slot per MoE block (received rows, returned rows, their
     sources, the count matrix, three flags; each region 256-byte aligned) and one gradient buffer,
-    in the rows' dtype: the norm output's (``row_bytes``, :func:`norm_bytes`)."""
+    in the rows' dtype: the experts' (``row_bytes``; the dispatch casts the norm output to it)."""
     if lay.transport != "p2p":
         return 0
     R_cap, P_cap = lay.ep * T * s.K, T * s.K
@@ -640,7 +646,7 @@ def predict(cfg: Config, lay: Layout, shape: ModelShape | None = None, num: Nume
     optimizer = 2 * params
     root = _sum(root_parts(s, B, S, num, lay))
     grad_h = _sum(loss_parts(s, B, S, num, lay)[:1])  # the LM head's input gradient, written chunk by chunk
-    p2p = p2p_buffer_bytes(s, T, lay, norm_bytes(lay, num))
+    p2p = p2p_buffer_bytes(s, T, lay, num.compute_bytes)  # rows move in the experts' dtype
     pb, rb = lay.param_bytes, lay.reduce_bytes
 
     # the LM head weight's cast (tied: the embedding's) lives through the LM head's forward only
@@ -682,7 +688,7 @@ def predict(cfg: Config, lay: Layout, shape: ModelShape | None = None, num: Nume
     for i in reversed(range(n)):
         b = blocks[i]
         acts_i, disp_i = sum(acts[:i + 1]) + T * 8, sum(disp[:i + 1]) + p2p  # + the embedding's token ids
-        weights = root_gathered + sum(bb.casts_kept for bb in blocks[:i + 1])
+        weights = root_gathered + sum(bb.casts_kept for bb in blocks[:i + 1]) + sum(bb.step_casts for bb in blocks)
         if not lay.sharded:
             grads_done += b.master
             # the FFN's backward and the attention's do not overlap
