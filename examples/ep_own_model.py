@@ -29,6 +29,7 @@ identically from ``--seed`` and the step, then slices.
 """
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -172,6 +173,11 @@ def main(argv=None) -> list[float]:
         if args.save_state:
             torch.save(state, args.save_state)
     if dist.is_initialized():
+        # free what holds the process groups (the mesh, the dispatcher) before tearing them down:
+        # left to the interpreter's exit, rank 0 aborted there ("terminate called without an
+        # active exception") in about 1 run of 5 on a loaded 2-core CPU; 0 of 32 since
+        del model, optimizer, dims
+        gc.collect()
         dist.destroy_process_group()
     return losses
 
