@@ -17,6 +17,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import time
 
 import torch
 import triton
@@ -59,17 +60,46 @@ def write_results(path: str, md: str) -> None:
     print(md)
 
 
+def _job_id() -> str:
+    """The same string on every rank of one job and a different one for another job, so that the
+    ranks agree on the run folder (the trainer checks that they agree on the config) and two jobs
+    never clear each other's: torchrun's run id (``--standalone`` draws one; a plain torchrun's is
+    "none"), else the rendezvous port, else this process's id (no torchrun)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id != "none":
+        return run_id
+    return f"port{os.environ['MASTER_PORT']}" if "MASTER_PORT" in os.environ else f"pid{os.getpid()}"
+
+
+def timed_steps(trainer, steps: int) -> float:
+    """Milliseconds per optimizer step over ``steps`` steps after one untimed step, the slowest
+    rank's, without the profiler."""
+    import torch.distributed as dist
+
+    trainer.train_step()
+    if trainer.rt.distributed:
+        dist.barrier()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    torch.cuda.synchronize()
+    ms = torch.tensor((time.perf_counter() - t0) / steps * 1e3, device=trainer.rt.device)
+    if trainer.rt.distributed:
+        dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    return float(ms)
+
+
 def bench_trainer(config: str, steps: int, extra: list[str]):
     """A :class:`train.trainer.Trainer` built in this process to be timed: ``config`` with the
     ``extra`` overrides and ``train.steps=steps``, no logged windows, validation, checkpoints or
-    wandb, its run folder in the temporary directory, named by torchrun's run id. Call with the project root on
-    ``sys.path`` (the kernel benchmarks that use this module never load the training stack)."""
+    wandb, its run folder in the temporary directory, one per job (:func:`_job_id`). Call with the
+    project root on ``sys.path`` (the kernel benchmarks that use this module never load the
+    training stack)."""
     from train.config import load_config
     from train.trainer import Trainer
 
-    # one run folder for all ranks (they must agree on the config): torchrun's run id names it
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getpid()))
-    log_dir = os.path.join(tempfile.gettempdir(), f"bench_trainer_{run_id}")
+    log_dir = os.path.join(tempfile.gettempdir(), f"bench_trainer_{_job_id()}")
     argv = ["--config", config, f"--train.steps={steps}", "--log.wandb_mode=disabled", "--log.progress=false",
             "--log.every=1000000", "--train.eval_every=0", "--checkpoint.every=0", f"--log.dir={log_dir}",
             "--log.overwrite=true", *extra]

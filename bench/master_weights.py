@@ -22,7 +22,6 @@ import importlib
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -52,17 +51,6 @@ def two_pass_step(model):
 VARIANTS = {"anchor": lambda model: contextlib.nullcontext(), "two_pass": two_pass_step, "ours": master_weight_step}
 
 
-def timed_steps(trainer, steps: int) -> float:
-    """Seconds per optimizer step over ``steps`` steps, after one untimed step."""
-    trainer.train_step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        trainer.train_step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="configs/olmoe_bench.yaml")
@@ -72,7 +60,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per round and variant")
     ap.add_argument("--out", default="bench/results/master_weights.md")
     args, extra = ap.parse_known_args()
-    from common import bench_trainer, header, median_ratio, write_results
+    from common import bench_trainer, header, median_ratio, timed_steps, write_results
 
     md = header("Experts' master-weight step vs the per-micro-batch cast, training steps", "bench/master_weights.py",
                 f"model: {args.config} with {' '.join(extra) or 'no overrides'}",
@@ -90,7 +78,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, step_context in VARIANTS.items():
             trainer_module.master_weight_step = step_context
-            times[name].append(timed_steps(trainer, args.steps))
+            times[name].append(timed_steps(trainer, args.steps) / 1e3)
     ratio = median_ratio(times["anchor"], times["ours"])
     ratio_two_pass = median_ratio(times["two_pass"], times["ours"])
     a_vs_a = [f"{x / y:.3f}" for x, y in zip(times["anchor"][1:], times["anchor"][:-1])]

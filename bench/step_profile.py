@@ -47,7 +47,7 @@ sys.path.append(str(Path(__file__).resolve().parent))
 import moe.layer  # noqa: E402
 import train.trainer  # noqa: E402
 from attention import Attention  # noqa: E402
-from common import bench_trainer  # noqa: E402
+from common import bench_trainer, timed_steps  # noqa: E402
 from moe import DenseMLP, GroupedExperts, MoELayer, Router  # noqa: E402
 from train.flops import param_counts  # noqa: E402
 
@@ -273,22 +273,6 @@ def top_kernels(kernels, steps: int, n: int = 12) -> list[tuple[str, str, float]
     return [(name[:90], c, ms) for (name, c), ms in total.most_common(n)]
 
 
-def timed_steps(trainer, steps: int) -> float:
-    """Milliseconds per optimizer step over ``steps`` steps without the profiler, the slowest rank's."""
-    rt = trainer.rt
-    if rt.distributed:
-        dist.barrier()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        trainer.train_step()
-    torch.cuda.synchronize()
-    ms = torch.tensor((time.perf_counter() - t0) / steps * 1e3, device=rt.device)
-    if rt.distributed:
-        dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-    return float(ms)
-
-
 def routing_at_end(trainer) -> list[float]:
     """Every MoE layer's load max/mean (over the world) in the latest micro-batch (collective)."""
     unused = dict.fromkeys(trainer.moe_layers, 0.0)  # the aux-loss columns, not read here
@@ -305,10 +289,10 @@ def main() -> None:
     ap.add_argument("--out", help="append the table to this markdown file (rank 0)")
     ap.add_argument("--keep-trace", help="write rank 0's trace (complete events only) here, gzipped JSON")
     ap.add_argument("--timed", type=int, default=0,
-                    help="then time this many steps without the profiler (which inflates a host-bound step): the "
-                         "tokens/s and MFU of the headline come from them")
+                    help="then time this many steps (after one more untimed) without the profiler, which inflates "
+                         "a host-bound step: the tokens/s and MFU of the headline come from them")
     args, extra = ap.parse_known_args()
-    trainer = bench_trainer(args.config, args.warm + args.steps + args.timed + 1, extra)
+    trainer = bench_trainer(args.config, args.warm + args.steps + args.timed + 2, extra)
     cfg, rt = trainer.cfg, trainer.rt
     instrument(trainer)
     for _ in range(args.warm):

@@ -12,7 +12,7 @@ NCCL all-to-all; :class:`~parallel.P2PDispatcher`: NVLink peer stores) implement
 
 import contextlib
 from abc import abstractmethod
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -155,7 +155,6 @@ class ExpertParallelDispatcher(Dispatcher):
         with _on(side):
             prepared = self._prepare(torch.stack([p.kept_per_expert_E for _, p in chunks]))
             for (tokens, chunk_plan), prep in zip(chunks, prepared):
-                _record_stream(side, chunk_plan)  # made on the current stream; a transport may save them
                 dispatched.append(self.dispatch(x_TD[tokens], chunk_plan, row_dtype, prep))
                 ready.append(side.record_event() if side is not None else None)
         outs = []
@@ -164,9 +163,10 @@ class ExpertParallelDispatcher(Dispatcher):
                 main.wait_event(event)
                 # made on the side stream and saved by the experts for their backward: unrecorded,
                 # offsets_J went back to the side stream's pool once the experts' backward was
-                # enqueued, and the next chunk's combine backward overwrote it while the wgrad
-                # kernel still read it (an illegal address in the first backward of the
-                # OLMoE-shaped step on 2×H200, 3 runs of 3; the tiny GPU test passed)
+                # enqueued, where the side stream's next allocation (chunk c−1's combine backward,
+                # the next to run) could overwrite it while the wgrad kernel still read it (an
+                # illegal address in the first backward of the OLMoE-shaped step on 2×H200, 3 runs
+                # of 3; fixed by this record, 3 of 3 clean; the tiny GPU test had passed)
                 _record_stream(main, rows_RD, offsets_J)
             y_RD = experts(rows_RD, offsets_J)
             if side is not None:
@@ -178,7 +178,7 @@ class ExpertParallelDispatcher(Dispatcher):
         if side is not None:
             main.wait_stream(side)
             _record_stream(main, *outs)
-            _record_stream(side, x_TD, w_TK)
+            _record_stream(side, x_TD, w_TK)  # read there through their chunks' views
         return torch.cat(outs)
 
     def combine(self, y_RD: torch.Tensor, meta: DispatchMeta, w_TK: torch.Tensor,
@@ -239,17 +239,12 @@ def _current_stream(device: torch.device) -> "torch.cuda.Stream | None":
     return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
 
-def _record_stream(stream: "torch.cuda.Stream | None", *objs) -> None:
-    """``record_stream(stream)`` on each tensor of ``objs`` (tensors, or dataclasses of tensors
-    such as a :class:`RoutingPlan`): the caching allocator then reuses their memory only once
-    ``stream``'s work queued before they are freed is done. Nothing on a CPU."""
-    if stream is None:
-        return
-    for obj in objs:
-        values = [obj] if isinstance(obj, torch.Tensor) else [getattr(obj, f.name) for f in fields(obj)]
-        for v in values:
-            if isinstance(v, torch.Tensor):
-                v.record_stream(stream)
+def _record_stream(stream: "torch.cuda.Stream | None", *tensors: torch.Tensor) -> None:
+    """``record_stream(stream)`` on each tensor: the caching allocator then reuses its memory only
+    once ``stream``'s work queued before it is freed is done. Nothing on a CPU."""
+    if stream is not None:
+        for t in tensors:
+            t.record_stream(stream)
 
 
 def _on(stream: "torch.cuda.Stream | None"):

@@ -37,7 +37,9 @@ GRACE_S = 60.0  # the process group's timeout is the watchdog's plus this
 # making progress together, so their watchdogs fire within about a poll of each other, and
 # torchrun stops every rank as soon as the first one exits. Without the wait, on 2×H200 the waiting
 # rank's report came alone: the stalled rank, the one the others wait for, was stopped before its
-# own report (tests/test_faults.py, the stall test on CUDA)
+# own report (tests/test_faults.py, the stall test on CUDA). Every rank waits, whichever fires
+# first. Meanwhile a rank outside any collective may go on with host work; no collective can
+# complete.
 REPORT_WAIT_S = 3.0
 EXIT_CODE = 3  # a collective timed out (torchrun reports it; 1 is an ordinary error)
 _OURS = tuple(os.sep + p + os.sep for p in ("moe", "parallel", "train", "attention", "kernel_floor"))

@@ -322,10 +322,10 @@ def test_p2p_experts_compute_the_fixed_rows():
     nccl, p2p = (Layout(2, 2, "replicate", "none", dispatcher=d) for d in ("nccl", "p2p"))
     assert memory.expert_rows(s, T, nccl).R == T * s.K
     assert memory.expert_rows(s, T, p2p).R == 2 * T * s.K  # R_cap = ep·T·K, whatever the routing
-    assert memory.p2p_buffer_bytes(s, T, nccl) == 0
-    # 16 slots of (received + returned) fp32 rows and one gradient buffer, plus small regions
-    rows = 16 * (2 + 1) * T * s.K * s.D * 4 + 2 * T * s.K * s.D * 4
-    assert rows < memory.p2p_buffer_bytes(s, T, p2p) < rows * 1.01
+    assert memory.p2p_buffer_bytes(s, T, nccl, 2) == 0
+    # 16 slots of (received + returned) bf16 rows and one gradient buffer, plus small regions
+    rows = 16 * (2 + 1) * T * s.K * s.D * 2 + 2 * T * s.K * s.D * 2
+    assert rows < memory.p2p_buffer_bytes(s, T, p2p, 2) < rows * 1.01
 
 
 def _rows(out: str) -> list[list[str]]:

@@ -38,13 +38,15 @@ What is counted, per GPU:
   ``parallel.dispatcher=p2p`` the symmetric-memory slots (one per MoE block) and gradient buffer;
   these are mapped outside PyTorch's caching allocator, so max_memory_allocated should not count
   them (:attr:`Prediction.outside_allocator`; not verified on a GPU).
-- weights: bf16 copies of the weights. replicate: autocast's casts of the linear weights and the
-  experts' ``.to(bf16)`` copies, kept by the backward that reads them (autocast also caches every
-  cast of a leaf parameter until the autocast region exits: all of them exist at the end of the
-  forward; the LM head's cast lives only through the LM head's own forward); fsdp: the bf16
+- weights: bf16 copies of the weights. replicate: autocast's casts of the linear weights, kept by
+  the backward that reads them (autocast also caches every cast of a leaf parameter until the
+  autocast region exits: all of them exist at the end of the forward; the LM head's cast lives
+  only through the LM head's own forward), and the experts' ``.to(bf16)`` copies, made once per
+  optimizer step and held to its end (the trainer's ``moe.master_weight_step``); fsdp: the bf16
   all-gathered parameters held (the root's, never resharded; every block's when
   ``parallel.reshard_after_forward`` is false), and the casts of what FSDP leaves out (the edp = 1
-  experts' ``.to(bf16)``; the routers run in fp32 with autocast off).
+  experts' ``.to(bf16)``, held for the step as when replicated; the routers run in fp32 with
+  autocast off).
 - transients at the peak: the LM head and loss's chunk (one chunk's logits in bf16 and fp32 or
   its bf16 gradient beside them, the fp32 (V, D) weight-gradient accumulator the GEMM adds into), a block's backward working set (incoming gradients, dgrad outputs, the bf16
   wgrad before its fp32 accumulate), the activations a checkpointed block recomputes, FSDP's
@@ -71,8 +73,8 @@ Assumptions (each one where the code uses it, with its reason):
   outputs). Under bf16-gathered FSDP every unit casts its forward inputs to bf16
   (MixedPrecisionPolicy.cast_forward_inputs): each block's input, and the experts' rows when
   they are a unit (edp > 1). The norms: from torch 2.12 autocast runs rms_norm in fp32 (an fp32
-  cast input kept, fp32 out, so fp32 dispatched rows); before, in its input's dtype, bf16 under
-  FSDP (:class:`Numerics`; ``--torch``, default the installed version).
+  cast input kept, fp32 out; the dispatch casts the rows to the experts' dtype); before, in its
+  input's dtype, bf16 under FSDP (:class:`Numerics`; ``--torch``, default the installed version).
 - FSDP (torch/distributed/fsdp/_fully_shard): units are each block's dense group and, at
   edp > 1, its experts. In the backward a unit's pre-backward copies its all-gather out (the flat
   output and the parameters both alive for a moment) and prefetches the unit before it in
@@ -543,18 +545,22 @@ def block_state(s: ModelShape, groups: dict, i: int, B: int, S: int, lay: Layout
     expert_cast = 2 if num.casts and not (lay.bf16_params and lay.experts_sharded) else 0
     recomputed = {"none": (), "selective": ("attention", "experts"), "full": ("attention", "experts", "rest")}
     casts_by_region = {"attention": cast * attn_w, "experts": expert_cast * expert_w, "rest": cast * mlp_w}
-    # the experts' casts are made once per optimizer step and held to its end (the trainer's
-    # moe.master_weight_step), whatever is recomputed: 2xH200 measured the selective and full
-    # peaks of olmoe_bench 5.6 and 5.4 GiB above a model that had them recomputed per block
-    step_casts = casts_by_region["experts"]
-    casts_kept = sum(b for r, b in casts_by_region.items() if r != "experts" and r not in recomputed[lay.checkpointing])
-    # autocast caches linear-weight casts until the region exits
-    casts_forward = cast * (attn_w + mlp_w) + step_casts
+    # the experts' casts of fp32 masters are made once per optimizer step and held to its end
+    # (the trainer's moe.master_weight_step), whatever is recomputed: 2xH200 measured the selective
+    # and full peaks of olmoe_bench 5.6 and 5.4 GiB above a model that had them recomputed per
+    # block. master_weight_step leaves FSDP units alone: experts sharded over edp > 1 (cast, with
+    # fp32 parameters, by every forward) keep the per-block rule.
+    step_casts = casts_by_region["experts"] if not lay.experts_sharded else 0
+    per_block = {r: b for r, b in casts_by_region.items() if not (r == "experts" and step_casts)}
+    casts_kept = sum(b for r, b in per_block.items() if r not in recomputed[lay.checkpointing])
+    # autocast caches linear-weight casts until the region exits; a per-block .to() of the
+    # experts is not cached
+    casts_forward = cast * (attn_w + mlp_w) + step_casts + (
+        per_block.get("experts", 0) if lay.checkpointing == "none" else 0)
 
     parts = block_parts(s, moe, B, S, lay, num)
     kept = checkpointed(parts, s, i, B, S, lay, num)
-    by_region = {r: _sum([p for p in parts if p.region == r]) + casts_by_region[r] * (r != "experts")
-                 for r in casts_by_region}
+    by_region = {r: _sum([p for p in parts if p.region == r]) + per_block.get(r, 0) for r in casts_by_region}
     rows = expert_rows(s, T, lay)
     U = s.up(s.F)
     # backward working sets: attention (dO, dq/dk/dv, the re-fused dqkv, delta); the experts' first
@@ -569,7 +575,7 @@ def block_state(s: ModelShape, groups: dict, i: int, B: int, S: int, lay: Layout
     # the FFN's backward runs (and frees what it recomputed) before the attention sub-layer's;
     # full: the whole block is recomputed as its backward starts
     if lay.checkpointing == "full":
-        recompute_ffn, recompute_attn = _sum(parts) + sum(casts_by_region.values()) - step_casts, by_region["attention"]
+        recompute_ffn, recompute_attn = _sum(parts) + sum(per_block.values()), by_region["attention"]
     elif lay.checkpointing == "selective":
         recompute_ffn, recompute_attn = (by_region["experts"] if moe else 0), by_region["attention"]
     else:
@@ -578,7 +584,7 @@ def block_state(s: ModelShape, groups: dict, i: int, B: int, S: int, lay: Layout
                       masters["dense"], ignored, unit, expert_unit, ffn_unit, casts_kept, casts_forward, step_casts)
 
 
-def p2p_buffer_bytes(s: ModelShape, T: int, lay: Layout, row_bytes: int = 4) -> int:
+def p2p_buffer_bytes(s: ModelShape, T: int, lay: Layout, row_bytes: int) -> int:
     """P2PDispatcher's symmetric memory: one slot per MoE block (received rows, returned rows, their
     sources, the count matrix, three flags; each region 256-byte aligned) and one gradient buffer,
     in the rows' dtype: the experts' (``row_bytes``; the dispatch casts the norm output to it)."""
@@ -745,7 +751,8 @@ def predict(cfg: Config, lay: Layout, shape: ModelShape | None = None, num: Nume
         # the final callback: the root's post-backward reshards it, frees block 0's reduce-scatter
         # input and fills its own from the root's unsharded gradients (the embedding's now too)
         moments.append(Moment("backward end (root reduce-scatter)", params,
-                              max(sum(b.master for b in blocks), grads_before), optimizer, 0, p2p, 0,
+                              max(sum(b.master for b in blocks), grads_before), optimizer, 0, p2p,
+                              sum(b.step_casts for b in blocks),
                               (pb + rb) * root_unsharded))
     # the all-reduce flattens gradients into 64 MiB buckets, a larger gradient alone
     # (parallel/grad_sync.py); it runs before the step, whose fused AdamW allocates nothing; it
@@ -802,7 +809,8 @@ def detail(cfg: Config, lay: Layout, shape: ModelShape | None = None, num: Numer
     lines += [f"  {p.nbytes / 2**20:10.1f}  {p.name}{' [dispatch]' if p.dispatch else ''}" for p in state.kept]
     lines.append(f"  backward also: FFN phase recompute {state.recompute_ffn / 2**20:.1f}, working set "
                  f"{state.workspace_ffn / 2**20:.1f}; attention phase recompute {state.recompute_attn / 2**20:.1f}, "
-                 f"working set {state.workspace_attn / 2**20:.1f}; bf16 weight casts kept {state.casts_kept / 2**20:.1f}")
+                 f"working set {state.workspace_attn / 2**20:.1f}; bf16 weight casts kept {state.casts_kept / 2**20:.1f}, "
+                 f"the experts' held for the step {state.step_casts / 2**20:.1f}")
     lines.append("root keeps, MiB:")
     lines += [f"  {p.nbytes / 2**20:10.1f}  {p.name}" for p in root_parts(s, B, S, num, lay) + loss_parts(s, B, S, num, lay)]
     lines.append("moments, GiB: " + ", ".join(f"{m.name} {_gib(m.total)}" for m in predict(cfg, lay, s, num).moments))
