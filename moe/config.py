@@ -51,8 +51,9 @@ class MoEConfig:
     z_loss_coef: coefficient of the router z-loss.
     expert_bias: keep a selection-only bias for aux-loss-free balancing (see
         :meth:`moe.Router.update_expert_bias` and :func:`moe.update_expert_biases`).
-    bias_update_rate: step of that bias rule, in the units of the scores (softmax scores
-        average 1/E: see the measured failure of a 10× rate in bench/results/routing_health.md).
+    bias_update_rate: step of that bias rule, in the units the bias is added to (sigmoid: the
+        scores; softmax: the logits); None: the score function's default
+        (:data:`moe.router.BIAS_UPDATE_RATE`: 1e-3 sigmoid, 3e-2 softmax).
     n_group, topk_group: group-limited top-k (DeepSeek-V3): the E experts form ``n_group`` equal
         contiguous groups, a group scores the sum of its two best selection scores (with the
         expert bias when on), and the top-K is taken among the experts of the ``topk_group`` best
@@ -96,12 +97,12 @@ class MoEConfig:
     z_loss_coef: float = field(default=0.001, metadata={
         "help": "coefficient of the router z-loss mean(logsumexp(logits)²)"})
     expert_bias: bool = field(default=False, metadata={
-        "help": "a per-expert bias added to the scores for selection only (aux-loss-free balancing, DeepSeek-V3): "
-                "b_e += rate · sign(mean load − load_e) once per step"})
-    bias_update_rate: float = field(default=1e-3, metadata={
-        "help": "the rate of the expert_bias rule, in units of the scores: softmax scores average 1/E, so a rate "
-                "well above 1e-3 lets the bias outgrow them (E 64, 1e-2: every token picked the same experts by bias "
-                "alone, bench/results/routing_health.md)"})
+        "help": "a per-expert bias for selection only (aux-loss-free balancing, DeepSeek-V3), added to the scores "
+                "(sigmoid) or to the logits (softmax: selection by p_e · exp(b_e), since 2026-11-24; before, to the "
+                "probabilities): b_e += rate · sign(mean load − load_e) once per step"})
+    bias_update_rate: float | None = field(default=None, metadata={
+        "help": "the rate of the expert_bias rule, in the units the bias is added to; none: 1e-3 with sigmoid scores "
+                "(DeepSeek-V3), 3e-2 with softmax logits (the best of those measured, bench/results/routing_health.md)"})
     n_group: int = field(default=1, metadata={
         "help": "group-limited routing (DeepSeek-V3): the experts form n_group equal contiguous groups, each scored by "
                 "the sum of its top-2 selection scores (bias included); 1: plain top-k"})
@@ -148,7 +149,7 @@ class MoEConfig:
         if self.shared_hidden_dim is not None:
             check_positive_int(prefix + "shared_hidden_dim", self.shared_hidden_dim)
         for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{prefix}{name} must be >= 0, got {getattr(self, name)}")
         check_group_limit(self.num_experts, self.top_k, self.n_group, self.topk_group, prefix)
         if not self.routed_scaling_factor > 0:

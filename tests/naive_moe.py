@@ -30,7 +30,8 @@ def naive_moe(layer, x, capacity_groups=1):
         scores = torch.softmax(logits, -1)
     else:
         scores = torch.sigmoid(logits)
-    select = scores if layer.router.expert_bias is None else scores + layer.router.expert_bias
+    bias = layer.router.expert_bias
+    select = scores if bias is None else (logits if layer.router.score_func == "softmax" else scores) + bias
     chosen = [torch.topk(select[t], K).indices.tolist() for t in range(T)]
     # capacity, pair by pair
     kept = set((t, k) for t in range(T) for k in range(K))
