@@ -86,9 +86,10 @@ class Router(nn.Module):
         n_group, topk_group: group-limited selection (DeepSeek-V3's ``noaux_tc``): the E experts
             form ``n_group`` equal contiguous groups (``[g·E/n_group, (g+1)·E/n_group)``); a group's
             score is the sum of its two highest selection scores (the scores, or with an expert
-            bias the biased scores or logits; its one score when a group holds one expert); the experts of all
-            but the ``topk_group`` best groups are excluded (-inf) before the top-K. Selection
-            only: the combine weights are the chosen experts' unbiased scores as without groups.
+            bias the biased scores or logits; its one score when a group holds one expert); the
+            experts of all but the ``topk_group`` best groups are excluded (-inf) before the
+            top-K. Selection only: the combine weights are the chosen experts' unbiased scores as
+            without groups.
             ``n_group=1`` (or ``topk_group == n_group``) keeps every expert and runs no extra op.
         routed_scaling_factor: multiplies the combine weights (after the renormalisation), as
             DeepSeek-V3's ``routed_scaling_factor``; 1.0 runs no extra op.

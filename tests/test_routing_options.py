@@ -19,8 +19,8 @@ from tests.naive_moe import naive_expert
 # ------------------------------------------------------------------ the per-token reference
 
 def reference_route(x_TD, weight_ED, bias_E, score_func, top_k, n_group, topk_group, renormalize, factor):
-    """Per token: scores, selection scores (+ bias: on the logits with softmax), group scores (sum of the top-2 selection
-    scores of each group, top-1 when a group has one expert), the topk_group best groups, the
+    """Per token: scores, selection scores (+ bias: on the logits with softmax), group scores (sum
+    of the top-2 selection scores of each group, top-1 when a group has one expert), the topk_group best groups, the
     top_k experts among theirs, and their combine weights (unbiased scores, renormalised when
     asked, times the factor). fp64; autograd flows to ``weight_ED``.
 

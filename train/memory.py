@@ -551,16 +551,15 @@ def block_state(s: ModelShape, groups: dict, i: int, B: int, S: int, lay: Layout
     # block. master_weight_step leaves FSDP units alone: experts sharded over edp > 1 (cast, with
     # fp32 parameters, by every forward) keep the per-block rule.
     step_casts = casts_by_region["experts"] if not lay.experts_sharded else 0
-    per_block = {r: b for r, b in casts_by_region.items() if not (r == "experts" and step_casts)}
+    per_block = {**casts_by_region, "experts": casts_by_region["experts"] - step_casts}
     casts_kept = sum(b for r, b in per_block.items() if r not in recomputed[lay.checkpointing])
     # autocast caches linear-weight casts until the region exits; a per-block .to() of the
     # experts is not cached
-    casts_forward = cast * (attn_w + mlp_w) + step_casts + (
-        per_block.get("experts", 0) if lay.checkpointing == "none" else 0)
+    casts_forward = cast * (attn_w + mlp_w) + step_casts + (per_block["experts"] if lay.checkpointing == "none" else 0)
 
     parts = block_parts(s, moe, B, S, lay, num)
     kept = checkpointed(parts, s, i, B, S, lay, num)
-    by_region = {r: _sum([p for p in parts if p.region == r]) + per_block.get(r, 0) for r in casts_by_region}
+    by_region = {r: _sum([p for p in parts if p.region == r]) + per_block[r] for r in per_block}
     rows = expert_rows(s, T, lay)
     U = s.up(s.F)
     # backward working sets: attention (dO, dq/dk/dv, the re-fused dqkv, delta); the experts' first
@@ -671,6 +670,7 @@ def predict(cfg: Config, lay: Layout, shape: ModelShape | None = None, num: Nume
         grads_before = params
         if lay.sharded:
             grads_before += (sum(b.unit + b.expert_unit for b in blocks) + root_unsharded) * rb
+    step_casts = sum(b.step_casts for b in blocks)  # the experts' casts, held from the first forward to the last backward
     acts = [_sum(b.kept, dispatch=False) for b in blocks]
     disp = [_sum(b.kept, dispatch=True) for b in blocks]
 
@@ -694,7 +694,7 @@ def predict(cfg: Config, lay: Layout, shape: ModelShape | None = None, num: Nume
     for i in reversed(range(n)):
         b = blocks[i]
         acts_i, disp_i = sum(acts[:i + 1]) + T * 8, sum(disp[:i + 1]) + p2p  # + the embedding's token ids
-        weights = root_gathered + sum(bb.casts_kept for bb in blocks[:i + 1]) + sum(bb.step_casts for bb in blocks)
+        weights = root_gathered + sum(bb.casts_kept for bb in blocks[:i + 1]) + step_casts
         if not lay.sharded:
             grads_done += b.master
             # the FFN's backward and the attention's do not overlap
@@ -751,8 +751,7 @@ def predict(cfg: Config, lay: Layout, shape: ModelShape | None = None, num: Nume
         # the final callback: the root's post-backward reshards it, frees block 0's reduce-scatter
         # input and fills its own from the root's unsharded gradients (the embedding's now too)
         moments.append(Moment("backward end (root reduce-scatter)", params,
-                              max(sum(b.master for b in blocks), grads_before), optimizer, 0, p2p,
-                              sum(b.step_casts for b in blocks),
+                              max(sum(b.master for b in blocks), grads_before), optimizer, 0, p2p, step_casts,
                               (pb + rb) * root_unsharded))
     # the all-reduce flattens gradients into 64 MiB buckets, a larger gradient alone
     # (parallel/grad_sync.py); it runs before the step, whose fused AdamW allocates nothing; it
