@@ -2,7 +2,10 @@
 
 Each variant is one training run of the OLMoE-shaped benchmark model at reduced depth, on one
 GPU (EP 1, 8,192 tokens a step, BPE data, the default coefficients: aux 0.01, z 0.001), run in
-its own process; the table lists each logged step's worst layer's load max/mean (8.0 = every
+its own process: ``shipped`` is configs/olmoe_bench.yaml as it is (since 2026-11-24's fifth
+session: the embedding at std 1.0, ``model.lm_head_bias``, ``moe.router_centre: causal``,
+``moe.expert_bias``); every other variant starts from the config without those four (:data:`PLAIN`, the config before), ``base``
+being that plain config; the table lists each logged step's worst layer's load max/mean (8.0 = every
 token sends a slot to the same expert, the most top-8 of 64 allows) and the step from which it
 stays ≤ 2.0. Variants that are not options of the library are applied here, as patches of the
 router for this process only, to decide whether one is worth building:
@@ -12,7 +15,9 @@ router for this process only, to decide whether one is worth building:
 - ``grad_centre``: the forward untouched; the gradient that reaches the logits through the
   combine weights (the LM's) is centred per expert over the step's tokens, so the LM cannot
   raise or lower an expert's mean logit; the aux and z-losses keep their whole gradient.
-- ``router_lr_0.1``: the router weights in their own AdamW group at a tenth of the rate.
+- ``router_lr_0.1`` / ``router_lr_0``: the router weights in their own AdamW group at a tenth of
+  the rate / frozen at their initialisation (a diagnosis: does the load drift because the router
+  learns, or because its input changes?).
 - ``lm_bias``: a (V,) bias on the LM head's logits (an extra input coordinate of 1), initialised
   to the centred log unigram frequencies of the training split, so the residual stream need not
   carry the unigram distribution as a component common to every token.
@@ -27,6 +32,12 @@ router for this process only, to decide whether one is worth building:
   causal attention's near-uniform averages put into the stream (at initialisation, D 256 on CPU,
   it took the worst layer's load from 7.7 to 2.2; a batch-wide mean (``project``) only to 3.5).
   Not exportable to a plain linear router.
+- ``diagnose``: the base run, printing every 5th training forward, per router, the load
+  max/mean of its input as is, minus the batch's mean, minus each sequence's mean, minus each
+  position's causal prefix mean, of the input through the router's initial weights, and the
+  shares of the input's mean square in the batch mean and the sequences' means; and per block
+  the RMS of the stream and of the attention's and the FFN's outputs, each with the RMS of its
+  mean over the batch (stderr; a run without activation checkpointing).
 - ``expert_bias*``: the library's rule (``moe.expert_bias``). Since 2026-11-24 it adds the bias
   to a softmax router's logits (a token picks by ``p_e · exp(b_e)``, whatever E) at a default
   rate of 3e-2; the tables' ``expert_bias*`` rows dated before ran it on the probabilities (at
@@ -44,11 +55,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
-# name: (config overrides, router patches)
+# configs/olmoe_bench.yaml without its routing-health options: the model every variant but
+# "shipped" starts from (the benchmark's config before 2026-11-24's fifth session)
+PLAIN = ["--model.embed_init_std=0.02", "--model.lm_head_bias=false", "--moe.router_centre=none",
+         "--moe.expert_bias=false"]
+# name: (config overrides after PLAIN, router patches); "shipped": the config as it is
 VARIANTS = {
+    "shipped": ([], []),
     "base": ([], []),
     "expert_bias": (["--moe.expert_bias=true"], []),
     "router_lr_0.1": ([], ["router_lr_0.1"]),
+    "router_lr_0": ([], ["router_lr_0"]),
     "warmup_100": (["--optim.warmup_steps=100"], []),
     "centre": ([], ["centre"]),
     "centre+expert_bias": (["--moe.expert_bias=true"], ["centre"]),
@@ -68,6 +85,16 @@ VARIANTS = {
     "causal_centre+expert_bias": (["--moe.expert_bias=true"], ["causal_centre"]),
     "project+expert_bias": (["--moe.expert_bias=true"], ["project"]),
     "lr_1e-4": (["--optim.lr=1e-4"], []),
+    "diagnose": ([], ["diagnose"]),
+    "diagnose+router_lr_0": ([], ["diagnose", "router_lr_0"]),
+    "diagnose+embed_x50": ([], ["diagnose", "embed_x50"]),
+    "diagnose+embed_x50+lm_bias": ([], ["diagnose", "embed_x50", "lm_bias"]),
+    "diagnose+lm_bias": ([], ["diagnose", "lm_bias"]),
+    "diagnose+embed_x50+causal_centre": ([], ["diagnose", "embed_x50", "causal_centre"]),
+    "embed_x50+causal_centre": ([], ["embed_x50", "causal_centre"]),
+    "embed_x50+causal_centre+expert_bias": (["--moe.expert_bias=true"], ["embed_x50", "causal_centre"]),
+    "embed_x50+lm_bias+causal_centre": ([], ["embed_x50", "lm_bias", "causal_centre"]),
+    "embed_x50+lm_bias+causal_centre+expert_bias": (["--moe.expert_bias=true"], ["embed_x50", "lm_bias", "causal_centre"]),
 }
 
 
@@ -115,7 +142,7 @@ def _patch(names: list[str]) -> None:
             along_T1 = (x_TD.float() @ u_D)[:, None]
             return plain_forward(self, x_TD - (along_T1 * u_D).to(x_TD.dtype))
         mr.Router.forward = forward
-    if "causal_centre" in names:
+    if "causal_centre" in names or "diagnose" in names:
         import moe.layer as ml
         plain_layer_forward = ml.MoELayer.forward_with_aux
 
@@ -123,7 +150,7 @@ def _patch(names: list[str]) -> None:
             self.router.seq_len = x.shape[-2]  # (B, S, D) in the model: the router sees (B·S, D)
             return plain_layer_forward(self, x)
         ml.MoELayer.forward_with_aux = layer_forward
-
+    if "causal_centre" in names:
         def forward(self, x_TD):
             S = self.seq_len
             x_BSD = x_TD.view(-1, S, x_TD.shape[-1])
@@ -131,14 +158,75 @@ def _patch(names: list[str]) -> None:
             count_S1 = torch.arange(S, device=x_TD.device, dtype=torch.float32)[:, None].clamp_min(1)
             return plain_forward(self, (x_BSD - (before_BSD / count_S1).to(x_TD.dtype)).view_as(x_TD))
         mr.Router.forward = forward
-    if "router_lr_0.1" in names:
+    if "diagnose" in names:
+        routers = []
+
+        def imbalance(logits_TE, k):
+            load_E = torch.bincount(logits_TE.topk(k, dim=-1).indices.flatten(), minlength=logits_TE.shape[1])
+            return float(load_E.max() / load_E.float().mean())
+
+        @torch.no_grad()
+        def diagnose(self, x_TD):
+            """One line: the load max/mean the router's weights give its input as is, minus the
+            batch mean, minus each sequence's mean, minus each position's causal prefix mean; the
+            input through the router's *initial* weights; the shares of the input's mean square in
+            the batch mean and in the per-sequence means."""
+            x_BSD = x_TD.float().view(-1, self.seq_len, x_TD.shape[-1])
+            glob_D = x_BSD.mean((0, 1))
+            seq_B1D = x_BSD.mean(1, keepdim=True)
+            count_S1 = torch.arange(self.seq_len, device=x_TD.device, dtype=torch.float32)[:, None].clamp_min(1)
+            prefix_BSD = (x_BSD.cumsum(1) - x_BSD) / count_S1
+            ms = x_BSD.square().mean()
+            cells = [imbalance(v.flatten(0, 1) @ self.weight.T, self.top_k)
+                     for v in (x_BSD, x_BSD - glob_D, x_BSD - seq_B1D, x_BSD - prefix_BSD)]
+            cells.append(imbalance(x_BSD.flatten(0, 1) @ self.init_weight.T, self.top_k))
+            cells += [float(glob_D.square().mean() / ms), float(seq_B1D.square().mean() / ms)]
+            print(f"diagnose forward {self.forwards} router {routers.index(self)} | " + " ".join(f"{c:.2f}" for c in cells),
+                  file=sys.stderr, flush=True)
+
+        plain_diag_forward = mr.Router.forward  # after causal_centre's patch: it sees the raw input
+        import train.model as tm
+
+        def block_forward(self, x_BSD):
+            """The block's forward, printing every 5th training forward the RMS of the stream
+            coming in, of the attention's and the FFN's outputs and of the stream going out, each
+            with the RMS of its mean over the batch's tokens (the part common to every token)."""
+            attn_BSD = self._attention(x_BSD)
+            ffn_BSD = self.ffn(self.ffn_norm(x_BSD + attn_BSD))
+            out_BSD = x_BSD + attn_BSD + ffn_BSD
+            if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+                self.forwards = getattr(self, "forwards", 0) + 1
+                if self.forwards % 5 == 1:
+                    with torch.no_grad():
+                        cells = []
+                        for v in (x_BSD, attn_BSD, ffn_BSD, out_BSD):
+                            v_TD = v.float().flatten(0, 1)
+                            cells.append(f"{v_TD.square().mean().sqrt():.3f}/{v_TD.mean(0).square().mean().sqrt():.3f}")
+                    print(f"stream forward {self.forwards} block {self.layer_idx} | in attn ffn out (rms/mean rms) | "
+                          + " ".join(cells), file=sys.stderr, flush=True)
+            return out_BSD
+        tm.Block._forward = block_forward
+
+        def forward(self, x_TD):
+            # training forwards only: not validation (no grad), not a recompute in the backward
+            if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+                if self not in routers:
+                    routers.append(self)
+                    self.init_weight, self.forwards = self.weight.detach().float().clone(), 0
+                self.forwards += 1
+                if self.forwards % 5 == 1:
+                    diagnose(self, x_TD)
+            return plain_diag_forward(self, x_TD)
+        mr.Router.forward = forward
+    router_lr = [float(n[len("router_lr_"):]) for n in names if n.startswith("router_lr_")]
+    if router_lr:
         def build(model, cfg):
             opt = plain_build(model, cfg)
             router = {id(p) for n, p in model.named_parameters() if n.endswith("router.weight")}
             groups = []
             for g in opt.param_groups:
                 for params, mult in (([p for p in g["params"] if id(p) not in router], 1.0),
-                                     ([p for p in g["params"] if id(p) in router], 0.1)):
+                                     ([p for p in g["params"] if id(p) in router], router_lr[0])):
                     if params:
                         groups.append({**g, "params": params, "base_lr": g["base_lr"] * mult, "lr": g["lr"] * mult})
             return torch.optim.AdamW(groups, betas=opt.defaults["betas"], eps=opt.defaults["eps"], fused=True)
@@ -218,17 +306,22 @@ def main() -> None:
                 f"warmup 10 steps, aux 0.01, z 0.001, seeds {args.seeds}; the variants are described in the script's "
                 "docstring",
                 "a cell: the worst layer's load max/mean at that step (every layer's, in the last column); "
+                "'worst after step 10': the highest of the logged steps after the warm-up (every 10 steps); "
                 "'≤ 2.0 from': the first logged step after which every logged step stays ≤ 2.0")
     marks = list(range(30, args.steps + 1, 30))
-    md += ["| variant | " + " | ".join(f"step {s}" for s in marks) + " | ≤ 2.0 from | loss / val at end | layers at end |",
-           "|---" * (len(marks) + 4) + "|"]
+    md += ["| variant | " + " | ".join(f"step {s}" for s in marks)
+           + " | worst after step 10 | ≤ 2.0 from | loss / val at end | layers at end |",
+           "|---" * (len(marks) + 5) + "|"]
     seeds = [int(x) for x in args.seeds.split(",")]
     for name, seed in ((n, sd) for n in names for sd in seeds):
         label = name if seeds == [0] else f"{name}, seed {seed}"
-        run_name = name if seeds == [0] else f"{name}_seed{seed}"
+        # '+' is not a character the device tool brings back in a file name
+        run_name = (name if seeds == [0] else f"{name}_seed{seed}").replace("+", "_")
         cmd = [sys.executable, os.path.abspath(__file__), "--run", name, *common, f"--train.seed={seed}",
-               f"--log.run_name={run_name}", *VARIANTS[name][0]]
+               f"--log.run_name={run_name}", *([] if name.startswith("shipped") else PLAIN), *VARIANTS[name][0]]
         proc = subprocess.run(cmd, capture_output=True, text=True)
+        with open(os.path.join(args.log_dir, f"{run_name}.stderr"), "w") as f:
+            f.write(proc.stderr)
         if proc.returncode:
             print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
             md.append(f"| {label} | failed (exit {proc.returncode}) |")
@@ -236,8 +329,9 @@ def main() -> None:
         rows, last = _summary(os.path.join(args.log_dir, run_name, "metrics.jsonl"))
         worst = {s: max(imb) for s, _, imb in rows}
         healthy = next((s for s, _, _ in rows if all(worst[t] <= 2.0 for t in worst if t >= s)), None)
+        after_warmup = max((v for s, v in worst.items() if s > 10), default=float("nan"))
         md.append(f"| {label} | " + " | ".join(f"{worst[s]:.1f}" if s in worst else "" for s in marks)
-                  + f" | {healthy if healthy is not None else 'never'} | {rows[-1][1]:.2f} / {last.get('val/loss', float('nan')):.2f} | "
+                  + f" | {after_warmup:.2f} | {healthy if healthy is not None else 'never'} | {rows[-1][1]:.2f} / {last.get('val/loss', float('nan')):.2f} | "
                   + " ".join(f"{v:.1f}" for v in rows[-1][2]) + " |")
         print(md[-1], flush=True)
     write_results(args.out, "\n".join(md) + "\n")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from moe.capacity import DropPolicy
 from moe.mlp import Activation
-from moe.router import ScoreFunc, check_group_limit
+from moe.router import Centre, ScoreFunc, check_group_limit
 
 
 def check_positive_int(name: str, value) -> None:
@@ -63,6 +63,9 @@ class MoEConfig:
     shared_expert_gate: the shared experts' output is multiplied per token by
         ``sigmoid(x · w_g)`` (one ``Linear(D, 1)`` without bias, ``layer.shared_expert_gate``)
         before it is added (Qwen2-MoE). Needs ``num_shared_experts > 0``.
+    router_centre: ``"causal"``: a token's router logits minus the mean of those of the earlier
+        tokens of its sequence (see :class:`moe.Router`); the layer's input must then be
+        ``(..., S, D)``.
     force_balance: benchmark only: the top-k selection is uniform random (see :class:`moe.Router`).
     """
 
@@ -114,6 +117,11 @@ class MoEConfig:
     shared_expert_gate: bool = field(default=False, metadata={
         "help": "multiply the shared experts' output by sigmoid(x · w_g) per token, w_g a (dim, 1) weight "
                 "(Qwen2-MoE); needs num_shared_experts > 0"})
+    router_centre: Centre = field(default="none", metadata={
+        "help": "causal: a token's router logits minus the mean of the logits of its sequence's earlier tokens, "
+                "which removes the component a causal attention's prefix averages give every token of a sequence "
+                "(alone it sent every token to the same experts in bench/results/routing_health.md); not "
+                "exportable to a Hugging Face architecture; none: plain logits"})
     force_balance: bool = field(default=False, metadata={
         "help": "BENCHMARK ONLY (Megatron's force load balancing): each token's top_k experts are drawn uniformly "
                 "at random instead of by the router, so every expert gets about T·K/E pairs whatever the model "

@@ -101,7 +101,7 @@ class MoELayer(nn.Module):
             dim, cfg.num_experts, cfg.top_k, score_func=cfg.score_func, renormalize=cfg.renormalize,
             expert_bias=cfg.expert_bias, bias_update_rate=cfg.bias_update_rate, n_group=cfg.n_group,
             topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
-            force_balance=cfg.force_balance, device=device,
+            centre=cfg.router_centre, force_balance=cfg.force_balance, device=device,
         )
         # One draw from the global CPU RNG, the same whatever the EP size or device: global expert
         # e is initialised from its own generator seeded init_seed + e, so with one
@@ -130,6 +130,9 @@ class MoELayer(nn.Module):
             raise TypeError(f"MoELayer input x must be a floating-point tensor, got dtype {x.dtype}")
         if x.dim() < 1 or x.shape[-1] != self.dim:
             raise ValueError(f"MoELayer input x must have last dim = dim = {self.dim}, got shape {tuple(x.shape)}")
+        if self.config.router_centre != "none" and x.dim() < 3:
+            raise ValueError(f"MoELayer with router_centre={self.config.router_centre!r} centres over each sequence: "
+                             f"x must be (..., S, D), got shape {tuple(x.shape)}")
         if self.check_finite and not bool(torch.isfinite(x).all()):
             raise ValueError("MoELayer input x contains NaN or Inf")
 
@@ -142,7 +145,7 @@ class MoELayer(nn.Module):
         if T % cfg.capacity_groups:
             raise ValueError(f"MoELayer: {T} tokens do not split into capacity_groups={cfg.capacity_groups}")
 
-        route = self.router(x_TD)
+        route = self.router(x_TD, seq_len=x.shape[-2] if x.dim() >= 3 else None)
         capacity = expert_capacity(T // cfg.capacity_groups, cfg.num_experts, K, cfg.capacity_factor)
         plan = plan_routing(route.experts_TK, route.priority_TK, cfg.num_experts, capacity, cfg.drop_policy, cfg.capacity_groups)
 

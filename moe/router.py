@@ -14,6 +14,8 @@ from moe.kernels.router_mm import router_logits
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 SCORE_FUNCS = typing.get_args(ScoreFunc)
+Centre = Literal["none", "causal"]
+CENTRES = typing.get_args(Centre)
 # the expert-bias rule's default step: DeepSeek-V3's 1e-3 on sigmoid scores; on softmax logits
 # 3e-2, which ended the OLMoE-shaped benchmark's 300 steps at a worst layer of 1.6 / 1.6 / 2.2
 # over three seeds against 2.1 / 2.2 / 2.6 for 1e-3 on the scores (bench/results/routing_health.md)
@@ -65,6 +67,19 @@ def check_group_limit(num_experts: int, top_k: int, n_group: int, topk_group: in
         )
 
 
+def causal_centre(logits_TE: torch.Tensor, seq_len: int | None) -> torch.Tensor:
+    """Each token's logits minus the mean of the earlier tokens' of its sequence (sequences of
+    ``seq_len`` consecutive tokens; a sequence's first token unchanged). fp32 in, fp32 out."""
+    T, E = logits_TE.shape
+    if seq_len is None or seq_len < 1 or T % seq_len:
+        raise ValueError(f"Router(centre='causal') needs the tokens as whole sequences: seq_len={seq_len!r} "
+                         f"with {T} tokens")
+    logits_BSE = logits_TE.view(T // seq_len, seq_len, E)
+    before_BSE = logits_BSE.cumsum(1) - logits_BSE  # the sum over the earlier positions
+    count_S1 = torch.arange(seq_len, device=logits_TE.device, dtype=logits_TE.dtype)[:, None].clamp_min(1)
+    return (logits_BSE - before_BSE / count_S1).view(T, E)
+
+
 class Router(nn.Module):
     """``logits = x @ Wrᵀ`` in fp32 (autocast off), scores, top-k.
 
@@ -93,6 +108,18 @@ class Router(nn.Module):
             ``n_group=1`` (or ``topk_group == n_group``) keeps every expert and runs no extra op.
         routed_scaling_factor: multiplies the combine weights (after the renormalisation), as
             DeepSeek-V3's ``routed_scaling_factor``; 1.0 runs no extra op.
+        centre: ``"causal"``: a token's logits minus the mean of the logits of the earlier tokens of
+            its sequence (the first token's unchanged), before the scores: the same as routing the
+            input minus the mean of the earlier inputs, since the logits are linear in it, at E
+            instead of D columns. Why: a causal attention writes averages over each prefix into
+            the residual stream, a component common to the sequence's tokens; a router that reads
+            it sends them all to the same experts. In the OLMoE-shaped benchmark that component
+            was 60-99 % of the router input's mean square within 11 steps, and removing it, with
+            an LM-head bias and the expert-bias rule, kept every layer's load max/mean at
+            1.3-2.1 from the first step where the plain router reached 8.0
+            (bench/results/routing_health.md). It needs the sequence length (``seq_len`` of
+            :meth:`forward`). A router with it is not a plain linear router: no Hugging Face
+            architecture can write it.
         force_balance: benchmark only (Megatron's ``moe_router_force_load_balancing``): the K
             experts of each token are the top-K of uniform random scores, drawn from the device's
             default generator, instead of the router's; the combine weights are still the chosen
@@ -113,12 +140,15 @@ class Router(nn.Module):
         n_group: int = 1,
         topk_group: int = 1,
         routed_scaling_factor: float = 1.0,
+        centre: Centre = "none",
         force_balance: bool = False,
         device=None,
     ):
         super().__init__()
         if score_func not in SCORE_FUNCS:
             raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+        if centre not in CENTRES:
+            raise ValueError(f"centre must be one of {CENTRES}, got {centre!r}")
         if bias_update_rate is None:
             bias_update_rate = BIAS_UPDATE_RATE[score_func]
         if bias_update_rate < 0:
@@ -134,6 +164,7 @@ class Router(nn.Module):
         self.n_group = n_group
         self.topk_group = topk_group
         self.routed_scaling_factor = routed_scaling_factor
+        self.centre = centre
         self.force_balance = force_balance
         # The router stays fp32 whatever the model's dtype: top-k on bf16 logits flips
         # near-ties and the softmax of bf16 logits loses the small probabilities.
@@ -149,8 +180,11 @@ class Router(nn.Module):
         if self.expert_bias is not None:
             self.expert_bias.zero_()
 
-    def forward(self, x_TD: torch.Tensor) -> RouterOutput:
+    def forward(self, x_TD: torch.Tensor, seq_len: int | None = None) -> RouterOutput:
+        """``x_TD``: T tokens, ``seq_len`` consecutive ones per sequence (needed by ``centre``)."""
         logits_TE = router_logits(x_TD, self.weight)
+        if self.centre == "causal":
+            logits_TE = causal_centre(logits_TE, seq_len)
         if self.score_func == "softmax":
             scores_TE = logits_TE.softmax(dim=-1)
         else:

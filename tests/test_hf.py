@@ -319,6 +319,12 @@ def test_windows_in_some_layers_or_where_the_architecture_has_none_are_refused(h
         flat = {**load_config([], world_size=1).to_flat(), **ARCHITECTURES[kind].fixed(), "model.sliding_window": 8}
         with pytest.raises(HFError, match=f"model.sliding_window=8 cannot be written as {kind}"):
             ARCHITECTURES[kind].hf_config(flat)
+    # the routing-health options change the model from its first step: no architecture writes them
+    for kind in ("mixtral", "olmoe"):
+        for key, value in (("moe.router_centre", "causal"), ("model.lm_head_bias", True)):
+            flat = {**load_config([], world_size=1).to_flat(), **ARCHITECTURES[kind].fixed(), key: value}
+            with pytest.raises(HFError, match=f"{key}={value!r} cannot be written as {kind}"):
+                ARCHITECTURES[kind].hf_config(flat)
 
 
 QPROJ = "model.layers.1.self_attn.q_proj.weight"
@@ -347,6 +353,13 @@ def test_init_from_conflicts_and_missing_directories(hf_dirs, tmp_path):
     # the routing the architecture fixes is pinned too (Mixtral's router is softmax)
     with pytest.raises(ConfigError, match="moe.score_func=sigmoid contradicts"):
         load_config([f"--train.init_from={directory}", "--moe.score_func=sigmoid"], world_size=1)
+    # the routing-health options would change the loaded model from its first step; the init
+    # options would be ignored (every weight is read from the directory)
+    for arg, match in (("--model.lm_head_bias=true", "model.lm_head_bias=true contradicts"),
+                       ("--moe.router_centre=causal", "moe.router_centre=causal contradicts"),
+                       ("--model.embed_init_std=1.0", "model.embed_init_std=1.0 is ignored with train.init_from=")):
+        with pytest.raises(ConfigError, match=match):
+            load_config([f"--train.init_from={directory}", arg], world_size=1)
     # the same value is no conflict (a saved run's config.yaml repeats every key)
     assert load_config([f"--train.init_from={directory}", "--model.dim=64"], world_size=1).model.dim == 64
     with pytest.raises(ConfigError, match="no such directory"):

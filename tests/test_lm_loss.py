@@ -1,8 +1,11 @@
 """The chunked LM head + cross-entropy (train/lm_loss.py) against ``F.cross_entropy(F.linear(h,
 W).float(), y)``: the loss and the gradients of h and W in fp32, bf16 autocast, bf16 and fp16,
-odd sizes and chunkings; what it keeps for the backward; the model's ``model(tokens, targets)``
+odd sizes and chunkings; the same with a bias b (``F.linear(h, W, b)``) and its gradient; what it
+keeps for the backward; the model's ``model(tokens, targets)``
 against the logits path, tied and untied, in one process and under FSDP2; on a GPU at a
 realistic size, with its peak memory."""
+
+import re
 
 import pytest
 import torch
@@ -38,6 +41,12 @@ def _inputs(T, D, V, dtype):
     return h_TD, weight_VD, torch.randint(0, V, (T,))
 
 
+def _bias(V, dtype):
+    """An LM head's bias, in the weight's dtype (under autocast its fp32 master, cast like it): large
+    enough to move the loss and every gradient well past the tolerances."""
+    return (0.5 * torch.randn(V)).to(dtype).requires_grad_()
+
+
 def _autocast(dtype):
     return torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
@@ -67,6 +76,28 @@ def test_loss_and_gradients_match_the_reference(name, T, D, V):
 
 
 @pytest.mark.parametrize("name", list(DTYPES))
+@pytest.mark.parametrize("T, D, V", SIZES)
+def test_with_a_bias_the_loss_and_the_three_gradients_match_the_reference(name, T, D, V):
+    dtype, autocast, tol = DTYPES[name]
+    h_TD, weight_VD, y_T = _inputs(T, D, V, dtype)
+    bias_V = _bias(V, dtype)
+    inputs = (h_TD, weight_VD, bias_V)
+    scale = torch.tensor(0.37)
+    with _autocast(autocast):
+        ref = F.cross_entropy(F.linear(h_TD, weight_VD, bias_V).float(), y_T)
+    ref_grads = torch.autograd.grad(ref, inputs, scale)
+    for chunk in (1, 5, T, T + 3, None):  # T not a multiple; one chunk; a chunk larger than T; the default
+        with _autocast(autocast):
+            loss = linear_cross_entropy(h_TD, weight_VD, y_T, chunk=chunk, bias_V=bias_V)
+        grads = torch.autograd.grad(loss, inputs, scale)
+        assert loss.dtype == torch.float32 and loss.shape == ()
+        assert [g.dtype for g in grads] == [dtype] * 3
+        assert abs(loss.item() - ref.item()) <= tol * abs(ref.item()), (chunk, loss.item(), ref.item())
+        errors = [_rel_err(g, r) for g, r in zip(grads, ref_grads)]  # h, weight, bias
+        assert max(errors) <= tol, (chunk, errors)
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
 def test_without_gradients_the_loss_is_the_same(name):
     dtype, autocast, _ = DTYPES[name]
     h_TD, weight_VD, y_T = _inputs(45, 16, 300, dtype)
@@ -77,6 +108,22 @@ def test_without_gradients_the_loss_is_the_same(name):
         detached = linear_cross_entropy(h_TD.detach(), weight_VD.detach(), y_T, chunk=8)
     assert with_grad.requires_grad and not without.requires_grad and not detached.requires_grad
     assert torch.equal(with_grad.detach(), without) and torch.equal(without, detached)
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_with_a_bias_without_gradients_the_loss_is_the_same(name):
+    dtype, autocast, tol = DTYPES[name]
+    h_TD, weight_VD, y_T = _inputs(45, 16, 300, dtype)
+    bias_V = _bias(300, dtype)
+    with _autocast(autocast):
+        ref = F.cross_entropy(F.linear(h_TD, weight_VD, bias_V).float(), y_T)
+        with_grad = linear_cross_entropy(h_TD, weight_VD, y_T, chunk=8, bias_V=bias_V)
+        with torch.no_grad():
+            without = linear_cross_entropy(h_TD, weight_VD, y_T, chunk=8, bias_V=bias_V)
+        detached = linear_cross_entropy(h_TD.detach(), weight_VD.detach(), y_T, chunk=8, bias_V=bias_V.detach())
+    assert with_grad.requires_grad and not without.requires_grad and not detached.requires_grad
+    assert torch.equal(with_grad.detach(), without) and torch.equal(without, detached)
+    assert abs(without.item() - ref.item()) <= tol * ref.item(), (without.item(), ref.item())
 
 
 @pytest.mark.parametrize("needs", ["both", "h", "weight"])
@@ -97,6 +144,32 @@ def test_keeps_the_gradients_only_never_the_logits(needs):
     assert sorted(saved) == sorted(grads)  # the gradients of what needs one, no (T, V) tensor
     loss.backward()
     assert (h_TD.grad is not None) == h_TD.requires_grad and (weight_VD.grad is not None) == weight_VD.requires_grad
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_with_only_the_bias_needing_a_gradient_only_its_gradient_is_kept(name):
+    dtype, autocast, tol = DTYPES[name]
+    T, D, V = 64, 8, 1000
+    h_TD, weight_VD, y_T = _inputs(T, D, V, dtype)
+    h_TD.requires_grad_(False)
+    weight_VD.requires_grad_(False)
+    bias_V = _bias(V, dtype)
+    scale = torch.tensor(0.37)
+    with _autocast(autocast):
+        ref = F.cross_entropy(F.linear(h_TD, weight_VD, bias_V).float(), y_T)
+    (ref_grad,) = torch.autograd.grad(ref, bias_V, scale)
+    saved = []
+
+    def pack(t):
+        saved.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _autocast(autocast):
+        loss = linear_cross_entropy(h_TD, weight_VD, y_T, chunk=13, bias_V=bias_V)  # 13 does not divide 64
+    assert loss.requires_grad and saved == [V * bias_V.element_size()]  # the bias's gradient alone
+    loss.backward(scale)
+    assert h_TD.grad is None and weight_VD.grad is None and bias_V.grad.dtype == dtype
+    assert _rel_err(bias_V.grad, ref_grad) <= tol, _rel_err(bias_V.grad, ref_grad)
 
 
 def test_a_second_backward_through_a_retained_graph_fails_rather_than_scaling_twice():
@@ -140,6 +213,14 @@ def test_wrong_shapes_are_one_clear_error():
         linear_cross_entropy(h_TD, weight_VD, y_T[:5])
     with pytest.raises(ValueError, match="chunk >= 1"):
         linear_cross_entropy(h_TD, weight_VD, y_T, chunk=0)
+
+
+@pytest.mark.parametrize("shape", [(9,), (10, 1), (1, 10), ()])
+def test_a_wrong_bias_shape_is_the_same_clear_error(shape):
+    h_TD, weight_VD, y_T = _inputs(6, 4, 10, torch.float32)
+    named = r"bias_V \(V,\) or None.*got \(6, 4\), \(10, 4\), \(6,\), " + re.escape(str(shape))  # and its shape
+    with pytest.raises(ValueError, match=named):
+        linear_cross_entropy(h_TD, weight_VD, y_T, bias_V=torch.zeros(shape, requires_grad=True))
 
 
 def _model(tied: bool) -> MoETransformer:
@@ -203,10 +284,13 @@ def test_under_fsdp2_the_unsharded_weight_gets_its_gradient(tied):
 
 
 @pytest.mark.gpu
-def test_gpu_realistic_size_matches_and_needs_a_fraction_of_the_memory():
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gpu_realistic_size_matches_and_needs_a_fraction_of_the_memory(with_bias):
     T, D, V = 8192, 2048, 50304
     h_TD = torch.randn(T, D, device="cuda", requires_grad=True)  # fp32, as the final norm's output
     weight_VD = (torch.randn(V, D, device="cuda") / D**0.5).requires_grad_()  # fp32 master
+    bias_V = (0.5 * torch.randn(V, device="cuda")).requires_grad_() if with_bias else None  # fp32 master
+    inputs = (h_TD, weight_VD) + ((bias_V,) if with_bias else ())
     y_T = torch.randint(0, V, (T,), device="cuda")
 
     def run(fn):
@@ -215,14 +299,15 @@ def test_gpu_realistic_size_matches_and_needs_a_fraction_of_the_memory():
         base = torch.cuda.memory_allocated()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = fn()
-        grads = torch.autograd.grad(loss, (h_TD, weight_VD))
+        grads = torch.autograd.grad(loss, inputs)
         torch.cuda.synchronize()
         return loss.detach(), grads, torch.cuda.max_memory_allocated() - base
 
-    ref, ref_grads, ref_peak = run(lambda: F.cross_entropy(F.linear(h_TD, weight_VD).float(), y_T))
-    ours, grads, peak = run(lambda: linear_cross_entropy(h_TD, weight_VD, y_T))
+    ref, ref_grads, ref_peak = run(lambda: F.cross_entropy(F.linear(h_TD, weight_VD, bias_V).float(), y_T))
+    ours, grads, peak = run(lambda: linear_cross_entropy(h_TD, weight_VD, y_T, bias_V=bias_V))
     assert abs(ours.item() - ref.item()) <= 1e-4 * ref.item()
-    for g, r in zip(grads, ref_grads):
+    assert len(grads) == len(inputs)
+    for g, r in zip(grads, ref_grads):  # h, weight and, with_bias, the bias
         assert ((g - r).norm() / r.norm()).item() < 1e-2
     # the reference holds (T, V) fp32 tensors (1.6 GB each) at once; ours a chunk and the weight's
     # fp32 gradient: about 1.1 GB against about 5 GB

@@ -220,7 +220,7 @@ def _model_groups(cfg: Config) -> dict[str, list[tuple[int, ...]]]:
             kind = {"router": "router", "experts": "experts"}.get(parts[3] if len(parts) > 3 else "", "dense")
             key = f"blocks.{parts[1]}.{kind}"
         else:
-            key = {"embed": "embed", "lm_head": "head", "norm": "norm"}[parts[0]]
+            key = {"embed": "embed", "lm_head": "head", "lm_bias": "head", "norm": "norm"}[parts[0]]
         groups.setdefault(key, []).append(tuple(p.shape))
     return groups
 
@@ -234,7 +234,8 @@ def _model_groups(cfg: Config) -> dict[str, list[tuple[int, ...]]]:
      "--moe.activation=gelu", "--model.n_kv_heads=2", "--model.head_dim=16", "--model.tie_embeddings=false"],
     ["--moe.num_shared_experts=1", "--moe.shared_expert_gate=true", "--model.qk_norm=head", "--model.qkv_bias=true",
      "--model.n_kv_heads=2", "--moe.first_dense_layers=1"],
-    ["--model.qk_norm=full", "--model.n_kv_heads=1", "--model.n_layers=3", "--moe.first_dense_layers=2"],
+    ["--model.qk_norm=full", "--model.n_kv_heads=1", "--model.n_layers=3", "--moe.first_dense_layers=2",
+     "--model.lm_head_bias=true"],
 ])
 def test_param_shapes_are_the_models(overrides):
     cfg = load_config(overrides, world_size=2)

@@ -172,6 +172,62 @@ def test_flops_formula_by_hand():
     assert forward_flops_per_token(cfg) == pytest.approx(2 * D * V + 2 * attn + dense + moe)
 
 
+# ---------------------------------------------------------------- model options
+
+
+def _model(*overrides, seed=0):
+    model = MoETransformer(load_config(SMALL[2:] + list(overrides)))
+    model.init_weights(seed)
+    return model
+
+
+def test_embedding_init_std():
+    """Untied: std 1.0 (torchtitan's) unless model.embed_init_std; tied: init_std (it is the LM
+    head). Only the embedding changes: every other weight draws the same numbers."""
+    tied, untied = _model(), _model("--model.tie_embeddings=false")
+    chosen, small = (_model("--model.tie_embeddings=false", f"--model.embed_init_std={v}") for v in (0.3, 0.02))
+    for model, want in ((tied, 0.02), (untied, 1.0), (chosen, 0.3), (small, 0.02)):
+        assert float(model.embed.weight.detach().std()) == pytest.approx(want, rel=0.03)
+    others = {n: p for n, p in untied.named_parameters() if n != "embed.weight"}
+    for name, p in small.named_parameters():
+        if name != "embed.weight":
+            assert torch.equal(p, others[name]), name
+    with pytest.raises(Exception, match="model.embed_init_std: must be > 0"):
+        load_config(SMALL[2:] + ["--model.embed_init_std=0"])
+
+
+def test_lm_head_bias_is_the_centred_log_unigram_and_enters_logits_and_loss():
+    model = _model("--model.lm_head_bias=true", "--model.tie_embeddings=false")
+    assert torch.equal(model.lm_bias, torch.zeros(256))  # until the data sets it
+    counts_V = torch.randint(0, 1000, (256,))
+    counts_V[:3] = 0
+    model.init_lm_bias(counts_V)
+    logp_V = (counts_V.double() + 0.5).log()
+    torch.testing.assert_close(model.lm_bias, (logp_V - logp_V.mean()).float())
+    tokens_BS, targets_BS = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    logits_BSV = model(tokens_BS)
+    plain_BSV = logits_BSV - model.lm_bias.detach()
+    assert float((logits_BSV - plain_BSV).std(dim=-1).mean()) > 1  # the bias is there, once
+    model.lm_bias.requires_grad_(True)
+    loss = model(tokens_BS, targets_BS)
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits_BSV.flatten(0, 1), targets_BS.flatten()))
+    loss.backward()
+    want_V = torch.autograd.grad(torch.nn.functional.cross_entropy(
+        (plain_BSV.detach() + model.lm_bias).flatten(0, 1), targets_BS.flatten()), model.lm_bias)[0]
+    torch.testing.assert_close(model.lm_bias.grad, want_V)
+    with pytest.raises(ValueError, match="init_lm_bias needs model.lm_head_bias"):
+        _model().init_lm_bias(counts_V)
+
+
+def test_lm_head_bias_starts_a_run_at_the_unigram_loss(tmp_path):
+    """Set from the training split: the first step's loss is near the bytes' unigram entropy
+    (about 4.3 nats for Python source), not log 256 = 5.55."""
+    args = SMALL + ["--train.steps=1", f"--log.dir={tmp_path}", "--model.tie_embeddings=false"]
+    plain = _run_inprocess(args + ["--log.run_name=plain"])["train_loss"][1]
+    biased = _run_inprocess(args + ["--log.run_name=biased", "--model.lm_head_bias=true"])["train_loss"][1]
+    assert plain > 5.3 and biased < 4.8, (plain, biased)
+
+
 # ---------------------------------------------------------------- checkpoints
 
 
@@ -342,7 +398,10 @@ def test_config_error_fails_before_the_process_group(tmp_path):
 
 @pytest.mark.slow
 def test_two_process_ep2_and_resume_exact_and_into_ep1_replicated(tmp_path):
-    base = SMALL + ["--train.steps=6", "--parallel.ep=2", f"--log.dir={tmp_path}"]
+    # with the routing-health options of configs/olmoe_bench.yaml: the LM-head bias is a root
+    # parameter FSDP shards and DCP reslices; the centred router and the expert bias act per rank
+    base = SMALL + ["--model.tie_embeddings=false", "--model.lm_head_bias=true", "--moe.router_centre=causal",
+                    "--moe.expert_bias=true", "--train.steps=6", "--parallel.ep=2", f"--log.dir={tmp_path}"]
     _torchrun(2, base + ["--log.run_name=full"])
     _torchrun(2, base + ["--log.run_name=part", "--checkpoint.stop_after=3"])
     step3 = tmp_path / "part" / "checkpoints" / "step_00000003"

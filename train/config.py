@@ -69,6 +69,14 @@ class ModelConfig:
     tie_embeddings: bool = option(True, "the LM head is the embedding's weight (false: a separate V × D head)")
     dense_hidden_dim: int = option(512, "hidden width of the dense MLP in non-MoE blocks")
     init_std: float = option(0.02, "std of the normal init (output projections: init_std / sqrt(2 · n_layers))")
+    embed_init_std: float | None = option(
+        None, "std of the embedding's normal init; none: 1.0 when untied (torchtitan's: at 0.02 a token's own "
+              "signal is drowned within ten steps by what the attention writes, bench/results/routing_health.md), "
+              "init_std when tied (the embedding is then the LM head)")
+    lm_head_bias: bool = option(
+        False, "a (V,) bias on the LM head's logits, initialised to the training data's centred log unigram "
+               "frequencies, so the residual stream need not carry them as a component common to every token "
+               "(which then reaches every router); no Hugging Face architecture has one")
 
 
 @dataclass
@@ -452,6 +460,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
     if head_dim <= 0:
         raise ConfigError(f"model.head_dim: must be > 0, got {head_dim}")
+    if m.embed_init_std is not None and not m.embed_init_std > 0:  # NaN included
+        raise ConfigError(f"model.embed_init_std: must be > 0 (or none), got {m.embed_init_std}")
     if m.sliding_window is not None and m.sliding_window < 1:
         raise ConfigError(f"model.sliding_window: must be >= 1 (or none), got {m.sliding_window}")
     try:
@@ -555,6 +565,8 @@ def check_ignored(cfg: Config) -> None:
          "with one expert-parallel rank there are no all-to-alls to time (set parallel.ep > 1)"),
         ("parallel.overlap_chunks", cfg.parallel.ep == 1, "parallel.ep",
          "with one expert-parallel rank there is no exchange to overlap (set parallel.ep > 1)"),
+        *((key, cfg.train.init_from is not None, "train.init_from", "every weight is read from the model directory")
+          for key in ("model.init_std", "model.embed_init_std")),
     ]
     for key, ignored, because, why in rules:
         if ignored and cfg.is_set(key):

@@ -93,6 +93,16 @@ def load_splits(source: str, path: str | None, token_dtype: str, max_bytes: int,
     raise ValueError(f"data.source must be stdlib, tokens or text, got {source!r}")
 
 
+def unigram_counts(tokens: np.ndarray, vocab_size: int, sample: int = 2**26) -> np.ndarray:
+    """(V,) int64 count of each token id in ``tokens``; of a longer array, in 64 evenly spaced
+    blocks of ``sample / 64`` tokens (a token file may hold billions: this reads 64 runs of it)."""
+    if len(tokens) > sample:
+        block = sample // 64
+        starts = np.linspace(0, len(tokens) - block, 64).astype(np.int64)
+        tokens = np.concatenate([np.asarray(tokens[s:s + block]) for s in starts])
+    return np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab_size)[:vocab_size]
+
+
 def shard(tokens: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     n = len(tokens)
     return tokens[rank * n // world_size:(rank + 1) * n // world_size]

@@ -14,9 +14,11 @@ reference's ``.float()`` backward does, then ``dh_nD = g_nV @ weight`` and ``dW_
 h_nD`` (the sum over chunks in fp32).
 
 What is saved for the backward: the two gradients, ``dh_TD`` in h's dtype and ``dW_VD`` in the
-weight's: the size of h and of the weight, never T·V. The backward only scales them by the
-incoming gradient (in place). With no gradient asked for (validation, ``torch.no_grad``) only the
-loss is computed.
+weight's: the size of h and of the weight, never T·V. With a bias (``bias_V``, an LM head's: the
+logits' GEMM adds it in the compute dtype), a third: its gradient, the sum over tokens of ``g_nV``,
+summed over the chunks in fp32, in the bias's dtype. The backward only scales them by the incoming
+gradient (in place). With no gradient asked for (validation, ``torch.no_grad``) only the loss is
+computed.
 
 What it costs: the same three GEMMs as the reference (logits, dgrad, wgrad; none recomputed) and,
 on CUDA, one Triton pass per chunk (:func:`_softmax_xent_`: each row's max and sum of exponentials
@@ -99,22 +101,32 @@ def _softmax_xent_(logits_nV: torch.Tensor, y_n: torch.Tensor, inv_T: float, wit
     return loss_n.sum()
 
 
-def _chunk(h_nD, w_VD, y_n, inv_T: float, grad_h_nD, grad_w_VD) -> torch.Tensor:
-    """One chunk's summed loss (fp32, 0-dim). ``h_nD`` and ``w_VD`` in the compute dtype. With
-    ``grad_h_nD`` (a slice of h's gradient) or ``grad_w_VD`` (the fp32 accumulator) given, writes
-    the chunk's gradient of h there and adds its gradient of the weight there. On CUDA the softmax
-    passes are one Triton kernel (:func:`_softmax_xent_`)."""
-    with_grad = grad_h_nD is not None or grad_w_VD is not None
+def _chunk(h_nD, w_VD, b_V, y_n, inv_T: float, grad_h_nD, grad_w_VD, grad_b_V) -> torch.Tensor:
+    """One chunk's summed loss (fp32, 0-dim). ``h_nD``, ``w_VD`` and ``b_V`` (the bias or None) in
+    the compute dtype. With ``grad_h_nD`` (a slice of h's gradient), ``grad_w_VD`` or ``grad_b_V``
+    (the fp32 accumulators) given, writes the chunk's gradient of h there and adds its gradients of
+    the weight and of the bias there. On CUDA the softmax passes are one Triton kernel
+    (:func:`_softmax_xent_`)."""
+    with_grad = grad_h_nD is not None or grad_w_VD is not None or grad_b_V is not None
     if h_nD.is_cuda:
-        g_nV = h_nD @ w_VD.T  # the logits, then their gradient written over them
+        g_nV = _logits(h_nD, w_VD, b_V)  # the logits, then their gradient written over them
         loss = _softmax_xent_(g_nV, y_n, inv_T, with_grad)
     else:  # the logits handed over, so that the reference can free them before its fp32 work
-        loss, g_nV = _softmax_xent_reference(h_nD @ w_VD.T, y_n, inv_T, with_grad)
+        loss, g_nV = _softmax_xent_reference(_logits(h_nD, w_VD, b_V), y_n, inv_T, with_grad)
     if grad_h_nD is not None:
         grad_h_nD.copy_(g_nV @ w_VD)
     if grad_w_VD is not None:
         _add_wgrad(grad_w_VD, g_nV, h_nD)
+    if grad_b_V is not None:  # one read of the chunk, summed in fp32 (the reference: in the compute dtype)
+        grad_b_V.add_(g_nV.sum(0, dtype=torch.float32))
     return loss
+
+
+def _logits(h_nD, w_VD, b_V) -> torch.Tensor:
+    """``h_nD @ w_VDᵀ (+ b_V)`` in the compute dtype. The bias is added by the GEMM itself, as
+    F.linear does (on CUDA cuBLASLt's bias epilogue: no add pass over the chunk, and the logits
+    round to the compute dtype once, as the reference's)."""
+    return h_nD @ w_VD.T if b_V is None else torch.addmm(b_V, h_nD, w_VD.T)
 
 
 def _softmax_xent_reference(logits_nV, y_n, inv_T: float, with_grad: bool):
@@ -146,62 +158,73 @@ def _add_wgrad(grad_w_VD: torch.Tensor, g_nV: torch.Tensor, h_nD: torch.Tensor) 
         grad_w_VD.add_(g_nV.T @ h_nD)
 
 
-def _loss_and_grads(h_TD, weight_VD, targets_T, chunk: int, dtype: torch.dtype, need_h: bool, need_w: bool):
-    """(mean loss, dh_TD in h's dtype or None, dW_VD in the weight's dtype or None)."""
+def _loss_and_grads(h_TD, weight_VD, bias_V, targets_T, chunk: int, dtype: torch.dtype, need_h: bool, need_w: bool,
+                    need_b: bool):
+    """(mean loss, dh_TD in h's dtype or None, dW_VD in the weight's dtype or None, db_V in the
+    bias's dtype or None)."""
     T = h_TD.shape[0]
     # autocast off: every operand is cast here, once, to the dtype F.linear would compute in
     with torch.autocast(h_TD.device.type, enabled=False):
         w_VD = weight_VD.to(dtype)
+        b_V = None if bias_V is None else bias_V.to(dtype)
         grad_h_TD = torch.empty_like(h_TD) if need_h else None
         grad_w_VD = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device) if need_w else None
+        grad_b_V = torch.zeros(bias_V.shape, dtype=torch.float32, device=bias_V.device) if need_b else None
         total = torch.zeros((), dtype=torch.float32, device=h_TD.device)
         for start in range(0, T, chunk):
             end = min(start + chunk, T)
-            total += _chunk(h_TD[start:end].to(dtype), w_VD, targets_T[start:end], 1.0 / T,
-                            None if grad_h_TD is None else grad_h_TD[start:end], grad_w_VD)
-        del w_VD
+            total += _chunk(h_TD[start:end].to(dtype), w_VD, b_V, targets_T[start:end], 1.0 / T,
+                            None if grad_h_TD is None else grad_h_TD[start:end], grad_w_VD, grad_b_V)
+        del w_VD, b_V
         if grad_w_VD is not None:
             grad_w_VD = grad_w_VD.to(weight_VD.dtype)
-    return total / T, grad_h_TD, grad_w_VD
+        if grad_b_V is not None:
+            grad_b_V = grad_b_V.to(bias_V.dtype)
+    return total / T, grad_h_TD, grad_w_VD, grad_b_V
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """``(h_TD, weight_VD, targets_T, chunk, dtype) -> ()`` mean cross-entropy of ``h_TD @
-    weight_VDᵀ``; the gradients are computed in the forward (see the module docstring)."""
+    """``(h_TD, weight_VD, bias_V, targets_T, chunk, dtype) -> ()`` mean cross-entropy of ``h_TD @
+    weight_VDᵀ + bias_V`` (bias_V may be None), in F.linear's order; the gradients are computed in
+    the forward (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, h_TD, weight_VD, targets_T, chunk, dtype):
-        need_h, need_w = ctx.needs_input_grad[:2]
-        loss, grad_h_TD, grad_w_VD = _loss_and_grads(h_TD, weight_VD, targets_T, chunk, dtype, need_h, need_w)
-        ctx.save_for_backward(grad_h_TD, grad_w_VD)
+    def forward(ctx, h_TD, weight_VD, bias_V, targets_T, chunk, dtype):
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        loss, *grads = _loss_and_grads(h_TD, weight_VD, bias_V, targets_T, chunk, dtype, need_h, need_w, need_b)
+        ctx.save_for_backward(*grads)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_h_TD, grad_w_VD = ctx.saved_tensors
+        grad_h_TD, grad_w_VD, grad_b_V = ctx.saved_tensors
         # in place: nothing else reads them, and a second backward through a retained graph then
         # fails autograd's check of the saved tensors' versions instead of scaling them twice
-        for grad in (grad_h_TD, grad_w_VD):
+        for grad in (grad_h_TD, grad_w_VD, grad_b_V):
             if grad is not None:
                 grad.mul_(grad_loss)
-        return grad_h_TD, grad_w_VD, None, None, None
+        return grad_h_TD, grad_w_VD, grad_b_V, None, None, None
 
 
 def linear_cross_entropy(h_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor,
-                         chunk: int | None = None) -> torch.Tensor:
-    """``F.cross_entropy(F.linear(h_TD, weight_VD).float(), targets_T)`` (the mean over T, fp32,
-    0-dim) without the (T, V) logits: ``chunk`` tokens at a time (default :func:`chunk_rows`).
+                         chunk: int | None = None, bias_V: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(h_TD, weight_VD, bias_V).float(), targets_T)`` (the mean over T,
+    fp32, 0-dim) without the (T, V) logits: ``chunk`` tokens at a time (default :func:`chunk_rows`).
 
     The logits are computed in autocast's dtype when autocast is on for h's device, as F.linear
-    there, else in the inputs' dtype (which must then match). Differentiable in ``h_TD`` and
-    ``weight_VD``.
+    there, else in the inputs' dtype (which must then match); the optional bias ``bias_V`` (V,) is
+    cast to that dtype and added by the logits' GEMM, as F.linear does. Differentiable in ``h_TD``,
+    ``weight_VD`` and ``bias_V``.
     """
-    if h_TD.dim() != 2 or weight_VD.dim() != 2 or targets_T.shape != h_TD.shape[:1] or (chunk is not None and chunk < 1):
-        raise ValueError(f"linear_cross_entropy takes h (T, D), weight (V, D), targets (T,) and chunk >= 1; got "
-                         f"{tuple(h_TD.shape)}, {tuple(weight_VD.shape)}, {tuple(targets_T.shape)} and {chunk}")
+    if (h_TD.dim() != 2 or weight_VD.dim() != 2 or targets_T.shape != h_TD.shape[:1]
+            or (bias_V is not None and bias_V.shape != weight_VD.shape[:1]) or (chunk is not None and chunk < 1)):
+        bias = None if bias_V is None else tuple(bias_V.shape)
+        raise ValueError(f"linear_cross_entropy takes h (T, D), weight (V, D), targets (T,), bias_V (V,) or None "
+                         f"and chunk >= 1; got {tuple(h_TD.shape)}, {tuple(weight_VD.shape)}, "
+                         f"{tuple(targets_T.shape)}, {bias} and {chunk}")
     device_type = h_TD.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h_TD.dtype
     chunk = chunk or chunk_rows(weight_VD.shape[0])
-    if torch.is_grad_enabled() and (h_TD.requires_grad or weight_VD.requires_grad):
-        return LinearCrossEntropy.apply(h_TD, weight_VD, targets_T, chunk, dtype)
-    return _loss_and_grads(h_TD, weight_VD, targets_T, chunk, dtype, False, False)[0]
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h_TD, weight_VD, bias_V)):
+        return LinearCrossEntropy.apply(h_TD, weight_VD, bias_V, targets_T, chunk, dtype)
+    return _loss_and_grads(h_TD, weight_VD, bias_V, targets_T, chunk, dtype, False, False, False)[0]

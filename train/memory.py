@@ -156,6 +156,7 @@ class ModelShape:
     qk_norm: str = "none"  # model.qk_norm: gains of Hd (head) or H·Hd and Hkv·Hd (full); activations not counted
     qkv_bias: bool = False
     shared_gate: bool = False  # moe.shared_expert_gate: a (1, D) weight
+    lm_bias: bool = False  # model.lm_head_bias: a (V,) parameter
 
     @classmethod
     def of(cls, cfg: Config, moe_blocks: tuple[bool, ...] | None = None) -> "ModelShape":
@@ -166,7 +167,7 @@ class ModelShape:
             F_shared=e.num_shared_experts * (e.shared_hidden_dim or e.hidden_dim), swiglu=e.activation == "swiglu",
             capacity_factor=e.capacity_factor, renormalize=e.renormalize,
             moe_blocks=moe_blocks or tuple(e.is_moe_layer(i) for i in range(m.n_layers)),
-            qk_norm=m.qk_norm, qkv_bias=m.qkv_bias, shared_gate=e.shared_expert_gate,
+            qk_norm=m.qk_norm, qkv_bias=m.qkv_bias, shared_gate=e.shared_expert_gate, lm_bias=m.lm_head_bias,
         )
 
     def up(self, hidden: int) -> int:
@@ -180,7 +181,8 @@ def param_shapes(s: ModelShape) -> dict[str, list[tuple[int, ...]]]:
     block i ``blocks.i.dense`` (its norms, attention and dense or shared MLP), ``blocks.i.router``,
     ``blocks.i.experts``."""
     D = s.D
-    groups = {"embed": [(s.V, D)], "head": [] if s.tied else [(s.V, D)], "norm": [(D,)]}
+    groups = {"embed": [(s.V, D)], "head": ([] if s.tied else [(s.V, D)]) + ([(s.V,)] if s.lm_bias else []),
+              "norm": [(D,)]}
     for i, moe in enumerate(s.moe_blocks):
         dense = [(D,), ((s.H + 2 * s.Hkv) * s.Hd, D), (D, s.H * s.Hd), (D,)]
         if s.qkv_bias:

@@ -13,7 +13,12 @@ Initialisation is seeded and independent of the expert-parallel size: dense weig
 one generator seeded by ``seed`` (identical on every rank), and global expert e of layer l is
 drawn from its own generator seeded by ``(seed, l, e)``, so rank r's slice of experts equals the
 same slice of a one-process model. Output projections (attention out, FFN down) use
-``std / sqrt(2 · n_layers)`` (GPT-2's residual scaling).
+``std / sqrt(2 · n_layers)`` (GPT-2's residual scaling). An untied embedding starts at std 1.0
+(torchtitan's), unless ``model.embed_init_std`` says otherwise: at ``init_std`` its rows' RMS is
+0.02, and in the OLMoE-shaped benchmark the attention's prefix averages had written a vector
+common to every token of RMS 1.5 into the stream by step 11, which then chose the experts of every
+token (bench/results/routing_health.md). ``model.lm_head_bias`` adds a bias to the LM head's
+logits, set from the data's unigram counts (:meth:`MoETransformer.init_lm_bias`).
 
 Given the targets, the forward ends in the loss instead of the logits: the LM head and the
 cross-entropy run together in chunks of tokens (:func:`train.lm_loss.linear_cross_entropy`), so
@@ -92,6 +97,9 @@ class MoETransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i, dispatcher) for i in range(m.n_layers))
         self.norm = nn.RMSNorm(m.dim, eps=m.norm_eps)
         self.lm_head = None if m.tie_embeddings else nn.Linear(m.dim, m.vocab_size, bias=False)
+        # the LM head's bias (model.lm_head_bias), a parameter of the model whether or not the
+        # head is the embedding; set from the data by init_lm_bias
+        self.lm_bias = nn.Parameter(torch.zeros(m.vocab_size)) if m.lm_head_bias else None
 
     def forward(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor | None = None) -> torch.Tensor:
         """The logits (B, S, V), or given ``targets_BS`` the loss, equal to ``F.cross_entropy`` of
@@ -108,13 +116,27 @@ class MoETransformer(nn.Module):
         x_BSD = self.norm(x_BSD)
         weight_VD = self.embed.weight if self.lm_head is None else self.lm_head.weight
         if targets_BS is None:
-            return F.linear(x_BSD, weight_VD).float()
-        return linear_cross_entropy(x_BSD.flatten(0, 1), weight_VD, targets_BS.flatten())
+            return F.linear(x_BSD, weight_VD, self.lm_bias).float()
+        return linear_cross_entropy(x_BSD.flatten(0, 1), weight_VD, targets_BS.flatten(), bias_V=self.lm_bias)
+
+    @torch.no_grad()
+    def init_lm_bias(self, token_counts_V: torch.Tensor) -> None:
+        """Set the LM head's bias to the centred log unigram frequencies of ``token_counts_V``
+        (each count + 0.5, so an unseen token is not -inf): the loss at initialisation is then
+        the data's unigram entropy, and the residual stream need not learn the frequencies.
+        Karpathy's "initialise the final layer's bias to the log prior"."""
+        if self.lm_bias is None or token_counts_V.shape != self.lm_bias.shape:
+            raise ValueError(f"init_lm_bias needs model.lm_head_bias and ({self.lm_bias.numel() if self.lm_bias is not None else 'V'},) "
+                             f"counts, got {tuple(token_counts_V.shape)}")
+        logp_V = (token_counts_V.double() + 0.5).log()
+        self.lm_bias.copy_((logp_V - logp_V.mean()).to(self.lm_bias.dtype))
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        std = self.cfg.model.init_std
-        out_std = std / math.sqrt(2 * self.cfg.model.n_layers)
+        m = self.cfg.model
+        std = m.init_std
+        out_std = std / math.sqrt(2 * m.n_layers)
+        embed_std = m.embed_init_std if m.embed_init_std is not None else std if m.tie_embeddings else 1.0
         device = self.embed.weight.device
         gen = torch.Generator(device=device).manual_seed(seed)
         expert_params = set()
@@ -125,8 +147,12 @@ class MoETransformer(nn.Module):
         for name, p in self.named_parameters():
             if p in expert_params:
                 continue
-            if p.dim() == 1:  # norm gains
+            if p is self.lm_bias:  # set from the data (init_lm_bias); zero until then
+                p.zero_()
+            elif p.dim() == 1:  # norm gains
                 p.fill_(1.0)
+            elif p is self.embed.weight:
+                p.normal_(0.0, embed_std, generator=gen)
             else:
                 is_out = name.endswith(("attn.out.weight", "ffn.w2.weight", "shared_experts.w2.weight"))
                 p.normal_(0.0, out_std if is_out else std, generator=gen)

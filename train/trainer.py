@@ -29,7 +29,7 @@ from parallel.stats import global_moe_stats, update_expert_biases_global
 from train.agreement import check_ranks_agree, config_facts, data_facts
 from train.checkpoint import Checkpointer, list_checkpoints
 from train.config import Config, ConfigError, to_yaml
-from train.data import TokenStream, shard, val_batches
+from train.data import TokenStream, shard, unigram_counts, val_batches
 from train.flops import param_counts, peak_flops, train_flops_per_token
 from train.logger import RunLogger
 from train.hf import load_weights, read_hf_config
@@ -182,6 +182,8 @@ class Trainer:
             if top >= cfg.model.vocab_size:
                 raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} but data.path={d.path} holds token id {top}: "
                                   f"set --model.vocab_size={top + 1} or more (the tokenizer's vocabulary size)")
+        # the LM head's bias starts at the whole training split's unigram frequencies: the same on every rank
+        self.token_counts = unigram_counts(train_tokens, cfg.model.vocab_size) if cfg.model.lm_head_bias else None
         self.stream = TokenStream(shard(train_tokens, rt.rank, rt.world_size), d.seq_len, d.batch_size, cfg.train.seed, rt.rank)
         self.val_set = val_batches(shard(val_tokens, rt.rank, rt.world_size), d.seq_len, d.batch_size, d.val_batches)
 
@@ -205,6 +207,8 @@ class Trainer:
         with rt.device:  # built on the device: a large model never materialises on the host
             model = MoETransformer(cfg, dispatcher=self.dispatcher)
         model.init_weights(cfg.train.seed)
+        if self.token_counts is not None:
+            model.init_lm_bias(torch.from_numpy(self.token_counts))
         if cfg.train.init_from:
             seconds = load_weights(model, cfg.train.init_from, cfg)
             if rt.rank == 0:

@@ -78,6 +78,10 @@ class Architecture:
             "moe.first_dense_layers": 0,
             "moe.num_shared_experts": 1 if self.shared_expert else 0,
             "moe.shared_expert_gate": self.shared_gate,
+            # a centred router and an LM-head bias change the model from its first step: neither
+            # exists in a Hugging Face architecture, on import or export
+            "moe.router_centre": "none",
+            "model.lm_head_bias": False,
         }
         if self.always_renormalize:
             fixed["moe.renormalize"] = True
