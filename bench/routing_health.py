@@ -44,6 +44,7 @@ router for this process only, to decide whether one is worth building:
   1e-3 unless named), and their ``logit_bias_*`` rows ran today's rule through a patch.
 
     python bench/routing_health.py --steps 300 [--layers 6] [--variants base,expert_bias,...] [--seeds 0,1,2]
+        [--section.key=value ...]   (config overrides for every run, after the variant's)
 """
 
 import argparse
@@ -302,7 +303,8 @@ def main() -> None:
               "--log.heatmap_every=0", "--log.wandb_mode=disabled", f"--log.dir={args.log_dir}", "--log.overwrite=true"]
     from common import header, write_results
     md = header("Routing health: load max/mean of the worst layer while training", "bench/routing_health.py",
-                f"model: configs/olmoe_bench.yaml at {args.layers} layers, EP 1 (one GPU), 8,192 tokens a step, "
+                f"model: configs/olmoe_bench.yaml at {args.layers} layers, EP 1 (one GPU), "
+                + (f"with {' '.join(train_args)}, " if train_args else "8,192 tokens a step, ") +
                 f"warmup 10 steps, aux 0.01, z 0.001, seeds {args.seeds}; the variants are described in the script's "
                 "docstring",
                 "a cell: the worst layer's load max/mean at that step (every layer's, in the last column); "
@@ -318,7 +320,8 @@ def main() -> None:
         # '+' is not a character the device tool brings back in a file name
         run_name = (name if seeds == [0] else f"{name}_seed{seed}").replace("+", "_")
         cmd = [sys.executable, os.path.abspath(__file__), "--run", name, *common, f"--train.seed={seed}",
-               f"--log.run_name={run_name}", *([] if name.startswith("shipped") else PLAIN), *VARIANTS[name][0]]
+               f"--log.run_name={run_name}", *([] if name.startswith("shipped") else PLAIN), *VARIANTS[name][0],
+               *train_args]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         with open(os.path.join(args.log_dir, f"{run_name}.stderr"), "w") as f:
             f.write(proc.stderr)
