@@ -13,6 +13,10 @@
 #   PART=4 bash bench/run_ep2_step.sh   # after the overlap fix: 2 chunks at one and 8 micro-batches; P2P
 #                                       # at 8 micro-batches (also force_balance, replicate); the NCCL/P2P
 #                                       # GPU tests; mixtral_bench with P2P
+#   PART=5 bash bench/run_ep2_step.sh   # with olmoe_bench's routing-health options: 100 training steps
+#                                       # in the fastest layout (P2P, replicate, 8 micro-batches), the
+#                                       # routing of every layer and the MFU; its step profile; the
+#                                       # shipped layout's step profile
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -41,6 +45,27 @@ prof() {
     grep -h "^SUMMARY" "$log" >> "$OUT/summary.txt" || tail -5 "$log"
 }
 
+# routing NAME NEED_S [--section.key=value overrides]: a training run of olmoe_bench, printing its
+# logged steps' loss, tokens/s, MFU and every layer's load max/mean
+routing() {
+    local name=$1 need=$2
+    shift 2
+    if [ "$(left)" -lt "$need" ]; then echo "[skipped: routing run $name, $(left) s left]"; return; fi
+    timeout "$(left)" python3 -m torch.distributed.run --standalone --nproc_per_node=2 train/train.py \
+        --config configs/olmoe_bench.yaml --log.every=10 --log.heatmap_every=0 --log.wandb_mode=disabled \
+        --log.progress=false --checkpoint.every=0 --log.dir=/tmp/ep2_runs --log.run_name="$name" "$@" > "$OUT/$name.log" 2>&1
+    echo "[routing run $name: exit $?]"
+    cp "/tmp/ep2_runs/$name/metrics.jsonl" "$OUT/${name}_metrics.jsonl"
+    python3 - "$OUT/${name}_metrics.jsonl" <<'EOF'
+import json, sys
+for r in map(json.loads, open(sys.argv[1])):
+    ks = sorted((k for k in r if k.startswith("moe/layer") and k.endswith("/load_imbalance")), key=lambda k: int(k.split("/")[1][5:]))
+    if ks:
+        print(f"step {r['step']:4d} loss {r.get('train/loss', float('nan')):.3f} tok/s {r.get('perf/tokens_per_s', 0):,.0f} "
+              f"mfu {r.get('perf/mfu', 0):.3f} worst {max(r[k] for k in ks):.2f} | " + " ".join(f"{r[k]:.1f}" for k in ks))
+EOF
+}
+
 if [ "$PART" = 1 ]; then
     P="--warm 8 --steps 3 --timed 10"
     prof "olmoe_bench EP 2, NCCL, one chunk" 90 configs/olmoe_bench.yaml $P
@@ -58,22 +83,8 @@ elif [ "$PART" = 2 ]; then
     prof "olmoe_bench EP 2, NCCL, overlap_chunks 2, 8 micro-batches" 90 configs/olmoe_bench.yaml $A --parallel.overlap_chunks=2
     prof "mixtral_bench (8 layers) EP 2, NCCL, one chunk" 90 configs/mixtral_bench.yaml --warm 6 --steps 2 --timed 8
     prof "mixtral_bench (8 layers) EP 2, NCCL, 8 micro-batches" 90 configs/mixtral_bench.yaml $A
-    if [ "$(left)" -gt 110 ]; then  # the routing per layer over 150 steps, the default coefficients
-        timeout "$(left)" python3 -m torch.distributed.run --standalone --nproc_per_node=2 train/train.py \
-            --config configs/olmoe_bench.yaml --train.steps=150 --log.every=10 --log.heatmap_every=0 \
-            --log.wandb_mode=disabled --log.progress=false --checkpoint.every=0 --log.dir=/tmp/ep2_runs \
-            --log.run_name=routing > "$OUT/routing.log" 2>&1
-        echo "[routing run: exit $?]"
-        cp /tmp/ep2_runs/routing/metrics.jsonl "$OUT/routing_metrics.jsonl"
-        python3 - "$OUT/routing_metrics.jsonl" <<'EOF'
-import json, sys
-for r in map(json.loads, open(sys.argv[1])):
-    ks = sorted((k for k in r if k.startswith("moe/layer") and k.endswith("/load_imbalance")), key=lambda k: int(k.split("/")[1][5:]))
-    if ks:
-        print(f"step {r['step']:4d} loss {r.get('train/loss', float('nan')):.3f} tok/s {r.get('perf/tokens_per_s', 0):,.0f} "
-              f"mfu {r.get('perf/mfu', 0):.3f} | " + " ".join(f"{r[k]:.1f}" for k in ks))
-EOF
-    fi
+    # the routing per layer over 150 steps, the default coefficients
+    routing routing 110 --train.steps=150
 elif [ "$PART" = 4 ]; then
     P="--warm 8 --steps 3 --timed 10"
     A="--warm 3 --steps 1 --timed 3 --train.grad_accum=8"
@@ -90,6 +101,16 @@ elif [ "$PART" = 4 ]; then
         MOE_AUTOTUNE=0 timeout "$(left)" python3 -m pytest -q -m multigpu tests/test_parallel.py 2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
     fi
     prof "mixtral_bench (8 layers) EP 2, P2P" 60 configs/mixtral_bench.yaml --warm 6 --steps 2 --timed 8 --parallel.dispatcher=p2p
+elif [ "$PART" = 5 ]; then
+    # the bar's run: olmoe_bench with its routing-health options (since 2026-11-24's fifth session)
+    # in its fastest layout, trained 100 steps (the routing of every layer and the logged MFU), then
+    # its step profile (the exposed exchange) and the default layout's for the before/after
+    FAST="--parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    routing healthy_fast 260 --train.steps=100 $FAST
+    prof "olmoe_bench (routing options) EP 2, P2P, replicate, 8 micro-batches" 90 configs/olmoe_bench.yaml \
+        --warm 3 --steps 1 --timed 3 $FAST
+    prof "olmoe_bench (routing options) EP 2, NCCL, fsdp, one micro-batch (as shipped)" 90 configs/olmoe_bench.yaml \
+        --warm 8 --steps 3 --timed 10
 else
     timeout "$(left)" python3 bench/memory_check.py --gpus 2 --steps 8 --timeout 200 --out "$OUT/memory_ep2.md" \
         --only olmoe_bench_fsdp olmoe_bench_fsdp_selective olmoe_bench_fsdp_full olmoe_ep1_fsdp olmoe_ep1_fsdp_selective \
