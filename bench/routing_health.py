@@ -2,13 +2,14 @@
 
 Each variant is one training run of the OLMoE-shaped benchmark model at reduced depth, on one
 GPU (EP 1, 8,192 tokens a step, BPE data, the default coefficients: aux 0.01, z 0.001), run in
-its own process: ``shipped`` is configs/olmoe_bench.yaml as it is (since 2026-11-24's fifth
-session: the embedding at std 1.0, ``model.lm_head_bias``, ``moe.router_centre: causal``,
-``moe.expert_bias``); every other variant starts from the config without those four (:data:`PLAIN`, the config before), ``base``
-being that plain config; the table lists each logged step's worst layer's load max/mean (8.0 = every
-token sends a slot to the same expert, the most top-8 of 64 allows) and the step from which it
-stays ≤ 2.0. Variants that are not options of the library are applied here, as patches of the
-router for this process only, to decide whether one is worth building:
+its own process. ``shipped`` is configs/olmoe_bench.yaml as it is: since 2026-11-24's fifth
+session with the embedding at std 1.0, ``model.lm_head_bias``, ``moe.router_centre: causal`` and
+``moe.expert_bias``. Every other variant starts from the config without those four
+(:data:`PLAIN`, the config before), ``base`` being that plain config. The table lists each logged
+step's worst layer's load max/mean (8.0 = every token sends a slot to the same expert, the most
+top-8 of 64 allows) and the step from which it stays ≤ 2.0. Variants built from the library's
+options set them; the others are patches of this process, to decide whether one is worth
+building:
 
 - ``centre``: router logits centred per expert over the step's tokens (forward and backward).
   The route of a token then depends on the other tokens of its batch.
@@ -18,20 +19,23 @@ router for this process only, to decide whether one is worth building:
 - ``router_lr_0.1`` / ``router_lr_0``: the router weights in their own AdamW group at a tenth of
   the rate / frozen at their initialisation (a diagnosis: does the load drift because the router
   learns, or because its input changes?).
-- ``lm_bias``: a (V,) bias on the LM head's logits (an extra input coordinate of 1), initialised
-  to the centred log unigram frequencies of the training split, so the residual stream need not
-  carry the unigram distribution as a component common to every token.
-- ``embed_x10`` / ``embed_x50``: the embedding initialised at 10 or 50 × ``init_std``.
+- ``lm_bias``: ``model.lm_head_bias`` (the LM head's bias, set to the training split's centred
+  log unigram frequencies), so the residual stream need not carry the unigram distribution as a
+  component common to every token. The rows dated before the fifth session ran it as a patch
+  (counts of the rank's shard + 0.1, the bias as an extra input coordinate of 1).
+- ``embed_x10`` / ``embed_x50``: ``model.embed_init_std`` at 10 or 50 × ``init_std`` (0.2, 1.0);
+  before the fifth session, a patch scaling the initialised embedding.
 - ``project``: the router's input with its component along the running mean of that input
   (an exponential average over forwards, momentum 0.9, no gradient) removed: ``centre`` made
   independent of the batch (a token's route depends only on the weights and that one vector)
   and exportable (the projection folds into the router weight: ``W (I − u uᵀ)``).
-- ``causal_centre``: the router's input minus the mean of the same sequence's inputs at the
-  positions before it (position 0 unchanged): a token's route depends on its own prefix only, so
-  it is causal and batch-independent, and it removes the per-sequence common component that the
-  causal attention's near-uniform averages put into the stream (at initialisation, D 256 on CPU,
-  it took the worst layer's load from 7.7 to 2.2; a batch-wide mean (``project``) only to 3.5).
-  Not exportable to a plain linear router.
+- ``causal_centre``: ``moe.router_centre: causal``, the router's input minus the mean of the
+  same sequence's inputs at the positions before it (position 0 unchanged; built on the logits,
+  which are linear in it): a token's route depends on its own prefix only, so it is causal and
+  batch-independent, and it removes the per-sequence common component that the causal attention's
+  near-uniform averages put into the stream (at initialisation, D 256 on CPU, it took the worst
+  layer's load from 7.7 to 2.2; a batch-wide mean (``project``) only to 3.5). Before the fifth
+  session's last runs, a patch of the router's input.
 - ``diagnose``: the base run, printing every 5th training forward, per router, the load
   max/mean of its input as is, minus the batch's mean, minus each sequence's mean, minus each
   position's causal prefix mean, of the input through the router's initial weights, and the
@@ -60,42 +64,45 @@ sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 # "shipped" starts from (the benchmark's config before 2026-11-24's fifth session)
 PLAIN = ["--model.embed_init_std=0.02", "--model.lm_head_bias=false", "--moe.router_centre=none",
          "--moe.expert_bias=false"]
+# the library's options that variants combine
+LM_BIAS, CAUSAL, BIAS = "--model.lm_head_bias=true", "--moe.router_centre=causal", "--moe.expert_bias=true"
+EMBED_1, EMBED_02 = "--model.embed_init_std=1.0", "--model.embed_init_std=0.2"
 # name: (config overrides after PLAIN, router patches); "shipped": the config as it is
 VARIANTS = {
     "shipped": ([], []),
     "base": ([], []),
-    "expert_bias": (["--moe.expert_bias=true"], []),
+    "expert_bias": ([BIAS], []),
     "router_lr_0.1": ([], ["router_lr_0.1"]),
     "router_lr_0": ([], ["router_lr_0"]),
     "warmup_100": (["--optim.warmup_steps=100"], []),
     "centre": ([], ["centre"]),
-    "centre+expert_bias": (["--moe.expert_bias=true"], ["centre"]),
+    "centre+expert_bias": ([BIAS], ["centre"]),
     "grad_centre": ([], ["grad_centre"]),
-    "grad_centre+expert_bias": (["--moe.expert_bias=true"], ["grad_centre"]),
-    "lm_bias": ([], ["lm_bias"]),
-    "embed_x10": ([], ["embed_x10"]),
-    "embed_x10+lm_bias": ([], ["embed_x10", "lm_bias"]),
-    "embed_x50+lm_bias": ([], ["embed_x50", "lm_bias"]),
-    "embed_x50": ([], ["embed_x50"]),
-    "embed_x50+lm_bias+expert_bias": (["--moe.expert_bias=true"], ["embed_x50", "lm_bias"]),
-    "embed_x50+lm_bias+expert_bias_1e-2": (["--moe.expert_bias=true", "--moe.bias_update_rate=1e-2"], ["embed_x50", "lm_bias"]),
-    "expert_bias_1e-2": (["--moe.expert_bias=true", "--moe.bias_update_rate=1e-2"], []),
+    "grad_centre+expert_bias": ([BIAS], ["grad_centre"]),
+    "lm_bias": ([LM_BIAS], []),
+    "embed_x10": ([EMBED_02], []),
+    "embed_x10+lm_bias": ([EMBED_02, LM_BIAS], []),
+    "embed_x50+lm_bias": ([EMBED_1, LM_BIAS], []),
+    "embed_x50": ([EMBED_1], []),
+    "embed_x50+lm_bias+expert_bias": ([BIAS, EMBED_1, LM_BIAS], []),
+    "embed_x50+lm_bias+expert_bias_1e-2": ([BIAS, "--moe.bias_update_rate=1e-2", EMBED_1, LM_BIAS], []),
+    "expert_bias_1e-2": ([BIAS, "--moe.bias_update_rate=1e-2"], []),
     "no_renormalize": (["--moe.renormalize=false"], []),
     "project": ([], ["project"]),
-    "causal_centre": ([], ["causal_centre"]),
-    "causal_centre+expert_bias": (["--moe.expert_bias=true"], ["causal_centre"]),
-    "project+expert_bias": (["--moe.expert_bias=true"], ["project"]),
+    "causal_centre": ([CAUSAL], []),
+    "causal_centre+expert_bias": ([CAUSAL, BIAS], []),
+    "project+expert_bias": ([BIAS], ["project"]),
     "lr_1e-4": (["--optim.lr=1e-4"], []),
     "diagnose": ([], ["diagnose"]),
     "diagnose+router_lr_0": ([], ["diagnose", "router_lr_0"]),
-    "diagnose+embed_x50": ([], ["diagnose", "embed_x50"]),
-    "diagnose+embed_x50+lm_bias": ([], ["diagnose", "embed_x50", "lm_bias"]),
-    "diagnose+lm_bias": ([], ["diagnose", "lm_bias"]),
-    "diagnose+embed_x50+causal_centre": ([], ["diagnose", "embed_x50", "causal_centre"]),
-    "embed_x50+causal_centre": ([], ["embed_x50", "causal_centre"]),
-    "embed_x50+causal_centre+expert_bias": (["--moe.expert_bias=true"], ["embed_x50", "causal_centre"]),
-    "embed_x50+lm_bias+causal_centre": ([], ["embed_x50", "lm_bias", "causal_centre"]),
-    "embed_x50+lm_bias+causal_centre+expert_bias": (["--moe.expert_bias=true"], ["embed_x50", "lm_bias", "causal_centre"]),
+    "diagnose+embed_x50": ([EMBED_1], ["diagnose"]),
+    "diagnose+embed_x50+lm_bias": ([EMBED_1, LM_BIAS], ["diagnose"]),
+    "diagnose+lm_bias": ([LM_BIAS], ["diagnose"]),
+    "diagnose+embed_x50+causal_centre": ([EMBED_1, CAUSAL], ["diagnose"]),
+    "embed_x50+causal_centre": ([EMBED_1, CAUSAL], []),
+    "embed_x50+causal_centre+expert_bias": ([EMBED_1, CAUSAL, BIAS], []),
+    "embed_x50+lm_bias+causal_centre": ([EMBED_1, LM_BIAS, CAUSAL], []),
+    "embed_x50+lm_bias+causal_centre+expert_bias": ([EMBED_1, LM_BIAS, CAUSAL, BIAS], []),
 }
 
 
@@ -124,15 +131,15 @@ def _patch(names: list[str]) -> None:
             return logits_TE - logits_TE.mean(0, keepdim=True)
         mr.router_logits = centred_logits
     if "grad_centre" in names:
-        def forward(self, x_TD):
-            out = plain_forward(self, x_TD)
+        def forward(self, x_TD, seq_len=None):
+            out = plain_forward(self, x_TD, seq_len)
             lm_TE = CentreGrad.apply(out.logits_TE).softmax(dim=-1)
             priority_TK = lm_TE.gather(1, out.experts_TK)
             weights_TK = priority_TK / priority_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
             return mr.RouterOutput(out.logits_TE, out.scores_TE, out.experts_TK, priority_TK, weights_TK)
         mr.Router.forward = forward
     if "project" in names:
-        def forward(self, x_TD):
+        def forward(self, x_TD, seq_len=None):
             with torch.no_grad():
                 mean_D = x_TD.float().mean(0)
                 if getattr(self, "running_mean_D", None) is None:
@@ -141,23 +148,7 @@ def _patch(names: list[str]) -> None:
                     self.running_mean_D = 0.9 * self.running_mean_D + 0.1 * mean_D
                 u_D = self.running_mean_D / self.running_mean_D.norm().clamp_min(1e-12)
             along_T1 = (x_TD.float() @ u_D)[:, None]
-            return plain_forward(self, x_TD - (along_T1 * u_D).to(x_TD.dtype))
-        mr.Router.forward = forward
-    if "causal_centre" in names or "diagnose" in names:
-        import moe.layer as ml
-        plain_layer_forward = ml.MoELayer.forward_with_aux
-
-        def layer_forward(self, x):
-            self.router.seq_len = x.shape[-2]  # (B, S, D) in the model: the router sees (B·S, D)
-            return plain_layer_forward(self, x)
-        ml.MoELayer.forward_with_aux = layer_forward
-    if "causal_centre" in names:
-        def forward(self, x_TD):
-            S = self.seq_len
-            x_BSD = x_TD.view(-1, S, x_TD.shape[-1])
-            before_BSD = x_BSD.float().cumsum(1) - x_BSD.float()  # the sum over the positions before
-            count_S1 = torch.arange(S, device=x_TD.device, dtype=torch.float32)[:, None].clamp_min(1)
-            return plain_forward(self, (x_BSD - (before_BSD / count_S1).to(x_TD.dtype)).view_as(x_TD))
+            return plain_forward(self, x_TD - (along_T1 * u_D).to(x_TD.dtype), seq_len)
         mr.Router.forward = forward
     if "diagnose" in names:
         routers = []
@@ -167,15 +158,15 @@ def _patch(names: list[str]) -> None:
             return float(load_E.max() / load_E.float().mean())
 
         @torch.no_grad()
-        def diagnose(self, x_TD):
+        def diagnose(self, x_TD, seq_len):
             """One line: the load max/mean the router's weights give its input as is, minus the
             batch mean, minus each sequence's mean, minus each position's causal prefix mean; the
             input through the router's *initial* weights; the shares of the input's mean square in
             the batch mean and in the per-sequence means."""
-            x_BSD = x_TD.float().view(-1, self.seq_len, x_TD.shape[-1])
+            x_BSD = x_TD.float().view(-1, seq_len, x_TD.shape[-1])
             glob_D = x_BSD.mean((0, 1))
             seq_B1D = x_BSD.mean(1, keepdim=True)
-            count_S1 = torch.arange(self.seq_len, device=x_TD.device, dtype=torch.float32)[:, None].clamp_min(1)
+            count_S1 = torch.arange(seq_len, device=x_TD.device, dtype=torch.float32)[:, None].clamp_min(1)
             prefix_BSD = (x_BSD.cumsum(1) - x_BSD) / count_S1
             ms = x_BSD.square().mean()
             cells = [imbalance(v.flatten(0, 1) @ self.weight.T, self.top_k)
@@ -185,7 +176,7 @@ def _patch(names: list[str]) -> None:
             print(f"diagnose forward {self.forwards} router {routers.index(self)} | " + " ".join(f"{c:.2f}" for c in cells),
                   file=sys.stderr, flush=True)
 
-        plain_diag_forward = mr.Router.forward  # after causal_centre's patch: it sees the raw input
+        plain_diag_forward = mr.Router.forward
         import train.model as tm
 
         def block_forward(self, x_BSD):
@@ -208,7 +199,7 @@ def _patch(names: list[str]) -> None:
             return out_BSD
         tm.Block._forward = block_forward
 
-        def forward(self, x_TD):
+        def forward(self, x_TD, seq_len=None):
             # training forwards only: not validation (no grad), not a recompute in the backward
             if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
                 if self not in routers:
@@ -216,8 +207,8 @@ def _patch(names: list[str]) -> None:
                     self.init_weight, self.forwards = self.weight.detach().float().clone(), 0
                 self.forwards += 1
                 if self.forwards % 5 == 1:
-                    diagnose(self, x_TD)
-            return plain_diag_forward(self, x_TD)
+                    diagnose(self, x_TD, seq_len)
+            return plain_diag_forward(self, x_TD, seq_len)
         mr.Router.forward = forward
     router_lr = [float(n[len("router_lr_"):]) for n in names if n.startswith("router_lr_")]
     if router_lr:
@@ -232,39 +223,6 @@ def _patch(names: list[str]) -> None:
                         groups.append({**g, "params": params, "base_lr": g["base_lr"] * mult, "lr": g["lr"] * mult})
             return torch.optim.AdamW(groups, betas=opt.defaults["betas"], eps=opt.defaults["eps"], fused=True)
         tt.build_optimizer = build
-    scales = [float(n[len("embed_x"):]) for n in names if n.startswith("embed_x")]
-    if scales or "lm_bias" in names:
-        import numpy as np
-
-        import train.model as tm
-        plain_build_model = tt.Trainer.build_model
-
-        def build_model(self):
-            model = plain_build_model(self)
-            with torch.no_grad():
-                for s in scales:
-                    model.embed.weight.mul_(s)
-                if "lm_bias" in names:
-                    V = model.embed.weight.shape[0]
-                    counts = torch.from_numpy(np.bincount(self.stream.tokens, minlength=V).astype("float32")) + 0.1
-                    logp = counts.log() - counts.sum().log()
-                    model.lm_bias = torch.nn.Parameter((logp - logp.mean()).to(model.embed.weight.device))
-            return model
-        tt.Trainer.build_model = build_model
-
-        def forward(self, tokens_BS, targets_BS=None):
-            x_BSD = self.embed(tokens_BS)
-            for block in self.blocks:
-                x_BSD = block(x_BSD)
-            x_BSD = self.norm(x_BSD)
-            weight_VD = self.embed.weight if self.lm_head is None else self.lm_head.weight
-            if hasattr(self, "lm_bias"):  # the bias as an extra input coordinate of 1
-                x_BSD = torch.cat([x_BSD, torch.ones_like(x_BSD[..., :1])], -1)
-                weight_VD = torch.cat([weight_VD, self.lm_bias[:, None].to(weight_VD.dtype)], -1)
-            if targets_BS is None:
-                return torch.nn.functional.linear(x_BSD, weight_VD).float()
-            return tm.linear_cross_entropy(x_BSD.flatten(0, 1), weight_VD, targets_BS.flatten())
-        tm.MoETransformer.forward = forward
 
 
 def _summary(path: str) -> tuple[list[tuple[int, float, list[float]]], dict]:

@@ -120,8 +120,8 @@ class MoEConfig:
     router_centre: Centre = field(default="none", metadata={
         "help": "causal: a token's router logits minus the mean of the logits of its sequence's earlier tokens, "
                 "which removes the component a causal attention's prefix averages give every token of a sequence "
-                "(alone it sent every token to the same experts in bench/results/routing_health.md); not "
-                "exportable to a Hugging Face architecture; none: plain logits"})
+                "(a component that, left in, sent every token to the same experts: bench/results/routing_health.md); "
+                "not exportable to a Hugging Face architecture; none: plain logits"})
     force_balance: bool = field(default=False, metadata={
         "help": "BENCHMARK ONLY (Megatron's force load balancing): each token's top_k experts are drawn uniformly "
                 "at random instead of by the router, so every expert gets about T·K/E pairs whatever the model "

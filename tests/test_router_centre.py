@@ -78,14 +78,20 @@ def test_causal_and_per_sequence():
 
 
 def test_layer_centres_over_its_input_sequences():
-    """The layer passes its input's S: the (B, S, D) forward equals the router's on (B·S, D)."""
+    """The layer passes its input's S: the route inside a (B, S, D) forward is the router's on
+    (B·S, D) with seq_len=S, and its logits are the plain ones centred per sequence."""
     torch.manual_seed(3)
     layer = MoELayer(12, 10, 8, 2, router_centre="causal")
+    seen = []
+    layer.router.register_forward_hook(lambda mod, args, out: seen.append(out))
     x_BSD = torch.randn(2, 9, 12)
-    _, aux = layer.forward_with_aux(x_BSD)
+    layer(x_BSD)
     want = layer.router(x_BSD.reshape(18, 12), seq_len=9)
-    routed_E = torch.bincount(want.experts_TK.flatten(), minlength=8)
-    assert torch.equal(aux.stats.routed_per_expert.long(), routed_E)
+    assert torch.equal(seen[0].experts_TK, want.experts_TK) and torch.equal(seen[0].weights_TK, want.weights_TK)
+    plain_BSE = (x_BSD @ layer.router.weight.T).double()
+    prefix_BSE = torch.stack([plain_BSE[:, :t].mean(1) if t else torch.zeros(2, 8, dtype=torch.float64)
+                              for t in range(9)], 1)
+    torch.testing.assert_close(seen[0].logits_TE, (plain_BSE - prefix_BSE).reshape(18, 8).float(), rtol=1e-5, atol=1e-5)
 
 
 def test_errors_name_the_option():

@@ -15,8 +15,8 @@ import torch
 
 from moe import moe_layers
 from train import checkpoint as ckpt
-from train.config import Config, apply_overrides, load_config
-from train.data import TokenStream, shard, stdlib_corpus, stdlib_files, val_batches
+from train.config import Config, ConfigError, apply_overrides, load_config
+from train.data import TokenStream, shard, stdlib_corpus, stdlib_files, unigram_counts, val_batches
 from train.flops import forward_flops_per_token
 from train.model import MoETransformer, num_moe_blocks
 from train.optim import WarmupCosine, build_optimizer
@@ -182,22 +182,23 @@ def _model(*overrides, seed=0):
 
 
 def test_embedding_init_std():
-    """Untied: std 1.0 (torchtitan's) unless model.embed_init_std; tied: init_std (it is the LM
-    head). Only the embedding changes: every other weight draws the same numbers."""
+    """model.embed_init_std sets the embedding's std (none: init_std, tied or not). Only the
+    embedding changes: every other weight draws the same numbers."""
     tied, untied = _model(), _model("--model.tie_embeddings=false")
-    chosen, small = (_model("--model.tie_embeddings=false", f"--model.embed_init_std={v}") for v in (0.3, 0.02))
-    for model, want in ((tied, 0.02), (untied, 1.0), (chosen, 0.3), (small, 0.02)):
+    chosen, large = (_model("--model.tie_embeddings=false", f"--model.embed_init_std={v}") for v in (0.3, 1.0))
+    for model, want in ((tied, 0.02), (untied, 0.02), (chosen, 0.3), (large, 1.0)):
         assert float(model.embed.weight.detach().std()) == pytest.approx(want, rel=0.03)
     others = {n: p for n, p in untied.named_parameters() if n != "embed.weight"}
-    for name, p in small.named_parameters():
+    for name, p in large.named_parameters():
         if name != "embed.weight":
             assert torch.equal(p, others[name]), name
-    with pytest.raises(Exception, match="model.embed_init_std: must be > 0"):
+    with pytest.raises(ConfigError, match="model.embed_init_std: must be > 0"):
         load_config(SMALL[2:] + ["--model.embed_init_std=0"])
 
 
 def test_lm_head_bias_is_the_centred_log_unigram_and_enters_logits_and_loss():
     model = _model("--model.lm_head_bias=true", "--model.tie_embeddings=false")
+    twin = _model("--model.tie_embeddings=false")  # the same weights (the bias draws no numbers), no bias
     assert torch.equal(model.lm_bias, torch.zeros(256))  # until the data sets it
     counts_V = torch.randint(0, 1000, (256,))
     counts_V[:3] = 0
@@ -205,18 +206,28 @@ def test_lm_head_bias_is_the_centred_log_unigram_and_enters_logits_and_loss():
     logp_V = (counts_V.double() + 0.5).log()
     torch.testing.assert_close(model.lm_bias, (logp_V - logp_V.mean()).float())
     tokens_BS, targets_BS = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
-    logits_BSV = model(tokens_BS)
-    plain_BSV = logits_BSV - model.lm_bias.detach()
-    assert float((logits_BSV - plain_BSV).std(dim=-1).mean()) > 1  # the bias is there, once
-    model.lm_bias.requires_grad_(True)
+    logits_BSV, plain_BSV = model(tokens_BS), twin(tokens_BS)
+    torch.testing.assert_close(logits_BSV - plain_BSV, model.lm_bias.detach().expand_as(plain_BSV))
     loss = model(tokens_BS, targets_BS)
     torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits_BSV.flatten(0, 1), targets_BS.flatten()))
     loss.backward()
-    want_V = torch.autograd.grad(torch.nn.functional.cross_entropy(
-        (plain_BSV.detach() + model.lm_bias).flatten(0, 1), targets_BS.flatten()), model.lm_bias)[0]
+    # d loss / d bias_v = mean over tokens of (softmax − onehot)_v
+    probs_TV = logits_BSV.detach().flatten(0, 1).softmax(-1)
+    want_V = (probs_TV - torch.nn.functional.one_hot(targets_BS.flatten(), 256)).mean(0)
     torch.testing.assert_close(model.lm_bias.grad, want_V)
-    with pytest.raises(ValueError, match="init_lm_bias needs model.lm_head_bias"):
-        _model().init_lm_bias(counts_V)
+    with pytest.raises(ValueError, match=r"init_lm_bias needs model.lm_head_bias and \(256,\) counts, got "
+                                         r"lm_head_bias=False"):
+        twin.init_lm_bias(counts_V)
+
+
+def test_unigram_counts_whole_or_sampled():
+    tokens = np.random.default_rng(0).integers(0, 300, 5000).astype(np.uint16)
+    assert np.array_equal(unigram_counts(tokens, 300), np.bincount(tokens, minlength=300))
+    assert np.array_equal(unigram_counts(tokens, 200)[:200], np.bincount(tokens, minlength=300)[:200])
+    # above the sample: 64 evenly spaced blocks of sample / 64 tokens, the first and the last included
+    sampled = unigram_counts(tokens, 300, sample=640)
+    blocks = [tokens[s:s + 10] for s in np.linspace(0, len(tokens) - 10, 64).astype(np.int64)]
+    assert sampled.sum() == 640 and np.array_equal(sampled, np.bincount(np.concatenate(blocks), minlength=300))
 
 
 def test_lm_head_bias_starts_a_run_at_the_unigram_loss(tmp_path):
@@ -397,11 +408,15 @@ def test_config_error_fails_before_the_process_group(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_process_ep2_and_resume_exact_and_into_ep1_replicated(tmp_path):
-    # with the routing-health options of configs/olmoe_bench.yaml: the LM-head bias is a root
-    # parameter FSDP shards and DCP reslices; the centred router and the expert bias act per rank
-    base = SMALL + ["--model.tie_embeddings=false", "--model.lm_head_bias=true", "--moe.router_centre=causal",
-                    "--moe.expert_bias=true", "--train.steps=6", "--parallel.ep=2", f"--log.dir={tmp_path}"]
+@pytest.mark.parametrize("options", [
+    [],
+    # the routing-health options of configs/olmoe_bench.yaml: the LM-head bias is a root parameter
+    # FSDP shards and DCP reslices; the centred router and the expert bias act per rank
+    ["--model.tie_embeddings=false", "--model.embed_init_std=1.0", "--model.lm_head_bias=true",
+     "--moe.router_centre=causal", "--moe.expert_bias=true"],
+], ids=["plain", "routing_options"])
+def test_two_process_ep2_and_resume_exact_and_into_ep1_replicated(tmp_path, options):
+    base = SMALL + options + ["--train.steps=6", "--parallel.ep=2", f"--log.dir={tmp_path}"]
     _torchrun(2, base + ["--log.run_name=full"])
     _torchrun(2, base + ["--log.run_name=part", "--checkpoint.stop_after=3"])
     step3 = tmp_path / "part" / "checkpoints" / "step_00000003"

@@ -70,9 +70,9 @@ class ModelConfig:
     dense_hidden_dim: int = option(512, "hidden width of the dense MLP in non-MoE blocks")
     init_std: float = option(0.02, "std of the normal init (output projections: init_std / sqrt(2 · n_layers))")
     embed_init_std: float | None = option(
-        None, "std of the embedding's normal init; none: 1.0 when untied (torchtitan's: at 0.02 a token's own "
-              "signal is drowned within ten steps by what the attention writes, bench/results/routing_health.md), "
-              "init_std when tied (the embedding is then the LM head)")
+        None, "std of the embedding's normal init; none: init_std. configs/olmoe_*.yaml set 1.0 (torchtitan's): at "
+              "0.02 a token's own signal is drowned within ten steps by what the attention writes, and every router "
+              "sees one input (bench/results/routing_health.md)")
     lm_head_bias: bool = option(
         False, "a (V,) bias on the LM head's logits, initialised to the training data's centred log unigram "
                "frequencies, so the residual stream need not carry them as a component common to every token "

@@ -94,13 +94,19 @@ def load_splits(source: str, path: str | None, token_dtype: str, max_bytes: int,
 
 
 def unigram_counts(tokens: np.ndarray, vocab_size: int, sample: int = 2**26) -> np.ndarray:
-    """(V,) int64 count of each token id in ``tokens``; of a longer array, in 64 evenly spaced
-    blocks of ``sample / 64`` tokens (a token file may hold billions: this reads 64 runs of it)."""
+    """(V,) int64 count of each token id below ``vocab_size`` in ``tokens``; of a longer array, in
+    64 evenly spaced blocks of ``sample / 64`` tokens (a token file may hold billions: this reads 64
+    runs of it). Counted a block at a time: np.bincount copies its input to int64."""
     if len(tokens) > sample:
         block = sample // 64
         starts = np.linspace(0, len(tokens) - block, 64).astype(np.int64)
-        tokens = np.concatenate([np.asarray(tokens[s:s + block]) for s in starts])
-    return np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab_size)[:vocab_size]
+    else:
+        block = 2**20
+        starts = range(0, len(tokens), block)
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for s in starts:
+        counts += np.bincount(np.asarray(tokens[s:s + block]), minlength=vocab_size)[:vocab_size]
+    return counts
 
 
 def shard(tokens: np.ndarray, rank: int, world_size: int) -> np.ndarray:

@@ -13,11 +13,11 @@ Initialisation is seeded and independent of the expert-parallel size: dense weig
 one generator seeded by ``seed`` (identical on every rank), and global expert e of layer l is
 drawn from its own generator seeded by ``(seed, l, e)``, so rank r's slice of experts equals the
 same slice of a one-process model. Output projections (attention out, FFN down) use
-``std / sqrt(2 · n_layers)`` (GPT-2's residual scaling). An untied embedding starts at std 1.0
-(torchtitan's), unless ``model.embed_init_std`` says otherwise: at ``init_std`` its rows' RMS is
-0.02, and in the OLMoE-shaped benchmark the attention's prefix averages had written a vector
-common to every token of RMS 1.5 into the stream by step 11, which then chose the experts of every
-token (bench/results/routing_health.md). ``model.lm_head_bias`` adds a bias to the LM head's
+``std / sqrt(2 · n_layers)`` (GPT-2's residual scaling). ``model.embed_init_std`` sets the
+embedding's (configs/olmoe_*.yaml: 1.0, torchtitan's): at ``init_std`` its rows' RMS is 0.02, and
+in the OLMoE-shaped benchmark the attention had written a vector common to every token of RMS 1.5
+into the stream by step 11, which then chose the experts of every token
+(bench/results/routing_health.md). ``model.lm_head_bias`` adds a bias to the LM head's
 logits, set from the data's unigram counts (:meth:`MoETransformer.init_lm_bias`).
 
 Given the targets, the forward ends in the loss instead of the logits: the LM head and the
@@ -125,9 +125,10 @@ class MoETransformer(nn.Module):
         (each count + 0.5, so an unseen token is not -inf): the loss at initialisation is then
         the data's unigram entropy, and the residual stream need not learn the frequencies.
         Karpathy's "initialise the final layer's bias to the log prior"."""
-        if self.lm_bias is None or token_counts_V.shape != self.lm_bias.shape:
-            raise ValueError(f"init_lm_bias needs model.lm_head_bias and ({self.lm_bias.numel() if self.lm_bias is not None else 'V'},) "
-                             f"counts, got {tuple(token_counts_V.shape)}")
+        V = self.cfg.model.vocab_size
+        if self.lm_bias is None or tuple(token_counts_V.shape) != (V,):
+            raise ValueError(f"init_lm_bias needs model.lm_head_bias and ({V},) counts, got "
+                             f"lm_head_bias={self.lm_bias is not None} and {tuple(token_counts_V.shape)}")
         logp_V = (token_counts_V.double() + 0.5).log()
         self.lm_bias.copy_((logp_V - logp_V.mean()).to(self.lm_bias.dtype))
 
@@ -136,7 +137,7 @@ class MoETransformer(nn.Module):
         m = self.cfg.model
         std = m.init_std
         out_std = std / math.sqrt(2 * m.n_layers)
-        embed_std = m.embed_init_std if m.embed_init_std is not None else std if m.tie_embeddings else 1.0
+        embed_std = std if m.embed_init_std is None else m.embed_init_std
         device = self.embed.weight.device
         gen = torch.Generator(device=device).manual_seed(seed)
         expert_params = set()

@@ -182,7 +182,8 @@ class Trainer:
             if top >= cfg.model.vocab_size:
                 raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} but data.path={d.path} holds token id {top}: "
                                   f"set --model.vocab_size={top + 1} or more (the tokenizer's vocabulary size)")
-        # the LM head's bias starts at the whole training split's unigram frequencies: the same on every rank
+        # the LM head's bias starts at the training split's unigram frequencies (every rank counts the
+        # whole split, not its shard, so all start alike; sampled above 2^26 tokens)
         self.token_counts = unigram_counts(train_tokens, cfg.model.vocab_size) if cfg.model.lm_head_bias else None
         self.stream = TokenStream(shard(train_tokens, rt.rank, rt.world_size), d.seq_len, d.batch_size, cfg.train.seed, rt.rank)
         self.val_set = val_batches(shard(val_tokens, rt.rank, rt.world_size), d.seq_len, d.batch_size, d.val_batches)

@@ -34,6 +34,11 @@ class HFError(ValueError):
     names the file, the key or the tensor."""
 
 
+# our options that no architecture here has, with the value that means "off": a centred router
+# and an LM-head bias change the model from its first step, so neither is imported or exported
+NO_ARCHITECTURE = {"moe.router_centre": "none", "model.lm_head_bias": False}
+
+
 @dataclass(frozen=True)
 class Architecture:
     """One ``model_type``: its key names and its fixed choices.
@@ -78,10 +83,7 @@ class Architecture:
             "moe.first_dense_layers": 0,
             "moe.num_shared_experts": 1 if self.shared_expert else 0,
             "moe.shared_expert_gate": self.shared_gate,
-            # a centred router and an LM-head bias change the model from its first step: neither
-            # exists in a Hugging Face architecture, on import or export
-            "moe.router_centre": "none",
-            "model.lm_head_bias": False,
+            **NO_ARCHITECTURE,
         }
         if self.always_renormalize:
             fixed["moe.renormalize"] = True
@@ -231,6 +233,9 @@ class Architecture:
         # a trained selection bias changes the routing and no architecture here but DeepSeek-V3
         # (never exported) has one; a run may add it on import (it starts at zero, the same model)
         for key, want in {**self.fixed(), "moe.expert_bias": False}.items():
+            if flat[key] != want and key in NO_ARCHITECTURE:
+                raise HFError(f"{key}={flat[key]!r}: no Hugging Face architecture has it, so a model trained with it "
+                              f"cannot be exported")
             if flat[key] != want:
                 raise HFError(f"{key}={flat[key]!r} cannot be written as {self.model_type} (which has {key}={want!r}); "
                               f"pick the architecture whose options the model uses (--arch)")
