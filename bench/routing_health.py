@@ -153,6 +153,14 @@ def _patch(names: list[str]) -> None:
     if "diagnose" in names:
         routers = []
 
+        def sampled(module) -> bool:
+            """Count the module's training forwards (not validation, which runs without grad; not a
+            recompute in the backward) and say whether this one is a 1st, 6th, 11th, ..."""
+            if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+                return False
+            module.forwards = getattr(module, "forwards", 0) + 1
+            return module.forwards % 5 == 1
+
         def imbalance(logits_TE, k):
             load_E = torch.bincount(logits_TE.topk(k, dim=-1).indices.flatten(), minlength=logits_TE.shape[1])
             return float(load_E.max() / load_E.float().mean())
@@ -166,11 +174,11 @@ def _patch(names: list[str]) -> None:
             x_BSD = x_TD.float().view(-1, seq_len, x_TD.shape[-1])
             glob_D = x_BSD.mean((0, 1))
             seq_B1D = x_BSD.mean(1, keepdim=True)
-            count_S1 = torch.arange(seq_len, device=x_TD.device, dtype=torch.float32)[:, None].clamp_min(1)
-            prefix_BSD = (x_BSD.cumsum(1) - x_BSD) / count_S1
             ms = x_BSD.square().mean()
+            # the router's own centring (moe.router.causal_centre) works on any last dim: here D
+            centred_BSD = mr.causal_centre(x_TD.float(), seq_len).view_as(x_BSD)
             cells = [imbalance(v.flatten(0, 1) @ self.weight.T, self.top_k)
-                     for v in (x_BSD, x_BSD - glob_D, x_BSD - seq_B1D, x_BSD - prefix_BSD)]
+                     for v in (x_BSD, x_BSD - glob_D, x_BSD - seq_B1D, centred_BSD)]
             cells.append(imbalance(x_BSD.flatten(0, 1) @ self.init_weight.T, self.top_k))
             cells += [float(glob_D.square().mean() / ms), float(seq_B1D.square().mean() / ms)]
             print(f"diagnose forward {self.forwards} router {routers.index(self)} | " + " ".join(f"{c:.2f}" for c in cells),
@@ -186,28 +194,23 @@ def _patch(names: list[str]) -> None:
             attn_BSD = self._attention(x_BSD)
             ffn_BSD = self.ffn(self.ffn_norm(x_BSD + attn_BSD))
             out_BSD = x_BSD + attn_BSD + ffn_BSD
-            if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-                self.forwards = getattr(self, "forwards", 0) + 1
-                if self.forwards % 5 == 1:
-                    with torch.no_grad():
-                        cells = []
-                        for v in (x_BSD, attn_BSD, ffn_BSD, out_BSD):
-                            v_TD = v.float().flatten(0, 1)
-                            cells.append(f"{v_TD.square().mean().sqrt():.3f}/{v_TD.mean(0).square().mean().sqrt():.3f}")
-                    print(f"stream forward {self.forwards} block {self.layer_idx} | in attn ffn out (rms/mean rms) | "
-                          + " ".join(cells), file=sys.stderr, flush=True)
+            if sampled(self):
+                with torch.no_grad():
+                    cells = []
+                    for v in (x_BSD, attn_BSD, ffn_BSD, out_BSD):
+                        v_TD = v.float().flatten(0, 1)
+                        cells.append(f"{v_TD.square().mean().sqrt():.3f}/{v_TD.mean(0).square().mean().sqrt():.3f}")
+                print(f"stream forward {self.forwards} block {self.layer_idx} | in attn ffn out (rms/mean rms) | "
+                      + " ".join(cells), file=sys.stderr, flush=True)
             return out_BSD
         tm.Block._forward = block_forward
 
         def forward(self, x_TD, seq_len=None):
-            # training forwards only: not validation (no grad), not a recompute in the backward
-            if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-                if self not in routers:
-                    routers.append(self)
-                    self.init_weight, self.forwards = self.weight.detach().float().clone(), 0
-                self.forwards += 1
-                if self.forwards % 5 == 1:
-                    diagnose(self, x_TD, seq_len)
+            if self not in routers:  # the first forward is validation's, before any update
+                routers.append(self)
+                self.init_weight = self.weight.detach().float().clone()
+            if sampled(self):
+                diagnose(self, x_TD, seq_len)
             return plain_diag_forward(self, x_TD, seq_len)
         mr.Router.forward = forward
     router_lr = [float(n[len("router_lr_"):]) for n in names if n.startswith("router_lr_")]

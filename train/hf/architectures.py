@@ -236,7 +236,7 @@ class Architecture:
             if flat[key] != want and key in NO_ARCHITECTURE:
                 raise HFError(f"{key}={flat[key]!r}: no Hugging Face architecture has it, so a model trained with it "
                               f"cannot be exported")
-            if flat[key] != want:
+            elif flat[key] != want:
                 raise HFError(f"{key}={flat[key]!r} cannot be written as {self.model_type} (which has {key}={want!r}); "
                               f"pick the architecture whose options the model uses (--arch)")
 
