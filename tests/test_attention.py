@@ -16,6 +16,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from attention import Attention, attention_reference, flash_attention
 import attention.flash_attn as fa
+import attention.flash_attn_hopper as fah
 from attention.flash_attn import attention_forward
 from attention.reference import visible_keys
 from attention.rope import apply_rope, rope_cos_sin
@@ -531,3 +532,111 @@ def test_gpu_module_matches_reference(sliding_window):
     assert err <= 2e-2 * scale, (err, scale)
     y.float().square().mean().backward()
     assert all(torch.isfinite(p.grad).all() for p in mod.parameters())
+
+
+# ---- The Hopper (Gluon) forward ----------------------------------------------------------------
+
+_SM90_RESOURCES = """
+import json, re, subprocess, sys, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+import attention.flash_attn_hopper as fah
+
+out = []
+for causal, head_d, dtype in json.loads(sys.argv[1]):
+    gl_dtype = fah._GL_DTYPES[getattr(torch, dtype)]
+    def desc(rows):
+        layout = fah.gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_d], gl_dtype)
+        name = "bf16" if dtype == "bfloat16" else "fp16"
+        return f"tensordesc<{name}[1,1,{rows},{head_d}],{layout!r}>"
+    half = fah.BLOCK_M // 2
+    signature = {"q_desc": desc(half), "k_desc": desc(fah.BLOCK_N), "v_desc": desc(fah.BLOCK_N),
+                 "o_desc": desc(half), "LSE": "*fp32", "H": "i32", "GROUP": "i32", "SQ": "i32",
+                 "SK": "i32", "qk_scale": "fp32"}
+    constexprs = {"CAUSAL": causal, "BLOCK_M": fah.BLOCK_M, "BLOCK_N": fah.BLOCK_N,
+                  "HEAD_D": head_d, "STAGES": fah.STAGES, "CONSUMER_REGS": fah.CONSUMER_REGS,
+                  "PRODUCER_REGS": fah.PRODUCER_REGS}
+    signature.update({name: "constexpr" for name in constexprs})
+    kernel = triton.compile(GluonASTSource(fah._attn_fwd_hopper_kernel, signature, constexprs),
+                            target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4, "maxnreg": fah.MAX_NREG})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        tool = triton.__file__.rsplit("/", 1)[0] + "/backends/nvidia/bin/cuobjdump"
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+    out.append([int(re.search(r"REG:(\\d+)", usage).group(1)),
+                int(re.search(r"STACK:(\\d+)", usage).group(1)),
+                "setmaxnreg" in kernel.asm["ptx"]])
+print(json.dumps(out))
+"""
+
+
+def test_hopper_forward_compiles_for_sm90_without_spills():
+    """The warp-specialized forward's register plan holds when compiled for sm_90 (no GPU needed:
+    Triton's bundled ptxas; a child process, since the interpreter that conftest switches on
+    cannot compile): registers within the launch budget (MAX_NREG), no spills, and setmaxnreg
+    present (without it every warp keeps 168 registers and the consumers' S, O and P spill)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cases = [[True, 128, "bfloat16"], [False, 128, "float16"]]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", _SM90_RESOURCES, json.dumps(cases)], env=env,
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for case, (regs, stack, moves) in zip(cases, json.loads(run.stdout.splitlines()[-1])):
+        assert regs <= fah.MAX_NREG and stack == 0 and moves, (case, regs, stack, moves)
+
+
+def test_hopper_forward_ok_refuses_what_it_does_not_serve():
+    q = torch.randn(1, 2, 8, 128)
+    assert not fah.hopper_forward_ok(q, q, q, True, None)  # CPU tensors: the Triton kernels
+
+
+def _on_sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Gluon forward is for sm_90")
+@pytest.mark.parametrize("B,H,Hkv,S,Hd,causal,dtype,layout", [
+    (2, 16, 16, 4096, 128, True, torch.bfloat16, "BSHD"),
+    (1, 8, 2, 4097, 128, False, torch.bfloat16, "BHSD"),
+    (3, 4, 1, 1000, 128, True, torch.float16, "BSHD"),
+    (2, 8, 8, 129, 128, False, torch.bfloat16, "BHSD"),
+    (4, 2, 2, 64, 128, True, torch.float16, "BSHD"),
+])
+def test_gpu_hopper_forward_matches_triton_forward(B, H, Hkv, S, Hd, causal, dtype, layout,
+                                                   monkeypatch):
+    """O and LSE of the Gluon forward against the Triton forward (forced) on the same inputs:
+    long and odd lengths, GQA, both layouts. The backward consumes either one's LSE."""
+    def make(h):
+        if layout == "BSHD":
+            return torch.randn(B, S, h, Hd, device=DEVICE_GPU, dtype=dtype).transpose(1, 2)
+        return torch.randn(B, h, S, Hd, device=DEVICE_GPU, dtype=dtype)
+
+    q, k, v = make(H), make(Hkv), make(Hkv)
+    monkeypatch.setattr(fah, "MIN_SCORES", 1)  # small cases too: the kernel, not the dispatch
+    assert fah.hopper_forward_ok(q, k, v, causal, None)
+    o, lse = attention_forward(q, k, v, causal)
+    monkeypatch.setattr(fa, "hopper_forward_ok", lambda *a: False)
+    o_ref, lse_ref = attention_forward(q, k, v, causal)
+    assert o.stride() == o_ref.stride()
+    assert (o.float() - o_ref.float()).abs().max().item() <= 2 * ATOL_FLOOR[dtype]
+    assert (lse - lse_ref).abs().max().item() <= 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", [17, 1000])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_triton_forward_still_accurate(S, causal, monkeypatch):
+    """On Hopper the plain Hd 128 cases take the Gluon forward; this keeps the Triton forward
+    (every other GPU) under the accuracy rule too."""
+    monkeypatch.setattr(fa, "hopper_forward_ok", lambda *a: False)
+    _check_against_reference(2, 8, 2, S, 128, causal, torch.bfloat16, DEVICE_GPU)
