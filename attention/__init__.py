@@ -1,4 +1,5 @@
-"""Attention for the model: Triton FlashAttention (forward + backward) and the attention block."""
+"""Attention for the model: Triton FlashAttention (forward + backward; a Gluon forward on Hopper)
+and the attention block."""
 
 from attention.flash_attn import flash_attention
 from attention.module import Attention

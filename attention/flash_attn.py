@@ -6,8 +6,9 @@ H / Hkv query heads), Sq query length, Sk key/value length, Hd head dim.
 - ``_attn_fwd_kernel``: one program per (query block, b, h); streams key/value blocks through an
   online softmax, writes O and the per-row log-sum-exp (fp32, base 2, of the scaled scores).
   The Sq×Sk score matrix never exists in memory. On an H100/H200, the plain case (Sq == Sk, no
-  window, Hd 128, fp16/bf16) runs the warp-specialized Gluon forward of
-  ``flash_attn_hopper`` instead (0.97–1.00× cuDNN at Hd 128 where this kernel gives 0.80×).
+  window, Hd 128, fp16/bf16, at least 2^28 visible scores) runs the warp-specialized Gluon
+  forward of ``flash_attn_hopper`` instead (0.98–1.08× cuDNN at S 4k–16k where this kernel
+  gives 0.80–0.92×).
 - ``_attn_bwd_delta_kernel``: delta = rowsum(dO ∘ O) in fp32.
 - ``_attn_bwd_dkdv_kernel``: one program per (key block, b, hkv); recomputes the scores of every
   query block of all H / Hkv query heads of its group and accumulates dK, dV in registers, so the GQA
