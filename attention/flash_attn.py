@@ -531,7 +531,7 @@ def attention_forward(q, k, v, causal=True, scale=None, window=None):
     if q.numel() == 0:
         return o, lse
     if hopper_forward_ok(q, k, v, causal, window):
-        return hopper_forward(q, k, v, causal, scale * _LOG2E)
+        return hopper_forward(q, k, v, o, lse, causal, scale * _LOG2E)
     grid = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * H)  # noqa: E731
     _attn_fwd_kernel[grid](
         q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),

@@ -25,10 +25,9 @@ do_bench, probe run 2026-11-24), ms against cuDNN through SDPA: Hd 128 S 4096 0.
 (0.97×), causal 0.542 vs 0.530 (0.98×), S 16384 3.73 vs 3.72 (1.00×); S 1024 causal 0.86×. The
 Triton forward in the same run: 0.80, 0.80, 0.85, 0.69×. At Hd 64 (S 4096 causal) the Triton
 forward stays: 0.92× against this kernel's 0.89× (the 64×64 S·Q products leave the softmax
-exposed; FA3 uses 192-row tiles there). A
-scheduling barrier that makes the two warpgroups take turns at the tensor cores (FA3's ping-pong)
-measured within 2 % either way and is left out; so were 64-wide key blocks (5–15 % slower) and
-three stages (within 2 %).
+exposed; FA3 uses 192-row tiles there). A scheduling barrier that makes the two warpgroups take
+turns at the tensor cores (FA3's ping-pong) measured within 2 % either way and is left out; so
+were 64-wide key blocks (5–15 % slower) and three stages (within 2 %).
 
 Scope: the plain case only (Sq == Sk, no window), Hd 128, fp16/bf16, an sm_90 GPU and
 TMA-compatible strides (``hopper_forward_ok``); everything else takes the Triton kernels. The
@@ -264,12 +263,11 @@ def _descriptor(t, rows):
                             _smem_layout(rows, t.shape[3], t.dtype))
 
 
-def hopper_forward(q, k, v, causal, scale_log2):
-    """q: (B, H, S, Hd); k, v: (B, Hkv, S, Hd); ``scale_log2`` = softmax scale · log2(e).
-    Returns o like q and lse (B, H, S) fp32, as ``flash_attn.attention_forward``."""
+def hopper_forward(q, k, v, o, lse, causal, scale_log2):
+    """q, o: (B, H, S, Hd); k, v: (B, Hkv, S, Hd); lse: (B, H, S) fp32; ``scale_log2`` = softmax
+    scale · log2(e). Fills ``o`` and ``lse`` as ``flash_attn.attention_forward`` allocates them
+    and returns them."""
     B, H, S, Hd = q.shape
-    o = torch.empty_like(q)
-    lse = torch.empty(B, H, S, device=q.device, dtype=torch.float32)
     _attn_fwd_hopper_kernel[(triton.cdiv(S, BLOCK_M), B * H)](
         _descriptor(q, BLOCK_M // 2), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
         _descriptor(o, BLOCK_M // 2), lse, H, H // k.shape[1], S, S, scale_log2, CAUSAL=causal,

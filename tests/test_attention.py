@@ -545,9 +545,8 @@ import attention.flash_attn_hopper as fah
 
 out = []
 for causal, head_d, dtype in json.loads(sys.argv[1]):
-    gl_dtype = fah._GL_DTYPES[getattr(torch, dtype)]
     def desc(rows):
-        layout = fah.gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_d], gl_dtype)
+        layout = fah._smem_layout(rows, head_d, getattr(torch, dtype))
         name = "bf16" if dtype == "bfloat16" else "fp16"
         return f"tensordesc<{name}[1,1,{rows},{head_d}],{layout!r}>"
     half = fah.BLOCK_M // 2
