@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from attention.flash_attn_hopper import hopper_forward, hopper_forward_ok
+from attention.flash_attn_hopper_bwd import hopper_backward, hopper_backward_ok
 from kernel_floor import INTERPRET
 
 MAX_HEAD_DIM = 256
@@ -541,10 +542,13 @@ def attention_forward(q, k, v, causal=True, scale=None, window=None):
     return o, lse
 
 
-def attention_backward(do, q, k, v, o, lse, causal=True, scale=None, window=None):
+def attention_backward(do, q, k, v, o, lse, causal=True, scale=None, window=None,
+                       deterministic=True):
     """Launch the backward kernels; returns dq, dk, dv shaped and typed like q, k, v.
 
-    do, o: (B, H, Sq, Hd); lse: (B, H, Sq) fp32 from ``attention_forward``. Deterministic.
+    do, o: (B, H, Sq, Hd); lse: (B, H, Sq) fp32 from ``attention_forward``. Bit-reproducible
+    unless ``deterministic=False``, which lets the Hopper kernel add the key blocks' dQ parts in
+    arrival order (the Triton kernels are deterministic either way).
     """
     do = _last_dim_contiguous(do)
     B, H, Sq, Hd = q.shape
@@ -559,6 +563,8 @@ def attention_backward(do, q, k, v, o, lse, causal=True, scale=None, window=None
         o, do, delta, *_strides(o), *_strides(do), H, Sq, BLOCK_M=delta_block,
         **_head_dim_args(Hd),
     )
+    if hopper_backward_ok(q, k, v, do, causal, window):
+        return hopper_backward(do, q, k, v, lse, delta, dq, dk, dv, causal, scale, deterministic)
     common = (H, H // Hkv, *_launch_args(q, k, causal, window), scale * _LOG2E, scale)
     constexprs = {**_path_args(q, k, causal, window), **_head_dim_args(Hd)}
     if Sk > 0:
@@ -577,20 +583,21 @@ class FlashAttentionFn(torch.autograd.Function):
     """Autograd wrapper: saves q, k, v, o and the fp32 log-sum-exp (O(Sq) memory), no scores."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, window):
+    def forward(ctx, q, k, v, causal, scale, window, deterministic):
         o, lse = attention_forward(q, k, v, causal, scale, window)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.window = causal, scale, window
+        ctx.causal, ctx.scale, ctx.window, ctx.deterministic = causal, scale, window, deterministic
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.window)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = attention_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.window,
+                                        ctx.deterministic)
+        return dq, dk, dv, None, None, None, None
 
 
-def flash_attention(q, k, v, causal=True, scale=None, window=None):
+def flash_attention(q, k, v, causal=True, scale=None, window=None, deterministic=True):
     """Softmax attention without the Sq×Sk matrix.
 
     q: (B, H, Sq, Hd); k, v: (B, Hkv, Sk, Hd) with H % Hkv == 0; Hd a multiple of 8 up to 256;
@@ -599,4 +606,4 @@ def flash_attention(q, k, v, causal=True, scale=None, window=None):
     ``window=(left, right)`` (ints >= 0; None: unlimited), right = 0 when ``causal``. A query
     that sees no key outputs 0. Returns (B, H, Sq, Hd) in q's dtype.
     """
-    return FlashAttentionFn.apply(q, k, v, causal, scale, window)
+    return FlashAttentionFn.apply(q, k, v, causal, scale, window, deterministic)

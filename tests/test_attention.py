@@ -17,6 +17,7 @@ from torch.nn.attention.bias import causal_lower_right
 from attention import Attention, attention_reference, flash_attention
 import attention.flash_attn as fa
 import attention.flash_attn_hopper as fah
+import attention.flash_attn_hopper_bwd as fab
 from attention.flash_attn import attention_forward
 from attention.reference import visible_keys
 from attention.rope import apply_rope, rope_cos_sin
@@ -540,62 +541,100 @@ _SM90_RESOURCES = """
 import json, re, subprocess, sys, tempfile
 import torch, triton
 from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 import attention.flash_attn_hopper as fah
+import attention.flash_attn_hopper_bwd as fab
 
+bin_dir = triton.__file__.rsplit("/", 1)[0] + "/backends/nvidia/bin/"
 out = []
-for causal, head_d, dtype in json.loads(sys.argv[1]):
+for kind, causal, deterministic, head_d, dtype in json.loads(sys.argv[1]):
+    name = "bf16" if dtype == "bfloat16" else "fp16"
+
     def desc(rows):
-        layout = fah._smem_layout(rows, head_d, getattr(torch, dtype))
-        name = "bf16" if dtype == "bfloat16" else "fp16"
-        return f"tensordesc<{name}[1,1,{rows},{head_d}],{layout!r}>"
-    half = fah.BLOCK_M // 2
-    signature = {"q_desc": desc(half), "k_desc": desc(fah.BLOCK_N), "v_desc": desc(fah.BLOCK_N),
-                 "o_desc": desc(half), "LSE": "*fp32", "H": "i32", "GROUP": "i32", "SQ": "i32",
-                 "SK": "i32", "qk_scale": "fp32"}
-    constexprs = {"CAUSAL": causal, "BLOCK_M": fah.BLOCK_M, "BLOCK_N": fah.BLOCK_N,
-                  "HEAD_D": head_d, "STAGES": fah.STAGES, "CONSUMER_REGS": fah.CONSUMER_REGS,
-                  "PRODUCER_REGS": fah.PRODUCER_REGS}
+        return f"tensordesc<{name}[1,1,{rows},{head_d}],{fah._smem_layout(rows, head_d, getattr(torch, dtype))!r}>"
+    if kind == "fwd":
+        mod, half = fah, fah.BLOCK_M // 2
+        signature = {"q_desc": desc(half), "k_desc": desc(fah.BLOCK_N),
+                     "v_desc": desc(fah.BLOCK_N), "o_desc": desc(half), "LSE": "*fp32",
+                     "H": "i32", "GROUP": "i32", "SQ": "i32", "SK": "i32", "qk_scale": "fp32"}
+        constexprs = {"CAUSAL": causal, "BLOCK_M": fah.BLOCK_M}
+        fn, warps = fah._attn_fwd_hopper_kernel, 4
+    else:
+        mod = fab
+        dq_layout = gl.NVMMASharedLayout.get_default_for([fab.BLOCK_M, head_d], gl.float32)
+        signature = {"q_desc": desc(fab.BLOCK_M), "k_desc": desc(fab.BLOCK_N),
+                     "v_desc": desc(fab.BLOCK_N), "do_desc": desc(fab.BLOCK_M),
+                     "dk_desc": desc(fab.BLOCK_N), "dv_desc": desc(fab.BLOCK_N),
+                     "dq_desc": f"tensordesc<fp32[{fab.BLOCK_M},{head_d}],{dq_layout!r}>",
+                     "LSE": "*fp32", "DELTA": "*fp32", "SEM": "*i32", "H": "i32", "GROUP": "i32",
+                     "SQ": "i32", "SQ_PAD": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
+        constexprs = {"CAUSAL": causal, "DETERMINISTIC": deterministic, "BLOCK_M": fab.BLOCK_M}
+        fn, warps = fab._attn_bwd_hopper_kernel, 8
+    constexprs.update({"BLOCK_N": mod.BLOCK_N, "HEAD_D": head_d, "STAGES": mod.STAGES,
+                       "CONSUMER_REGS": mod.CONSUMER_REGS, "PRODUCER_REGS": mod.PRODUCER_REGS})
     signature.update({name: "constexpr" for name in constexprs})
-    kernel = triton.compile(GluonASTSource(fah._attn_fwd_hopper_kernel, signature, constexprs),
+    kernel = triton.compile(GluonASTSource(fn, signature, constexprs),
                             target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 4, "maxnreg": fah.MAX_NREG})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        tool = triton.__file__.rsplit("/", 1)[0] + "/backends/nvidia/bin/cuobjdump"
-        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
-                               text=True, check=True).stdout
+                            options={"num_warps": warps, "maxnreg": mod.MAX_NREG})
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(tmp + "/k.cubin", "wb") as f:
+            f.write(kernel.asm["cubin"])
+        with open(tmp + "/k.ptx", "w") as f:
+            f.write(kernel.asm["ptx"])
+        usage = subprocess.run([bin_dir + "cuobjdump", "--dump-resource-usage", tmp + "/k.cubin"],
+                               capture_output=True, text=True, check=True).stdout
+        ptxas = subprocess.run([bin_dir + "ptxas", "-arch=sm_90a", "-v", tmp + "/k.ptx", "-o",
+                                tmp + "/again.cubin"], capture_output=True, text=True, check=True)
     out.append([int(re.search(r"REG:(\\d+)", usage).group(1)),
                 int(re.search(r"STACK:(\\d+)", usage).group(1)),
-                "setmaxnreg" in kernel.asm["ptx"]])
+                "setmaxnreg" in kernel.asm["ptx"], "C7515" in ptxas.stdout + ptxas.stderr,
+                mod.MAX_NREG])
 print(json.dumps(out))
 """
 
 
-def test_hopper_forward_compiles_for_sm90_without_spills():
-    """The warp-specialized forward's register plan holds when compiled for sm_90 (no GPU needed:
+def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
+    """The warp-specialized kernels' register plans hold when compiled for sm_90 (no GPU needed:
     Triton's bundled ptxas; a child process, since the interpreter that conftest switches on
-    cannot compile): registers within the launch budget (MAX_NREG), no spills, and setmaxnreg
-    present (without it every warp keeps 168 registers and the consumers' S, O and P spill)."""
+    cannot compile): registers within the launch budget (MAX_NREG), no spills, setmaxnreg present
+    (without it every warp keeps 168 registers and the consumers spill), and no C7515 from ptxas.
+    C7515 means ptxas waits for every wgmma where it is issued: the backward once carried a
+    running wgmma across its loop's back edge and lost 10-20 % that way with no other sign."""
     import json
     import os
     import subprocess
     import sys
 
-    cases = [[True, 128, "bfloat16"], [False, 128, "float16"]]
+    cases = [["fwd", True, False, 128, "bfloat16"], ["fwd", False, False, 128, "float16"],
+             ["bwd", True, True, 128, "bfloat16"], ["bwd", False, False, 128, "float16"]]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run = subprocess.run([sys.executable, "-c", _SM90_RESOURCES, json.dumps(cases)], env=env,
-                         cwd=root, capture_output=True, text=True, timeout=300)
+                         cwd=root, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    for case, (regs, stack, moves) in zip(cases, json.loads(run.stdout.splitlines()[-1])):
-        assert regs <= fah.MAX_NREG and stack == 0 and moves, (case, regs, stack, moves)
+    for case, (regs, stack, moves, serialized, budget) in zip(
+            cases, json.loads(run.stdout.splitlines()[-1])):
+        assert regs <= budget and stack == 0 and moves and not serialized, (
+            case, regs, stack, moves, serialized)
 
 
-def test_hopper_forward_ok_refuses_what_it_does_not_serve():
+@interpreter_only
+def test_interpreter_deterministic_flag_reaches_the_backward():
+    """deterministic=False only frees the Hopper kernel's dQ order; elsewhere (here the Triton
+    kernels) the gradients are the same bits."""
+    q, k, v, do = _inputs(1, 2, 1, 33, 16, torch.float32, "cpu")
+    fixed = _out_and_grads(lambda a, b, c: flash_attention(a, b, c, True), q, k, v, do)
+    free = _out_and_grads(lambda a, b, c: flash_attention(a, b, c, True, deterministic=False),
+                          q, k, v, do)
+    for name, x, y in zip(("o", "dq", "dk", "dv"), fixed, free):
+        assert torch.equal(x, y), name
+
+
+def test_hopper_kernels_refuse_what_they_do_not_serve():
     q = torch.randn(1, 2, 8, 128)
     assert not fah.hopper_forward_ok(q, q, q, True, None)  # CPU tensors: the Triton kernels
+    assert not fab.hopper_backward_ok(q, q, q, q, True, None)
 
 
 def _on_sm90():
@@ -630,6 +669,53 @@ def test_gpu_hopper_forward_matches_triton_forward(B, H, Hkv, S, Hd, causal, dty
     assert o.stride() == o_ref.stride()
     assert (o.float() - o_ref.float()).abs().max().item() <= 2 * ATOL_FLOOR[dtype]
     assert (lse - lse_ref).abs().max().item() <= 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Gluon backward is for sm_90")
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("B,H,Hkv,S,causal,dtype,layout", [
+    (2, 16, 16, 4096, True, torch.bfloat16, "BSHD"),
+    (1, 8, 2, 4097, False, torch.bfloat16, "BHSD"),
+    (3, 4, 1, 1000, True, torch.float16, "BSHD"),
+    (2, 8, 8, 129, False, torch.bfloat16, "BHSD"),
+    (1, 4, 4, 200, True, torch.bfloat16, "BHSD"),
+    (4, 2, 2, 64, True, torch.float16, "BSHD"),
+    (1, 1, 1, 1, True, torch.bfloat16, "BHSD"),
+])
+def test_gpu_hopper_backward(B, H, Hkv, S, causal, dtype, layout, deterministic, monkeypatch):
+    """The Gluon backward against the Triton backward (forced) on the same forward: long and odd
+    lengths, GQA, both layouts, one-row and partial blocks; against the fp32 reference by the
+    accuracy rule where that fits in memory; and bit-identical on repeat when deterministic."""
+    def make(h, grad=True):
+        if layout == "BSHD":
+            t = torch.randn(B, S, h, 128, device=DEVICE_GPU, dtype=dtype).transpose(1, 2)
+        else:
+            t = torch.randn(B, h, S, 128, device=DEVICE_GPU, dtype=dtype)
+        return t.requires_grad_(grad)
+
+    q, k, v, do = make(H), make(Hkv), make(Hkv), make(H, grad=False)
+    monkeypatch.setattr(fab, "MIN_SCORES", 0)  # small cases too: the kernel, not the dispatch
+    assert fab.hopper_backward_ok(q, k, v, do, causal, None)
+
+    def run():
+        return _out_and_grads(
+            lambda a, b, c: flash_attention(a, b, c, causal, deterministic=deterministic),
+            q, k, v, do)
+
+    ours = run()
+    if deterministic:
+        for name, x, y in zip(("o", "dq", "dk", "dv"), ours, run()):
+            assert torch.equal(x, y), f"{name} differs between repeats"
+    with monkeypatch.context() as m:
+        m.setattr(fa, "hopper_backward_ok", lambda *a: False)
+        triton_grads = run()[1:]
+    for name, x, y in zip(("dq", "dk", "dv"), ours[1:], triton_grads):
+        assert x.shape == y.shape and x.dtype == y.dtype and x.stride() == y.stride(), name
+        scale = y.float().abs().max().item()
+        assert (x.float() - y.float()).abs().max().item() <= 1e-2 * scale + ATOL_FLOOR[dtype], name
+    if S <= 1024:
+        _assert_accurate(ours, q, k, v, do, causal, None, dtype)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,299 @@
+"""The attention backward on Hopper (sm_90) in Gluon: five matmuls, dQ summed across key blocks.
+
+Why. The Triton backward makes dK/dV in one kernel (per key block: S = QKᵀ, dP = dO·Vᵀ, dV, dK)
+and dQ in a second (per query block: S and dP again, then dQ): seven matmuls where five suffice.
+At Hd 128 on an H100 its matmuls already run at cuDNN's rate, so the two extra ones are the gap
+(2.34 + 1.21 ms against cuDNN's 2.48 ms at S 4096, bench/results/attention.md). This kernel is
+FlashAttention-3's backward (Shah et al. 2024, Algorithm 3 of the appendix), written in Gluon:
+
+- **One CTA per (key block of 128, K/V head).** K and V stay in shared memory. A producer warp
+  streams the 64-row Q and dO blocks of every query head in the group through a ``STAGES``-deep
+  ring (TMA, ready/empty mbarriers). Two consumer warpgroups (one 8-warp partition at 240
+  registers) hold dK and dV (128×Hd fp32 each) in registers.
+- **Transposed products.** Each step computes Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (keys × queries), so
+  Pᵀ and dSᵀ sit in registers exactly as wgmma wants its A operand for dV += Pᵀ·dO and
+  dK += dSᵀ·Q: no transposes through shared memory for those two.
+- **dQ in the same kernel.** dSᵀ goes to shared memory once (double-buffered, one barrier per
+  step); dQ_i = dS·K is the fifth matmul, and its 64×Hd fp32 partial is added into an fp32
+  accumulator in global memory (L2-resident: the CTAs of one head run together). A last pass
+  casts it to q's dtype.
+- **Deterministic by default.** Float addition is not associative, so the order of the key blocks'
+  adds into one dQ block must not depend on timing. With ``deterministic=True`` a counter per
+  (query head, query block) makes key block j wait until blocks 0 … j−1 have added theirs
+  (FA3's scheme). Every CTA walks its query blocks from the last one down, so the CTAs of a
+  head, which start together, meet each block in key-block order and rarely wait; the launch
+  order (key block fastest) keeps a waiting CTA's predecessors already resident.
+
+Scope as the forward: Sq == Sk, no window, Hd 128, fp16/bf16, sm_90, TMA strides; the rest takes
+the Triton kernels (``hopper_backward_ok``).
+"""
+
+import torch
+import triton
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from attention.flash_attn_hopper import HEAD_DIMS, MIN_SCORES, _GL_DTYPES, _descriptor
+from kernel_floor import tma_ok
+
+BLOCK_M = 64  # query rows per step
+BLOCK_N = 128  # keys per CTA: two warpgroups × 64
+STAGES = 2
+CONSUMER_REGS = 240
+PRODUCER_REGS = 24
+MAX_NREG = 168  # 12 warps (8 consumers, the producer's warpgroup) × 168 = the 64K register file
+
+
+@gluon.jit
+def _query_block(it, n_i, i_hi):
+    """Step ``it`` of the CTA's walk: (head within the group, query block), blocks descending."""
+    g = it // n_i
+    return g, i_hi - (it - g * n_i)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA reduce-add of a shared-memory tile into global memory (cp.reduce.async.bulk.tensor).
+    Gluon 3.6's hopper ``tma`` module has only the plain copy; its builder has the reduce."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
+                                              coord, src.handle)
+
+
+@gluon.jit
+def _bulk_wait_all():
+    """``cp.async.bulk.wait_group 0``: this thread's bulk copies have completed their writes.
+    (``tma.store_wait`` is the ``.read`` form: only the shared-memory source is free.)"""
+    one_warp: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n mov.b32 $0, $1;", "=r,r",
+                              [gl.full([32], 0, gl.int32, layout=one_warp)], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _bwd_producer(a):
+    """One warp: K and V once, then Q and dO of every step through the ring."""
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem,
+     ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, dq_full, dq_empty, LSE, DELTA,
+     SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_i, i_hi, qk_scale, sm_scale) = a
+    NSTAGE: gl.constexpr = q_smem.type.shape[0]
+    BM: gl.constexpr = q_smem.type.shape[3]
+    BN: gl.constexpr = k_smem.type.shape[2]
+    row_layout: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, hk, j * BN, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [b, hk, j * BN, 0], kv_bar, v_smem)
+    for it in range(GROUP * n_i):
+        g, i = _query_block(it, n_i, i_hi)
+        h = hk * GROUP + g
+        s = it % NSTAGE
+        phase = (it // NSTAGE) & 1
+        # A fresh mbarrier counts as having completed the phase before 0: no wait on the first lap.
+        mbarrier.wait(qdo_empty.index(s), phase ^ 1)
+        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, i * BM, 0], q_ready.index(s),
+                                        q_smem.index(s))
+        mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [b, h, i * BM, 0], do_ready.index(s),
+                                        do_smem.index(s))
+        # LSE and Δ of the block's rows go through shared memory too: loaded by the consumers,
+        # their latency sat in every step, and their 16 columns per thread cost registers. A row
+        # past the end gets LSE +inf, so P = 0 there (its Q and dO rows are TMA zeros).
+        rows = i * BM + gl.arange(0, BM, layout=row_layout)
+        bh = (b * H + h).to(gl.int64)
+        lse_smem.index(s).store(gl.load(LSE + bh * SQ + rows, mask=rows < SQ, other=float("inf")))
+        delta_smem.index(s).store(gl.load(DELTA + bh * SQ + rows, mask=rows < SQ, other=0.0))
+        mbarrier.arrive(q_ready.index(s), count=1)
+
+
+@gluon.jit
+def _bwd_consumer(a, CAUSAL: gl.constexpr):
+    """Two warpgroups (8 warps): keys j·128 … +127 against every query block of the group."""
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem,
+     ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, dq_full, dq_empty, LSE, DELTA,
+     SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_i, i_hi, qk_scale, sm_scale) = a
+    NSTAGE: gl.constexpr = q_smem.type.shape[0]
+    BM: gl.constexpr = q_smem.type.shape[3]
+    HEAD_D: gl.constexpr = q_smem.type.shape[4]
+    BN: gl.constexpr = k_smem.type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+    # Sᵀ and dPᵀ (BN × BM): each warpgroup owns 64 keys. dK and dV (BN × Hd) likewise.
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                        instr_shape=[16, BM, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                        instr_shape=[16, HEAD_D, 16])
+    # dQ (BM × Hd): one 64-row tile, so the warpgroups split Hd.
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                        instr_shape=[16, HEAD_D // 2, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    per_query: gl.constexpr = gl.SliceLayout(0, st_layout)
+
+    start_n = j * BN
+    keys = start_n + gl.arange(0, BN, layout=gl.SliceLayout(1, st_layout))
+    dk = gl.zeros([BN, HEAD_D], gl.float32, layout=kv_layout)
+    dv = gl.zeros([BN, HEAD_D], gl.float32, layout=kv_layout)
+    dq_zero = gl.zeros([BM, HEAD_D], gl.float32, layout=dq_layout)
+    st_zero = gl.zeros([BN, BM], gl.float32, layout=st_layout)
+    k_tile = k_smem.reshape([BN, HEAD_D])
+    v_tile = v_smem.reshape([BN, HEAD_D])
+    mbarrier.wait(kv_bar, 0)
+    for it in range(GROUP * n_i):
+        g, i = _query_block(it, n_i, i_hi)
+        start_m = i * BM
+        s = it % NSTAGE
+        phase = (it // NSTAGE) & 1
+        cols = start_m + gl.arange(0, BM, layout=per_query)
+        mbarrier.wait(q_ready.index(s), phase)
+        q_tile = q_smem.index(s).reshape([BM, HEAD_D])
+        st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(s), phase)
+        do_tile = do_smem.index(s).reshape([BM, HEAD_D])
+        dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(1, deps=(st, ))  # dPᵀ may still run
+        pt = gl.exp2(st * qk_scale - lse_smem.index(s).load(per_query)[None, :])
+        if CAUSAL:
+            if start_m < start_n + BN - 1:  # the block crosses the diagonal
+                pt = gl.where(cols[None, :] >= keys[:, None], pt, 0.0)
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_tile, dv, is_async=True)
+        dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # dV += Pᵀ·dO may still run
+        # dSᵀ = Pᵀ ∘ (dPᵀ − Δ), with the softmax scale folded in for both dK and dQ.
+        ds = (pt * (dpt - delta_smem.index(s).load(per_query)[None, :]) * sm_scale).to(dtype)
+        ds_buf = ds_smem.index(it % 2)
+        ds_buf.store(ds)
+        fence_async_shared()
+        # Both warpgroups' keys are in dSᵀ before either reads all of it. The buffer written here
+        # was last read by the dQ product two steps ago, which both warpgroups waited for in the
+        # previous step, before its barrier.
+        gl.thread_barrier()
+        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
+        dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_tile, dk, is_async=True)
+        # dQ goes before dK, so its hand-over to the writer overlaps the dK product. Every wgmma
+        # is waited for within its step: one still running across the loop's back edge made
+        # ptxas serialize all of them (C7515: 454 TFLOP/s at S 4096, each HGMMA waited on).
+        dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
+        mbarrier.wait(dq_empty, (it & 1) ^ 1)
+        dq_smem.store(dq)
+        fence_async_shared()
+        mbarrier.arrive(dq_full, count=1)
+        dk = warpgroup_mma_wait(0, deps=(dk, ))
+        mbarrier.arrive(qdo_empty.index(s), count=1)
+
+    k_tile.store(dk.to(dtype))
+    v_tile.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, hk, start_n, 0], k_smem)
+    tma.async_copy_shared_to_global(dv_desc, [b, hk, start_n, 0], v_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _bwd_dq_writer(a, DETERMINISTIC: gl.constexpr):
+    """One warp: adds each step's dQ partial (shared memory, fp32) into the accumulator by TMA."""
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem,
+     ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, dq_full, dq_empty, LSE, DELTA,
+     SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_i, i_hi, qk_scale, sm_scale) = a
+    BM: gl.constexpr = q_smem.type.shape[3]
+    for it in range(GROUP * n_i):
+        g, i = _query_block(it, n_i, i_hi)
+        bh = b * H + hk * GROUP + g
+        if DETERMINISTIC:
+            # Wait for this block's turn before the partial is even ready: the poll's latency
+            # then hides behind the consumers' step instead of adding to the chain of turns.
+            sem = SEM + bh * (i_hi + 1) + i
+            while gl.atomic_add(sem, 0, sem="acquire") != j:
+                pass
+            mbarrier.wait(dq_full, it & 1)
+            _tma_reduce_add(dq_desc, [bh * SQ_PAD + i * BM, 0], dq_smem)
+            _bulk_wait_all()  # the adds have landed in L2, not only left shared memory
+            gl.thread_barrier()
+            gl.atomic_add(sem, 1, sem="release")
+        else:
+            mbarrier.wait(dq_full, it & 1)
+            _tma_reduce_add(dq_desc, [bh * SQ_PAD + i * BM, 0], dq_smem)
+            tma.store_wait(0)
+        mbarrier.arrive(dq_empty, count=1)
+
+
+@gluon.jit
+def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE,
+                            DELTA, SEM, H, GROUP, SQ, SQ_PAD, qk_scale, sm_scale, CAUSAL: gl.constexpr,
+                            DETERMINISTIC: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    j = gl.program_id(0)  # key block; the fastest grid axis, so a head's CTAs start together
+    bhk = gl.program_id(1)
+    HKV = H // GROUP
+    b = bhk // HKV
+    hk = bhk % HKV
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_D], v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_D], dq_desc.layout)
+    row_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(dq_full, count=1)
+    mbarrier.init(dq_empty, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(s), count=2)  # Q's bytes, and the producer's LSE/Δ stores
+        mbarrier.init(do_ready.index(s), count=1)
+        mbarrier.init(qdo_empty.index(s), count=1)
+    n_q = gl.cdiv(SQ, BLOCK_M)
+    if CAUSAL:
+        i_lo = (j * BLOCK_N) // BLOCK_M  # earlier query blocks see none of these keys
+    else:
+        i_lo = 0
+    a = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem,
+         v_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, dq_full, dq_empty, LSE,
+         DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_q - i_lo, n_q - 1, qk_scale, sm_scale)
+    gl.warp_specialize([(_bwd_consumer, (a, CAUSAL)), (_bwd_producer, (a, )),
+                        (_bwd_dq_writer, (a, DETERMINISTIC))], [1, 1],
+                       [PRODUCER_REGS, PRODUCER_REGS])
+
+
+def hopper_backward_ok(q, k, v, do, causal, window) -> bool:
+    """Whether ``hopper_backward`` serves these inputs (else the Triton kernels do)."""
+    B, H, S, _ = q.shape
+    return (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)
+            and window is None and k.shape[2] == S and S > 0
+            and B * H * S * S // (2 if causal else 1) >= MIN_SCORES
+            and q.shape[3] in HEAD_DIMS and q.dtype in _GL_DTYPES
+            and all(t.stride(-1) == 1 for t in (q, k, v, do)) and tma_ok(q, k, v, do))
+
+
+def hopper_backward(do, q, k, v, lse, delta, dq, dk, dv, causal, scale, deterministic=True):
+    """Fills dq, dk, dv (allocated like q, k, v) from ``flash_attn.attention_backward``'s delta
+    (rowsum(dO ∘ O), fp32) and the forward's base-2 LSE."""
+    B, H, S, Hd = q.shape
+    Hkv = k.shape[1]
+    n_k = triton.cdiv(S, BLOCK_N)
+    s_pad = triton.cdiv(S, BLOCK_M) * BLOCK_M  # no TMA block spills into the next head's rows
+    dq_acc = torch.zeros(B * H * s_pad, Hd, device=q.device, dtype=torch.float32)
+    dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [BLOCK_M, Hd],
+                               gl.NVMMASharedLayout.get_default_for([BLOCK_M, Hd], gl.float32))
+    sem = torch.zeros(B * H, triton.cdiv(S, BLOCK_M) if deterministic else 1, device=q.device,
+                      dtype=torch.int32)
+    _attn_bwd_hopper_kernel[(n_k, B * Hkv)](
+        _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
+        _descriptor(do, BLOCK_M), _descriptor(dk, BLOCK_N), _descriptor(dv, BLOCK_N), dq_desc, lse,
+        delta, sem, H, H // Hkv, S, s_pad, scale * 1.4426950408889634, scale, CAUSAL=causal,
+        DETERMINISTIC=deterministic, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=Hd, STAGES=STAGES,
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=8, maxnreg=MAX_NREG)
+    dq.copy_(dq_acc.view(B, H, s_pad, Hd)[:, :, :S])
+    return dq, dk, dv
