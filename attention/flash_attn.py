@@ -6,8 +6,8 @@ H / Hkv query heads), Sq query length, Sk key/value length, Hd head dim.
 - ``_attn_fwd_kernel``: one program per (query block, b, h); streams key/value blocks through an
   online softmax, writes O and the per-row log-sum-exp (fp32, base 2, of the scaled scores).
   The Sq×Sk score matrix never exists in memory. On an H100/H200, the plain case (Sq == Sk, no
-  window, Hd 128, fp16/bf16, at least 2^28 visible scores) runs the warp-specialized Gluon
-  forward of ``flash_attn_hopper`` instead (0.98–1.08× cuDNN at S 4k–16k where this kernel
+  window, Hd 128, fp16/bf16, at least 2^27 visible scores) runs the warp-specialized Gluon
+  forward of ``flash_attn_hopper`` instead (0.99–1.11× cuDNN at S 4k–16k where this kernel
   gives 0.80–0.92×).
 - ``_attn_bwd_delta_kernel``: delta = rowsum(dO ∘ O) in fp32.
 - ``_attn_bwd_dkdv_kernel``: one program per (key block, b, hkv); recomputes the scores of every
@@ -16,6 +16,10 @@ H / Hkv query heads), Sq query length, Sk key/value length, Hd head dim.
 - ``_attn_bwd_dq_kernel``: one program per (query block, b, h); recomputes the scores against
   every key block and accumulates dQ in registers. No atomics anywhere: repeated backward passes
   are bit-identical.
+- On an H100/H200 the plain Hd 128 case at >= 2^28 visible scores takes the Gluon backward of
+  ``flash_attn_hopper_bwd`` instead of the last two: one kernel, five matmuls instead of seven
+  (fwd+bwd 0.89–0.99× cuDNN at S 4k–16k where these give 0.75–0.84×), with dQ summed by TMA
+  reduce-add in a fixed order unless ``deterministic=False``.
 
 Which keys a query sees. Queries and keys are aligned bottom-right (FlashAttention >= 2.1,
 ``torch.nn.attention.bias.causal_lower_right``): query i sits at key position i' = i + Sk − Sq, so

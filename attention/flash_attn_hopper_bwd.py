@@ -2,30 +2,37 @@
 
 Why. The Triton backward makes dK/dV in one kernel (per key block: S = QKᵀ, dP = dO·Vᵀ, dV, dK)
 and dQ in a second (per query block: S and dP again, then dQ): seven matmuls where five suffice.
-At Hd 128 on an H100 its matmuls already run at cuDNN's rate, so the two extra ones are the gap
-(2.34 + 1.21 ms against cuDNN's 2.48 ms at S 4096, bench/results/attention.md). This kernel is
-FlashAttention-3's backward (Shah et al. 2024, Algorithm 3 of the appendix), written in Gluon:
+At Hd 128 on an H100 its matmuls already ran at cuDNN's rate, so the two extra ones were the gap
+(2.34 + 1.21 ms against cuDNN's 2.48 ms at S 4096). This kernel follows FlashAttention-3's
+backward (Shah et al. 2024, appendix), written in Gluon:
 
-- **One CTA per (key block of 128, K/V head).** K and V stay in shared memory. A producer warp
-  streams the 64-row Q and dO blocks of every query head in the group through a ``STAGES``-deep
-  ring (TMA, ready/empty mbarriers). Two consumer warpgroups (one 8-warp partition at 240
-  registers) hold dK and dV (128×Hd fp32 each) in registers.
+- **One CTA per (128-key block, K/V head).** K and V stay in shared memory. A producer warp
+  streams the 64-row Q and dO blocks (and their LSE and Δ rows) of every query head in the group
+  through a ``STAGES``-deep ring (TMA, ready/empty mbarriers). Two consumer warpgroups (one
+  8-warp partition at 240 registers) hold dK and dV (128×Hd fp32 each) in registers.
 - **Transposed products.** Each step computes Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (keys × queries), so
-  Pᵀ and dSᵀ sit in registers exactly as wgmma wants its A operand for dV += Pᵀ·dO and
-  dK += dSᵀ·Q: no transposes through shared memory for those two.
+  Pᵀ and dSᵀ sit in registers as wgmma wants its A operand for dV += Pᵀ·dO and dK += dSᵀ·Q.
 - **dQ in the same kernel.** dSᵀ goes to shared memory once (double-buffered, one barrier per
-  step); dQ_i = dS·K is the fifth matmul, and its 64×Hd fp32 partial is added into an fp32
-  accumulator in global memory (L2-resident: the CTAs of one head run together). A last pass
-  casts it to q's dtype.
+  step); dQ_i = dS·K is the fifth matmul. A writer warp adds its 64×Hd fp32 partial into an fp32
+  accumulator by TMA reduce-add (L2-resident: the CTAs of one head run together), and a last
+  pass casts it to q's dtype.
 - **Deterministic by default.** Float addition is not associative, so the order of the key blocks'
   adds into one dQ block must not depend on timing. With ``deterministic=True`` a counter per
-  (query head, query block) makes key block j wait until blocks 0 … j−1 have added theirs
-  (FA3's scheme). Every CTA walks its query blocks from the last one down, so the CTAs of a
-  head, which start together, meet each block in key-block order and rarely wait; the launch
-  order (key block fastest) keeps a waiting CTA's predecessors already resident.
+  (query head, query block) makes key block j wait until blocks 0 … j−1 have added theirs and
+  their adds have completed (FA3's scheme). Every CTA walks its query blocks from the last one
+  down, so the CTAs of a head, which start together, meet each block in key-block order, and a
+  CTA waits only for CTAs launched before it (key block is the fastest grid axis): no deadlock.
 
-Scope as the forward: Sq == Sk, no window, Hd 128, fp16/bf16, sm_90, TMA strides; the rest takes
-the Triton kernels (``hopper_backward_ok``).
+Measured (H100, bench/results/attention.md, fwd+bwd against cuDNN through SDPA, Hd 128):
+0.93× / 0.96× non-causal at S 4k / 16k, 0.89× / 0.99× causal; with ``deterministic=False``
+0.97 / 0.99 / 1.01 / 1.03×. The turns cost 4–12 %: a CTA lags its predecessor by one add's
+round trip at every block. What did not work or mattered: a wgmma left running across the loop's
+back edge made ptxas serialize every wgmma of the kernel (C7515; 454 TFLOP/s instead of about
+520 at S 4096), now checked by tests/test_attention.py; LSE and Δ loaded by the consumers from
+global memory cost spills (they come through shared memory now).
+
+Scope as the forward: Sq == Sk, no window, Hd 128, fp16/bf16, sm_90, TMA strides, ≥ 2^28 visible
+scores (``hopper_backward_ok``); the rest takes the Triton kernels.
 """
 
 import torch
@@ -38,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from attention.flash_attn_hopper import HEAD_DIMS, MIN_SCORES, _GL_DTYPES, _descriptor
+from attention.flash_attn_hopper import HEAD_DIMS, _GL_DTYPES, _descriptor
 from kernel_floor import tma_ok
 
 BLOCK_M = 64  # query rows per step
@@ -47,6 +54,10 @@ STAGES = 2
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 MAX_NREG = 168  # 12 warps (8 consumers, the producer's warpgroup) × 168 = the 64K register file
+# At 2^27 visible scores (B 16, H 16, S 1024, causal; H100, 2026-11-24) the Triton backward was
+# still faster: fwd+bwd 1.042 ms against 1.068 with this kernel. Its CTAs there walk 2–16 query
+# blocks, so the fixed cost of each (K/V load, dK/dV store, barrier setup) is not amortized.
+MIN_SCORES = 1 << 28
 
 
 @gluon.jit
@@ -79,8 +90,8 @@ def _bulk_wait_all():
 def _bwd_producer(a):
     """One warp: K and V once, then Q and dO of every step through the ring."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem,
-     ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, dq_full, dq_empty, LSE, DELTA,
-     SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_i, i_hi, qk_scale, sm_scale) = a
+     ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, dq_full,
+     dq_empty, LSE, DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_i, i_hi, qk_scale, sm_scale) = a
     NSTAGE: gl.constexpr = q_smem.type.shape[0]
     BM: gl.constexpr = q_smem.type.shape[3]
     BN: gl.constexpr = k_smem.type.shape[2]
@@ -115,8 +126,8 @@ def _bwd_producer(a):
 def _bwd_consumer(a, CAUSAL: gl.constexpr):
     """Two warpgroups (8 warps): keys j·128 … +127 against every query block of the group."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem,
-     ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, dq_full, dq_empty, LSE, DELTA,
-     SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_i, i_hi, qk_scale, sm_scale) = a
+     ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, dq_full,
+     dq_empty, LSE, DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_i, i_hi, qk_scale, sm_scale) = a
     NSTAGE: gl.constexpr = q_smem.type.shape[0]
     BM: gl.constexpr = q_smem.type.shape[3]
     HEAD_D: gl.constexpr = q_smem.type.shape[4]
@@ -195,8 +206,8 @@ def _bwd_consumer(a, CAUSAL: gl.constexpr):
 def _bwd_dq_writer(a, DETERMINISTIC: gl.constexpr):
     """One warp: adds each step's dQ partial (shared memory, fp32) into the accumulator by TMA."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem,
-     ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, dq_full, dq_empty, LSE, DELTA,
-     SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_i, i_hi, qk_scale, sm_scale) = a
+     ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, dq_full,
+     dq_empty, LSE, DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_i, i_hi, qk_scale, sm_scale) = a
     BM: gl.constexpr = q_smem.type.shape[3]
     for it in range(GROUP * n_i):
         g, i = _query_block(it, n_i, i_hi)
@@ -221,7 +232,8 @@ def _bwd_dq_writer(a, DETERMINISTIC: gl.constexpr):
 
 @gluon.jit
 def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE,
-                            DELTA, SEM, H, GROUP, SQ, SQ_PAD, qk_scale, sm_scale, CAUSAL: gl.constexpr,
+                            DELTA, SEM, H, GROUP, SQ, SQ_PAD, qk_scale, sm_scale,
+                            CAUSAL: gl.constexpr,
                             DETERMINISTIC: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
@@ -260,8 +272,9 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
     else:
         i_lo = 0
     a = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem,
-         v_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, dq_full, dq_empty, LSE,
-         DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_q - i_lo, n_q - 1, qk_scale, sm_scale)
+         v_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty,
+         dq_full, dq_empty, LSE, DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_q - i_lo, n_q - 1,
+         qk_scale, sm_scale)
     gl.warp_specialize([(_bwd_consumer, (a, CAUSAL)), (_bwd_producer, (a, )),
                         (_bwd_dq_writer, (a, DETERMINISTIC))], [1, 1],
                        [PRODUCER_REGS, PRODUCER_REGS])

@@ -133,11 +133,10 @@ def to_markdown(rows, args):
         f"of do_bench(warmup={args.warmup}, rep={args.rep}) median, alternating implementations",
         "TFLOP/s = FLOPs / median time; FLOPs 4·B·H·S²·Hd fwd, /2 causal, ×3.5 fwd+bwd",
         "ratio = median over rounds of (anchor time / our time): > 1 means ours is faster",
-        "ours: on an sm_90 GPU, Hd 128 calls with >= 2^28 visible scores (every Hd 128 row here "
-        "but S 1024 causal) run the warp-specialized Gluon kernels: the forward "
-        "(attention/flash_attn_hopper.py) and the 5-matmul backward "
-        "(attention/flash_attn_hopper_bwd.py), deterministic by default; the rest run the Triton "
-        "kernels",
+        "ours: on an sm_90 GPU, Hd 128 runs the warp-specialized Gluon kernels: the forward "
+        "(attention/flash_attn_hopper.py; every Hd 128 row here) and the 5-matmul backward "
+        "(attention/flash_attn_hopper_bwd.py; >= 2^28 visible scores: every Hd 128 row but S "
+        "1024 causal), deterministic by default; the rest run the Triton kernels",
         "nondet: the backward's opt-in deterministic=False mode (dQ parts added in arrival "
         "order); its ratio to cuDNN in the last column",
     ) + [
