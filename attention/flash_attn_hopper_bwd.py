@@ -287,7 +287,10 @@ def hopper_backward_ok(q, k, v, do, causal, window) -> bool:
             and window is None and k.shape[2] == S and S > 0
             and B * H * S * S // (2 if causal else 1) >= MIN_SCORES
             and q.shape[3] in HEAD_DIMS and q.dtype in _GL_DTYPES
-            and all(t.stride(-1) == 1 for t in (q, k, v, do)) and tma_ok(q, k, v, do))
+            and all(t.stride(-1) == 1 for t in (q, k, v, do)) and tma_ok(q, k, v, do)
+            # An expanded gradient (grad_outputs=w.expand(...)) has zero strides, which TMA
+            # descriptors were never tried with; the Triton kernels take any stride.
+            and 0 not in do.stride())
 
 
 def hopper_backward(do, q, k, v, lse, delta, dq, dk, dv, causal, scale, deterministic=True):
