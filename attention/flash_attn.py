@@ -568,7 +568,8 @@ def attention_backward(do, q, k, v, o, lse, causal=True, scale=None, window=None
         **_head_dim_args(Hd),
     )
     if hopper_backward_ok(q, k, v, do, causal, window):
-        return hopper_backward(do, q, k, v, lse, delta, dq, dk, dv, causal, scale, deterministic)
+        return hopper_backward(do, q, k, v, lse, delta, dq, dk, dv, causal, scale, scale * _LOG2E,
+                               deterministic)
     common = (H, H // Hkv, *_launch_args(q, k, causal, window), scale * _LOG2E, scale)
     constexprs = {**_path_args(q, k, causal, window), **_head_dim_args(Hd)}
     if Sk > 0:

@@ -218,14 +218,13 @@ def _bwd_dq_writer(a, DETERMINISTIC: gl.constexpr):
             sem = SEM + bh * (i_hi + 1) + i
             while gl.atomic_add(sem, 0, sem="acquire") != j:
                 pass
-            mbarrier.wait(dq_full, it & 1)
-            _tma_reduce_add(dq_desc, [bh * SQ_PAD + i * BM, 0], dq_smem)
+        mbarrier.wait(dq_full, it & 1)
+        _tma_reduce_add(dq_desc, [bh * SQ_PAD + i * BM, 0], dq_smem)
+        if DETERMINISTIC:
             _bulk_wait_all()  # the adds have landed in L2, not only left shared memory
             gl.thread_barrier()
             gl.atomic_add(sem, 1, sem="release")
         else:
-            mbarrier.wait(dq_full, it & 1)
-            _tma_reduce_add(dq_desc, [bh * SQ_PAD + i * BM, 0], dq_smem)
             tma.store_wait(0)
         mbarrier.arrive(dq_empty, count=1)
 
@@ -293,9 +292,10 @@ def hopper_backward_ok(q, k, v, do, causal, window) -> bool:
             and 0 not in do.stride())
 
 
-def hopper_backward(do, q, k, v, lse, delta, dq, dk, dv, causal, scale, deterministic=True):
+def hopper_backward(do, q, k, v, lse, delta, dq, dk, dv, causal, scale, scale_log2,
+                    deterministic=True):
     """Fills dq, dk, dv (allocated like q, k, v) from ``flash_attn.attention_backward``'s delta
-    (rowsum(dO ∘ O), fp32) and the forward's base-2 LSE."""
+    (rowsum(dO ∘ O), fp32) and the forward's base-2 LSE; ``scale_log2`` = scale · log2(e)."""
     B, H, S, Hd = q.shape
     Hkv = k.shape[1]
     n_k = triton.cdiv(S, BLOCK_N)
@@ -308,7 +308,7 @@ def hopper_backward(do, q, k, v, lse, delta, dq, dk, dv, causal, scale, determin
     _attn_bwd_hopper_kernel[(n_k, B * Hkv)](
         _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
         _descriptor(do, BLOCK_M), _descriptor(dk, BLOCK_N), _descriptor(dv, BLOCK_N), dq_desc, lse,
-        delta, sem, H, H // Hkv, S, s_pad, scale * 1.4426950408889634, scale, CAUSAL=causal,
+        delta, sem, H, H // Hkv, S, s_pad, scale_log2, scale, CAUSAL=causal,
         DETERMINISTIC=deterministic, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=Hd, STAGES=STAGES,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=8, maxnreg=MAX_NREG)
     dq.copy_(dq_acc.view(B, H, s_pad, Hd)[:, :, :S])
