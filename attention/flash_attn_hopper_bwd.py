@@ -18,15 +18,18 @@ backward (Shah et al. 2024, appendix), written in Gluon:
   pass casts it to q's dtype.
 - **Deterministic by default.** Float addition is not associative, so the order of the key blocks'
   adds into one dQ block must not depend on timing. With ``deterministic=True`` a counter per
-  (query head, query block) makes key block j wait until blocks 0 … j−1 have added theirs and
-  their adds have completed (FA3's scheme). Every CTA walks its query blocks from the last one
-  down, so the CTAs of a head, which start together, meet each block in key-block order, and a
-  CTA waits only for CTAs launched before it (key block is the fastest grid axis): no deadlock.
+  (query head, query block) makes a key block wait for its turn, after the blocks before it in
+  a fixed order have added theirs and their adds have completed (FA3's scheme). The order follows
+  the walk of the query blocks (``WALK_*``), chosen so that the block before in the order got
+  there a step earlier instead of just now: then no CTA trails the previous one by an add's
+  round trip at every block. The writer frees the shared-memory partial as soon as the TMA has
+  read it, and waits for the add's completion only to release the turn.
 
 Measured (H100, bench/results/attention.md, fwd+bwd against cuDNN through SDPA, Hd 128):
-0.93× / 0.96× non-causal at S 4k / 16k, 0.89× / 0.99× causal; with ``deterministic=False``
-0.97 / 0.99 / 1.01 / 1.03×. The turns cost 4–12 %: a CTA lags its predecessor by one add's
-round trip at every block. What did not work or mattered: a wgmma left running across the loop's
+0.98× / 0.98× non-causal at S 4k / 16k, 0.99× / 0.98× causal, deterministic; with
+``deterministic=False`` 0.98 / 0.98 / 0.99 / 1.01×. With one walk for all (DESCENDING) the turns
+cost 4–12 % (0.93 / 0.96 / 0.89 / 0.99×): a CTA trailed its predecessor by an add's round trip
+at every block. What did not work or mattered: a wgmma left running across the loop's
 back edge made ptxas serialize every wgmma of the kernel (C7515; 454 TFLOP/s instead of about
 520 at S 4096), now checked by tests/test_attention.py; LSE and Δ loaded by the consumers from
 global memory cost spills (they come through shared memory now).
@@ -34,6 +37,8 @@ global memory cost spills (they come through shared memory now).
 Scope as the forward: Sq == Sk, no window, Hd 128, fp16/bf16, sm_90, TMA strides, ≥ 2^28 visible
 scores (``hopper_backward_ok``); the rest takes the Triton kernels.
 """
+
+import os
 
 import torch
 import triton
@@ -48,6 +53,23 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from attention.flash_attn_hopper import HEAD_DIMS, _GL_DTYPES, _descriptor
 from kernel_floor import tma_ok
 
+# The order in which a CTA (one key block j) walks its query blocks, and so the fixed order of the
+# key blocks' adds into each dQ block (``_turn``); ``_walk`` picks one per call.
+# - DESCENDING: every CTA from the last block down; key blocks add in order 0, 1, … Each CTA then
+#   trails its predecessor by one add's round trip (completion, release, poll) at every block.
+# - CYCLIC (non-causal): CTA j starts at block j − 1 and wraps round, so at each step the CTAs of
+#   a head sit on different blocks and the one before in a block's order got there a step earlier:
+#   no waiting. A CTA also waits for CTAs launched after it, so all n_k CTAs of a head must be
+#   resident at once.
+# - ASCENDING (causal): CTA j walks up from its diagonal and the grid launches high j first; block
+#   i's order is the nearest key block first, which reached it two steps earlier (CTA j+1 starts
+#   two blocks higher). Waits only for CTAs launched before it, like DESCENDING.
+# H100, fwd+bwd against cuDNN, deterministic, B·S 16k, H 16 (a probe, 5 alternating do_bench rounds):
+# S 4096 0.916 → 0.975 non-causal, 0.893 → 0.974 causal; the non-deterministic mode gave
+# 0.973 / 0.988 in the same run. At S 16384 (n_k 128) DESCENDING was as fast (1.016 / 0.984).
+WALK_DESCENDING = gl.constexpr(0)
+WALK_CYCLIC = gl.constexpr(1)
+WALK_ASCENDING = gl.constexpr(2)
 BLOCK_M = 64  # query rows per step
 BLOCK_N = 128  # keys per CTA: two warpgroups × 64
 STAGES = 2
@@ -61,10 +83,33 @@ MIN_SCORES = 1 << 28
 
 
 @gluon.jit
-def _query_block(it, n_i, i_hi):
-    """Step ``it`` of the CTA's walk: (head within the group, query block), blocks descending."""
+def _query_block(it, n_i, i_hi, j, WALK: gl.constexpr):
+    """Step ``it`` of the CTA's walk: (head within the group, query block)."""
     g = it // n_i
-    return g, i_hi - (it - g * n_i)
+    r = it - g * n_i
+    if WALK == WALK_ASCENDING:
+        i = i_hi - n_i + 1 + r
+    elif WALK == WALK_CYCLIC:
+        i = (i_hi - r + j) % n_i
+    else:
+        i = i_hi - r
+    return g, i
+
+
+@gluon.jit
+def _turn(i, j, n_k, BM: gl.constexpr, BN: gl.constexpr, WALK: gl.constexpr):
+    """Key block j's place in the fixed order of adds into query block i (see the walks)."""
+    if WALK == WALK_ASCENDING:
+        t = gl.minimum((i * BM + BM - 1) // BN, n_k - 1) - j
+    elif WALK == WALK_CYCLIC:
+        # The CTAs past block i reached it after wrapping round, so they add first.
+        if j > i:
+            t = j - i - 1
+        else:
+            t = gl.maximum(n_k - i - 1, 0) + j
+    else:
+        t = j
+    return t
 
 
 @builtin
@@ -87,7 +132,7 @@ def _bulk_wait_all():
 
 
 @gluon.jit
-def _bwd_producer(a):
+def _bwd_producer(a, WALK: gl.constexpr):
     """One warp: K and V once, then Q and dO of every step through the ring."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem,
      ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, dq_full,
@@ -100,7 +145,7 @@ def _bwd_producer(a):
     tma.async_copy_global_to_shared(k_desc, [b, hk, j * BN, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [b, hk, j * BN, 0], kv_bar, v_smem)
     for it in range(GROUP * n_i):
-        g, i = _query_block(it, n_i, i_hi)
+        g, i = _query_block(it, n_i, i_hi, j, WALK)
         h = hk * GROUP + g
         s = it % NSTAGE
         phase = (it // NSTAGE) & 1
@@ -123,7 +168,7 @@ def _bwd_producer(a):
 
 
 @gluon.jit
-def _bwd_consumer(a, CAUSAL: gl.constexpr):
+def _bwd_consumer(a, CAUSAL: gl.constexpr, WALK: gl.constexpr):
     """Two warpgroups (8 warps): keys j·128 … +127 against every query block of the group."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem,
      ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, dq_full,
@@ -154,7 +199,7 @@ def _bwd_consumer(a, CAUSAL: gl.constexpr):
     v_tile = v_smem.reshape([BN, HEAD_D])
     mbarrier.wait(kv_bar, 0)
     for it in range(GROUP * n_i):
-        g, i = _query_block(it, n_i, i_hi)
+        g, i = _query_block(it, n_i, i_hi, j, WALK)
         start_m = i * BM
         s = it % NSTAGE
         phase = (it // NSTAGE) & 1
@@ -203,40 +248,45 @@ def _bwd_consumer(a, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_dq_writer(a, DETERMINISTIC: gl.constexpr):
+def _bwd_dq_writer(a, DETERMINISTIC: gl.constexpr, WALK: gl.constexpr):
     """One warp: adds each step's dQ partial (shared memory, fp32) into the accumulator by TMA."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem,
      ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, dq_full,
      dq_empty, LSE, DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_i, i_hi, qk_scale, sm_scale) = a
     BM: gl.constexpr = q_smem.type.shape[3]
+    BN: gl.constexpr = k_smem.type.shape[2]
+    n_k = gl.cdiv(SQ, BN)
     for it in range(GROUP * n_i):
-        g, i = _query_block(it, n_i, i_hi)
+        g, i = _query_block(it, n_i, i_hi, j, WALK)
         bh = b * H + hk * GROUP + g
         if DETERMINISTIC:
             # Wait for this block's turn before the partial is even ready: the poll's latency
             # then hides behind the consumers' step instead of adding to the chain of turns.
             sem = SEM + bh * (i_hi + 1) + i
-            while gl.atomic_add(sem, 0, sem="acquire") != j:
+            turn = _turn(i, j, n_k, BM, BN, WALK)
+            while gl.atomic_add(sem, 0, sem="acquire") != turn:
                 pass
         mbarrier.wait(dq_full, it & 1)
         _tma_reduce_add(dq_desc, [bh * SQ_PAD + i * BM, 0], dq_smem)
+        tma.store_wait(0)  # the partial has left shared memory: the consumers may write the next
+        mbarrier.arrive(dq_empty, count=1)
         if DETERMINISTIC:
-            _bulk_wait_all()  # the adds have landed in L2, not only left shared memory
+            _bulk_wait_all()  # the adds have landed in L2, not only been read
             gl.thread_barrier()
             gl.atomic_add(sem, 1, sem="release")
-        else:
-            tma.store_wait(0)
-        mbarrier.arrive(dq_empty, count=1)
 
 
 @gluon.jit
 def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE,
                             DELTA, SEM, H, GROUP, SQ, SQ_PAD, qk_scale, sm_scale,
                             CAUSAL: gl.constexpr,
-                            DETERMINISTIC: gl.constexpr, BLOCK_M: gl.constexpr,
+                            DETERMINISTIC: gl.constexpr, WALK: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    j = gl.program_id(0)  # key block; the fastest grid axis, so a head's CTAs start together
+    if WALK == WALK_ASCENDING:
+        j = gl.cdiv(SQ, BLOCK_N) - 1 - gl.program_id(0)
+    else:
+        j = gl.program_id(0)  # key block; the fastest grid axis, so a head's CTAs start together
     bhk = gl.program_id(1)
     HKV = H // GROUP
     b = bhk // HKV
@@ -274,8 +324,8 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
          v_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty,
          dq_full, dq_empty, LSE, DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_q - i_lo, n_q - 1,
          qk_scale, sm_scale)
-    gl.warp_specialize([(_bwd_consumer, (a, CAUSAL)), (_bwd_producer, (a, )),
-                        (_bwd_dq_writer, (a, DETERMINISTIC))], [1, 1],
+    gl.warp_specialize([(_bwd_consumer, (a, CAUSAL, WALK)), (_bwd_producer, (a, WALK)),
+                        (_bwd_dq_writer, (a, DETERMINISTIC, WALK))], [1, 1],
                        [PRODUCER_REGS, PRODUCER_REGS])
 
 
@@ -290,6 +340,21 @@ def hopper_backward_ok(q, k, v, do, causal, window) -> bool:
             # An expanded gradient (grad_outputs=w.expand(...)) has zero strides, which TMA
             # descriptors were never tried with; the Triton kernels take any stride.
             and 0 not in do.stride())
+
+
+def _walk(causal, n_k, device):
+    """The walk for a call (see WALK_*). CYCLIC needs a head's n_k CTAs resident together (one per
+    SM: the kernel takes ~193 KB of shared memory). It is used only where they fit in half the
+    SMs, leaving room for kernels on other streams (NCCL), and never under an MPS thread limit,
+    which caps the SMs below what the device reports: a CTA waiting for one that cannot start
+    would hang the GPU. Past that size DESCENDING measured as fast."""
+    if n_k > torch.cuda.get_device_properties(device).multi_processor_count // 2:
+        return int(WALK_DESCENDING)
+    if causal:
+        return int(WALK_ASCENDING)
+    if os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):
+        return int(WALK_DESCENDING)
+    return int(WALK_CYCLIC)
 
 
 def hopper_backward(do, q, k, v, lse, delta, dq, dk, dv, causal, scale, scale_log2,
@@ -309,7 +374,7 @@ def hopper_backward(do, q, k, v, lse, delta, dq, dk, dv, causal, scale, scale_lo
         _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
         _descriptor(do, BLOCK_M), _descriptor(dk, BLOCK_N), _descriptor(dv, BLOCK_N), dq_desc, lse,
         delta, sem, H, H // Hkv, S, s_pad, scale_log2, scale, CAUSAL=causal,
-        DETERMINISTIC=deterministic, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=Hd, STAGES=STAGES,
+        DETERMINISTIC=deterministic, WALK=_walk(causal, n_k, q.device), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=Hd, STAGES=STAGES,
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=8, maxnreg=MAX_NREG)
     dq.copy_(dq_acc.view(B, H, s_pad, Hd)[:, :, :S])
     return dq, dk, dv

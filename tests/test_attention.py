@@ -548,7 +548,7 @@ import attention.flash_attn_hopper_bwd as fab
 
 bin_dir = triton.__file__.rsplit("/", 1)[0] + "/backends/nvidia/bin/"
 out = []
-for kind, causal, deterministic, head_d, dtype in json.loads(sys.argv[1]):
+for kind, causal, deterministic, head_d, dtype, walk in json.loads(sys.argv[1]):
     name = "bf16" if dtype == "bfloat16" else "fp16"
 
     def desc(rows):
@@ -569,7 +569,8 @@ for kind, causal, deterministic, head_d, dtype in json.loads(sys.argv[1]):
                      "dq_desc": f"tensordesc<fp32[{fab.BLOCK_M},{head_d}],{dq_layout!r}>",
                      "LSE": "*fp32", "DELTA": "*fp32", "SEM": "*i32", "H": "i32", "GROUP": "i32",
                      "SQ": "i32", "SQ_PAD": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
-        constexprs = {"CAUSAL": causal, "DETERMINISTIC": deterministic, "BLOCK_M": fab.BLOCK_M}
+        constexprs = {"CAUSAL": causal, "DETERMINISTIC": deterministic, "WALK": walk,
+                      "BLOCK_M": fab.BLOCK_M}
         fn, warps = fab._attn_bwd_hopper_kernel, 8
     constexprs.update({"BLOCK_N": mod.BLOCK_N, "HEAD_D": head_d, "STAGES": mod.STAGES,
                        "CONSUMER_REGS": mod.CONSUMER_REGS, "PRODUCER_REGS": mod.PRODUCER_REGS})
@@ -606,8 +607,10 @@ def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
     import subprocess
     import sys
 
-    cases = [["fwd", True, False, 128, "bfloat16"], ["fwd", False, False, 128, "float16"],
-             ["bwd", True, True, 128, "bfloat16"], ["bwd", False, False, 128, "float16"]]
+    walks = [int(fab.WALK_DESCENDING), int(fab.WALK_CYCLIC), int(fab.WALK_ASCENDING)]
+    cases = [["fwd", True, False, 128, "bfloat16", None], ["fwd", False, False, 128, "float16", None],
+             ["bwd", False, False, 128, "float16", walks[0]]]
+    cases += [["bwd", causal, True, 128, "bfloat16", walk] for causal in (True, False) for walk in walks]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run = subprocess.run([sys.executable, "-c", _SM90_RESOURCES, json.dumps(cases)], env=env,
@@ -686,7 +689,27 @@ def test_gpu_hopper_forward_matches_triton_forward(B, H, Hkv, S, Hd, causal, dty
 def test_gpu_hopper_backward(B, H, Hkv, S, causal, dtype, layout, deterministic, monkeypatch):
     """The Gluon backward against the Triton backward (forced) on the same forward: long and odd
     lengths, GQA, both layouts, one-row and partial blocks; against the fp32 reference by the
-    accuracy rule where that fits in memory; and bit-identical on repeat when deterministic."""
+    accuracy rule where that fits in memory; and bit-identical on repeat when deterministic.
+    Each case takes the walk ``_walk`` picks for it (the next test forces the others)."""
+    _check_hopper_backward(B, H, Hkv, S, causal, dtype, layout, deterministic, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)  # a wrong turn order would leave a CTA waiting forever
+@pytest.mark.skipif(not _on_sm90(), reason="the Gluon backward is for sm_90")
+@pytest.mark.parametrize("walk,B,H,Hkv,S,causal", [
+    ("DESCENDING", 1, 8, 2, 4097, False), ("CYCLIC", 1, 8, 2, 4097, False),
+    ("DESCENDING", 3, 4, 1, 1000, True), ("ASCENDING", 3, 4, 1, 1000, True),
+    ("ASCENDING", 2, 4, 4, 4096, True), ("CYCLIC", 2, 4, 4, 129, False),
+])
+def test_gpu_hopper_backward_every_walk(walk, B, H, Hkv, S, causal, monkeypatch):
+    """Every order of the deterministic adds (``WALK_*``), whichever ``_walk`` would pick here."""
+    forced = int(getattr(fab, "WALK_" + walk))
+    monkeypatch.setattr(fab, "_walk", lambda *a: forced)
+    _check_hopper_backward(B, H, Hkv, S, causal, torch.bfloat16, "BHSD", True, monkeypatch)
+
+
+def _check_hopper_backward(B, H, Hkv, S, causal, dtype, layout, deterministic, monkeypatch):
     def make(h, grad=True):
         if layout == "BSHD":
             t = torch.randn(B, S, h, 128, device=DEVICE_GPU, dtype=dtype).transpose(1, 2)
