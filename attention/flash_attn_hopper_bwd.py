@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from attention.flash_attn_hopper import HEAD_DIMS, _GL_DTYPES, _descriptor
+from attention.flash_attn_hopper import HEAD_DIMS, _GL_DTYPES, _descriptor, _sm_count
 from kernel_floor import tma_ok
 
 # The order in which a CTA (one key block j) walks its query blocks, and so the fixed order of the
@@ -348,7 +348,7 @@ def _walk(causal, n_k, device):
     SMs, leaving room for kernels on other streams (NCCL), and never under an MPS thread limit,
     which caps the SMs below what the device reports: a CTA waiting for one that cannot start
     would hang the GPU. Past that size DESCENDING measured as fast."""
-    if n_k > torch.cuda.get_device_properties(device).multi_processor_count // 2:
+    if n_k > _sm_count(device) // 2:
         return int(WALK_DESCENDING)
     if causal:
         return int(WALK_ASCENDING)

@@ -557,7 +557,8 @@ for kind, causal, deterministic, head_d, dtype, walk in json.loads(sys.argv[1]):
         mod, half = fah, fah.BLOCK_M // 2
         signature = {"q_desc": desc(half), "k_desc": desc(fah.BLOCK_N),
                      "v_desc": desc(fah.BLOCK_N), "o_desc": desc(half), "LSE": "*fp32",
-                     "H": "i32", "GROUP": "i32", "SQ": "i32", "SK": "i32", "qk_scale": "fp32"}
+                     "H": "i32", "GROUP": "i32", "SQ": "i32", "SK": "i32", "n_units": "i32",
+                     "qk_scale": "fp32"}
         constexprs = {"CAUSAL": causal, "BLOCK_M": fah.BLOCK_M}
         fn, warps = fah._attn_fwd_hopper_kernel, 4
     else:
@@ -587,10 +588,23 @@ for kind, causal, deterministic, head_d, dtype, walk in json.loads(sys.argv[1]):
                                capture_output=True, text=True, check=True).stdout
         ptxas = subprocess.run([bin_dir + "ptxas", "-arch=sm_90a", "-v", tmp + "/k.ptx", "-o",
                                 tmp + "/again.cubin"], capture_output=True, text=True, check=True)
+        sass = subprocess.run([bin_dir + "cuobjdump", "-sass", tmp + "/k.cubin"],
+                              capture_output=True, text=True, check=True).stdout
+    # The block loops: conditional backward branches (the loops' closing tests; the out-of-line
+    # mbarrier retries jump back unconditionally) whose body issues wgmma and holds no such loop.
+    code = [(int(a, 16), t) for a, t in re.findall(r"/\\*([0-9a-f]{4,})\\*/\\s+([^;]*);", sass)]
+    loops = [(int(m.group(1), 16), a) for a, t in code
+             if (m := re.search(r"^@!?U?P\\d BRA (0x[0-9a-f]+)", t.strip()))
+             and int(m.group(1), 16) < a]
+    mma = [(lo, hi) for lo, hi in loops if any(lo <= a <= hi and "HGMMA" in t for a, t in code)]
+    hot = [(lo, hi) for lo, hi in mma
+           if not any((lo, hi) != (l2, h2) and lo <= l2 and h2 <= hi for l2, h2 in mma)]
+    spills_in_loops = sum(1 for a, t in code if ("LDL" in t or "STL" in t)
+                          and any(lo <= a <= hi for lo, hi in hot))
     out.append([int(re.search(r"REG:(\\d+)", usage).group(1)),
                 int(re.search(r"STACK:(\\d+)", usage).group(1)),
                 "setmaxnreg" in kernel.asm["ptx"], "C7515" in ptxas.stdout + ptxas.stderr,
-                mod.MAX_NREG])
+                mod.MAX_NREG, len(hot), spills_in_loops])
 print(json.dumps(out))
 """
 
@@ -616,10 +630,13 @@ def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
     run = subprocess.run([sys.executable, "-c", _SM90_RESOURCES, json.dumps(cases)], env=env,
                          cwd=root, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    for case, (regs, stack, moves, serialized, budget) in zip(
+    for case, (regs, stack, moves, serialized, budget, loops, spills_in_loops) in zip(
             cases, json.loads(run.stdout.splitlines()[-1])):
-        assert regs <= budget and stack == 0 and moves and not serialized, (
-            case, regs, stack, moves, serialized)
+        # The persistent forward keeps a few words of tile bookkeeping on the stack (16–24 bytes,
+        # loaded once per tile); what must not spill is the block loops (one per consumer).
+        assert (regs <= budget and stack <= (32 if case[0] == "fwd" else 0) and moves
+                and not serialized and loops >= 1 and spills_in_loops == 0), (
+            case, regs, stack, moves, serialized, loops, spills_in_loops)
 
 
 @interpreter_only
@@ -650,6 +667,7 @@ def _on_sm90():
     (2, 16, 16, 4096, 128, True, torch.bfloat16, "BSHD"),
     (1, 8, 2, 4097, 128, False, torch.bfloat16, "BHSD"),
     (3, 4, 1, 1000, 128, True, torch.float16, "BSHD"),
+    (4, 16, 4, 1100, 128, True, torch.bfloat16, "BHSD"),  # 320 units: CTAs loop; odd tile count
     (2, 8, 8, 129, 128, False, torch.bfloat16, "BHSD"),
     (4, 2, 2, 64, 128, True, torch.float16, "BSHD"),
     (1, 1, 1, 1, 128, True, torch.bfloat16, "BHSD"),
