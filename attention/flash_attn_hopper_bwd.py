@@ -267,7 +267,15 @@ def _bwd_dq_writer(a, DETERMINISTIC: gl.constexpr, WALK: gl.constexpr):
             while gl.atomic_add(sem, 0, sem="acquire") != turn:
                 pass
         mbarrier.wait(dq_full, it & 1)
-        _tma_reduce_add(dq_desc, [bh * SQ_PAD + i * BM, 0], dq_smem)
+        if DETERMINISTIC:
+            # The first in the fixed order stores instead of adding, so the accumulator need not
+            # be zeroed first (a 4·B·H·S·Hd-byte pass, ~4 % of fwd+bwd at S 1024).
+            if turn == 0:
+                tma.async_copy_shared_to_global(dq_desc, [bh * SQ_PAD + i * BM, 0], dq_smem)
+            else:
+                _tma_reduce_add(dq_desc, [bh * SQ_PAD + i * BM, 0], dq_smem)
+        else:
+            _tma_reduce_add(dq_desc, [bh * SQ_PAD + i * BM, 0], dq_smem)
         tma.store_wait(0)  # the partial has left shared memory: the consumers may write the next
         mbarrier.arrive(dq_empty, count=1)
         if DETERMINISTIC:
@@ -365,7 +373,9 @@ def hopper_backward(do, q, k, v, lse, delta, dq, dk, dv, causal, scale, scale_lo
     Hkv = k.shape[1]
     n_k = triton.cdiv(S, BLOCK_N)
     s_pad = triton.cdiv(S, BLOCK_M) * BLOCK_M  # no TMA block spills into the next head's rows
-    dq_acc = torch.zeros(B * H * s_pad, Hd, device=q.device, dtype=torch.float32)
+    # Deterministic: each block's first adder stores, so every row (the padding too) is written.
+    dq_acc = (torch.empty if deterministic else torch.zeros)(B * H * s_pad, Hd, device=q.device,
+                                                             dtype=torch.float32)
     dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [BLOCK_M, Hd],
                                gl.NVMMASharedLayout.get_default_for([BLOCK_M, Hd], gl.float32))
     sem = torch.zeros(B * H, triton.cdiv(S, BLOCK_M) if deterministic else 1, device=q.device,
