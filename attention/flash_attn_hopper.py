@@ -332,7 +332,7 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, SQ, S
 def hopper_forward_ok(q, k, v, causal, window) -> bool:
     """Whether ``hopper_forward`` serves these inputs (else the Triton kernels do)."""
     B, H, S, _ = q.shape
-    return (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)
+    return (q.is_cuda and _is_sm90(q.device)
             and window is None and k.shape[2] == S and S > 0
             and B * H * S * S // (2 if causal else 1) >= MIN_SCORES
             and q.shape[3] in HEAD_DIMS and q.dtype in _GL_DTYPES
@@ -349,6 +349,12 @@ def _smem_layout(rows, head_dim, dtype):
 @functools.lru_cache(maxsize=None)
 def _sm_count(device):
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(device):
+    """Cached: the query cost 4-10 µs of host time per call, which small calls wait for."""
+    return torch.cuda.get_device_capability(device) == (9, 0)
 
 
 def _descriptor(t, rows):

@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from attention.flash_attn_hopper import HEAD_DIMS, _GL_DTYPES, _descriptor, _sm_count
+from attention.flash_attn_hopper import HEAD_DIMS, _GL_DTYPES, _descriptor, _is_sm90, _sm_count
 from kernel_floor import tma_ok
 
 # The order in which a CTA (one key block j) walks its query blocks, and so the fixed order of the
@@ -340,7 +340,7 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
 def hopper_backward_ok(q, k, v, do, causal, window) -> bool:
     """Whether ``hopper_backward`` serves these inputs (else the Triton kernels do)."""
     B, H, S, _ = q.shape
-    return (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)
+    return (q.is_cuda and _is_sm90(q.device)
             and window is None and k.shape[2] == S and S > 0
             and B * H * S * S // (2 if causal else 1) >= MIN_SCORES
             and q.shape[3] in HEAD_DIMS and q.dtype in _GL_DTYPES
