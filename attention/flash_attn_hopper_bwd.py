@@ -80,6 +80,9 @@ MAX_NREG = 168  # 12 warps (8 consumers, the producer's warpgroup) × 168 = the 
 # still faster: fwd+bwd 1.042 ms against 1.068 with this kernel. Its CTAs there walk 2–16 query
 # blocks, so the fixed cost of each (K/V load, dK/dV store, barrier setup) is not amortized.
 MIN_SCORES = 1 << 28
+# A deterministic CTA that waits this long for its turn traps (``_wait_for_turn``): the longest
+# honest wait is a head's backward, milliseconds.
+STUCK_NS = 10 * 10**9
 
 
 @gluon.jit
@@ -129,6 +132,34 @@ def _bulk_wait_all():
     gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n mov.b32 $0, $1;", "=r,r",
                               [gl.full([32], 0, gl.int32, layout=one_warp)], dtype=gl.int32,
                               is_pure=False, pack=1)
+
+
+@gluon.jit
+def _wait_for_turn(sem, turn, stuck_ns):
+    """Spin (acquire loads) until the counter at ``sem`` equals ``turn``. A CTA that waits longer
+    than ``stuck_ns`` traps: the kernel fails with an error instead of hanging the GPU, should a
+    CTA it waits for never run (CYCLIC with fewer SMs free than ``_walk`` assumed)."""
+    one_warp: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    lanes = gl.zeros([32], gl.int32, layout=one_warp)
+    gl.inline_asm_elementwise(
+        """{
+        .reg .pred ok, late;
+        .reg .u32 seen;
+        .reg .u64 start, now;
+        mov.u64 start, %globaltimer;
+        TURN_POLL:
+        ld.acquire.gpu.global.u32 seen, [$1];
+        setp.eq.u32 ok, seen, $2;
+        @ok bra TURN_DONE;
+        mov.u64 now, %globaltimer;
+        sub.u64 now, now, start;
+        setp.gt.u64 late, now, $3;
+        @late trap;
+        bra TURN_POLL;
+        TURN_DONE:
+        mov.u32 $0, seen;
+        }""", "=r,l,r,l", [sem + lanes, turn + lanes, stuck_ns + lanes.to(gl.int64)],
+        dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -248,7 +279,7 @@ def _bwd_consumer(a, CAUSAL: gl.constexpr, WALK: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_dq_writer(a, DETERMINISTIC: gl.constexpr, WALK: gl.constexpr):
+def _bwd_dq_writer(a, DETERMINISTIC: gl.constexpr, WALK: gl.constexpr, stuck_ns):
     """One warp: adds each step's dQ partial (shared memory, fp32) into the accumulator by TMA."""
     (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem,
      ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, dq_full,
@@ -264,8 +295,7 @@ def _bwd_dq_writer(a, DETERMINISTIC: gl.constexpr, WALK: gl.constexpr):
             # then hides behind the consumers' step instead of adding to the chain of turns.
             sem = SEM + bh * (i_hi + 1) + i
             turn = _turn(i, j, n_k, BM, BN, WALK)
-            while gl.atomic_add(sem, 0, sem="acquire") != turn:
-                pass
+            _wait_for_turn(sem, turn, stuck_ns)
         mbarrier.wait(dq_full, it & 1)
         if DETERMINISTIC:
             # The first in the fixed order stores instead of adding, so the accumulator need not
@@ -286,7 +316,7 @@ def _bwd_dq_writer(a, DETERMINISTIC: gl.constexpr, WALK: gl.constexpr):
 
 @gluon.jit
 def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE,
-                            DELTA, SEM, H, GROUP, SQ, SQ_PAD, qk_scale, sm_scale,
+                            DELTA, SEM, H, GROUP, SQ, SQ_PAD, qk_scale, sm_scale, stuck_ns,
                             CAUSAL: gl.constexpr,
                             DETERMINISTIC: gl.constexpr, WALK: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
@@ -333,7 +363,7 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
          dq_full, dq_empty, LSE, DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_q - i_lo, n_q - 1,
          qk_scale, sm_scale)
     gl.warp_specialize([(_bwd_consumer, (a, CAUSAL, WALK)), (_bwd_producer, (a, WALK)),
-                        (_bwd_dq_writer, (a, DETERMINISTIC, WALK))], [1, 1],
+                        (_bwd_dq_writer, (a, DETERMINISTIC, WALK, stuck_ns))], [1, 1],
                        [PRODUCER_REGS, PRODUCER_REGS])
 
 
@@ -353,9 +383,13 @@ def hopper_backward_ok(q, k, v, do, causal, window) -> bool:
 def _walk(causal, n_k, device):
     """The walk for a call (see WALK_*). CYCLIC needs a head's n_k CTAs resident together (one per
     SM: the kernel takes ~193 KB of shared memory). It is used only where they fit in half the
-    SMs, leaving room for kernels on other streams (NCCL), and never under an MPS thread limit,
-    which caps the SMs below what the device reports: a CTA waiting for one that cannot start
-    would hang the GPU. Past that size DESCENDING measured as fast."""
+    SMs, leaving room for kernels on other streams (NCCL), and not under an MPS thread limit set
+    in this process's environment. A limit set by the MPS daemon, or an SM partition, is not
+    visible here: should fewer than n_k SMs be free, the waiting CTAs trap after ``STUCK_NS``
+    (an error, not a hang); pass ``deterministic=False`` there. Past that size DESCENDING
+    measured as fast. The walk fixes the order of the adds, so dQ's bits depend on it, hence on
+    the device's SM count: repeats on one setup are bit-identical, an H100 SXM and PCIe may
+    differ in the last bits."""
     if n_k > _sm_count(device) // 2:
         return int(WALK_DESCENDING)
     if causal:
@@ -380,11 +414,15 @@ def hopper_backward(do, q, k, v, lse, delta, dq, dk, dv, causal, scale, scale_lo
                                gl.NVMMASharedLayout.get_default_for([BLOCK_M, Hd], gl.float32))
     sem = torch.zeros(B * H, triton.cdiv(S, BLOCK_M) if deterministic else 1, device=q.device,
                       dtype=torch.int32)
+    walk = _walk(causal, n_k, q.device)
+    # _turn's orders assume these: ASCENDING starts at the diagonal, CYCLIC at block 0.
+    assert walk == WALK_DESCENDING or (walk == WALK_ASCENDING) == causal, (walk, causal)
     _attn_bwd_hopper_kernel[(n_k, B * Hkv)](
         _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
         _descriptor(do, BLOCK_M), _descriptor(dk, BLOCK_N), _descriptor(dv, BLOCK_N), dq_desc, lse,
-        delta, sem, H, H // Hkv, S, s_pad, scale_log2, scale, CAUSAL=causal,
-        DETERMINISTIC=deterministic, WALK=_walk(causal, n_k, q.device), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=Hd, STAGES=STAGES,
-        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=8, maxnreg=MAX_NREG)
+        delta, sem, H, H // Hkv, S, s_pad, scale_log2, scale, STUCK_NS, CAUSAL=causal,
+        DETERMINISTIC=deterministic, WALK=walk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=Hd,
+        STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=8,
+        maxnreg=MAX_NREG)
     dq.copy_(dq_acc.view(B, H, s_pad, Hd)[:, :, :S])
     return dq, dk, dv
