@@ -154,8 +154,8 @@ def _producer(a, CAUSAL: gl.constexpr):
     kv = 0  # K/V blocks done by this CTA: picks the ring slot and its phase
     for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
         for t in range(_unit_tiles(u, n_m, CAUSAL)):
-            b, h, hk, bh, start_m, n_blocks = _tile(u, t, n_m, H, GROUP, SK, CAUSAL, 2 * HALF,
-                                                    BN)
+            b, h, hk, _, start_m, n_blocks = _tile(u, t, n_m, H, GROUP, SK, CAUSAL, 2 * HALF,
+                                                   BN)
             qb = tc % 2
             # A fresh mbarrier counts as having completed the phase before 0, so the first use
             # of each buffer (and the first pass through the ring) does not wait.

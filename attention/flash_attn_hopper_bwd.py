@@ -290,20 +290,19 @@ def _bwd_dq_writer(a, DETERMINISTIC: gl.constexpr, WALK: gl.constexpr, stuck_ns)
     for it in range(GROUP * n_i):
         g, i = _query_block(it, n_i, i_hi, j, WALK)
         bh = b * H + hk * GROUP + g
+        # The first in the fixed order stores instead of adding, so the accumulator need not be
+        # zeroed first (a 4·B·H·S·Hd-byte pass, ~4 % of fwd+bwd at S 1024).
+        first = False
         if DETERMINISTIC:
             # Wait for this block's turn before the partial is even ready: the poll's latency
             # then hides behind the consumers' step instead of adding to the chain of turns.
             sem = SEM + bh * (i_hi + 1) + i
             turn = _turn(i, j, n_k, BM, BN, WALK)
             _wait_for_turn(sem, turn, stuck_ns)
+            first = turn == 0
         mbarrier.wait(dq_full, it & 1)
-        if DETERMINISTIC:
-            # The first in the fixed order stores instead of adding, so the accumulator need not
-            # be zeroed first (a 4·B·H·S·Hd-byte pass, ~4 % of fwd+bwd at S 1024).
-            if turn == 0:
-                tma.async_copy_shared_to_global(dq_desc, [bh * SQ_PAD + i * BM, 0], dq_smem)
-            else:
-                _tma_reduce_add(dq_desc, [bh * SQ_PAD + i * BM, 0], dq_smem)
+        if first:
+            tma.async_copy_shared_to_global(dq_desc, [bh * SQ_PAD + i * BM, 0], dq_smem)
         else:
             _tma_reduce_add(dq_desc, [bh * SQ_PAD + i * BM, 0], dq_smem)
         tma.store_wait(0)  # the partial has left shared memory: the consumers may write the next

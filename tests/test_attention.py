@@ -537,6 +537,19 @@ def test_gpu_module_matches_reference(sliding_window):
 
 # ---- The Hopper (Gluon) forward ----------------------------------------------------------------
 
+def _run_child(script, *argv, timeout):
+    """``python -c script argv…`` from the repository root, compiling for real: without the
+    TRITON_INTERPRET that conftest sets on a machine with no GPU."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-c", script, *argv], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 _SM90_RESOURCES = """
 import json, re, subprocess, sys, tempfile
 import torch, triton
@@ -618,9 +631,6 @@ def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
     C7515 means ptxas waits for every wgmma where it is issued: the backward once carried a
     running wgmma across its loop's back edge and lost 10-20 % that way with no other sign."""
     import json
-    import os
-    import subprocess
-    import sys
 
     walks = [int(fab.WALK_DESCENDING), int(fab.WALK_CYCLIC), int(fab.WALK_ASCENDING)]
     cases = [["fwd", True, False, 128, "bfloat16", None],
@@ -628,10 +638,7 @@ def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
              ["bwd", False, False, 128, "float16", walks[0]]]
     cases += [["bwd", causal, True, 128, "bfloat16", walk]
               for causal in (True, False) for walk in walks]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-c", _SM90_RESOURCES, json.dumps(cases)], env=env,
-                         cwd=root, capture_output=True, text=True, timeout=600)
+    run = _run_child(_SM90_RESOURCES, json.dumps(cases), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     for case, (regs, stack, moves, serialized, budget, loops, spills_in_loops) in zip(
             cases, json.loads(run.stdout.splitlines()[-1])):
@@ -756,13 +763,7 @@ def test_gpu_hopper_backward_stuck_turn_fails_instead_of_hanging():
     """A deterministic CTA whose turn never comes (here: counters that start past every turn;
     in use: CYCLIC with fewer SMs free than it needs) traps after STUCK_NS: the process gets a
     CUDA error, not a hung GPU. Run in a child, since the trap ends its CUDA context."""
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-c", _STUCK_TURN], cwd=root, capture_output=True,
-                         text=True, timeout=240)
+    run = _run_child(_STUCK_TURN, timeout=240)
     assert "control ok" in run.stdout and "no trap" not in run.stdout, run.stdout + run.stderr
     assert run.returncode != 0 and "CUDA" in run.stderr, run.stderr[-2000:]
 
