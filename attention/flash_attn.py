@@ -6,17 +6,18 @@ H / Hkv query heads), Sq query length, Sk key/value length, Hd head dim.
 - ``_attn_fwd_kernel``: one program per (query block, b, h); streams key/value blocks through an
   online softmax, writes O and the per-row log-sum-exp (fp32, base 2, of the scaled scores).
   The Sq×Sk score matrix never exists in memory. On an H100/H200, the plain case (Sq == Sk, no
-  window, Hd 128, fp16/bf16, at least 2^27 visible scores) runs the warp-specialized Gluon
+  window, Hd 128, fp16/bf16, at least 2^19 visible scores) runs the warp-specialized Gluon
   forward of ``flash_attn_hopper`` instead (0.99–1.11× cuDNN at S 4k–16k where this kernel
   gives 0.80–0.92×).
-- ``_attn_bwd_delta_kernel``: delta = rowsum(dO ∘ O) in fp32.
+- ``_attn_bwd_delta_kernel``: delta = rowsum(dO ∘ O) in fp32 (and the Gluon backward's turn
+  counters zeroed).
 - ``_attn_bwd_dkdv_kernel``: one program per (key block, b, hkv); recomputes the scores of every
   query block of all H / Hkv query heads of its group and accumulates dK, dV in registers, so the GQA
   sum over the group needs no atomics.
 - ``_attn_bwd_dq_kernel``: one program per (query block, b, h); recomputes the scores against
   every key block and accumulates dQ in registers. No atomics anywhere: repeated backward passes
   are bit-identical.
-- On an H100/H200 the plain Hd 128 case at >= 2^28 visible scores takes the Gluon backward of
+- On an H100/H200 the plain Hd 128 case at >= 2^27 visible scores takes the Gluon backward of
   ``flash_attn_hopper_bwd`` instead of the last two: one kernel, five matmuls instead of seven
   (fwd+bwd 0.89–0.99× cuDNN at S 4k–16k where these give 0.75–0.84×), with dQ summed by TMA
   reduce-add in a fixed order unless ``deterministic=False``.
@@ -50,8 +51,9 @@ import triton
 import triton.language as tl
 
 from attention.flash_attn_hopper import hopper_forward, hopper_forward_ok
-from attention.flash_attn_hopper_bwd import hopper_backward, hopper_backward_ok
-from kernel_floor import INTERPRET
+from attention.flash_attn_hopper_bwd import (TURN_ROWS, hopper_backward, hopper_backward_ok,
+                                             hopper_turn_counters)
+from kernel_floor import INTERPRET, aligned16, cached_launch
 
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
@@ -292,17 +294,30 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
              mask=offs_m < SQ)
 
 
-@triton.jit
-def _attn_bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_os,
-                           stride_dob, stride_doh, stride_dos, H, SQ,
-                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+# Launched through cached_launch (``_delta``): ALIGNED stands in for the alignment Triton would
+# otherwise specialize on (without it the loads are 2-byte, with it 16-byte: sm_90 PTX).
+@triton.jit(do_not_specialize=["stride_ob", "stride_oh", "stride_os", "stride_dob", "stride_doh",
+                               "stride_dos", "H", "SQ"],
+            do_not_specialize_on_alignment=["O", "DO", "DELTA", "SEM"])
+def _attn_bwd_delta_kernel(O, DO, DELTA, SEM, stride_ob, stride_oh, stride_os,
+                           stride_dob, stride_doh, stride_dos, H, SQ, ZERO_SEM: tl.constexpr,
+                           ALIGNED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_M: tl.constexpr):
     bh = tl.program_id(1)
+    if ZERO_SEM:  # one counter per program: (bh, query block)
+        tl.store(SEM + bh * tl.num_programs(0) + tl.program_id(0), 0)
     b = (bh // H).to(tl.int64)
     h = bh % H
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o, do = _load_pair(O + b * stride_ob + h * stride_oh, DO + b * stride_dob + h * stride_doh,
-                       offs_m, stride_os, stride_dos, offs_d, SQ, True, HEAD_DIM, BLOCK_D)
+    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
+    do_ptrs = DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :]
+    if ALIGNED:  # every row starts on 16 bytes (the launcher checked bases and strides)
+        o_ptrs = tl.multiple_of(o_ptrs, [16, 16])
+        do_ptrs = tl.multiple_of(do_ptrs, [16, 16])
+    mask = _row_mask(offs_m, SQ, offs_d, HEAD_DIM, BLOCK_D)
+    o = tl.load(o_ptrs, mask=mask, other=0.0)
+    do = tl.load(do_ptrs, mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + bh * SQ + offs_m, delta, mask=offs_m < SQ)
 
@@ -546,6 +561,17 @@ def attention_forward(q, k, v, causal=True, scale=None, window=None):
     return o, lse
 
 
+def _delta(o, do, delta, sem):
+    """delta = rowsum(dO ∘ O) in fp32. Also zeros ``sem`` when given: the deterministic Gluon
+    backward's turn counters, one per (b, h, TURN_ROWS-row query block), so one per program here,
+    which saves that backward a launch."""
+    B, H, Sq, Hd = o.shape
+    cached_launch(_attn_bwd_delta_kernel, (triton.cdiv(Sq, TURN_ROWS), B * H), (o.dtype, do.dtype),
+                  o, do, delta, delta if sem is None else sem, *_strides(o), *_strides(do), H, Sq,
+                  ZERO_SEM=sem is not None, ALIGNED=aligned16(o, do), BLOCK_M=TURN_ROWS,
+                  **_head_dim_args(Hd))
+
+
 def attention_backward(do, q, k, v, o, lse, causal=True, scale=None, window=None,
                        deterministic=True):
     """Launch the backward kernels; returns dq, dk, dv shaped and typed like q, k, v.
@@ -562,14 +588,12 @@ def attention_backward(do, q, k, v, o, lse, causal=True, scale=None, window=None
     if q.numel() == 0:  # no query: keys and values get no gradient
         return dq, dk.zero_(), dv.zero_()
     delta = torch.empty_like(lse)
-    delta_block = 64
-    _attn_bwd_delta_kernel[(triton.cdiv(Sq, delta_block), B * H)](
-        o, do, delta, *_strides(o), *_strides(do), H, Sq, BLOCK_M=delta_block,
-        **_head_dim_args(Hd),
-    )
-    if hopper_backward_ok(q, k, v, do, causal, window):
-        return hopper_backward(do, q, k, v, lse, delta, dq, dk, dv, causal, scale, scale * _LOG2E,
-                               deterministic)
+    hopper = hopper_backward_ok(q, k, v, do, causal, window)
+    sem = hopper_turn_counters(q) if hopper and deterministic else None
+    _delta(o, do, delta, sem)
+    if hopper:
+        return hopper_backward(do, q, k, v, lse, delta, sem, dq, dk, dv, causal, scale,
+                               scale * _LOG2E)
     common = (H, H // Hkv, *_launch_args(q, k, causal, window), scale * _LOG2E, scale)
     constexprs = {**_path_args(q, k, causal, window), **_head_dim_args(Hd)}
     if Sk > 0:

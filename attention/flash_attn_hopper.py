@@ -52,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernel_floor import tma_ok
+from kernel_floor import cached_launch, capability, sm_count, tma_ok
 
 # Hd 64 stays on the Triton forward, which was faster there (0.735 vs 0.760 ms at S 4096 causal).
 HEAD_DIMS = (128,)
@@ -65,13 +65,13 @@ PRODUCER_REGS = 24
 # 168 × 384 threads fits, and setmaxnreg then moves 24 → 240 between the roles.
 MAX_NREG = 168
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
-# Below some size the launch's host time decides: building four tensor descriptors and the
-# warp-specialized launch cost more host time than the Triton kernel's. Measured on the H100 host
-# (do_bench of the forward through flash_attention, 2026-11-24, bf16): at B 16, H 16, S 1024,
-# causal (2^27 visible scores) this kernel took 0.191 ms against the Triton forward's 0.238
-# (cuDNN 0.161). An earlier session's 0.309 vs 0.277 ms there predates the cached layouts and
-# set the bar at 2^28; smaller calls are not measured and stay on Triton.
-MIN_SCORES = 1 << 27
+# Small calls are bound by host time, so the cheaper launch wins. Since this kernel launches
+# through kernel_floor.cached_launch (the Triton forward through its autotuner), it was the faster
+# at 8 of 9 sizes from 2^19 to 2^27 visible scores (H100, do_bench of the forward through
+# flash_attention, bf16, 2026-11-24): e.g. 2^27 causal 0.179 against 0.239 ms, 2^25 non-causal
+# 0.088 / 0.139, 2^19 causal 0.091 / 0.128; 2^24 causal 0.148 / 0.126 the exception. Smaller
+# calls are not measured and stay on Triton.
+MIN_SCORES = 1 << 19
 
 
 @gluon.jit
@@ -297,7 +297,9 @@ def _consumer_1(a, CAUSAL: gl.constexpr):
     _consumer(a, 1, CAUSAL)
 
 
-@gluon.jit
+# Launched through cached_launch, so nothing but the constexprs and dtypes may pick the binary.
+@gluon.jit(do_not_specialize=["H", "GROUP", "SQ", "SK", "n_units"],
+           do_not_specialize_on_alignment=["LSE"])
 def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, SQ, SK, n_units,
                             qk_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
@@ -332,7 +334,7 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, SQ, S
 def hopper_forward_ok(q, k, v, causal, window) -> bool:
     """Whether ``hopper_forward`` serves these inputs (else the Triton kernels do)."""
     B, H, S, _ = q.shape
-    return (q.is_cuda and _is_sm90(q.device)
+    return (q.is_cuda and capability(q.device) == (9, 0)
             and window is None and k.shape[2] == S and S > 0
             and B * H * S * S // (2 if causal else 1) >= MIN_SCORES
             and q.shape[3] in HEAD_DIMS and q.dtype in _GL_DTYPES
@@ -346,21 +348,14 @@ def _smem_layout(rows, head_dim, dtype):
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], _GL_DTYPES[dtype])
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device):
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
-def _is_sm90(device):
-    """Cached: the query cost 4-10 µs of host time per call, which small calls wait for."""
-    return torch.cuda.get_device_capability(device) == (9, 0)
-
-
 def _descriptor(t, rows):
-    block = [1, 1, rows, t.shape[3]]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
-                            _smem_layout(rows, t.shape[3], t.dtype))
+    """The TMA descriptor of ``t`` (B, heads, S, Hd) in (1, 1, rows, Hd) blocks. Built without the
+    dataclass's own checks, 2 of its 3.3 µs of host time (H100 host): the callers' ``*_ok``
+    checked the alignment and the unit last stride (``tma_ok``), and ``t`` is not empty."""
+    d = object.__new__(TensorDescriptor)
+    d.base, d.shape, d.strides, d.padding = t, list(t.shape), list(t.stride()), "zero"
+    d.block_shape, d.layout = [1, 1, rows, t.shape[3]], _smem_layout(rows, t.shape[3], t.dtype)
+    return d
 
 
 def hopper_forward(q, k, v, o, lse, causal, scale_log2):
@@ -370,7 +365,8 @@ def hopper_forward(q, k, v, o, lse, causal, scale_log2):
     B, H, S, Hd = q.shape
     n_m = triton.cdiv(S, BLOCK_M)
     n_units = B * H * ((n_m + 1) // 2 if causal else n_m)
-    _attn_fwd_hopper_kernel[(min(n_units, _sm_count(q.device)), )](
+    cached_launch(
+        _attn_fwd_hopper_kernel, (min(n_units, sm_count(q.device)), ), q.dtype,
         _descriptor(q, BLOCK_M // 2), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
         _descriptor(o, BLOCK_M // 2), lse, H, H // k.shape[1], S, S, n_units, scale_log2,
         CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=Hd, STAGES=STAGES,

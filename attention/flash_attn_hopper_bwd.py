@@ -34,10 +34,11 @@ back edge made ptxas serialize every wgmma of the kernel (C7515; 454 TFLOP/s ins
 520 at S 4096), now checked by tests/test_attention.py; LSE and Δ loaded by the consumers from
 global memory cost spills (they come through shared memory now).
 
-Scope as the forward: Sq == Sk, no window, Hd 128, fp16/bf16, sm_90, TMA strides, ≥ 2^28 visible
+Scope as the forward: Sq == Sk, no window, Hd 128, fp16/bf16, sm_90, TMA strides, ≥ 2^27 visible
 scores (``hopper_backward_ok``); the rest takes the Triton kernels.
 """
 
+import functools
 import os
 
 import torch
@@ -50,8 +51,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from attention.flash_attn_hopper import HEAD_DIMS, _GL_DTYPES, _descriptor, _is_sm90, _sm_count
-from kernel_floor import tma_ok
+from attention.flash_attn_hopper import HEAD_DIMS, _GL_DTYPES, _descriptor
+from kernel_floor import cached_launch, capability, sm_count, tma_ok
 
 # The order in which a CTA (one key block j) walks its query blocks, and so the fixed order of the
 # key blocks' adds into each dQ block (``_turn``); ``_walk`` picks one per call.
@@ -71,15 +72,18 @@ WALK_DESCENDING = gl.constexpr(0)
 WALK_CYCLIC = gl.constexpr(1)
 WALK_ASCENDING = gl.constexpr(2)
 BLOCK_M = 64  # query rows per step
+TURN_ROWS = BLOCK_M  # the rows of one turn counter's query block (``hopper_turn_counters``)
 BLOCK_N = 128  # keys per CTA: two warpgroups × 64
 STAGES = 2
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 MAX_NREG = 168  # 12 warps (8 consumers, the producer's warpgroup) × 168 = the 64K register file
-# At 2^27 visible scores (B 16, H 16, S 1024, causal; H100, 2026-11-24) the Triton backward was
-# still faster: fwd+bwd 1.042 ms against 1.068 with this kernel. Its CTAs there walk 2–16 query
-# blocks, so the fixed cost of each (K/V load, dK/dV store, barrier setup) is not amortized.
-MIN_SCORES = 1 << 28
+# At 2^27 visible scores (B 16, H 16, S 1024, causal) the Triton backward was once faster (fwd+bwd
+# 1.042 against 1.068 ms), but that call is bound by host time, and this path's launches now cost
+# less of it (kernel_floor.cached_launch, the Δ kernel zeroing the turn counters): H100, do_bench
+# fwd+bwd, 0.845 against 0.937 ms (cuDNN 0.771), and 1.04 against 0.87× cuDNN on another host
+# (2026-11-24). Below 2^27 the two took turns (host-bound either way).
+MIN_SCORES = 1 << 27
 # A deterministic CTA that waits this long for its turn traps (``_wait_for_turn``): the longest
 # honest wait is a head's backward, milliseconds.
 STUCK_NS = 10 * 10**9
@@ -313,7 +317,9 @@ def _bwd_dq_writer(a, DETERMINISTIC: gl.constexpr, WALK: gl.constexpr, stuck_ns)
             gl.atomic_add(sem, 1, sem="release")
 
 
-@gluon.jit
+# Launched through cached_launch, so nothing but the constexprs and dtypes may pick the binary.
+@gluon.jit(do_not_specialize=["H", "GROUP", "SQ", "SQ_PAD", "stuck_ns"],
+           do_not_specialize_on_alignment=["LSE", "DELTA", "SEM"])
 def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE,
                             DELTA, SEM, H, GROUP, SQ, SQ_PAD, qk_scale, sm_scale, stuck_ns,
                             CAUSAL: gl.constexpr,
@@ -369,7 +375,7 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
 def hopper_backward_ok(q, k, v, do, causal, window) -> bool:
     """Whether ``hopper_backward`` serves these inputs (else the Triton kernels do)."""
     B, H, S, _ = q.shape
-    return (q.is_cuda and _is_sm90(q.device)
+    return (q.is_cuda and capability(q.device) == (9, 0)
             and window is None and k.shape[2] == S and S > 0
             and B * H * S * S // (2 if causal else 1) >= MIN_SCORES
             and q.shape[3] in HEAD_DIMS and q.dtype in _GL_DTYPES
@@ -379,6 +385,7 @@ def hopper_backward_ok(q, k, v, do, causal, window) -> bool:
             and 0 not in do.stride())
 
 
+@functools.lru_cache(maxsize=None)
 def _walk(causal, n_k, device):
     """The walk for a call (see WALK_*). CYCLIC needs a head's n_k CTAs resident together (one per
     SM: the kernel takes ~193 KB of shared memory). It is used only where they fit in half the
@@ -388,8 +395,9 @@ def _walk(causal, n_k, device):
     (an error, not a hang); pass ``deterministic=False`` there. Past that size DESCENDING
     measured as fast. The walk fixes the order of the adds, so dQ's bits depend on it, hence on
     the device's SM count: repeats on one setup are bit-identical, an H100 SXM and PCIe may
-    differ in the last bits."""
-    if n_k > _sm_count(device) // 2:
+    differ in the last bits. Cached per case (the environment is read once): its 8–16 µs of
+    host time sat between the Δ and backward launches (H100 host)."""
+    if n_k > sm_count(device) // 2:
         return int(WALK_DESCENDING)
     if causal:
         return int(WALK_ASCENDING)
@@ -398,28 +406,43 @@ def _walk(causal, n_k, device):
     return int(WALK_CYCLIC)
 
 
-def hopper_backward(do, q, k, v, lse, delta, dq, dk, dv, causal, scale, scale_log2,
-                    deterministic=True):
+@functools.lru_cache(maxsize=None)
+def _acc_layout(head_dim):
+    """The shared-memory layout of the fp32 dQ accumulator's blocks (cached, like _smem_layout)."""
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_M, head_dim], gl.float32)
+
+
+def hopper_turn_counters(q):
+    """The deterministic mode's turn counters, one per (b, h, query block), not zeroed: the Δ
+    kernel that runs first zeros them (``flash_attn._delta``), one launch fewer."""
+    return torch.empty(q.shape[0] * q.shape[1], triton.cdiv(q.shape[2], BLOCK_M), device=q.device,
+                       dtype=torch.int32)
+
+
+def hopper_backward(do, q, k, v, lse, delta, sem, dq, dk, dv, causal, scale, scale_log2):
     """Fills dq, dk, dv (allocated like q, k, v) from ``flash_attn.attention_backward``'s delta
-    (rowsum(dO ∘ O), fp32) and the forward's base-2 LSE; ``scale_log2`` = scale · log2(e)."""
+    (rowsum(dO ∘ O), fp32) and the forward's base-2 LSE; ``scale_log2`` = scale · log2(e).
+    Deterministic when given ``sem``, zeroed ``hopper_turn_counters``; None: dQ's parts are added
+    in arrival order."""
     B, H, S, Hd = q.shape
     Hkv = k.shape[1]
     n_k = triton.cdiv(S, BLOCK_N)
     s_pad = triton.cdiv(S, BLOCK_M) * BLOCK_M  # no TMA block spills into the next head's rows
+    deterministic = sem is not None
     # Deterministic: each block's first adder stores, so every row (the padding too) is written.
     dq_acc = (torch.empty if deterministic else torch.zeros)(B * H * s_pad, Hd, device=q.device,
                                                              dtype=torch.float32)
     dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [BLOCK_M, Hd],
-                               gl.NVMMASharedLayout.get_default_for([BLOCK_M, Hd], gl.float32))
-    sem = torch.zeros(B * H, triton.cdiv(S, BLOCK_M) if deterministic else 1, device=q.device,
-                      dtype=torch.int32)
+                               _acc_layout(Hd))
     walk = _walk(causal, n_k, q.device)
     # _turn's orders assume these: ASCENDING starts at the diagonal, CYCLIC at block 0.
     assert walk == WALK_DESCENDING or (walk == WALK_ASCENDING) == causal, (walk, causal)
-    _attn_bwd_hopper_kernel[(n_k, B * Hkv)](
+    cached_launch(
+        _attn_bwd_hopper_kernel, (n_k, B * Hkv), q.dtype,
         _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
         _descriptor(do, BLOCK_M), _descriptor(dk, BLOCK_N), _descriptor(dv, BLOCK_N), dq_desc, lse,
-        delta, sem, H, H // Hkv, S, s_pad, scale_log2, scale, STUCK_NS, CAUSAL=causal,
+        delta, delta if sem is None else sem,  # (SEM is not read unless deterministic)
+        H, H // Hkv, S, s_pad, scale_log2, scale, STUCK_NS, CAUSAL=causal,
         DETERMINISTIC=deterministic, WALK=walk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=Hd,
         STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=8,
         maxnreg=MAX_NREG)

@@ -135,8 +135,8 @@ def to_markdown(rows, args):
         "ratio = median over rounds of (anchor time / our time): > 1 means ours is faster",
         "ours: on an sm_90 GPU, Hd 128 runs the warp-specialized Gluon kernels: the forward "
         "(attention/flash_attn_hopper.py; every Hd 128 row here) and the 5-matmul backward "
-        "(attention/flash_attn_hopper_bwd.py; >= 2^28 visible scores: every Hd 128 row but S "
-        "1024 causal), deterministic by default; the rest run the Triton kernels",
+        "(attention/flash_attn_hopper_bwd.py; every Hd 128 row here), deterministic by default; "
+        "the rest run the Triton kernels",
         "nondet: the backward's opt-in deterministic=False mode (dQ parts added in arrival "
         "order); its ratio to cuDNN in the last column",
     ) + [

@@ -650,6 +650,34 @@ def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
             case, regs, stack, moves, serialized, loops, spills_in_loops)
 
 
+_DELTA_LOADS = """
+import re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import attention.flash_attn as fa
+ints = ["stride_ob", "stride_oh", "stride_os", "stride_dob", "stride_doh", "stride_dos", "H", "SQ"]
+for aligned in (True, False):
+    constexprs = {"ZERO_SEM": True, "ALIGNED": aligned, "HEAD_DIM": 128, "BLOCK_D": 128,
+                  "BLOCK_M": 64}
+    signature = {"O": "*bf16", "DO": "*bf16", "DELTA": "*fp32", "SEM": "*i32",
+                 **{n: "i32" for n in ints}, **{n: "constexpr" for n in constexprs}}
+    ptx = triton.compile(ASTSource(fa._attn_bwd_delta_kernel, signature, constexprs),
+                         target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    print(aligned, sorted(set(re.findall(r"ld\\.global\\.[\\w.]+", ptx))))
+"""
+
+
+def test_delta_kernel_loads_16_bytes_when_aligned():
+    """The Δ kernel leaves its pointers and strides unspecialized (cached_launch reuses one
+    binary), so its ALIGNED flag must restore the 16-byte loads Triton's own specialization gave
+    (sm_90 PTX, compiled on CPU): without it every bf16 element is a separate 2-byte load."""
+    run = _run_child(_DELTA_LOADS, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    aligned, unaligned = run.stdout.splitlines()[-2:]
+    assert aligned == "True ['ld.global.v4.b32']", aligned
+    assert unaligned == "False ['ld.global.b16']", unaligned
+
+
 @interpreter_only
 def test_interpreter_deterministic_flag_reaches_the_backward():
     """deterministic=False only frees the Hopper kernel's dQ order; elsewhere (here the Triton
@@ -740,6 +768,7 @@ def test_gpu_hopper_backward_every_walk(walk, B, H, Hkv, S, causal, monkeypatch)
 
 _STUCK_TURN = """
 import torch
+import attention.flash_attn as fa
 import attention.flash_attn_hopper_bwd as fab
 from attention import flash_attention
 fab.MIN_SCORES, fab.STUCK_NS = 0, 2 * 10**8
@@ -749,8 +778,8 @@ for t in (q, k, v):
 torch.autograd.grad(flash_attention(q, k, v, True), (q, k, v), do)
 torch.cuda.synchronize()
 print("control ok", flush=True)
-zeros = torch.zeros
-torch.zeros = lambda *a, **kw: zeros(*a, **kw).add_(1 << 20)  # the turn counters: never a turn
+delta = fa._delta
+fa._delta = lambda o, do, d, sem: (delta(o, do, d, sem), sem.fill_(1 << 20))  # never a turn
 torch.autograd.grad(flash_attention(q, k, v, True), (q, k, v), do)
 torch.cuda.synchronize()
 print("no trap", flush=True)
