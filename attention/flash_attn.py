@@ -295,12 +295,14 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
 
 
 # Launched through cached_launch (``_delta``): ALIGNED stands in for the alignment Triton would
-# otherwise specialize on (without it the loads are 2-byte, with it 16-byte: sm_90 PTX).
+# otherwise specialize on (without it the loads are 2-byte, with it 16-byte: sm_90 PTX); the
+# strides are int64 whatever their value (a batch stride reaches 2^31 at H 128, S 128k, Hd 128).
 @triton.jit(do_not_specialize=["stride_ob", "stride_oh", "stride_os", "stride_dob", "stride_doh",
                                "stride_dos", "H", "SQ"],
             do_not_specialize_on_alignment=["O", "DO", "DELTA", "SEM"])
-def _attn_bwd_delta_kernel(O, DO, DELTA, SEM, stride_ob, stride_oh, stride_os,
-                           stride_dob, stride_doh, stride_dos, H, SQ, ZERO_SEM: tl.constexpr,
+def _attn_bwd_delta_kernel(O, DO, DELTA, SEM, stride_ob: tl.int64, stride_oh: tl.int64,
+                           stride_os: tl.int64, stride_dob: tl.int64, stride_doh: tl.int64,
+                           stride_dos: tl.int64, H, SQ, ZERO_SEM: tl.constexpr,
                            ALIGNED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                            BLOCK_M: tl.constexpr):
     bh = tl.program_id(1)

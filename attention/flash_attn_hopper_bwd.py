@@ -395,8 +395,8 @@ def _walk(causal, n_k, device):
     (an error, not a hang); pass ``deterministic=False`` there. Past that size DESCENDING
     measured as fast. The walk fixes the order of the adds, so dQ's bits depend on it, hence on
     the device's SM count: repeats on one setup are bit-identical, an H100 SXM and PCIe may
-    differ in the last bits. Cached per case (the environment is read once): its 8–16 µs of
-    host time sat between the Δ and backward launches (H100 host)."""
+    differ in the last bits. Cached per (causal, n_k, device), the environment read once: its
+    8–16 µs of host time sat between the Δ and backward launches (H100 host)."""
     if n_k > sm_count(device) // 2:
         return int(WALK_DESCENDING)
     if causal:
@@ -438,7 +438,7 @@ def hopper_backward(do, q, k, v, lse, delta, sem, dq, dk, dv, causal, scale, sca
     # _turn's orders assume these: ASCENDING starts at the diagonal, CYCLIC at block 0.
     assert walk == WALK_DESCENDING or (walk == WALK_ASCENDING) == causal, (walk, causal)
     cached_launch(
-        _attn_bwd_hopper_kernel, (n_k, B * Hkv), q.dtype,
+        _attn_bwd_hopper_kernel, (n_k, B * Hkv), (q.dtype, do.dtype),
         _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
         _descriptor(do, BLOCK_M), _descriptor(dk, BLOCK_N), _descriptor(dv, BLOCK_N), dq_desc, lse,
         delta, delta if sem is None else sem,  # (SEM is not read unless deterministic)

@@ -1,7 +1,8 @@
 """What every Triton kernel of the project needs at launch time, written once: the interpreter
-flag, the backend switch, the SM count, tensor-descriptor eligibility and scratch, the
-fixed-config switch, the tile swizzle, element types, and the input checks that several
-launchers share.
+flag, the backend switch, the SM count and compute capability, tensor-descriptor eligibility
+and scratch, 16-byte alignment, the fixed-config switch, the tile swizzle, element types, the
+input checks that several launchers share, and a launch that skips the JIT's per-call work
+(``cached_launch``).
 
 ``moe/kernels``, ``parallel`` and ``attention`` import these by their public names from
 :mod:`kernel_floor`; none of them keeps a private copy.
@@ -96,6 +97,28 @@ def capability(device: torch.device) -> tuple[int, int]:
 _compiled: dict = {}
 
 
+def _unspecialized(kernel) -> tuple[set, set]:
+    """The names of ``kernel``'s parameters left out of Triton's value and alignment
+    specialization (a JIT function, or the interpreter's stand-in for one)."""
+    if hasattr(kernel, "params"):
+        return ({p.name for p in kernel.params if p.do_not_specialize},
+                {p.name for p in kernel.params if p.do_not_specialize_on_alignment})
+    names = kernel.arg_names
+    return tuple({names[x] if isinstance(x, int) else x for x in kernel.kwargs.get(k) or ()}
+                 for k in ("do_not_specialize", "do_not_specialize_on_alignment"))
+
+
+def _check_unspecialized(kernel, args) -> None:
+    values, alignments = _unspecialized(kernel)
+    for name, arg in zip(kernel.arg_names, args):
+        int_arg = isinstance(arg, int) and not isinstance(arg, bool)
+        if (int_arg and name not in values) or (
+                isinstance(arg, torch.Tensor) and name not in alignments):
+            raise ValueError(f"cached_launch: {kernel.__name__} specializes on its argument "
+                             f"{name!r}; list it in do_not_specialize"
+                             f"{'' if int_arg else '_on_alignment'}")
+
+
 def cached_launch(kernel, grid, key, *args, **constexprs) -> None:
     """``kernel[grid](*args, **constexprs)`` with the JIT's per-call work done once.
 
@@ -103,12 +126,21 @@ def cached_launch(kernel, grid, key, *args, **constexprs) -> None:
     32 µs of host time that launching the attention forward took (H100 host, 2026-11-24), time
     that a small call's GPU waits for. The first launch for (kernel, device, ``key``, constexprs
     and options) goes through the JIT and keeps the compiled kernel; later ones launch that
-    directly. This is valid only where the compiled code depends on nothing else: ``key`` names
-    the arguments' dtypes, and the kernel leaves its int and pointer arguments unspecialized
-    (``do_not_specialize``, ``do_not_specialize_on_alignment``), which the first launch checks.
+    directly. This is valid only where the compiled code depends on nothing else:
+
+    - ``key`` names the dtypes of the tensor and descriptor arguments;
+    - the kernel lists its int and pointer arguments in ``do_not_specialize`` and
+      ``do_not_specialize_on_alignment`` (checked at the first launch, in the interpreter too);
+    - an int argument that can reach 2^31 is annotated ``tl.int64``: Triton types an int by its
+      value (i32 below 2^31), and a binary compiled with an i32 slot refuses a larger value
+      (OverflowError);
+    - no ``None`` argument stands where a later call passes a value, and Triton's debug and
+      instrumentation knobs do not change after the first launch.
+
     ``args`` are the kernel's leading parameters in order; the constexprs are the rest, by name.
     """
     if INTERPRET:  # nothing to cache: the interpreter runs the Python function
+        _check_unspecialized(kernel, args)
         kernel[grid](*args, **constexprs)
         return
     cache_key = (kernel, torch.cuda.current_device(), key, *constexprs.items())
@@ -117,15 +149,11 @@ def cached_launch(kernel, grid, key, *args, **constexprs) -> None:
         compiled, tail = hit
         compiled[(*grid, 1, 1)[:3]](*args, *tail)  # the compiled kernel's launcher takes 3-D grids
         return
-    for param, arg in zip(kernel.params, args):
-        int_arg = isinstance(arg, int) and not isinstance(arg, bool)
-        if (int_arg and not param.do_not_specialize) or (
-                isinstance(arg, torch.Tensor) and not param.do_not_specialize_on_alignment):
-            raise ValueError(f"cached_launch: {kernel.__name__} specializes on its argument "
-                             f"{param.name!r}; list it in do_not_specialize"
-                             f"{'' if int_arg else '_on_alignment'}")
+    _check_unspecialized(kernel, args)
     compiled = kernel[grid](*args, **constexprs)
-    _compiled[cache_key] = (compiled, tuple(constexprs[p.name] for p in kernel.params[len(args):]))
+    if compiled is not None:  # None: a JIT cache hook took the launch over
+        _compiled[cache_key] = (compiled,
+                                tuple(constexprs[p.name] for p in kernel.params[len(args):]))
 
 
 def _scratch(size: int, _alignment: int, _stream) -> torch.Tensor:

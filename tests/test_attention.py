@@ -655,12 +655,13 @@ import re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import attention.flash_attn as fa
-ints = ["stride_ob", "stride_oh", "stride_os", "stride_dob", "stride_doh", "stride_dos", "H", "SQ"]
+strides = ["stride_ob", "stride_oh", "stride_os", "stride_dob", "stride_doh", "stride_dos"]
 for aligned in (True, False):
     constexprs = {"ZERO_SEM": True, "ALIGNED": aligned, "HEAD_DIM": 128, "BLOCK_D": 128,
                   "BLOCK_M": 64}
     signature = {"O": "*bf16", "DO": "*bf16", "DELTA": "*fp32", "SEM": "*i32",
-                 **{n: "i32" for n in ints}, **{n: "constexpr" for n in constexprs}}
+                 **{n: "i64" for n in strides}, "H": "i32", "SQ": "i32",
+                 **{n: "constexpr" for n in constexprs}}
     ptx = triton.compile(ASTSource(fa._attn_bwd_delta_kernel, signature, constexprs),
                          target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     print(aligned, sorted(set(re.findall(r"ld\\.global\\.[\\w.]+", ptx))))
