@@ -198,13 +198,17 @@ def _row_mask(rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexp
 
 @triton.jit
 def _load_pair(A, B, rows, stride_a, stride_b, offs_d, n_rows, ROW_MASK: tl.constexpr,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr = False):
     """(rows, BLOCK_D) tiles of A and B at the same rows (k and v, or q and dO), zeros where
     masked: rows past ``n_rows`` when ROW_MASK, padded head-dim columns always; interior tiles of
-    a power-of-two head dim load without a mask. (One call for both tiles: every nested call costs
-    the interpreter milliseconds.)"""
+    a power-of-two head dim load without a mask. ALIGNED: every row starts on 16 bytes (for a
+    kernel whose pointers and strides are not specialized, so that Triton cannot know). (One call
+    for both tiles: every nested call costs the interpreter milliseconds.)"""
     a_ptrs = A + rows[:, None] * stride_a + offs_d[None, :]
     b_ptrs = B + rows[:, None] * stride_b + offs_d[None, :]
+    if ALIGNED:
+        a_ptrs = tl.multiple_of(a_ptrs, [16, 16])
+        b_ptrs = tl.multiple_of(b_ptrs, [16, 16])
     if ROW_MASK:
         mask = _row_mask(rows, n_rows, offs_d, HEAD_DIM, BLOCK_D)
         a = tl.load(a_ptrs, mask=mask, other=0.0)
@@ -312,14 +316,8 @@ def _attn_bwd_delta_kernel(O, DO, DELTA, SEM, stride_ob: tl.int64, stride_oh: tl
     h = bh % H
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
-    do_ptrs = DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :]
-    if ALIGNED:  # every row starts on 16 bytes (the launcher checked bases and strides)
-        o_ptrs = tl.multiple_of(o_ptrs, [16, 16])
-        do_ptrs = tl.multiple_of(do_ptrs, [16, 16])
-    mask = _row_mask(offs_m, SQ, offs_d, HEAD_DIM, BLOCK_D)
-    o = tl.load(o_ptrs, mask=mask, other=0.0)
-    do = tl.load(do_ptrs, mask=mask, other=0.0)
+    o, do = _load_pair(O + b * stride_ob + h * stride_oh, DO + b * stride_dob + h * stride_doh,
+                       offs_m, stride_os, stride_dos, offs_d, SQ, True, HEAD_DIM, BLOCK_D, ALIGNED)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + bh * SQ + offs_m, delta, mask=offs_m < SQ)
 

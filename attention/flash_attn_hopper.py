@@ -331,14 +331,21 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, SQ, S
                         (_producer, (a, CAUSAL))], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def hopper_forward_ok(q, k, v, causal, window) -> bool:
-    """Whether ``hopper_forward`` serves these inputs (else the Triton kernels do)."""
+def gluon_case(q, k, causal, window, min_scores, *tensors) -> bool:
+    """The case the Gluon kernels serve: an sm_90 GPU, Sq == Sk, no window, at least
+    ``min_scores`` visible scores, a head dim of HEAD_DIMS, fp16/bf16, and ``tensors`` with a
+    unit last stride and TMA-compatible alignment."""
     B, H, S, _ = q.shape
     return (q.is_cuda and capability(q.device) == (9, 0)
             and window is None and k.shape[2] == S and S > 0
-            and B * H * S * S // (2 if causal else 1) >= MIN_SCORES
+            and B * H * S * S // (2 if causal else 1) >= min_scores
             and q.shape[3] in HEAD_DIMS and q.dtype in _GL_DTYPES
-            and all(t.stride(-1) == 1 for t in (q, k, v)) and tma_ok(q, k, v))
+            and all(t.stride(-1) == 1 for t in tensors) and tma_ok(*tensors))
+
+
+def hopper_forward_ok(q, k, v, causal, window) -> bool:
+    """Whether ``hopper_forward`` serves these inputs (else the Triton kernels do)."""
+    return gluon_case(q, k, causal, window, MIN_SCORES, q, k, v)
 
 
 @functools.lru_cache(maxsize=None)

@@ -51,8 +51,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from attention.flash_attn_hopper import HEAD_DIMS, _GL_DTYPES, _descriptor
-from kernel_floor import cached_launch, capability, sm_count, tma_ok
+from attention.flash_attn_hopper import _descriptor, gluon_case
+from kernel_floor import cached_launch, sm_count
 
 # The order in which a CTA (one key block j) walks its query blocks, and so the fixed order of the
 # key blocks' adds into each dQ block (``_turn``); ``_walk`` picks one per call.
@@ -374,12 +374,7 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
 
 def hopper_backward_ok(q, k, v, do, causal, window) -> bool:
     """Whether ``hopper_backward`` serves these inputs (else the Triton kernels do)."""
-    B, H, S, _ = q.shape
-    return (q.is_cuda and capability(q.device) == (9, 0)
-            and window is None and k.shape[2] == S and S > 0
-            and B * H * S * S // (2 if causal else 1) >= MIN_SCORES
-            and q.shape[3] in HEAD_DIMS and q.dtype in _GL_DTYPES
-            and all(t.stride(-1) == 1 for t in (q, k, v, do)) and tma_ok(q, k, v, do)
+    return (gluon_case(q, k, causal, window, MIN_SCORES, q, k, v, do)
             # An expanded gradient (grad_outputs=w.expand(...)) has zero strides, which TMA
             # descriptors were never tried with; the Triton kernels take any stride.
             and 0 not in do.stride())
