@@ -41,6 +41,13 @@ up, write dz and h; bit-identical) made that kernel 0.50 ms slower in the OLMoE-
 fwd+bwd (4.71 -> 5.22 ms: the epilogue's 1.3 GB of traffic stalls the tensor cores) while the
 0.56 ms elementwise pass went, so the layer's kernels went 9.92 -> 9.86 ms and bench/moe_layer.py
 read the same 441 TFLOP/s (H100, 2026-11-24).
+The forward epilogue again, on the TMA kernel (H100, 2026-11-24, OLMoE / Qwen3-A3B shapes at T 16k
+top-8, 5 alternating rounds; z and h bit-identical to the two passes): gate and up as two
+accumulators fed by two TMA boxes ran 0.86x / 0.86x the GEMM plus the pass; one accumulator fed by
+a 5-D descriptor whose box is [gate block | up block] 0.71x / 0.71x. A Gluon probe whose two
+consumer warpgroups take turns at the mainloop (one's epilogue beside the other's matmuls, a
+128x128 tile each) wrote z and h at 1.03x / 1.07x, but its plain GEMM ran 0.91-1.04x this
+kernel's 128x256 cooperative tile; not kept yet.
 """
 
 import torch
