@@ -46,7 +46,7 @@ top-8, 5 alternating rounds; z and h bit-identical to the two passes): gate and 
 accumulators fed by two TMA boxes ran 0.86x / 0.86x the GEMM plus the pass; one accumulator fed by
 a 5-D descriptor whose box is [gate block | up block] 0.71x / 0.71x. A Gluon probe whose two
 consumer warpgroups take turns at the mainloop (one's epilogue beside the other's matmuls, a
-128x128 tile each) wrote z and h at 1.03x / 1.07x, but its plain GEMM ran 0.91-1.04x this
+128x128 tile each) wrote z and h at 1.03-1.04x / 1.07-1.09x (two runs), but its plain GEMM ran 0.91-1.04x this
 kernel's 128x256 cooperative tile; not kept yet.
 """
 
