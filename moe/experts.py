@@ -111,13 +111,14 @@ class GroupedExperts(nn.Module):
         """BLOCK_M of the first (largest) grouped GEMM: the tile the tile-utilization stat counts."""
         return row_tile_size(self.w1_LDU.shape[1], self.w1_LDU.shape[2], dtype)
 
-    def forward(self, x_RD: torch.Tensor, offsets_J: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_RD: torch.Tensor, offsets_J: torch.Tensor, w_R: torch.Tensor | None = None) -> torch.Tensor:
         """x_RD (R, D) rows in J segments; offsets_J (J,) int32 cumulative segment ends, J a
-        multiple of L, segment s run by expert ``s % L`` (J = L: rows sorted by expert).
+        multiple of L, segment s run by expert ``s % L`` (J = L: rows sorted by expert); w_R
+        optional (R,) fp32 weights each output row is multiplied by (the combine weights).
         Returns (R, D) in the compute dtype; rows past ``offsets_J[-1]`` come back zero."""
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._mlp, x_RD, offsets_J, use_reentrant=False)
-        return self._mlp(x_RD, offsets_J)
+            return checkpoint(self._mlp, x_RD, offsets_J, w_R, use_reentrant=False)
+        return self._mlp(x_RD, offsets_J, w_R)
 
     def compute_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(w1, w2) in ``dtype``, differentiable in the parameters."""
@@ -131,10 +132,10 @@ class GroupedExperts(nn.Module):
         _, c1, c2 = self._copies
         return tag_master_copy(_MasterCopy.apply(w1, c1), w1), tag_master_copy(_MasterCopy.apply(w2, c2), w2)
 
-    def _mlp(self, x_RD: torch.Tensor, offsets_J: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, x_RD: torch.Tensor, offsets_J: torch.Tensor, w_R: torch.Tensor | None) -> torch.Tensor:
         dtype = self.compute_dtype(x_RD)
         w1, w2 = self.compute_weights(dtype)
-        return grouped_mlp(x_RD.to(dtype), w1, w2, offsets_J, self.activation)
+        return grouped_mlp(x_RD.to(dtype), w1, w2, offsets_J, self.activation, w_R=w_R)
 
 
 @contextmanager

@@ -145,7 +145,9 @@ class ExpertParallelDispatcher(Dispatcher):
         same pairs, weights and drops; the weight gradients summed over chunks). On a CPU the
         chunks run one after the other.
         """
-        if self.overlap_chunks == 1 or self.ep_size == 1:
+        if self.ep_size == 1:  # the local dispatcher's path: the experts weight their rows
+            return self._local.run_experts(experts, x_TD, plan, experts_TK, w_TK, out_dtype, row_dtype)
+        if self.overlap_chunks == 1:
             return super().run_experts(experts, x_TD, plan, experts_TK, w_TK, out_dtype, row_dtype)
         chunks = split_plan(plan, experts_TK, self.overlap_chunks)
         main, side = _current_stream(x_TD.device), self._overlap_streams.get(x_TD.device)

@@ -66,6 +66,10 @@ def fully_shard_moe(model: nn.Module, blocks: list[nn.Module], dims, *, param_dt
                     raise ValueError(f"fully_shard_moe: the experts' weights are sharded along dim 1 over the "
                                      f"{dims.edp} ranks of an expert-data-parallel group, which must divide it: {uneven}")
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # the experts' unit leaves its inputs as they come: the rows are in the compute dtype already
+    # (the dispatch casts them), and the row weights the local dispatcher passes must stay fp32
+    # (a bf16 cast would round the combine weights to 8 bits)
+    experts_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     ignored: set[nn.Parameter] = set()
     for block in blocks:
         mine = set()
@@ -76,7 +80,7 @@ def fully_shard_moe(model: nn.Module, blocks: list[nn.Module], dims, *, param_dt
                 mine.update(module.parameters())
             elif isinstance(module, GroupedExperts):
                 fully_shard(module, mesh=dims.edp_mesh, reshard_after_forward=reshard_after_forward,
-                            shard_placement_fn=_expert_placement, mp_policy=policy)
+                            shard_placement_fn=_expert_placement, mp_policy=experts_policy)
                 module.set_gradient_divide_factor(float(dims.world_size))
                 if dims.mesh.device_type == "cpu":  # gloo has no PREMUL_SUM: sum, then divide
                     module.set_force_sum_reduction_for_comms(True)

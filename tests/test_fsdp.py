@@ -205,6 +205,35 @@ def _check(all_ranks: list[dict], name: str) -> None:
         assert not wrong, f"rank {rank}: {wrong}"
 
 
+def _row_weight_dtypes(rank: int, world: int) -> dict:
+    """EP 1 × DP 2 under FSDP with bf16 parameters on CPU: the experts are an FSDP unit of their
+    own, and the local dispatcher hands them the combine weights; the dtypes they arrive in."""
+    from moe.experts import GroupedExperts
+
+    dims = ParallelDims(world, 1).build_mesh("cpu")
+    cfg = _config(Case("ep1_bf16", ep=1), world, 1, BATCH, 1, torch.device("cpu"))
+    cfg.parallel.param_dtype = "bf16"
+    model = MoETransformer(cfg, dispatcher=dims.dispatcher())
+    model.init_weights(3)
+    model = parallelize(model, cfg, dims, torch.device("cpu"))
+    seen = []
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            m.register_forward_pre_hook(lambda _, args: seen.append((str(args[0].dtype), str(args[2].dtype))))
+    tokens = torch.randint(0, 64, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(rank))
+    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss.backward()
+    return {"seen": seen, "loss": float(loss)}
+
+
+def test_fsdp_bf16_experts_unit_keeps_fp32_row_weights():
+    """FSDP's default mixed precision casts a unit's floating inputs to param_dtype: the combine
+    weights would reach the experts in bf16 (which they refuse). The experts' unit does not cast."""
+    for res in run_distributed(_row_weight_dtypes, 2, timeout_s=120.0):
+        assert res["seen"] and all(s == ("torch.bfloat16", "torch.float32") for s in res["seen"]), res["seen"]
+        assert res["loss"] == res["loss"]
+
+
 @pytest.fixture(scope="module")
 def world2():
     return run_distributed(_run_cases, 2, WORLD2, timeout_s=120.0)

@@ -14,7 +14,7 @@ rows in a random order, with dropped pairs, empty buffers, one token and all pai
 import pytest
 import torch
 
-from moe.kernels.combine import gather_rows, weighted_combine, weighted_combine_reference
+from moe.kernels.combine import gather_rows, sum_combine, weighted_combine, weighted_combine_reference
 from parallel.p2p_rows import push_rows, push_rows_reference, sum_pairs, sum_pairs_reference
 from parallel.pair_rows import (
     gather_pairs_sum, gather_pairs_sum_reference, locate_reference, scatter_pairs, scatter_pairs_reference,
@@ -95,6 +95,31 @@ def test_combine_of_identical_rows_is_the_row_times_the_kept_weights():
     out.backward(dout)
     torch.testing.assert_close(w_TK.grad, torch.where(has_TK, (dout * x_TD).sum(-1, keepdim=True), 0.0),
                                rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,K,D,num_rows", [(13, 4, 130, 37), (9, 1, 64, 9), (5, 3, 33, 0), (0, 2, 16, 0)])
+def test_sum_combine_matches_reference(T, K, D, num_rows, dtype):
+    """The combine of rows weighted already: the sum of each token's rows (pairs without one add
+    nothing) and, backward, each row's gradient its token's dout, against float64."""
+    gen = torch.Generator().manual_seed(T * 100 + K * 10 + D)
+    pair_R = torch.randperm(T * K, generator=gen)[:num_rows].to(DEVICE)
+    y = torch.randn(num_rows, D, generator=gen).to(DEVICE, dtype).requires_grad_()
+    dout = torch.randn(T, D, generator=gen).to(DEVICE, dtype)
+    y_ref = y.detach().double().requires_grad_()
+    out_ref = sum_combine(y_ref, pair_R, T, K, backend="reference")
+    out = sum_combine(y, pair_R, T, K, out_dtype=torch.float32, backend="triton")
+    assert out.shape == (T, D) and out.dtype == torch.float32
+    with pytest.raises(ValueError, match="pairs"):
+        sum_combine(y, pair_R, 0 if num_rows else -1, K)
+    if num_rows == 0:  # nothing came back: zeros, and the reference keeps no graph
+        assert (out == 0).all()
+        return
+    out.backward(dout.float())
+    out_ref.backward(dout.double())
+    assert _rel_err(out, out_ref) < COMBINE_TOL[dtype]
+    assert torch.equal(y.grad, dout[pair_R // K])
+    assert torch.equal(y_ref.grad, dout[pair_R // K].double())
 
 
 def test_combine_out_dtype_is_respected():

@@ -152,8 +152,62 @@ def test_activation_backward_returns_the_forward_activation():
     dz, h = activation_backward(z, dh, "swiglu", return_h=True)
     assert torch.equal(h, swiglu_forward(z))
     assert torch.equal(dz, activation_backward(z, dh, "swiglu"))
-    with pytest.raises(ValueError, match="return_h is for swiglu only"):
+    w = torch.rand(37, device=DEVICE)
+    dzw, hw, dw = activation_backward(z, dh, "swiglu", return_h=True, w_M=w)
+    assert torch.equal(hw, swiglu_forward(z, w))
+    dzw2, dw2 = activation_backward(z, dh, "swiglu", w_M=w)
+    assert torch.equal(dzw, dzw2) and torch.equal(dw, dw2)
+    with pytest.raises(ValueError, match="return_h and w_M are for swiglu only"):
         activation_backward(z, z, "gelu", return_h=True)
+    with pytest.raises(ValueError, match="w_M must be a contiguous fp32"):
+        activation_backward(z, dh, "swiglu", w_M=w.half())
+    with pytest.raises(ValueError, match="w_M must be a contiguous fp32"):
+        swiglu_forward(z, w[:36])
+
+
+def _weighted_mlp_reference(x, w1, w2, offsets, w_R):
+    """float64 ``(swiglu(x @ w1[g]) · w_R) @ w2[g]`` through plain autograd."""
+    h = grouped_mm_reference(x, w1, offsets, "swiglu") * w_R[:, None]
+    return grouped_mm_reference(h, w2, offsets)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("case", list(CPU_CASES))
+def test_row_weighted_mlp_matches_reference(case, backend):
+    """``grouped_mlp(..., w_R=)``: the output rows times their weight, and every gradient (x, w1,
+    w2 and w_R) against float64, on the fused Triton node and the reference chain. Weights with
+    exact zeros and a wide range; padding rows get zero output, dx and dw_R."""
+    sizes, padding = CPU_CASES[case]
+    I, F, L = 56, 40, len(sizes)
+    M, end = sum(sizes) + padding, sum(sizes)
+    dtype = torch.float16 if backend == "triton" else torch.float32
+    offsets = _offsets(sizes, DEVICE)
+    x = torch.randn(M, I, device=DEVICE).to(dtype)
+    w1 = (torch.randn(L, I, 2 * F, device=DEVICE) / I**0.5).to(dtype)
+    w2 = (torch.randn(L, F, I, device=DEVICE) / F**0.5).to(dtype)
+    w_R = torch.rand(M, device=DEVICE) * torch.logspace(-3, 0, M, device=DEVICE)
+    w_R[::5] = 0.0
+    dy = torch.randn(M, I, device=DEVICE).to(dtype)
+    refs = [t.detach().double().requires_grad_() for t in (x, w1, w2, w_R)]
+    y_ref = _weighted_mlp_reference(*refs[:3], offsets, refs[3])
+    y_ref.backward(dy.double())
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w1, w2, w_R)]
+    y = grouped_mlp(*leaves[:3], offsets, "swiglu", backend=backend, w_R=leaves[3])
+    y.backward(dy)
+    tol = TOLERANCE[dtype]
+    assert y.dtype == dtype and (y[end:] == 0).all() and (leaves[0].grad[end:] == 0).all()
+    assert (leaves[3].grad[end:] == 0).all(), "padding rows must get dw_R = 0"
+    if end:
+        assert _rel_err(y[:end], y_ref[:end]) < tol
+        for name, a, r in zip(("dx", "dw1", "dw2", "dw_R"), leaves, refs):
+            assert _rel_err(a.grad, r.grad) < tol, name
+
+
+def test_row_weights_checked():
+    x = torch.randn(6, 8, device=DEVICE)
+    w = torch.randn(1, 8, 8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"w_R must be fp32 of shape \(6,\)"):
+        grouped_mlp(x, w, w[:, :4], _offsets([6], DEVICE), "swiglu", w_R=torch.ones(5, device=DEVICE))
 
 
 def test_block_multiples_int32_offsets():

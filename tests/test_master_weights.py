@@ -123,7 +123,7 @@ def triton_mlp(monkeypatch, request):
 
     if request.getfixturevalue("device") == "cpu" and not INTERPRET:
         pytest.skip("the Triton path on CPU tensors needs TRITON_INTERPRET (a machine without a GPU)")
-    monkeypatch.setattr(experts_module, "grouped_mlp", lambda *args: grouped_mlp(*args, backend="triton"))
+    monkeypatch.setattr(experts_module, "grouped_mlp", lambda *args, **kw: grouped_mlp(*args, **kw, backend="triton"))
 
 
 @pytest.mark.parametrize("device", DEVICES)

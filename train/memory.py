@@ -384,7 +384,6 @@ def block_parts(s: ModelShape, moe: bool, B: int, S: int, lay: Layout, num: Nume
         Part("router logits (z-loss logsumexp)", T * s.E * 4),
         Part("z-loss logsumexp", T * 4),
         Part("top-k indices", P * 8),
-        Part("combine weights × kept mask", P * 4),
         Part("kept mask (bool)", P),
         Part("balancing-loss score sums", 2 * T * 4),
     ]
@@ -404,10 +403,18 @@ def block_parts(s: ModelShape, moe: bool, B: int, S: int, lay: Layout, num: Nume
     if not (s.swiglu and c == 2):
         parts.append(Part("expert hidden h", rows.R * s.F * c, "experts"))
     if lay.transport == "local":
+        # the experts weight their output rows (moe.dispatch.LocalDispatcher.run_experts): the
+        # SwiGLU node keeps the row weights (and so does the experts' checkpoint, an input of
+        # theirs: "rest"); the other paths scale the output rows in a node that keeps them (what
+        # the weighted combine kept); the combine only sums
+        parts.append(Part("expert row weights (fp32)", rows.R * 4))
+        if not (s.swiglu and c == 2):
+            parts.append(Part("expert output rows (row scaling)", rows.R * D * c, "experts"))
         parts += [Part("dispatch gather index", P * 8, dispatch=True),
-                  Part("combine: expert output rows", rows.R * D * c, dispatch=True),
                   Part("combine: row of each pair", P * 8, dispatch=True)]
-    elif lay.transport == "nccl":
+        return parts
+    parts.append(Part("combine weights × kept mask", P * 4))
+    if lay.transport == "nccl":
         parts += [Part("combine: rows returned by the all-to-all", rows.M * D * c, dispatch=True),
                   Part("route: send position of each pair", P * 8, dispatch=True)]
     else:

@@ -40,17 +40,23 @@ def _to_row(pair, live, row_of_pair_ptr, _unused_ptr, _me, R):
     return tl.where(has, 0, -1), row
 
 
-def _check(y_RD: torch.Tensor, pair_R: torch.Tensor, w_TK: torch.Tensor) -> None:
+def _check_rows(y_RD: torch.Tensor, pair_R: torch.Tensor, num_pairs: int) -> None:
     if y_RD.dim() != 2:
         raise ValueError(f"y_RD must be 2-D (R, D), got shape {tuple(y_RD.shape)}")
     if pair_R.dim() != 1 or pair_R.shape[0] != y_RD.shape[0] or pair_R.dtype != torch.int64:
         raise ValueError(f"pair_R must be int64 of shape ({y_RD.shape[0]},), got {pair_R.dtype} {tuple(pair_R.shape)}")
+    if y_RD.shape[0] > num_pairs:
+        raise ValueError(f"y_RD has {y_RD.shape[0]} rows, more than the T·K = {num_pairs} pairs")
+    if y_RD.device != pair_R.device:
+        raise ValueError(f"y_RD and pair_R on different devices: {y_RD.device}, {pair_R.device}")
+
+
+def _check(y_RD: torch.Tensor, pair_R: torch.Tensor, w_TK: torch.Tensor) -> None:
     if w_TK.dim() != 2 or w_TK.dtype != torch.float32:
         raise ValueError(f"w_TK must be a 2-D (T, K) fp32 tensor, got {w_TK.dtype} {tuple(w_TK.shape)}")
-    if y_RD.shape[0] > w_TK.numel():
-        raise ValueError(f"y_RD has {y_RD.shape[0]} rows, more than the T·K = {w_TK.numel()} pairs")
-    if not (y_RD.device == pair_R.device == w_TK.device):
-        raise ValueError(f"y_RD, pair_R, w_TK on different devices: {y_RD.device}, {pair_R.device}, {w_TK.device}")
+    if w_TK.device != y_RD.device:
+        raise ValueError(f"y_RD and w_TK on different devices: {y_RD.device}, {w_TK.device}")
+    _check_rows(y_RD, pair_R, w_TK.numel())
 
 
 def row_of_pair(pair_R: torch.Tensor, num_pairs: int) -> torch.Tensor:
@@ -84,6 +90,31 @@ class WeightedCombineFn(torch.autograd.Function):
         scatter_rows(dout_TD, _to_row, _locate_row, row_of_pair_P, None, 0, R, dy_RD, dy_RD.dtype,
                      dy_RD.stride(0), K=K, w_TK=w_TK, ya_MD=y_RD, dw_TK=dw_TK, zero_dropped=True)
         return dy_RD, None, dw_TK, None
+
+
+class SumCombineFn(torch.autograd.Function):
+    """Triton forward and backward of :func:`sum_combine`: the weighted combine's kernels without
+    weights, so nothing but the row locator is kept (no output rows: there is no weight gradient)."""
+
+    @staticmethod
+    def forward(ctx, y_RD, pair_R, num_tokens, top_k, out_dtype):
+        R, D = y_RD.shape
+        row_of_pair_P = row_of_pair(pair_R, num_tokens * top_k)
+        out_TD = gather_sum(num_tokens, D, _locate_row, row_of_pair_P, None, 0, R, y_RD.contiguous(),
+                            out_dtype=out_dtype, K=top_k)
+        ctx.save_for_backward(row_of_pair_P)
+        ctx.rows = (R, D, y_RD.dtype)
+        ctx.top_k = top_k
+        return out_TD
+
+    @staticmethod
+    def backward(ctx, dout_TD):
+        (row_of_pair_P,) = ctx.saved_tensors
+        R, D, dtype = ctx.rows
+        dy_RD = dout_TD.new_empty((R, D), dtype=dtype)
+        scatter_rows(dout_TD.contiguous(), _to_row, _locate_row, row_of_pair_P, None, 0, R, dy_RD, dtype,
+                     dy_RD.stride(0), K=ctx.top_k)
+        return dy_RD, None, None, None, None
 
 
 def gather_rows(x_TD: torch.Tensor, order_P: torch.Tensor, top_k: int, row_dtype: torch.dtype,
@@ -148,3 +179,20 @@ def weighted_combine(y_RD: torch.Tensor, pair_R: torch.Tensor, w_TK: torch.Tenso
     if reference:
         return weighted_combine_reference(y_RD, pair_R, w_TK, out_dtype)
     return WeightedCombineFn.apply(y_RD, pair_R, w_TK, out_dtype or y_RD.dtype)
+
+
+def sum_combine(y_RD: torch.Tensor, pair_R: torch.Tensor, num_tokens: int, top_k: int,
+                out_dtype: torch.dtype | None = None, backend: str = "auto") -> torch.Tensor:
+    """``out[t] = Σ_k y[r]`` over the rows r with ``pair_R[r] = t·K + k``, in fp32: the combine for
+    rows that come weighted already (``moe.kernels.grouped_mlp``'s ``w_R``).
+
+    Args as :func:`weighted_combine`, with the (T, K) shape given as ``num_tokens``, ``top_k``;
+    every one of the R rows must be named by a pair (the local dispatch packs all T·K pairs), as
+    the backward writes each row's gradient ``dout[t]``. Differentiable in ``y_RD``.
+    """
+    _check_rows(y_RD, pair_R, num_tokens * top_k)
+    if use_reference(backend, not y_RD.is_cuda):
+        row_TK = row_of_pair(pair_R, num_tokens * top_k).view(num_tokens, top_k)
+        has_TK = row_TK >= 0
+        return gather_sum_reference((has_TK, has_TK, row_TK, row_TK), y_RD, None, None, out_dtype)
+    return SumCombineFn.apply(y_RD, pair_R, num_tokens, top_k, out_dtype or y_RD.dtype)

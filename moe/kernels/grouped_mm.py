@@ -26,7 +26,7 @@ synchronizes. Rows at or past ``offsets[-1]`` are zero in
 import torch
 
 from kernel_floor import use_reference
-from moe.kernels.activation import activation_backward
+from moe.kernels.activation import activation_backward, swiglu_forward
 from moe.kernels.grouped_mm_fwd import grouped_mm_forward
 from moe.kernels.grouped_mm_wgrad import grouped_mm_wgrad
 from moe.kernels.master_grad import accumulate_wgrad_, master_of
@@ -67,8 +67,8 @@ def _runs_reference(x_MI: torch.Tensor, backend: str) -> bool:
 
 
 class GroupedSwiGLUMLPFn(torch.autograd.Function):
-    """The expert MLP ``y = swiglu(x @ w1[s]) @ w2[s]`` as one autograd node that keeps x and
-    the pre-activation z for the backward, not the activation h.
+    """The expert MLP ``y = (swiglu(x @ w1[s]) · w_R) @ w2[s]`` as one autograd node that keeps x,
+    the pre-activation z and the row weights for the backward, not the activation h.
 
     Two :class:`GroupedMMFn` nodes keep h (M, F) as the second matmul's input; here the
     activation backward, which reads z anyway, writes h again for the second matmul's weight
@@ -77,14 +77,18 @@ class GroupedSwiGLUMLPFn(torch.autograd.Function):
     write in the backward. Gradients equal the two-node chain's bit for bit, except the weight
     gradients of tagged fp32-master casts (``moe.master_weight_step``), added into the master's
     ``.grad`` unrounded (:func:`_weight_grad`).
+
+    ``w_R`` (M,) fp32 or None: per-row weights applied to h in the SwiGLU pass (the combine
+    weights, so the combine only sums); their gradient comes from the same backward pass
+    (``moe.kernels.activation``), so the combine need not keep the output rows.
     """
 
     @staticmethod
-    def forward(ctx, x_MI, w1_LIU, w2_LFN, offsets_J):
-        needs_grad = any(ctx.needs_input_grad[:3])
-        h, z = grouped_mm_forward(x_MI, w1_LIU, offsets_J, "swiglu", save_preact=needs_grad)
+    def forward(ctx, x_MI, w1_LIU, w2_LFN, offsets_J, w_R):
+        z, _ = grouped_mm_forward(x_MI, w1_LIU, offsets_J)
+        h = swiglu_forward(z, w_R)
         y, _ = grouped_mm_forward(h, w2_LFN, offsets_J)
-        ctx.save_for_backward(x_MI, w1_LIU, w2_LFN, offsets_J, z)
+        ctx.save_for_backward(x_MI, w1_LIU, w2_LFN, offsets_J, z, w_R)
         # a tagged cast's own autograd node (the one that would add a returned gradient into
         # the master): the backward adds into master.grad only when the engine runs that node
         ctx.masters = [(master_of(w), w.grad_fn) for w in (w1_LIU, w2_LFN)]
@@ -92,10 +96,13 @@ class GroupedSwiGLUMLPFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x_MI, w1_LIU, w2_LFN, offsets_J, z = ctx.saved_tensors
+        x_MI, w1_LIU, w2_LFN, offsets_J, z, w_R = ctx.saved_tensors
         dy = dy.contiguous()
         dh, _ = grouped_mm_forward(dy, w2_LFN.transpose(1, 2), offsets_J, record_tile=False)
-        dz, h = activation_backward(z, dh, "swiglu", return_h=True)
+        if w_R is None:
+            (dz, h), dw_R = activation_backward(z, dh, "swiglu", return_h=True), None
+        else:
+            dz, h, dw_R = activation_backward(z, dh, "swiglu", return_h=True, w_M=w_R)
         del dh
         dx = None
         dw2 = _weight_grad(ctx.needs_input_grad[2], ctx.masters[1], h, dy, offsets_J, w2_LFN.shape[0])
@@ -103,7 +110,22 @@ class GroupedSwiGLUMLPFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx, _ = grouped_mm_forward(dz, w1_LIU.transpose(1, 2), offsets_J, record_tile=False)
         dw1 = _weight_grad(ctx.needs_input_grad[1], ctx.masters[0], x_MI, dz, offsets_J, w1_LIU.shape[0])
-        return dx, dw1, dw2, None
+        return dx, dw1, dw2, None, dw_R if ctx.needs_input_grad[4] else None
+
+
+class _ScaleRowsFn(torch.autograd.Function):
+    """``y[m] · w[m]`` in fp32, cast to y's dtype; keeps y and w (what a weighted combine kept)."""
+
+    @staticmethod
+    def forward(ctx, y_MN, w_M):
+        ctx.save_for_backward(y_MN, w_M)
+        return (y_MN.float() * w_M[:, None]).to(y_MN.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        y_MN, w_M = ctx.saved_tensors
+        d32 = dout.float()
+        return (d32 * w_M[:, None]).to(y_MN.dtype), (d32 * y_MN.float()).sum(1)
 
 
 def _weight_grad(needed, master_and_node, x_MI, dy_MN, offsets_J, num_groups):
@@ -122,18 +144,30 @@ def _weight_grad(needed, master_and_node, x_MI, dy_MN, offsets_J, num_groups):
     return None
 
 
+def scale_rows(y_MN: torch.Tensor, w_M: torch.Tensor) -> torch.Tensor:
+    """``y[m] · w[m]`` (w (M,) fp32) computed in fp32, in y's dtype; differentiable in both,
+    keeping y and w for the backward."""
+    return _ScaleRowsFn.apply(y_MN, w_M)
+
+
 def grouped_mlp(x_MI: torch.Tensor, w1_LIU: torch.Tensor, w2_LFN: torch.Tensor, offsets_J: torch.Tensor,
-                activation: str, backend: str = "auto") -> torch.Tensor:
-    """``act(x[rows of s] @ w1[s % L]) @ w2[s % L]``: the expert MLP, differentiable in x, w1, w2.
+                activation: str, backend: str = "auto", w_R: torch.Tensor | None = None) -> torch.Tensor:
+    """``w_R[r] · act(x[rows of s] @ w1[s % L]) @ w2[s % L]``: the expert MLP, differentiable in
+    x, w1, w2 and w_R.
 
     Shapes and backends as :func:`grouped_mm` (w1 (L, I, U), U = 2F for ``"swiglu"``; w2 (L, F, N)).
+    ``w_R``: optional (M,) fp32 row weights (the combine weights of the rows' pairs).
     The Triton SwiGLU path is one :class:`GroupedSwiGLUMLPFn` node (h is not kept for the
-    backward); GELU and the reference chain two :func:`grouped_mm` calls.
+    backward; w_R scales h in its SwiGLU pass); GELU and the reference chain two :func:`grouped_mm`
+    calls and scale the output rows.
     """
+    if w_R is not None and (w_R.shape != (x_MI.shape[0],) or w_R.dtype != torch.float32):
+        raise ValueError(f"w_R must be fp32 of shape ({x_MI.shape[0]},), got {w_R.dtype} {tuple(w_R.shape)}")
     if activation == "swiglu" and not _runs_reference(x_MI, backend):
-        return GroupedSwiGLUMLPFn.apply(x_MI, w1_LIU, w2_LFN, offsets_J)
+        return GroupedSwiGLUMLPFn.apply(x_MI, w1_LIU, w2_LFN, offsets_J, None if w_R is None else w_R.contiguous())
     h = grouped_mm(x_MI, w1_LIU, offsets_J, activation=activation, backend=backend)
-    return grouped_mm(h, w2_LFN, offsets_J, backend=backend)
+    y = grouped_mm(h, w2_LFN, offsets_J, backend=backend)
+    return y if w_R is None else scale_rows(y, w_R)
 
 
 def grouped_mm_triton(
