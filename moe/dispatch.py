@@ -149,18 +149,8 @@ class LocalDispatcher(Dispatcher):
     def run_experts(self, experts, x_TD: torch.Tensor, plan: RoutingPlan, experts_TK: torch.Tensor,
                     w_TK: torch.Tensor, out_dtype: torch.dtype | None = None,
                     row_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """As :meth:`Dispatcher.run_experts`, with the combine weights applied by the experts
-        (``experts(rows_RD, offsets_J, w_R)``, one weight per row) and the combine a plain sum:
-        the weights' gradient then comes from the expert MLP's backward, which recomputes the
-        activation anyway, and no (R, D) output rows are kept for it. Measured (H100, OLMoE-shaped
-        layer, T 16k, top-8, bench/moe_layer.py --profile OLMoE): 32 KiB a token fewer saved bytes,
-        and the combine's backward (the dout scatter, plus the <dout, y> dots it no longer makes)
-        went from 0.42 to 0.22 ms; the SwiGLU backward pass that now makes the weights' gradient
-        stayed at 0.56 ms."""
-        rows_RD, offsets_J, meta = self.dispatch(x_TD, plan, row_dtype)
-        w_R = w_TK.reshape(-1).index_select(0, meta.order_P)
-        y_RD = experts(rows_RD, offsets_J, w_R)
-        return sum_combine(y_RD, meta.order_P, w_TK.shape[0], w_TK.shape[1], out_dtype)
+        """:func:`run_weighting_experts`: the experts apply the combine weights."""
+        return run_weighting_experts(self, experts, x_TD, plan, w_TK, out_dtype, row_dtype)
 
     def reduce_aux_inputs(self, routed_E: torch.Tensor, prob_sum_E: torch.Tensor,
                           num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -172,3 +162,23 @@ class LocalDispatcher(Dispatcher):
 
     def reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
         return counts
+
+
+def run_weighting_experts(dispatcher: Dispatcher, experts, x_TD: torch.Tensor, plan: RoutingPlan, w_TK: torch.Tensor,
+                          out_dtype: torch.dtype | None = None, row_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:meth:`Dispatcher.run_experts` for a dispatch whose metadata is a :class:`LocalDispatchMeta`
+    (every pair packed on this rank), with the combine weights applied by the experts
+    (``experts(rows_RD, offsets_J, w_R)``, one weight per row) and the combine a plain sum
+    (:func:`~moe.kernels.combine.sum_combine`).
+
+    Why: the weights' gradient then comes from the expert MLP's backward, which recomputes the
+    activation anyway, and no (R, D) output rows are kept for it. Measured (H100, OLMoE-shaped
+    layer, T 16k, top-8, bench/moe_layer.py --profile OLMoE): 32 KiB a token fewer saved bytes,
+    and the combine's backward (the dout scatter, plus the <dout, y> dots it no longer makes)
+    went from 0.42 to 0.22 ms; the SwiGLU backward pass that now makes the weights' gradient
+    stayed at 0.56 ms.
+    """
+    rows_RD, offsets_J, meta = dispatcher.dispatch(x_TD, plan, row_dtype)
+    w_R = w_TK.reshape(-1).index_select(0, meta.order_P)
+    y_RD = experts(rows_RD, offsets_J, w_R)
+    return sum_combine(y_RD, meta.order_P, w_TK.shape[0], w_TK.shape[1], out_dtype)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from moe.capacity import RoutingPlan, split_plan
 from moe.config import check_positive_int
-from moe.dispatch import Dispatcher, DispatchMeta, LocalDispatcher, LocalDispatchMeta
+from moe.dispatch import Dispatcher, DispatchMeta, LocalDispatcher, LocalDispatchMeta, run_weighting_experts
 from parallel import flight
 from parallel.all_to_all import all_reduce_sum
 from parallel.comm import SideStreams
@@ -146,7 +146,7 @@ class ExpertParallelDispatcher(Dispatcher):
         chunks run one after the other.
         """
         if self.ep_size == 1:  # the local dispatcher's path: the experts weight their rows
-            return self._local.run_experts(experts, x_TD, plan, experts_TK, w_TK, out_dtype, row_dtype)
+            return run_weighting_experts(self, experts, x_TD, plan, w_TK, out_dtype, row_dtype)
         if self.overlap_chunks == 1:
             return super().run_experts(experts, x_TD, plan, experts_TK, w_TK, out_dtype, row_dtype)
         chunks = split_plan(plan, experts_TK, self.overlap_chunks)

@@ -1,7 +1,9 @@
 """The gather-sum family (kernel_floor.gather_sum): its one forward and one backward kernel under
 each of the three locators that use them, against the family's one PyTorch reference.
 
-- the local combine (``moe.kernels.combine.weighted_combine``): one buffer in dispatch order;
+- the local combines (``moe.kernels.combine``): one buffer in dispatch order, ``weighted_combine``
+  (the EP dispatchers' one-rank fallback's ``combine``) and ``sum_combine`` (rows the experts
+  weighted: what the one-process layer runs);
 - the NCCL dispatcher's pair rows (``parallel.pair_rows``): a local and a remote buffer;
 - the P2P dispatcher's sum and push (``parallel.p2p_rows``): the own rows and the return buffer,
   stores through a table of G buffer addresses (G local buffers stand for the ranks).
@@ -101,7 +103,8 @@ def test_combine_of_identical_rows_is_the_row_times_the_kept_weights():
 @pytest.mark.parametrize("T,K,D,num_rows", [(13, 4, 130, 37), (9, 1, 64, 9), (5, 3, 33, 0), (0, 2, 16, 0)])
 def test_sum_combine_matches_reference(T, K, D, num_rows, dtype):
     """The combine of rows weighted already: the sum of each token's rows (pairs without one add
-    nothing) and, backward, each row's gradient its token's dout, against float64."""
+    nothing) against the PyTorch reference on float64 rows, and, backward, each row's gradient
+    its token's dout exactly."""
     gen = torch.Generator().manual_seed(T * 100 + K * 10 + D)
     pair_R = torch.randperm(T * K, generator=gen)[:num_rows].to(DEVICE)
     y = torch.randn(num_rows, D, generator=gen).to(DEVICE, dtype).requires_grad_()

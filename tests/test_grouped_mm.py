@@ -165,13 +165,29 @@ def test_activation_backward_returns_the_forward_activation():
         swiglu_forward(z, w[:36])
 
 
+@pytest.mark.parametrize("F", [24, 300])
+def test_row_weighted_activation_backward_matches_float64(F):
+    """The weights' gradient is a sum over the whole row: F = 300 spans three column blocks."""
+    z = torch.randn(45, 2 * F, device=DEVICE, dtype=torch.float16)
+    dh = torch.randn(45, F, device=DEVICE, dtype=torch.float16)
+    w = torch.rand(45, device=DEVICE)
+    dz, h, dw = activation_backward(z, dh, "swiglu", return_h=True, w_M=w)
+    z64, dh64 = z.double().requires_grad_(), dh.double()
+    w64 = w.double().requires_grad_()
+    h64 = torch.nn.functional.silu(z64[:, :F]) * z64[:, F:]
+    (h64 * w64[:, None]).backward(dh64)
+    assert _rel_err(h, h64 * w64[:, None]) < TOLERANCE[torch.float16]
+    assert _rel_err(dz, z64.grad) < TOLERANCE[torch.float16]
+    assert _rel_err(dw, w64.grad) < 1e-5  # fp32 sums of products of the 16-bit inputs
+
+
 def _weighted_mlp_reference(x, w1, w2, offsets, w_R):
     """float64 ``(swiglu(x @ w1[g]) · w_R) @ w2[g]`` through plain autograd."""
     h = grouped_mm_reference(x, w1, offsets, "swiglu") * w_R[:, None]
     return grouped_mm_reference(h, w2, offsets)
 
 
-@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("backend", ["triton", "reference"] + (["triton_bf16"] if DEVICE == "cuda" else []))
 @pytest.mark.parametrize("case", list(CPU_CASES))
 def test_row_weighted_mlp_matches_reference(case, backend):
     """``grouped_mlp(..., w_R=)``: the output rows times their weight, and every gradient (x, w1,
@@ -180,7 +196,8 @@ def test_row_weighted_mlp_matches_reference(case, backend):
     sizes, padding = CPU_CASES[case]
     I, F, L = 56, 40, len(sizes)
     M, end = sum(sizes) + padding, sum(sizes)
-    dtype = torch.float16 if backend == "triton" else torch.float32
+    dtype = {"triton": torch.float16, "triton_bf16": torch.bfloat16, "reference": torch.float32}[backend]
+    backend = backend.removesuffix("_bf16")
     offsets = _offsets(sizes, DEVICE)
     x = torch.randn(M, I, device=DEVICE).to(dtype)
     w1 = (torch.randn(L, I, 2 * F, device=DEVICE) / I**0.5).to(dtype)
@@ -206,7 +223,7 @@ def test_row_weighted_mlp_matches_reference(case, backend):
 def test_row_weights_checked():
     x = torch.randn(6, 8, device=DEVICE)
     w = torch.randn(1, 8, 8, device=DEVICE)
-    with pytest.raises(ValueError, match=r"w_R must be fp32 of shape \(6,\)"):
+    with pytest.raises(ValueError, match=r"w_R must be a contiguous fp32 \(6,\) tensor"):
         grouped_mlp(x, w, w[:, :4], _offsets([6], DEVICE), "swiglu", w_R=torch.ones(5, device=DEVICE))
 
 

@@ -65,6 +65,24 @@ def test_matches_naive_reference(dtype, cf, policy, act, score, renorm, shared):
         _assert_close(grads[name], ref_grads[name], dtype, f"grad {name}")
 
 
+@pytest.mark.parametrize("act", ["swiglu", "gelu"])
+def test_recomputed_experts_give_the_same_gradients(act):
+    """``experts.recompute`` (activation checkpointing of the expert MLP) with the combine weights
+    passed into the experts: the checkpoint keeps them as an input, and every gradient (the
+    router's through the weights) is the one without recomputation."""
+    torch.manual_seed(5)
+    layer = MoELayer(24, 40, 6, 2, activation=act)
+    torch.nn.init.normal_(layer.router.weight, std=0.5)
+    x = torch.randn(3, 7, 24)
+    out, grads = _run(layer, x, lambda m, x: m(x))
+    layer.experts.recompute = True
+    out_r, grads_r = _run(layer, x, lambda m, x: m(x))
+    assert torch.equal(out, out_r) and grads.keys() == grads_r.keys()
+    assert grads["router.weight"].abs().sum() > 0
+    for name in grads:
+        assert torch.equal(grads[name], grads_r[name]), name
+
+
 def test_dropped_pairs_are_counted_and_contribute_zero():
     torch.manual_seed(3)
     layer = MoELayer(8, 16, 4, 2, capacity_factor=0.25)

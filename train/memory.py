@@ -70,9 +70,9 @@ Assumptions (each one where the code uses it, with its reason):
   capacity_factor·T·K with a capacity; the local dispatcher packs all T·K pairs, dropped ones too;
   the P2P dispatcher hands the experts its fixed ep·T·K rows (its docstring says so).
 - the residual stream: fp32 with fp32 masters (the embedding's fp32 rows plus bf16 sub-layer
-  outputs). Under bf16-gathered FSDP every unit casts its forward inputs to bf16
-  (MixedPrecisionPolicy.cast_forward_inputs): each block's input, and the experts' rows when
-  they are a unit (edp > 1). The norms: from torch 2.12 autocast runs rms_norm in fp32 (an fp32
+  outputs). Under bf16-gathered FSDP every block's unit casts its forward inputs to bf16
+  (MixedPrecisionPolicy.cast_forward_inputs); the experts' unit (edp > 1) does not
+  (parallel/fsdp.py), its rows come in the compute dtype from the dispatch. The norms: from torch 2.12 autocast runs rms_norm in fp32 (an fp32
   cast input kept, fp32 out; the dispatch casts the rows to the experts' dtype); before, in its
   input's dtype, bf16 under FSDP (:class:`Numerics`; ``--torch``, default the installed version).
 - FSDP (torch/distributed/fsdp/_fully_shard): units are each block's dense group and, at
@@ -483,8 +483,9 @@ def checkpointed(parts: list[Part], s: ModelShape, i: int, B: int, S: int, lay: 
     if s.moe_blocks[i]:
         rows = expert_rows(s, T, lay)
         # the experts' checkpoint keeps the rows as dispatched: the norm output's rows (a gather,
-        # or the all-to-all's receive buffer), cast to param_dtype when the experts are an FSDP
-        # unit (cast_forward_inputs); P2P's are a view of its symmetric slot
+        # or the all-to-all's receive buffer), in param_dtype when the experts are an FSDP unit
+        # (bf16 FSDP computes in bf16, the dtype the dispatch casts the rows to); P2P's are a
+        # view of its symmetric slot
         rb = lay.param_bytes if lay.experts_sharded else norm_bytes(lay, num)
         if lay.transport != "p2p":
             kept.append(Part(f"expert input rows ({'fp32' if rb == 4 else 'bf16'}, checkpoint)", rows.R * s.D * rb,

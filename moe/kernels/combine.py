@@ -148,14 +148,18 @@ def gather_rows(x_TD: torch.Tensor, order_P: torch.Tensor, top_k: int, row_dtype
     return rows_PD
 
 
+def _located(pair_R: torch.Tensor, T: int, K: int):
+    """The PyTorch locator's output for one buffer: (has, has, row, row), each (T, K)."""
+    row_TK = row_of_pair(pair_R, T * K).view(T, K)
+    has_TK = row_TK >= 0
+    return has_TK, has_TK, row_TK, row_TK
+
+
 def weighted_combine_reference(y_RD: torch.Tensor, pair_R: torch.Tensor, w_TK: torch.Tensor,
                                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """PyTorch version: each pair's row (zeros for pairs without one), then the weighted sum over
     the K slots in fp32 (:func:`kernel_floor.gather_sum_reference`)."""
-    T, K = w_TK.shape
-    row_TK = row_of_pair(pair_R, T * K).view(T, K)
-    has_TK = row_TK >= 0
-    return gather_sum_reference((has_TK, has_TK, row_TK, row_TK), y_RD, None, w_TK, out_dtype)
+    return gather_sum_reference(_located(pair_R, *w_TK.shape), y_RD, None, w_TK, out_dtype)
 
 
 def weighted_combine(y_RD: torch.Tensor, pair_R: torch.Tensor, w_TK: torch.Tensor,
@@ -187,12 +191,11 @@ def sum_combine(y_RD: torch.Tensor, pair_R: torch.Tensor, num_tokens: int, top_k
     rows that come weighted already (``moe.kernels.grouped_mlp``'s ``w_R``).
 
     Args as :func:`weighted_combine`, with the (T, K) shape given as ``num_tokens``, ``top_k``;
-    every one of the R rows must be named by a pair (the local dispatch packs all T·K pairs), as
-    the backward writes each row's gradient ``dout[t]``. Differentiable in ``y_RD``.
+    ``pair_R`` must be distinct (as there): the backward writes each row's gradient ``dout[t]``
+    through the inverse index, so a row whose pair another row also names would be left
+    unwritten. Differentiable in ``y_RD``.
     """
     _check_rows(y_RD, pair_R, num_tokens * top_k)
     if use_reference(backend, not y_RD.is_cuda):
-        row_TK = row_of_pair(pair_R, num_tokens * top_k).view(num_tokens, top_k)
-        has_TK = row_TK >= 0
-        return gather_sum_reference((has_TK, has_TK, row_TK, row_TK), y_RD, None, None, out_dtype)
+        return gather_sum_reference(_located(pair_R, num_tokens, top_k), y_RD, None, None, out_dtype)
     return SumCombineFn.apply(y_RD, pair_R, num_tokens, top_k, out_dtype or y_RD.dtype)

@@ -26,7 +26,7 @@ synchronizes. Rows at or past ``offsets[-1]`` are zero in
 import torch
 
 from kernel_floor import use_reference
-from moe.kernels.activation import activation_backward, swiglu_forward
+from moe.kernels.activation import activation_backward, check_row_weights, swiglu_forward
 from moe.kernels.grouped_mm_fwd import grouped_mm_forward
 from moe.kernels.grouped_mm_wgrad import grouped_mm_wgrad
 from moe.kernels.master_grad import accumulate_wgrad_, master_of
@@ -161,10 +161,10 @@ def grouped_mlp(x_MI: torch.Tensor, w1_LIU: torch.Tensor, w2_LFN: torch.Tensor, 
     backward; w_R scales h in its SwiGLU pass); GELU and the reference chain two :func:`grouped_mm`
     calls and scale the output rows.
     """
-    if w_R is not None and (w_R.shape != (x_MI.shape[0],) or w_R.dtype != torch.float32):
-        raise ValueError(f"w_R must be fp32 of shape ({x_MI.shape[0]},), got {w_R.dtype} {tuple(w_R.shape)}")
+    w_R = None if w_R is None else w_R.contiguous()
+    check_row_weights(w_R, x_MI.shape[0], x_MI, "w_R")
     if activation == "swiglu" and not _runs_reference(x_MI, backend):
-        return GroupedSwiGLUMLPFn.apply(x_MI, w1_LIU, w2_LFN, offsets_J, None if w_R is None else w_R.contiguous())
+        return GroupedSwiGLUMLPFn.apply(x_MI, w1_LIU, w2_LFN, offsets_J, w_R)
     h = grouped_mm(x_MI, w1_LIU, offsets_J, activation=activation, backend=backend)
     y = grouped_mm(h, w2_LFN, offsets_J, backend=backend)
     return y if w_R is None else scale_rows(y, w_R)
