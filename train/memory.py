@@ -72,9 +72,10 @@ Assumptions (each one where the code uses it, with its reason):
 - the residual stream: fp32 with fp32 masters (the embedding's fp32 rows plus bf16 sub-layer
   outputs). Under bf16-gathered FSDP every block's unit casts its forward inputs to bf16
   (MixedPrecisionPolicy.cast_forward_inputs); the experts' unit (edp > 1) does not
-  (parallel/fsdp.py), its rows come in the compute dtype from the dispatch. The norms: from torch 2.12 autocast runs rms_norm in fp32 (an fp32
-  cast input kept, fp32 out; the dispatch casts the rows to the experts' dtype); before, in its
-  input's dtype, bf16 under FSDP (:class:`Numerics`; ``--torch``, default the installed version).
+  (parallel/fsdp.py), its rows come in the compute dtype from the dispatch. The norms: from
+  torch 2.12 autocast runs rms_norm in fp32 (an fp32 cast input kept, fp32 out; the dispatch
+  casts the rows to the experts' dtype); before, in its input's dtype, bf16 under FSDP
+  (:class:`Numerics`; ``--torch``, default the installed version).
 - FSDP (torch/distributed/fsdp/_fully_shard): units are each block's dense group and, at
   edp > 1, its experts. In the backward a unit's pre-backward copies its all-gather out (the flat
   output and the parameters both alive for a moment) and prefetches the unit before it in
