@@ -7,42 +7,46 @@ the softmax between its two matmuls, so the tensor cores idle while the exponent
 nothing on Hopper (same registers and spills, no ``setmaxnreg``), and tensor-descriptor loads gave
 3 %. Gluon lets the kernel say what FlashAttention-3 does (Shah et al. 2024, §3.1–3.2):
 
-- **Warp specialization.** One producer warp only issues TMA loads: the 128-row Q tile as two
-  64-row halves, then the K/V blocks through a ``STAGES``-deep ring of shared-memory slots with
-  ready/empty mbarriers. Two consumer warpgroups each own one 64-row half and run its matmuls and
-  softmax. Registers follow the roles (``setmaxnreg``): 24 for the producer, 240 for each consumer,
-  so S (64×128 fp32), O (64×Hd fp32) and P live in registers without spills (``ptxas``: 0 bytes
-  of stack; tests/test_attention.py cross-compiles it on CPU to keep it so).
+- **Warp specialization.** One producer warp only issues TMA loads: the Q tile as 64-row slots,
+  then the K/V blocks through a ``STAGES``-deep ring of shared-memory slots with ready/empty
+  mbarriers. Two consumer warpgroups (three at Hd 64 on long sequences: ``plan``) each own one
+  64-row slot and run its matmuls and softmax. Registers follow the roles (``setmaxnreg``): 24 for
+  the producer, 240 for each of two consumers (160 for three), so S (64×128 fp32), O (64×Hd fp32)
+  and P live in registers without spills (``ptxas``: 0 bytes of stack; tests/test_attention.py
+  cross-compiles it on CPU to keep it so).
 - **Intra-warpgroup overlap.** Each consumer issues S(j) = Q·K(j)ᵀ and O += P(j−1)·V(j−1) as two
   asynchronous wgmma groups, waits for S(j) alone, and computes the softmax of S(j) while the P·V
   matmul still runs; only then it waits for O and rescales it. The exponentials hide behind the
   tensor cores instead of between them.
 - Operands stay in shared memory (K and V as wgmma's B operand, Q as A); P goes to the P·V matmul
   from registers. The output reuses Q's slot for its TMA store.
-- **Persistent.** One CTA per SM walks work units (one 128-row tile; causal: the tiles m and
-  n_m − 1 − m together, so every unit costs the same). Q has two buffers: the producer loads the
-  next tile's Q and K/V while the consumers finish the current one, and a tile's output store
-  runs behind the next tile's first matmul. Only a tile's last key block can need the mask, so it
-  is peeled off the loop. Against the one-CTA-per-tile version (H100, 5 alternating rounds, same
+- **Persistent.** One CTA per SM walks work units (one tile; causal: the tiles m and n_m − 1 − m
+  together, so every unit costs the same). Q has two buffers: the producer loads the next tile's
+  Q and K/V while the consumers finish the current one, and a tile's output store runs behind
+  the next tile's first matmul. One loop serves all of a tile's key blocks, masked or not
+  (``_consumer`` says why). Against the one-CTA-per-tile version (H100, 5 alternating rounds, same
   bits out), against cuDNN: S 1024 0.93 → 1.00–1.02× non-causal, 0.89 → 0.98× causal; S 2048
   0.95 → 0.98–1.01×, 0.94 → 1.04–1.06×; S 4096 0.97 → 0.99–1.03×, 0.98 → 1.07–1.08×.
 
 Measured on an H100 (bf16, B·S = 16k, H 16 at Hd 128 and 32 at Hd 64; 3 alternating rounds of
 do_bench, probe run 2026-11-24), ms against cuDNN through SDPA: Hd 128 S 4096 0.956 vs 0.925
 (0.97×), causal 0.542 vs 0.530 (0.98×), S 16384 3.73 vs 3.72 (1.00×); S 1024 causal 0.86×. The
-Triton forward in the same run: 0.80, 0.80, 0.85, 0.69×. At Hd 64 (S 4096 causal) the Triton
-forward stays: 0.92× against this kernel's 0.89× (the 64×64 S·Q products leave the softmax
-exposed; FA3 uses 192-row tiles there). A scheduling barrier that makes the two warpgroups take
-turns at the tensor cores (FA3's ping-pong) measured within 2 % either way and is left out; so
-were 64-wide key blocks (5–15 % slower) and three stages (within 2 %).
+Triton forward in the same run: 0.80, 0.80, 0.85, 0.69×. A scheduling barrier that makes the two
+warpgroups take turns at the tensor cores (FA3's ping-pong) measured within 2 % either way and is
+left out; so were 64-wide key blocks (5–15 % slower) and three stages (within 2 %). The single
+loop (a later change) then moved Hd 128 causal S 1k from 0.95 to 1.00× cuDNN and S 4k from 1.10
+to 1.05×, the rest within 1 %; it is what made three consumers pay at Hd 64, where the Triton
+forward had been 0.85–0.96× (probe, 5 rounds, 2026-11-24; bench/results/attention.md has the
+table).
 
-Scope: the plain case only (Sq == Sk, no window), Hd 128, fp16/bf16, an sm_90 GPU and
+Scope: the plain case only (Sq == Sk, no window), Hd 64 and 128, fp16/bf16, an sm_90 GPU and
 TMA-compatible strides (``hopper_forward_ok``); everything else takes the Triton kernels. The
 output matches the Triton forward's contract (O in q's dtype and strides, base-2 LSE of the scaled
 scores), so the Triton backward consumes it unchanged.
 """
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -54,16 +58,50 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernel_floor import cached_launch, capability, sm_count, tma_ok
 
-# Hd 64 stays on the Triton forward, which was faster there (0.735 vs 0.760 ms at S 4096 causal).
-HEAD_DIMS = (128,)
-BLOCK_M = 128  # two consumer warpgroups × 64 rows
-BLOCK_N = 128
-STAGES = 2
-CONSUMER_REGS = 240
+WG_M = 64  # query rows per consumer warpgroup: one m64 wgmma row block
 PRODUCER_REGS = 24
-# The register file is 64K per SM; one CTA of 12 warps (the producer's warpgroup counts whole):
-# 168 × 384 threads fits, and setmaxnreg then moves 24 → 240 between the roles.
-MAX_NREG = 168
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A launch's tiling: ``warpgroups`` consumers of WG_M query rows each (BLOCK_M = their sum),
+    key blocks of ``block_n``, a ``stages``-deep K/V ring, and the register split."""
+
+    warpgroups: int
+    block_n: int = 128
+    stages: int = 2
+
+    @property
+    def block_m(self) -> int:
+        return self.warpgroups * WG_M
+
+    @property
+    def max_nreg(self) -> int:
+        """The launch's registers per thread: the 64K register file over the CTA's warps (the
+        producer's single warp holds a whole warpgroup's share), rounded down to 8."""
+        return 65536 // (128 * (self.warpgroups + 1)) // 8 * 8
+
+    @property
+    def consumer_regs(self) -> int:
+        """What ``setmaxnreg`` gives each consumer thread once the producer drops to 24."""
+        return (65536 - 128 * PRODUCER_REGS) // (128 * self.warpgroups) // 8 * 8
+
+
+HEAD_DIMS = (64, 128)
+# Two consumers (240 registers each) by default. At Hd 64 a 64×128×64 product takes half the
+# tensor-core time of Hd 128's against the same 64×128 softmax, so two warpgroups leave the
+# exponentials exposed; a third (FlashAttention-3's 192-row tiles, 160 registers each) hides them
+# once tiles are many, and loses where the 192-row tiles' padding and causal diagonals weigh.
+# Against cuDNN, H100, bf16, B·S 16k, H 32, two / three consumers (probe, 5 alternating rounds,
+# 2026-11-24): causal S 1k 0.94 / 0.67, 2k 1.01 / 0.87, 4k 0.99 / 0.99, 16k 1.01 / 1.09;
+# non-causal S 1k 0.99 / 0.95, 4k 0.98 / 1.05, 16k 0.99 / 1.11.
+WIDE_HD64_FROM = 4096
+
+
+def plan(head_dim: int, seq_len: int) -> Plan:
+    """The tiling ``hopper_forward`` launches for this head dim and length."""
+    return Plan(warpgroups=3 if head_dim == 64 and seq_len >= WIDE_HD64_FROM else 2)
+
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 # Small calls are bound by host time, so the cheaper launch wins. Since this kernel launches
 # through kernel_floor.cached_launch (the Triton forward through its autotuner), it was the faster
@@ -72,33 +110,6 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 # 0.088 / 0.139, 2^19 causal 0.091 / 0.128; 2^24 causal 0.148 / 0.126 the exception. Smaller
 # calls are not measured and stay on Triton.
 MIN_SCORES = 1 << 19
-
-
-@gluon.jit
-def _softmax_step(s_acc, m_i, l_i, start_n, start_m, SK, qk_scale, MAY_MASK: gl.constexpr,
-                  CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """Online softmax over one key block. Returns P (fp32, unnormalised), the rescale factor
-    alpha of the old rows, and the new running max and sum. Only blocks that cross the diagonal
-    or the sequence end pay for the mask; ``MAY_MASK=False`` promises the block does neither."""
-    need_mask = start_n + BLOCK_N > SK
-    if CAUSAL:
-        need_mask = need_mask | (start_n + BLOCK_N - 1 > start_m)
-    if MAY_MASK and need_mask:
-        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        keep = cols[None, :] < SK
-        if CAUSAL:
-            rows = start_m + gl.arange(0, s_acc.shape[0], layout=gl.SliceLayout(1, s_layout))
-            keep = keep & (rows[:, None] >= cols[None, :])
-        s_acc = gl.where(keep, s_acc * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s_acc, 1))
-        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s_acc - m_sub[:, None])
-    else:
-        m_new = gl.maximum(m_i, gl.max(s_acc, 1) * qk_scale)
-        m_sub = m_new
-        p = gl.exp2(s_acc * qk_scale - m_new[:, None])
-    alpha = gl.exp2(m_i - m_sub)
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
 @gluon.jit
@@ -136,8 +147,7 @@ def _tile(u, t, n_m, H, GROUP, SK, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
         hi = gl.minimum(start_m + BLOCK_M, SK)
     else:
         hi = SK
-    # Both warpgroups walk the same blocks (the ring's slots are released by both); with
-    # BLOCK_N == BLOCK_M the first half's last block still holds keys it sees.
+    # Every consumer walks the same blocks (the ring's slots are released by all of them).
     return bh // H, h, h // GROUP, bh, start_m, gl.cdiv(hi, BLOCK_N)
 
 
@@ -148,22 +158,24 @@ def _producer(a, CAUSAL: gl.constexpr):
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
      k_empty, v_empty, LSE, H, GROUP, SQ, SK, n_m, n_units, qk_scale) = a
     NSTAGE: gl.constexpr = k_smem.type.shape[0]
-    HALF: gl.constexpr = q_smem.type.shape[3]
+    NWG: gl.constexpr = q_smem.type.shape[0] // 2
+    ROWS: gl.constexpr = q_smem.type.shape[3]
     BN: gl.constexpr = k_smem.type.shape[3]
     tc = 0  # tiles done by this CTA: picks the Q buffer and its phase
     kv = 0  # K/V blocks done by this CTA: picks the ring slot and its phase
     for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
         for t in range(_unit_tiles(u, n_m, CAUSAL)):
-            b, h, hk, _, start_m, n_blocks = _tile(u, t, n_m, H, GROUP, SK, CAUSAL, 2 * HALF,
+            b, h, hk, _, start_m, n_blocks = _tile(u, t, n_m, H, GROUP, SK, CAUSAL, NWG * ROWS,
                                                    BN)
             qb = tc % 2
             # A fresh mbarrier counts as having completed the phase before 0, so the first use
             # of each buffer (and the first pass through the ring) does not wait.
             mbarrier.wait(q_empty.index(qb), ((tc // 2) & 1) ^ 1)
-            for w in gl.static_range(2):
-                mbarrier.expect(q_bars.index(2 * qb + w), q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [b, h, start_m + w * HALF, 0],
-                                                q_bars.index(2 * qb + w), q_smem.index(2 * qb + w))
+            for w in gl.static_range(NWG):
+                mbarrier.expect(q_bars.index(NWG * qb + w), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [b, h, start_m + w * ROWS, 0],
+                                                q_bars.index(NWG * qb + w),
+                                                q_smem.index(NWG * qb + w))
             for j in range(n_blocks):
                 s = (kv + j) % NSTAGE
                 phase = ((kv + j) // NSTAGE) & 1
@@ -180,40 +192,71 @@ def _producer(a, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _kv_step(a, q_tile, p, m_i, l_i, acc, it, start_n, my_m, MAY_MASK: gl.constexpr,
-             CAUSAL: gl.constexpr, s_zero, s_layout: gl.constexpr, p_layout: gl.constexpr,
-             row_o: gl.constexpr):
-    """Key block ``it`` of the ring (the CTA's count): S = Q·Kᵀ runs beside the previous block's
-    O += P·V, whose softmax it follows; returns this block's P and the updated m, l and O."""
+def _kv_step(a, q_tile, p, m_i, l_i, acc, it, j, my_m, CAUSAL: gl.constexpr, s_zero,
+             s_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr):
+    """Key block ``j`` of the tile, ``it`` of the ring (the CTA's count): S = Q·Kᵀ runs beside
+    the previous block's O += P·V, whose softmax it follows. Returns this block's P, already the
+    16-bit P·V operand, and the updated m, l and O.
+
+    - At ``j == 0`` there is no previous block: ``p`` is zero and multiplies this block's own V
+      (loaded, so finite), a product that adds nothing; its slot is released by the real one.
+    - The mask costs only where a block crosses the sequence end or the warpgroup's diagonal,
+      a uniform branch around the select; the softmax after it is one copy for every block. No
+      running max stays -inf past block 0 (Sq == Sk and no window: every row sees key 0), so
+      the usual guard against -inf − -inf is not needed.
+    - P leaves converted once the previous P·V is done: carried in fp32 across the loop's back
+      edge beside the next S it held 64 more registers a thread, which three consumers' 160
+      (Hd 64) cannot spare (ptxas: 3.6 KB of spills; none after)."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
      k_empty, v_empty, LSE, H, GROUP, SQ, SK, n_m, n_units, qk_scale) = a
     NSTAGE: gl.constexpr = k_smem.type.shape[0]
     HEAD_D: gl.constexpr = k_smem.type.shape[4]
     BN: gl.constexpr = k_smem.type.shape[3]
     s = it % NSTAGE
-    sp = (it - 1) % NSTAGE
     mbarrier.wait(k_ready.index(s), (it // NSTAGE) & 1)
     k_tile = k_smem.index(s).reshape([BN, HEAD_D])
     s_acc = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    mbarrier.wait(v_ready.index(sp), ((it - 1) // NSTAGE) & 1)
-    v_tile = v_smem.index(sp).reshape([BN, HEAD_D])
-    acc = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), p_layout), v_tile, acc,
-                        is_async=True)
-    s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))  # S(j) done; P(j-1)·V(j-1) still running
+    vit = it - (j > 0).to(gl.int32)
+    vs = vit % NSTAGE
+    mbarrier.wait(v_ready.index(vs), (vit // NSTAGE) & 1)
+    v_tile = v_smem.index(vs).reshape([BN, HEAD_D])
+    acc = warpgroup_mma(p, v_tile, acc, is_async=True)
+    s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))
     mbarrier.arrive(k_empty.index(s), count=1)
-    p, alpha, m_i, l_i = _softmax_step(s_acc, m_i, l_i, start_n, my_m, SK, qk_scale, MAY_MASK,
-                                       CAUSAL, BN, s_layout)
+    start_n = j * BN
+    need = start_n + BN > SK
+    if CAUSAL:
+        need = need | (start_n + BN - 1 > my_m)
+    if need:
+        cols = start_n + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+        keep = cols[None, :] < SK
+        if CAUSAL:
+            rows = my_m + gl.arange(0, s_acc.shape[0], layout=gl.SliceLayout(1, s_layout))
+            keep = keep & (rows[:, None] >= cols[None, :])
+        s_acc = gl.where(keep, s_acc, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s_acc, 1) * qk_scale)
+    p32 = gl.exp2(s_acc * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p32, 1)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
-    mbarrier.arrive(v_empty.index(sp), count=1)
-    return p, m_i, l_i, acc * gl.convert_layout(alpha, row_o)[:, None]
+    mbarrier.arrive(v_empty.index(vs), count=1, pred=j > 0)
+    p = gl.convert_layout(p32.to(q_desc.dtype), p_layout)
+    return p, m_new, l_i, acc * gl.convert_layout(alpha, row_o)[:, None]
 
 
 @gluon.jit
 def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr):
-    """One warpgroup: for each tile, query rows start_m + 64·WG ... + 63 against its key blocks."""
+    """One warpgroup: for each tile, query rows start_m + 64·WG ... + 63 against its key blocks.
+    Every consumer walks all of the tile's blocks (the ring's slots are released by all), so a
+    block past a warpgroup's diagonal is computed and masked away, FlashAttention-3's choice too.
+    One loop serves every block: the consumers are separate code (one copy per warpgroup), and
+    an earlier version that peeled the first and the masked blocks into copies of the step held
+    ~130 KB of instructions at Hd 64 with three consumers; causal S 1k then ran at 0.40× cuDNN,
+    42 % of its stalls waiting for instructions (ncu, H100). One loop: 69 KB, 0.94×."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
      k_empty, v_empty, LSE, H, GROUP, SQ, SK, n_m, n_units, qk_scale) = a
     NSTAGE: gl.constexpr = k_smem.type.shape[0]
+    NWG: gl.constexpr = q_smem.type.shape[0] // 2
     HALF: gl.constexpr = q_smem.type.shape[3]
     HEAD_D: gl.constexpr = q_smem.type.shape[4]
     BN: gl.constexpr = k_smem.type.shape[3]
@@ -231,54 +274,35 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr):
     kv = 0
     for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
         for t in range(_unit_tiles(u, n_m, CAUSAL)):
-            _, _, _, _, start_m, n_blocks = _tile(u, t, n_m, H, GROUP, SK, CAUSAL, 2 * HALF, BN)
+            _, _, _, _, start_m, n_blocks = _tile(u, t, n_m, H, GROUP, SK, CAUSAL, NWG * HALF,
+                                                  BN)
             qb = tc % 2
             my_m = start_m + WG * HALF
             m_i = gl.full([HALF], float("-inf"), gl.float32, layout=row_s)
             l_i = gl.zeros([HALF], gl.float32, layout=row_s)
             acc = gl.zeros([HALF, HEAD_D], gl.float32, layout=o_layout)
-            q_tile = q_smem.index(2 * qb + WG).reshape([HALF, HEAD_D])
-            mbarrier.wait(q_bars.index(2 * qb + WG), (tc // 2) & 1)
-
-            s0 = kv % NSTAGE
-            mbarrier.wait(k_ready.index(s0), (kv // NSTAGE) & 1)
-            k_tile = k_smem.index(s0).reshape([BN, HEAD_D])
-            s_acc = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False,
-                                  is_async=True)
+            p = gl.zeros([HALF, BN], dtype, layout=p_layout)
+            q_tile = q_smem.index(NWG * qb + WG).reshape([HALF, HEAD_D])
+            mbarrier.wait(q_bars.index(NWG * qb + WG), (tc // 2) & 1)
             if tc > 0:
-                # The previous tile's output has left the other Q buffer by now (its TMA store
-                # ran behind this tile's first loads): hand that buffer back to the producer.
                 tma.store_wait(0)
                 mbarrier.arrive(q_empty.index(1 - qb), count=1)
-            s_acc = warpgroup_mma_wait(0, deps=(s_acc, ))
-            mbarrier.arrive(k_empty.index(s0), count=1)
-            p, alpha, m_i, l_i = _softmax_step(s_acc, m_i, l_i, 0, my_m, SK, qk_scale, True,
-                                               CAUSAL, BN, s_layout)
-            # Only a tile's last key block can cross the diagonal or the sequence end (BLOCK_N ==
-            # BLOCK_M), so the loop runs mask-free and the last block is peeled: the mask's
-            # per-column indices then hold no registers through the loop (they spilled there).
-            for j in range(1, n_blocks - 1):
-                p, m_i, l_i, acc = _kv_step(a, q_tile, p, m_i, l_i, acc, kv + j, j * BN, my_m,
-                                            False, CAUSAL, s_zero, s_layout, p_layout, row_o)
-            if n_blocks > 1:
-                p, m_i, l_i, acc = _kv_step(a, q_tile, p, m_i, l_i, acc, kv + n_blocks - 1,
-                                            (n_blocks - 1) * BN, my_m, True, CAUSAL, s_zero,
-                                            s_layout, p_layout, row_o)
+            for j in range(0, n_blocks):
+                p, m_i, l_i, acc = _kv_step(a, q_tile, p, m_i, l_i, acc, kv + j, j, my_m, CAUSAL,
+                                            s_zero, s_layout, p_layout, row_o)
             last = (kv + n_blocks - 1) % NSTAGE
             mbarrier.wait(v_ready.index(last), ((kv + n_blocks - 1) // NSTAGE) & 1)
             v_tile = v_smem.index(last).reshape([BN, HEAD_D])
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, acc,
-                                is_async=True)
+            acc = warpgroup_mma(p, v_tile, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(last), count=1)
 
-            # The tile's head, recomputed here rather than held in registers through the loop.
-            b, h, _, bh, _, _ = _tile(u, t, n_m, H, GROUP, SK, CAUSAL, 2 * HALF, BN)
+            b, h, _, bh, _, _ = _tile(u, t, n_m, H, GROUP, SK, CAUSAL, NWG * HALF, BN)
             seen = l_i > 0
             l_safe = gl.where(seen, l_i, 1.0)
             q_tile.store((acc / gl.convert_layout(l_safe, row_o)[:, None]).to(dtype))
             fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [b, h, my_m, 0], q_smem.index(2 * qb + WG))
+            tma.async_copy_shared_to_global(o_desc, [b, h, my_m, 0], q_smem.index(NWG * qb + WG))
             offs_m = my_m + gl.arange(0, HALF, layout=row_s)
             gl.store(LSE + bh.to(gl.int64) * SQ + offs_m,
                      gl.where(seen, m_i + gl.log2(l_safe), float("inf")), mask=offs_m < SQ)
@@ -297,6 +321,11 @@ def _consumer_1(a, CAUSAL: gl.constexpr):
     _consumer(a, 1, CAUSAL)
 
 
+@gluon.jit
+def _consumer_2(a, CAUSAL: gl.constexpr):
+    _consumer(a, 2, CAUSAL)
+
+
 # Launched through cached_launch, so nothing but the constexprs and dtypes may pick the binary.
 @gluon.jit(do_not_specialize=["H", "GROUP", "SQ", "SK", "n_units"],
            do_not_specialize_on_alignment=["LSE"])
@@ -304,48 +333,54 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, SQ, S
                             qk_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    HALF: gl.constexpr = BLOCK_M // 2
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]  # WG_M
+    NWG: gl.constexpr = BLOCK_M // ROWS
     dtype: gl.constexpr = q_desc.dtype
-    # Q: two buffers × two halves; a tile's output goes out through its own Q slot.
-    q_smem = gl.allocate_shared_memory(dtype, [4, 1, 1, HALF, HEAD_D], q_desc.layout)
+    # Q: two buffers × one slot per consumer; a slot's output goes out through it.
+    q_smem = gl.allocate_shared_memory(dtype, [2 * NWG, 1, 1, ROWS, HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
-    q_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [2 * NWG, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(4):
+    for i in gl.static_range(2 * NWG):
         mbarrier.init(q_bars.index(i), count=1)
     for i in gl.static_range(2):
-        mbarrier.init(q_empty.index(i), count=2)  # both warpgroups' outputs have left it
+        mbarrier.init(q_empty.index(i), count=NWG)  # every consumer's output has left it
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # a slot is free once both warpgroups are done
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=NWG)  # a slot is free once every consumer is done
+        mbarrier.init(v_empty.index(i), count=NWG)
     a = (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready,
          v_ready, k_empty, v_empty, LSE, H, GROUP, SQ, SK, gl.cdiv(SQ, BLOCK_M), n_units, qk_scale)
-    gl.warp_specialize([(_consumer_0, (a, CAUSAL)), (_consumer_1, (a, CAUSAL)),
-                        (_producer, (a, CAUSAL))], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if NWG == 2:
+        gl.warp_specialize([(_consumer_0, (a, CAUSAL)), (_consumer_1, (a, CAUSAL)),
+                            (_producer, (a, CAUSAL))], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_consumer_0, (a, CAUSAL)), (_consumer_1, (a, CAUSAL)),
+                            (_consumer_2, (a, CAUSAL)), (_producer, (a, CAUSAL))], [4, 4, 1],
+                           [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
-def gluon_case(q, k, causal, window, min_scores, *tensors) -> bool:
+def gluon_case(q, k, causal, window, min_scores, head_dims, *tensors) -> bool:
     """The case the Gluon kernels serve: an sm_90 GPU, Sq == Sk, no window, at least
-    ``min_scores`` visible scores, a head dim of HEAD_DIMS, fp16/bf16, and ``tensors`` with a
+    ``min_scores`` visible scores, a head dim in ``head_dims``, fp16/bf16, and ``tensors`` with a
     unit last stride and TMA-compatible alignment."""
     B, H, S, _ = q.shape
     return (q.is_cuda and capability(q.device) == (9, 0)
             and window is None and k.shape[2] == S and S > 0
             and B * H * S * S // (2 if causal else 1) >= min_scores
-            and q.shape[3] in HEAD_DIMS and q.dtype in _GL_DTYPES
+            and q.shape[3] in head_dims and q.dtype in _GL_DTYPES
             and all(t.stride(-1) == 1 for t in tensors) and tma_ok(*tensors))
 
 
 def hopper_forward_ok(q, k, v, causal, window) -> bool:
     """Whether ``hopper_forward`` serves these inputs (else the Triton kernels do)."""
-    return gluon_case(q, k, causal, window, MIN_SCORES, q, k, v)
+    return gluon_case(q, k, causal, window, MIN_SCORES, HEAD_DIMS, q, k, v)
 
 
 @functools.lru_cache(maxsize=None)
@@ -371,12 +406,14 @@ def hopper_forward(q, k, v, o, lse, causal, scale_log2):
     scale · log2(e). Fills ``o`` and ``lse`` as ``flash_attn.attention_forward`` allocates them
     and returns them."""
     B, H, S, Hd = q.shape
-    n_m = triton.cdiv(S, BLOCK_M)
+    tiling = plan(Hd, S)
+    n_m = triton.cdiv(S, tiling.block_m)
     n_units = B * H * ((n_m + 1) // 2 if causal else n_m)
     cached_launch(
         _attn_fwd_hopper_kernel, (min(n_units, sm_count(q.device)), ), q.dtype,
-        _descriptor(q, BLOCK_M // 2), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
-        _descriptor(o, BLOCK_M // 2), lse, H, H // k.shape[1], S, S, n_units, scale_log2,
-        CAUSAL=causal, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=Hd, STAGES=STAGES,
-        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAX_NREG)
+        _descriptor(q, WG_M), _descriptor(k, tiling.block_n), _descriptor(v, tiling.block_n),
+        _descriptor(o, WG_M), lse, H, H // k.shape[1], S, S, n_units, scale_log2,
+        CAUSAL=causal, BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, HEAD_D=Hd,
+        STAGES=tiling.stages, CONSUMER_REGS=tiling.consumer_regs, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=4, maxnreg=tiling.max_nreg)
     return o, lse

@@ -71,6 +71,7 @@ from kernel_floor import cached_launch, sm_count
 WALK_DESCENDING = gl.constexpr(0)
 WALK_CYCLIC = gl.constexpr(1)
 WALK_ASCENDING = gl.constexpr(2)
+HEAD_DIMS = (128,)  # Hd 64 takes the Triton backward
 BLOCK_M = 64  # query rows per step
 TURN_ROWS = BLOCK_M  # the rows of one turn counter's query block (``hopper_turn_counters``)
 BLOCK_N = 128  # keys per CTA: two warpgroups × 64
@@ -374,7 +375,7 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
 
 def hopper_backward_ok(q, k, v, do, causal, window) -> bool:
     """Whether ``hopper_backward`` serves these inputs (else the Triton kernels do)."""
-    return (gluon_case(q, k, causal, window, MIN_SCORES, q, k, v, do)
+    return (gluon_case(q, k, causal, window, MIN_SCORES, HEAD_DIMS, q, k, v, do)
             # An expanded gradient (grad_outputs=w.expand(...)) has zero strides, which TMA
             # descriptors were never tried with; the Triton kernels take any stride.
             and 0 not in do.stride())

@@ -561,21 +561,22 @@ import attention.flash_attn_hopper_bwd as fab
 
 bin_dir = triton.__file__.rsplit("/", 1)[0] + "/backends/nvidia/bin/"
 out = []
-for kind, causal, deterministic, head_d, dtype, walk in json.loads(sys.argv[1]):
+for kind, causal, deterministic, head_d, dtype, walk, seq_len in json.loads(sys.argv[1]):
     name = "bf16" if dtype == "bfloat16" else "fp16"
 
     def desc(rows):
         return f"tensordesc<{name}[1,1,{rows},{head_d}],{fah._smem_layout(rows, head_d, getattr(torch, dtype))!r}>"
     if kind == "fwd":
-        mod, half = fah, fah.BLOCK_M // 2
-        signature = {"q_desc": desc(half), "k_desc": desc(fah.BLOCK_N),
-                     "v_desc": desc(fah.BLOCK_N), "o_desc": desc(half), "LSE": "*fp32",
+        plan = fah.plan(head_d, seq_len)
+        signature = {"q_desc": desc(fah.WG_M), "k_desc": desc(plan.block_n),
+                     "v_desc": desc(plan.block_n), "o_desc": desc(fah.WG_M), "LSE": "*fp32",
                      "H": "i32", "GROUP": "i32", "SQ": "i32", "SK": "i32", "n_units": "i32",
                      "qk_scale": "fp32"}
-        constexprs = {"CAUSAL": causal, "BLOCK_M": fah.BLOCK_M}
-        fn, warps = fah._attn_fwd_hopper_kernel, 4
+        constexprs = {"CAUSAL": causal, "BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "HEAD_D": head_d,
+                      "STAGES": plan.stages, "CONSUMER_REGS": plan.consumer_regs,
+                      "PRODUCER_REGS": fah.PRODUCER_REGS}
+        fn, warps, max_nreg = fah._attn_fwd_hopper_kernel, 4, plan.max_nreg
     else:
-        mod = fab
         dq_layout = gl.NVMMASharedLayout.get_default_for([fab.BLOCK_M, head_d], gl.float32)
         signature = {"q_desc": desc(fab.BLOCK_M), "k_desc": desc(fab.BLOCK_N),
                      "v_desc": desc(fab.BLOCK_N), "do_desc": desc(fab.BLOCK_M),
@@ -586,13 +587,14 @@ for kind, causal, deterministic, head_d, dtype, walk in json.loads(sys.argv[1]):
                      "stuck_ns": "i64"}
         constexprs = {"CAUSAL": causal, "DETERMINISTIC": deterministic, "WALK": walk,
                       "BLOCK_M": fab.BLOCK_M}
-        fn, warps = fab._attn_bwd_hopper_kernel, 8
-    constexprs.update({"BLOCK_N": mod.BLOCK_N, "HEAD_D": head_d, "STAGES": mod.STAGES,
-                       "CONSUMER_REGS": mod.CONSUMER_REGS, "PRODUCER_REGS": mod.PRODUCER_REGS})
+        constexprs.update({"BLOCK_N": fab.BLOCK_N, "HEAD_D": head_d, "STAGES": fab.STAGES,
+                           "CONSUMER_REGS": fab.CONSUMER_REGS,
+                           "PRODUCER_REGS": fab.PRODUCER_REGS})
+        fn, warps, max_nreg = fab._attn_bwd_hopper_kernel, 8, fab.MAX_NREG
     signature.update({name: "constexpr" for name in constexprs})
     kernel = triton.compile(GluonASTSource(fn, signature, constexprs),
                             target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps, "maxnreg": mod.MAX_NREG})
+                            options={"num_warps": warps, "maxnreg": max_nreg})
     with tempfile.TemporaryDirectory() as tmp:
         with open(tmp + "/k.cubin", "wb") as f:
             f.write(kernel.asm["cubin"])
@@ -618,7 +620,7 @@ for kind, causal, deterministic, head_d, dtype, walk in json.loads(sys.argv[1]):
     out.append([int(re.search(r"REG:(\\d+)", usage).group(1)),
                 int(re.search(r"STACK:(\\d+)", usage).group(1)),
                 "setmaxnreg" in kernel.asm["ptx"], "C7515" in ptxas.stdout + ptxas.stderr,
-                mod.MAX_NREG, len(hot), spills_in_loops])
+                max_nreg, len(hot), spills_in_loops])
 print(json.dumps(out))
 """
 
@@ -633,19 +635,21 @@ def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
     import json
 
     walks = [int(fab.WALK_DESCENDING), int(fab.WALK_CYCLIC), int(fab.WALK_ASCENDING)]
-    cases = [["fwd", True, False, 128, "bfloat16", None],
-             ["fwd", False, False, 128, "float16", None],
-             ["bwd", False, False, 128, "float16", walks[0]]]
-    cases += [["bwd", causal, True, 128, "bfloat16", walk]
+    # The forward at each tiling: two consumers, and three (Hd 64 from WIDE_HD64_FROM keys).
+    cases = [["fwd", True, False, 128, "bfloat16", None, 4096],
+             ["fwd", False, False, 128, "float16", None, 4096],
+             ["fwd", True, False, 64, "bfloat16", None, 1024],
+             ["fwd", True, False, 64, "bfloat16", None, fah.WIDE_HD64_FROM],
+             ["fwd", False, False, 64, "float16", None, fah.WIDE_HD64_FROM],
+             ["bwd", False, False, 128, "float16", walks[0], None]]
+    cases += [["bwd", causal, True, 128, "bfloat16", walk, None]
               for causal in (True, False) for walk in walks]
     run = _run_child(_SM90_RESOURCES, json.dumps(cases), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     for case, (regs, stack, moves, serialized, budget, loops, spills_in_loops) in zip(
             cases, json.loads(run.stdout.splitlines()[-1])):
-        # The persistent forward keeps a few words of tile bookkeeping on the stack (16–24 bytes,
-        # loaded once per tile); what must not spill is the block loops (one per consumer).
-        assert (regs <= budget and stack <= (32 if case[0] == "fwd" else 0) and moves
-                and not serialized and loops >= (2 if case[0] == "fwd" else 1)  # per consumer
+        assert (regs <= budget and stack == 0 and moves and not serialized
+                and loops >= (fah.plan(case[3], case[6]).warpgroups if case[0] == "fwd" else 1)
                 and spills_in_loops == 0), (
             case, regs, stack, moves, serialized, loops, spills_in_loops)
 
@@ -711,11 +715,30 @@ def _on_sm90():
     (2, 8, 8, 129, 128, False, torch.bfloat16, "BHSD"),
     (4, 2, 2, 64, 128, True, torch.float16, "BSHD"),
     (1, 1, 1, 1, 128, True, torch.bfloat16, "BHSD"),
+    # Hd 64: two consumers below WIDE_HD64_FROM keys, three (192-row tiles, so a causal tile's
+    # diagonal crosses two key blocks) from there.
+    (2, 32, 32, 4096, 64, True, torch.bfloat16, "BSHD"),
+    (1, 8, 2, 4097, 64, False, torch.bfloat16, "BHSD"),
+    (3, 4, 1, 1000, 64, True, torch.float16, "BSHD"),
+    (4, 16, 4, 1100, 64, True, torch.bfloat16, "BHSD"),
+    (2, 8, 8, 192, 64, True, torch.bfloat16, "BHSD"),  # one whole tile
+    (2, 8, 8, 193, 64, True, torch.bfloat16, "BHSD"),  # a one-row second tile
+    (1, 4, 4, 200, 64, False, torch.bfloat16, "BHSD"),
+    (2, 4, 2, 384, 64, True, torch.float16, "BHSD"),
+    (1, 1, 1, 1, 64, True, torch.bfloat16, "BHSD"),
 ])
+@pytest.mark.parametrize("wide_from", [None, 0])
 def test_gpu_hopper_forward_matches_triton_forward(B, H, Hkv, S, Hd, causal, dtype, layout,
-                                                   monkeypatch):
+                                                   wide_from, monkeypatch):
     """O and LSE of the Gluon forward against the Triton forward (forced) on the same inputs:
-    long and odd lengths, GQA, both layouts. The backward consumes either one's LSE."""
+    long and odd lengths, GQA, both layouts. The backward consumes either one's LSE.
+    ``wide_from=0`` gives every Hd 64 case three consumers (192-row tiles), which long
+    sequences get anyway."""
+    if wide_from is not None:
+        if Hd != 64:
+            pytest.skip("one tiling at Hd 128")
+        monkeypatch.setattr(fah, "WIDE_HD64_FROM", wide_from)
+
     def make(h):
         if layout == "BSHD":
             return torch.randn(B, S, h, Hd, device=DEVICE_GPU, dtype=dtype).transpose(1, 2)
