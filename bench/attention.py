@@ -133,10 +133,11 @@ def to_markdown(rows, args):
         f"of do_bench(warmup={args.warmup}, rep={args.rep}) median, alternating implementations",
         "TFLOP/s = FLOPs / median time; FLOPs 4·B·H·S²·Hd fwd, /2 causal, ×3.5 fwd+bwd",
         "ratio = median over rounds of (anchor time / our time): > 1 means ours is faster",
-        "ours: on an sm_90 GPU, Hd 128 runs the warp-specialized Gluon kernels: the forward "
-        "(attention/flash_attn_hopper.py; every Hd 128 row here) and the 5-matmul backward "
-        "(attention/flash_attn_hopper_bwd.py; every Hd 128 row here), deterministic by default; "
-        "the rest run the Triton kernels",
+        "ours: on an sm_90 GPU the warp-specialized Gluon kernels run the forward "
+        "(attention/flash_attn_hopper.py; every row here: two consumer warpgroups, three at Hd 64 "
+        "from S 4096) and, at Hd 128, the 5-matmul backward (attention/flash_attn_hopper_bwd.py; "
+        "every Hd 128 row here), deterministic by default; the Hd 64 backward runs the Triton "
+        "kernels",
         "nondet: the backward's opt-in deterministic=False mode (dQ parts added in arrival "
         "order); its ratio to cuDNN in the last column",
     ) + [
