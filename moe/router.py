@@ -10,6 +10,7 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
+from moe.kernels.causal_centre import causal_centre_reference, causal_centre_triton
 from moe.kernels.router_mm import router_logits
 
 ScoreFunc = Literal["softmax", "sigmoid"]
@@ -69,15 +70,15 @@ def check_group_limit(num_experts: int, top_k: int, n_group: int, topk_group: in
 
 def causal_centre(logits_TE: torch.Tensor, seq_len: int | None) -> torch.Tensor:
     """Each token's logits minus the mean of the earlier tokens' of its sequence (sequences of
-    ``seq_len`` consecutive tokens; a sequence's first token unchanged). fp32 in, fp32 out."""
+    ``seq_len`` consecutive tokens; a sequence's first token unchanged). fp32 in, fp32 out: the
+    scan kernels of moe/kernels/causal_centre.py on CUDA, the PyTorch formula elsewhere."""
     T, E = logits_TE.shape
     if seq_len is None or seq_len < 1 or T % seq_len:
         raise ValueError(f"Router(centre='causal') needs the tokens as whole sequences: seq_len={seq_len!r} "
                          f"with {T} tokens")
-    logits_BSE = logits_TE.view(T // seq_len, seq_len, E)
-    before_BSE = logits_BSE.cumsum(1) - logits_BSE  # the sum over the earlier positions
-    count_S1 = torch.arange(seq_len, device=logits_TE.device, dtype=logits_TE.dtype)[:, None].clamp_min(1)
-    return (logits_BSE - before_BSE / count_S1).view(T, E)
+    if logits_TE.is_cuda and logits_TE.dtype == torch.float32:
+        return causal_centre_triton(logits_TE, seq_len)
+    return causal_centre_reference(logits_TE, seq_len)
 
 
 class Router(nn.Module):
