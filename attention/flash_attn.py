@@ -550,7 +550,8 @@ def attention_forward(q, k, v, causal=True, scale=None, window=None):
     lse = torch.empty(B, H, Sq, device=q.device, dtype=torch.float32)
     if q.numel() == 0:
         return o, lse
-    if hopper_forward_ok(q, k, v, causal, window):
+    # The Gluon forward masks scores before scaling them (-inf · scale): a positive scale only.
+    if scale > 0 and hopper_forward_ok(q, k, v, causal, window):
         return hopper_forward(q, k, v, o, lse, causal, scale * _LOG2E)
     grid = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * H)  # noqa: E731
     _attn_fwd_kernel[grid](

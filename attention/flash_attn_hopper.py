@@ -22,9 +22,9 @@ nothing on Hopper (same registers and spills, no ``setmaxnreg``), and tensor-des
   from registers. The output reuses Q's slot for its TMA store.
 - **Persistent.** One CTA per SM walks work units (one tile; causal: the tiles m and n_m − 1 − m
   together, so every unit costs the same). Q has two buffers: the producer loads the next tile's
-  Q and K/V while the consumers finish the current one, and a tile's output store runs behind
-  the next tile's first matmul. One loop serves all of a tile's key blocks, masked or not
-  (``_consumer`` says why). Against the one-CTA-per-tile version (H100, 5 alternating rounds, same
+  Q and K/V while the consumers finish the current one, and a tile's output store runs while
+  the consumers wait for the next tile's Q. One loop serves all of a tile's key blocks, masked or
+  not (``_consumer`` says why). Against the one-CTA-per-tile version (H100, 5 alternating rounds, same
   bits out), against cuDNN: S 1024 0.93 → 1.00–1.02× non-causal, 0.89 → 0.98× causal; S 2048
   0.95 → 0.98–1.01×, 0.94 → 1.04–1.06×; S 4096 0.97 → 0.99–1.03×, 0.98 → 1.07–1.08×.
 
@@ -40,7 +40,8 @@ forward had been 0.85–0.96× (probe, 5 rounds, 2026-11-24; bench/results/atten
 table).
 
 Scope: the plain case only (Sq == Sk, no window), Hd 64 and 128, fp16/bf16, an sm_90 GPU and
-TMA-compatible strides (``hopper_forward_ok``); everything else takes the Triton kernels. The
+TMA-compatible strides (``hopper_forward_ok``), and a positive softmax scale (the caller's check:
+the mask sets scores to -inf before they are scaled); everything else takes the Triton kernels. The
 output matches the Triton forward's contract (O in q's dtype and strides, base-2 LSE of the scaled
 scores), so the Triton backward consumes it unchanged.
 """
@@ -83,7 +84,8 @@ class Plan:
 
     @property
     def consumer_regs(self) -> int:
-        """What ``setmaxnreg`` gives each consumer thread once the producer drops to 24."""
+        """What ``setmaxnreg`` gives each worker consumer thread once the producer drops to 24
+        (the default partition, consumer 0, takes what is left: 240 or 168)."""
         return (65536 - 128 * PRODUCER_REGS) // (128 * self.warpgroups) // 8 * 8
 
 
@@ -108,15 +110,17 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 # at 8 of 9 sizes from 2^19 to 2^27 visible scores (H100, do_bench of the forward through
 # flash_attention, bf16, 2026-11-24): e.g. 2^27 causal 0.179 against 0.239 ms, 2^25 non-causal
 # 0.088 / 0.139, 2^19 causal 0.091 / 0.128; 2^24 causal 0.148 / 0.126 the exception. Smaller
-# calls are not measured and stay on Triton.
+# calls are not measured and stay on Triton. Measured at Hd 128 with the peeled kernel; Hd 64 below
+# 2^29 scores (B·H·S² of bench/attention.py's smallest row) is not measured.
 MIN_SCORES = 1 << 19
 
 
 @gluon.jit
 def _unit_tiles(u, n_m, CAUSAL: gl.constexpr):
     """How many query tiles work unit ``u`` holds: causal units pair a long tile with a short one
-    (rows m and n_m − 1 − m see n_m + 1 key blocks together), so every unit costs the same and a
-    CTA's share does not depend on which units it drew; the middle tile of an odd n_m is alone."""
+    (rows m and n_m − 1 − m together see n_m + 1 key blocks when BLOCK_M == BLOCK_N, within one
+    block of that with 192-row tiles), so every unit costs about the same and a CTA's share does
+    not depend on which units it drew; the middle tile of an odd n_m is alone."""
     if CAUSAL:
         p = u % ((n_m + 1) // 2)
         n = 1 + (p < n_m - 1 - p).to(gl.int32)
@@ -153,7 +157,7 @@ def _tile(u, t, n_m, H, GROUP, SK, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
 
 @gluon.jit
 def _producer(a, CAUSAL: gl.constexpr):
-    """One warp: for each tile, both Q halves, then every K/V block through the ring. It runs
+    """One warp: for each tile, its Q slots, then every K/V block through the ring. It runs
     ahead into the next tile (Q has two buffers) while the consumers finish the current one."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
      k_empty, v_empty, LSE, H, GROUP, SQ, SK, n_m, n_units, qk_scale) = a
@@ -199,7 +203,8 @@ def _kv_step(a, q_tile, p, m_i, l_i, acc, it, j, my_m, CAUSAL: gl.constexpr, s_z
     16-bit P·V operand, and the updated m, l and O.
 
     - At ``j == 0`` there is no previous block: ``p`` is zero and multiplies this block's own V
-      (loaded, so finite), a product that adds nothing; its slot is released by the real one.
+      (loaded data), a product that adds nothing (unless V holds inf or NaN, which any masked
+      entry's zero would meet too); its slot is released by the real one.
     - The mask costs only where a block crosses the sequence end or the warpgroup's diagonal,
       a uniform branch around the select; the softmax after it is one copy for every block. No
       running max stays -inf past block 0 (Sq == Sk and no window: every row sees key 0), so

@@ -628,8 +628,9 @@ print(json.dumps(out))
 def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
     """The warp-specialized kernels' register plans hold when compiled for sm_90 (no GPU needed:
     Triton's bundled ptxas; a child process, since the interpreter that conftest switches on
-    cannot compile): registers within the launch budget (MAX_NREG), no spills, setmaxnreg present
-    (without it every warp keeps 168 registers and the consumers spill), and no C7515 from ptxas.
+    cannot compile): registers within the launch budget (``max_nreg``), no spills, setmaxnreg
+    present (without it every warp keeps the launch's 168 or 128 registers and the consumers
+    spill), and no C7515 from ptxas.
     C7515 means ptxas waits for every wgmma where it is issued: the backward once carried a
     running wgmma across its loop's back edge and lost 10-20 % that way with no other sign."""
     import json
@@ -721,8 +722,8 @@ def _on_sm90():
     (1, 8, 2, 4097, 64, False, torch.bfloat16, "BHSD"),
     (3, 4, 1, 1000, 64, True, torch.float16, "BSHD"),
     (4, 16, 4, 1100, 64, True, torch.bfloat16, "BHSD"),
-    (2, 8, 8, 192, 64, True, torch.bfloat16, "BHSD"),  # one whole tile
-    (2, 8, 8, 193, 64, True, torch.bfloat16, "BHSD"),  # a one-row second tile
+    (2, 8, 8, 192, 64, True, torch.bfloat16, "BHSD"),  # three consumers: one whole tile
+    (2, 8, 8, 193, 64, True, torch.bfloat16, "BHSD"),  # three consumers: a one-row second tile
     (1, 4, 4, 200, 64, False, torch.bfloat16, "BHSD"),
     (2, 4, 2, 384, 64, True, torch.float16, "BHSD"),
     (1, 1, 1, 1, 64, True, torch.bfloat16, "BHSD"),
@@ -753,6 +754,21 @@ def test_gpu_hopper_forward_matches_triton_forward(B, H, Hkv, S, Hd, causal, dty
     assert o.stride() == o_ref.stride()
     assert (o.float() - o_ref.float()).abs().max().item() <= 2 * ATOL_FLOOR[dtype]
     assert (lse - lse_ref).abs().max().item() <= 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Gluon forward is for sm_90")
+@pytest.mark.parametrize("scale", [0.0, -0.3])
+@pytest.mark.parametrize("Hd", [64, 128])
+def test_gpu_non_positive_scale_takes_the_triton_forward(scale, Hd):
+    """The Gluon forward masks scores before it scales them (-inf · 0 is NaN), so a zero or
+    negative scale goes to the Triton forward: finite and equal to the reference."""
+    q, k, v = (torch.randn(2, 4, 1000, Hd, device=DEVICE_GPU, dtype=torch.bfloat16)
+               for _ in range(3))
+    out = flash_attention(q, k, v, causal=True, scale=scale)
+    ref = attention_reference(q, k, v, causal=True, scale=scale)
+    assert torch.isfinite(out).all()
+    assert (out.float() - ref.float()).abs().max().item() <= 2 * ATOL_FLOOR[torch.bfloat16]
 
 
 @pytest.mark.gpu

@@ -57,6 +57,22 @@ def test_non_contiguous_gradient():
     torch.testing.assert_close(dx.double(), dx64, rtol=0, atol=1e-5)
 
 
+def test_errors_name_the_argument():
+    x = torch.randn(10, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="seq_len=3 must divide"):
+        causal_centre_triton(x, 3)
+    with pytest.raises(ValueError, match="2-D fp32"):
+        causal_centre_triton(x.double(), 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("B,S,E", [(3, 129, 64), (2, 300, 17)])
+def test_gpu_partial_chunk_after_a_carry(B, S, E):
+    """Compiled chunks are 128 positions: a carried sum, then a partial last chunk."""
+    test_matches_fp64(B, S, E)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_model_sized_and_router_dispatch(monkeypatch):

@@ -21,6 +21,7 @@ Off CUDA the wrapper runs the PyTorch formula (``causal_centre_reference``).
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from kernel_floor import INTERPRET
 
@@ -77,6 +78,7 @@ class CausalCentreFn(torch.autograd.Function):
         return _launch(logits_TE, seq_len, backward=False)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_TE):
         return _launch(grad_TE, ctx.seq_len, backward=True), None
 
@@ -92,4 +94,9 @@ def causal_centre_reference(logits_TE: torch.Tensor, seq_len: int) -> torch.Tens
 
 def causal_centre_triton(logits_TE: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The kernels, with autograd; fp32 (T, E) logits, T a multiple of ``seq_len``."""
+    if logits_TE.dim() != 2 or logits_TE.dtype != torch.float32:
+        raise ValueError(f"causal_centre_triton: logits_TE must be 2-D fp32, got {tuple(logits_TE.shape)} "
+                         f"{logits_TE.dtype}")
+    if seq_len < 1 or logits_TE.shape[0] % seq_len:
+        raise ValueError(f"causal_centre_triton: seq_len={seq_len} must divide the {logits_TE.shape[0]} tokens")
     return CausalCentreFn.apply(logits_TE, seq_len)
