@@ -24,8 +24,8 @@ nothing on Hopper (same registers and spills, no ``setmaxnreg``), and tensor-des
   together, so every unit costs the same). Q has two buffers: the producer loads the next tile's
   Q and K/V while the consumers finish the current one, and a tile's output store runs while
   the consumers wait for the next tile's Q. One loop serves all of a tile's key blocks, masked or
-  not (``_consumer`` says why). Against the one-CTA-per-tile version (H100, 5 alternating rounds, same
-  bits out), against cuDNN: S 1024 0.93 → 1.00–1.02× non-causal, 0.89 → 0.98× causal; S 2048
+  not (``_consumer`` says why). Against the one-CTA-per-tile version (H100, 5 alternating rounds,
+  same bits out), against cuDNN: S 1024 0.93 → 1.00–1.02× non-causal, 0.89 → 0.98× causal; S 2048
   0.95 → 0.98–1.01×, 0.94 → 1.04–1.06×; S 4096 0.97 → 0.99–1.03×, 0.98 → 1.07–1.08×.
 
 Measured on an H100 (bf16, B·S = 16k, H 16 at Hd 128 and 32 at Hd 64; 3 alternating rounds of
@@ -103,6 +103,7 @@ WIDE_HD64_FROM = 4096
 def plan(head_dim: int, seq_len: int) -> Plan:
     """The tiling ``hopper_forward`` launches for this head dim and length."""
     return Plan(warpgroups=3 if head_dim == 64 and seq_len >= WIDE_HD64_FROM else 2)
+
 
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 # Small calls are bound by host time, so the cheaper launch wins. Since this kernel launches
@@ -262,7 +263,7 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr):
      k_empty, v_empty, LSE, H, GROUP, SQ, SK, n_m, n_units, qk_scale) = a
     NSTAGE: gl.constexpr = k_smem.type.shape[0]
     NWG: gl.constexpr = q_smem.type.shape[0] // 2
-    HALF: gl.constexpr = q_smem.type.shape[3]
+    ROWS: gl.constexpr = q_smem.type.shape[3]
     HEAD_D: gl.constexpr = q_smem.type.shape[4]
     BN: gl.constexpr = k_smem.type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
@@ -273,26 +274,28 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr):
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    s_zero = gl.zeros([HALF, BN], gl.float32, layout=s_layout)
+    s_zero = gl.zeros([ROWS, BN], gl.float32, layout=s_layout)
 
     tc = 0
     kv = 0
     for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
         for t in range(_unit_tiles(u, n_m, CAUSAL)):
-            _, _, _, _, start_m, n_blocks = _tile(u, t, n_m, H, GROUP, SK, CAUSAL, NWG * HALF,
+            _, _, _, _, start_m, n_blocks = _tile(u, t, n_m, H, GROUP, SK, CAUSAL, NWG * ROWS,
                                                   BN)
             qb = tc % 2
-            my_m = start_m + WG * HALF
-            m_i = gl.full([HALF], float("-inf"), gl.float32, layout=row_s)
-            l_i = gl.zeros([HALF], gl.float32, layout=row_s)
-            acc = gl.zeros([HALF, HEAD_D], gl.float32, layout=o_layout)
-            p = gl.zeros([HALF, BN], dtype, layout=p_layout)
-            q_tile = q_smem.index(NWG * qb + WG).reshape([HALF, HEAD_D])
+            my_m = start_m + WG * ROWS
+            m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
+            l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
+            acc = gl.zeros([ROWS, HEAD_D], gl.float32, layout=o_layout)
+            p = gl.zeros([ROWS, BN], dtype, layout=p_layout)
+            q_tile = q_smem.index(NWG * qb + WG).reshape([ROWS, HEAD_D])
             mbarrier.wait(q_bars.index(NWG * qb + WG), (tc // 2) & 1)
             if tc > 0:
+                # The previous tile's output has left the other Q buffer by now (its TMA store
+                # ran while this tile's Q was awaited): hand that buffer back to the producer.
                 tma.store_wait(0)
                 mbarrier.arrive(q_empty.index(1 - qb), count=1)
-            for j in range(0, n_blocks):
+            for j in range(n_blocks):
                 p, m_i, l_i, acc = _kv_step(a, q_tile, p, m_i, l_i, acc, kv + j, j, my_m, CAUSAL,
                                             s_zero, s_layout, p_layout, row_o)
             last = (kv + n_blocks - 1) % NSTAGE
@@ -302,13 +305,14 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr):
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(last), count=1)
 
-            b, h, _, bh, _, _ = _tile(u, t, n_m, H, GROUP, SK, CAUSAL, NWG * HALF, BN)
+            # The tile's head, recomputed here rather than held in registers through the loop.
+            b, h, _, bh, _, _ = _tile(u, t, n_m, H, GROUP, SK, CAUSAL, NWG * ROWS, BN)
             seen = l_i > 0
             l_safe = gl.where(seen, l_i, 1.0)
             q_tile.store((acc / gl.convert_layout(l_safe, row_o)[:, None]).to(dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(o_desc, [b, h, my_m, 0], q_smem.index(NWG * qb + WG))
-            offs_m = my_m + gl.arange(0, HALF, layout=row_s)
+            offs_m = my_m + gl.arange(0, ROWS, layout=row_s)
             gl.store(LSE + bh.to(gl.int64) * SQ + offs_m,
                      gl.where(seen, m_i + gl.log2(l_safe), float("inf")), mask=offs_m < SQ)
             tc += 1
