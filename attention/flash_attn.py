@@ -230,19 +230,20 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, stride_ks, stride_vs, offs_m, offs_n, off
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k, v = _load_pair(K, V, cols, stride_ks, stride_vs, offs_d, SK, MASKED, HEAD_DIM, BLOCK_D)
-        qk = tl.dot(q, tl.trans(k))
+        # Scaled before the row max: max(s)·scale is the max of the scaled scores only for a
+        # positive scale (a negative one overflowed exp2 here).
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
         if MASKED:
             keep = _visible(offs_m[:, None], cols[None, :], SQ, SK, DIAG_LO, DIAG_HI, CAUSAL, BAND)
-            qk = tl.where(keep, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            qk = tl.where(keep, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if MASKED:
             # A row that has seen no key yet keeps m = -inf; subtracting 0 instead makes its p
             # and alpha exp2(-inf) = 0 rather than exp2(-inf + inf) = NaN.
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(qk - m_sub[:, None])
         else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_sub = m_new
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        p = tl.math.exp2(qk - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])

@@ -7,15 +7,16 @@ At Hd 128 on an H100 its matmuls already ran at cuDNN's rate, so the two extra o
 backward (Shah et al. 2024, appendix), written in Gluon:
 
 - **One CTA per (128-key block, K/V head).** K and V stay in shared memory. A producer warp
-  streams the 64-row Q and dO blocks (and their LSE and Δ rows) of every query head in the group
-  through a ``STAGES``-deep ring (TMA, ready/empty mbarriers). Two consumer warpgroups (one
-  8-warp partition at 240 registers) hold dK and dV (128×Hd fp32 each) in registers.
+  streams the Q and dO blocks (64 rows at Hd 128, 128 at Hd 64: ``BLOCK_M``) and their LSE and
+  Δ rows, of every query head in the group, through a ``STAGES``-deep ring (TMA, ready/empty
+  mbarriers). Two consumer warpgroups (one 8-warp partition at 240 registers) hold dK and dV
+  (128×Hd fp32 each) in registers.
 - **Transposed products.** Each step computes Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (keys × queries), so
   Pᵀ and dSᵀ sit in registers as wgmma wants its A operand for dV += Pᵀ·dO and dK += dSᵀ·Q.
 - **dQ in the same kernel.** dSᵀ goes to shared memory once (double-buffered, one barrier per
-  step); dQ_i = dS·K is the fifth matmul. A writer warp adds its 64×Hd fp32 partial into an fp32
-  accumulator by TMA reduce-add (L2-resident: the CTAs of one head run together), and a last
-  pass casts it to q's dtype.
+  step); dQ_i = dS·K is the fifth matmul. A writer warp adds its BLOCK_M×Hd fp32 partial into
+  an fp32 accumulator by TMA reduce-add (L2-resident: the CTAs of one head run together), and a
+  last pass casts it to q's dtype.
 - **Deterministic by default.** Float addition is not associative, so the order of the key blocks'
   adds into one dQ block must not depend on timing. With ``deterministic=True`` a counter per
   (query head, query block) makes a key block wait for its turn, after the blocks before it in
@@ -34,8 +35,8 @@ back edge made ptxas serialize every wgmma of the kernel (C7515; 454 TFLOP/s ins
 520 at S 4096), now checked by tests/test_attention.py; LSE and Δ loaded by the consumers from
 global memory cost spills (they come through shared memory now).
 
-Scope as the forward: Sq == Sk, no window, Hd 128, fp16/bf16, sm_90, TMA strides, ≥ 2^27 visible
-scores (``hopper_backward_ok``); the rest takes the Triton kernels.
+Scope as the forward: Sq == Sk, no window, Hd 64 or 128, fp16/bf16, sm_90, TMA strides, ≥ 2^27
+visible scores (``hopper_backward_ok``); the rest takes the Triton kernels.
 """
 
 import functools
@@ -71,9 +72,17 @@ from kernel_floor import cached_launch, sm_count
 WALK_DESCENDING = gl.constexpr(0)
 WALK_CYCLIC = gl.constexpr(1)
 WALK_ASCENDING = gl.constexpr(2)
-HEAD_DIMS = (128,)  # Hd 64 takes the Triton backward
-BLOCK_M = 64  # query rows per step
-TURN_ROWS = BLOCK_M  # the rows of one turn counter's query block (``hopper_turn_counters``)
+# Query rows per step, by head dim. At Hd 64, dK and dV take 32 registers a thread each, which
+# leaves room for 128-column Sᵀ and dPᵀ tiles: half the steps per key block, so half the barriers
+# and dQ hand-overs. H100, fwd+bwd against cuDNN (a probe, 5 alternating rounds, S 1k–16k, causal
+# and not): 0.96–1.08× with 128 rows against 0.91–1.03× with 64 (and 0.90–0.98× for the Triton
+# backward). Its cost: ptxas keeps 6 scalar words on the stack, one reloaded per step, beside the
+# wgmmas. At Hd 128 the 64-column tiles already fill the consumers' 240 registers.
+BLOCK_M = {64: 128, 128: 64}
+HEAD_DIMS = tuple(BLOCK_M)
+# One turn counter per TURN_ROWS query rows, the finest block: the Δ kernel zeroes them all, and a
+# kernel with coarser blocks uses the first B·H·⌈S / BLOCK_M⌉ (``hopper_turn_counters``).
+TURN_ROWS = min(BLOCK_M.values())
 BLOCK_N = 128  # keys per CTA: two warpgroups × 64
 STAGES = 2
 CONSUMER_REGS = 240
@@ -219,9 +228,13 @@ def _bwd_consumer(a, CAUSAL: gl.constexpr, WALK: gl.constexpr):
                                                         instr_shape=[16, BM, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                         instr_shape=[16, HEAD_D, 16])
-    # dQ (BM × Hd): one 64-row tile, so the warpgroups split Hd.
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                        instr_shape=[16, HEAD_D // 2, 16])
+    # dQ (BM × Hd): one 64-row tile has the warpgroups split Hd; 128 rows, the rows.
+    if BM == 64:
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                            instr_shape=[16, HEAD_D // 2, 16])
+    else:
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                            instr_shape=[16, HEAD_D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     per_query: gl.constexpr = gl.SliceLayout(0, st_layout)
 
@@ -405,14 +418,14 @@ def _walk(causal, n_k, device):
 @functools.lru_cache(maxsize=None)
 def _acc_layout(head_dim):
     """The shared-memory layout of the fp32 dQ accumulator's blocks (cached, like _smem_layout)."""
-    return gl.NVMMASharedLayout.get_default_for([BLOCK_M, head_dim], gl.float32)
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_M[head_dim], head_dim], gl.float32)
 
 
 def hopper_turn_counters(q):
-    """The deterministic mode's turn counters, one per (b, h, query block), not zeroed: the Δ
-    kernel that runs first zeros them (``flash_attn._delta``), one launch fewer."""
-    return torch.empty(q.shape[0] * q.shape[1], triton.cdiv(q.shape[2], BLOCK_M), device=q.device,
-                       dtype=torch.int32)
+    """The deterministic mode's turn counters, one per (b, h, TURN_ROWS query rows), not zeroed:
+    the Δ kernel that runs first zeros them (``flash_attn._delta``), one launch fewer."""
+    return torch.empty(q.shape[0] * q.shape[1], triton.cdiv(q.shape[2], TURN_ROWS),
+                       device=q.device, dtype=torch.int32)
 
 
 def hopper_backward(do, q, k, v, lse, delta, sem, dq, dk, dv, causal, scale, scale_log2):
@@ -422,24 +435,25 @@ def hopper_backward(do, q, k, v, lse, delta, sem, dq, dk, dv, causal, scale, sca
     in arrival order."""
     B, H, S, Hd = q.shape
     Hkv = k.shape[1]
+    block_m = BLOCK_M[Hd]
     n_k = triton.cdiv(S, BLOCK_N)
-    s_pad = triton.cdiv(S, BLOCK_M) * BLOCK_M  # no TMA block spills into the next head's rows
+    s_pad = triton.cdiv(S, block_m) * block_m  # no TMA block spills into the next head's rows
     deterministic = sem is not None
     # Deterministic: each block's first adder stores, so every row (the padding too) is written.
     dq_acc = (torch.empty if deterministic else torch.zeros)(B * H * s_pad, Hd, device=q.device,
                                                              dtype=torch.float32)
-    dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [BLOCK_M, Hd],
+    dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [block_m, Hd],
                                _acc_layout(Hd))
     walk = _walk(causal, n_k, q.device)
     # _turn's orders assume these: ASCENDING starts at the diagonal, CYCLIC at block 0.
     assert walk == WALK_DESCENDING or (walk == WALK_ASCENDING) == causal, (walk, causal)
     cached_launch(
         _attn_bwd_hopper_kernel, (n_k, B * Hkv), (q.dtype, do.dtype),
-        _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
-        _descriptor(do, BLOCK_M), _descriptor(dk, BLOCK_N), _descriptor(dv, BLOCK_N), dq_desc, lse,
+        _descriptor(q, block_m), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
+        _descriptor(do, block_m), _descriptor(dk, BLOCK_N), _descriptor(dv, BLOCK_N), dq_desc, lse,
         delta, delta if sem is None else sem,  # (SEM is not read unless deterministic)
         H, H // Hkv, S, s_pad, scale_log2, scale, STUCK_NS, CAUSAL=causal,
-        DETERMINISTIC=deterministic, WALK=walk, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_D=Hd,
+        DETERMINISTIC=deterministic, WALK=walk, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD_D=Hd,
         STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=8,
         maxnreg=MAX_NREG)
     dq.copy_(dq_acc.view(B, H, s_pad, Hd)[:, :, :S])

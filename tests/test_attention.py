@@ -44,12 +44,12 @@ def _out_and_grads(fn, q, k, v, do):
     return (o, *torch.autograd.grad(o, (q, k, v), do))
 
 
-def _assert_accurate(ours, q, k, v, do, causal, window, dtype):
+def _assert_accurate(ours, q, k, v, do, causal, window, dtype, scale=None):
     """``ours`` (o, dq, dk, dv) against the fp32 reference on q, k, v, by the accuracy rule."""
     exact = _out_and_grads(
-        lambda a, b, c: attention_reference(a, b, c, causal, window=window), q, k, v, do)
+        lambda a, b, c: attention_reference(a, b, c, causal, scale, window=window), q, k, v, do)
     torch_low = _out_and_grads(
-        lambda a, b, c: attention_reference(a, b, c, causal, upcast=False, window=window),
+        lambda a, b, c: attention_reference(a, b, c, causal, scale, upcast=False, window=window),
         q, k, v, do)
     for name, x, ref, base in zip(("o", "dq", "dk", "dv"), ours, exact, torch_low):
         assert x.shape == ref.shape and x.dtype == ref.dtype, name
@@ -167,11 +167,20 @@ def test_interpreter_strided_inputs_match_contiguous():
 
 
 @interpreter_only
-def test_interpreter_scale_argument():
-    q, k, v, _ = _inputs(1, 2, 2, 20, 32, torch.float32, "cpu")
-    out = flash_attention(q, k, v, causal=False, scale=0.3)
-    ref = attention_reference(q, k, v, causal=False, scale=0.3)
-    assert (out - ref).abs().max().item() < 1e-5
+@pytest.mark.parametrize("scale", [0.7, 0.0, -0.7])
+@pytest.mark.parametrize("causal", [True, False])
+def test_interpreter_scale_argument(scale, causal):
+    """Any scale SDPA takes, the forward and the backward, on scores spread over ±300 (in
+    units of log2 after scaling): 70 keys give full key blocks (the unmasked path, whose row max
+    was once taken before scaling and so, for a negative scale, was the smallest score: exp2
+    overflowed) and masked ones."""
+    q, k, v, do = _inputs(1, 2, 2, 70, 32, torch.float32, "cpu")
+    q = (q.detach() * 8).requires_grad_()
+    ours = _out_and_grads(lambda a, b, c: flash_attention(a, b, c, causal, scale=scale), q, k, v, do)
+    ref = _out_and_grads(lambda a, b, c: attention_reference(a, b, c, causal, scale=scale),
+                         q, k, v, do)
+    for name, x, y in zip(("o", "dq", "dk", "dv"), ours, ref):
+        assert (x - y).abs().max().item() <= 1e-4 * (1 + y.abs().max().item()), name
 
 
 @interpreter_only
@@ -577,16 +586,17 @@ for kind, causal, deterministic, head_d, dtype, walk, seq_len in json.loads(sys.
                       "PRODUCER_REGS": fah.PRODUCER_REGS}
         fn, warps, max_nreg = fah._attn_fwd_hopper_kernel, 4, plan.max_nreg
     else:
-        dq_layout = gl.NVMMASharedLayout.get_default_for([fab.BLOCK_M, head_d], gl.float32)
-        signature = {"q_desc": desc(fab.BLOCK_M), "k_desc": desc(fab.BLOCK_N),
-                     "v_desc": desc(fab.BLOCK_N), "do_desc": desc(fab.BLOCK_M),
+        block_m = fab.BLOCK_M[head_d]
+        dq_layout = gl.NVMMASharedLayout.get_default_for([block_m, head_d], gl.float32)
+        signature = {"q_desc": desc(block_m), "k_desc": desc(fab.BLOCK_N),
+                     "v_desc": desc(fab.BLOCK_N), "do_desc": desc(block_m),
                      "dk_desc": desc(fab.BLOCK_N), "dv_desc": desc(fab.BLOCK_N),
-                     "dq_desc": f"tensordesc<fp32[{fab.BLOCK_M},{head_d}],{dq_layout!r}>",
+                     "dq_desc": f"tensordesc<fp32[{block_m},{head_d}],{dq_layout!r}>",
                      "LSE": "*fp32", "DELTA": "*fp32", "SEM": "*i32", "H": "i32", "GROUP": "i32",
                      "SQ": "i32", "SQ_PAD": "i32", "qk_scale": "fp32", "sm_scale": "fp32",
                      "stuck_ns": "i64"}
         constexprs = {"CAUSAL": causal, "DETERMINISTIC": deterministic, "WALK": walk,
-                      "BLOCK_M": fab.BLOCK_M}
+                      "BLOCK_M": block_m}
         constexprs.update({"BLOCK_N": fab.BLOCK_N, "HEAD_D": head_d, "STAGES": fab.STAGES,
                            "CONSUMER_REGS": fab.CONSUMER_REGS,
                            "PRODUCER_REGS": fab.PRODUCER_REGS})
@@ -643,15 +653,18 @@ def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
              ["fwd", True, False, 64, "bfloat16", None, fah.WIDE_HD64_FROM],
              ["fwd", False, False, 64, "float16", None, fah.WIDE_HD64_FROM],
              ["bwd", False, False, 128, "float16", walks[0], None]]
-    cases += [["bwd", causal, True, 128, "bfloat16", walk, None]
-              for causal in (True, False) for walk in walks]
+    cases += [["bwd", causal, True, head_d, "bfloat16", walk, None]
+              for head_d in fab.HEAD_DIMS for causal in (True, False) for walk in walks]
     run = _run_child(_SM90_RESOURCES, json.dumps(cases), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     for case, (regs, stack, moves, serialized, budget, loops, spills_in_loops) in zip(
             cases, json.loads(run.stdout.splitlines()[-1])):
-        assert (regs <= budget and stack == 0 and moves and not serialized
+        # The Hd 64 backward's 128-row steps leave up to 6 scalars on the stack, one reloaded
+        # per step (measured worth it: fab.BLOCK_M); anything more is a changed register plan.
+        stack_bytes, reloads = (24, 1) if case[0] == "bwd" and case[3] == 64 else (0, 0)
+        assert (regs <= budget and stack <= stack_bytes and moves and not serialized
                 and loops >= (fah.plan(case[3], case[6]).warpgroups if case[0] == "fwd" else 1)
-                and spills_in_loops == 0), (
+                and spills_in_loops <= reloads), (
             case, regs, stack, moves, serialized, loops, spills_in_loops)
 
 
@@ -760,15 +773,15 @@ def test_gpu_hopper_forward_matches_triton_forward(B, H, Hkv, S, Hd, causal, dty
 @pytest.mark.skipif(not _on_sm90(), reason="the Gluon forward is for sm_90")
 @pytest.mark.parametrize("scale", [0.0, -0.3])
 @pytest.mark.parametrize("Hd", [64, 128])
-def test_gpu_non_positive_scale_takes_the_triton_forward(scale, Hd):
+def test_gpu_non_positive_scale_takes_the_triton_forward(scale, Hd, monkeypatch):
     """The Gluon forward masks scores before it scales them (-inf · 0 is NaN), so a zero or
-    negative scale goes to the Triton forward: finite and equal to the reference."""
-    q, k, v = (torch.randn(2, 4, 1000, Hd, device=DEVICE_GPU, dtype=torch.bfloat16)
-               for _ in range(3))
-    out = flash_attention(q, k, v, causal=True, scale=scale)
-    ref = attention_reference(q, k, v, causal=True, scale=scale)
-    assert torch.isfinite(out).all()
-    assert (out.float() - ref.float()).abs().max().item() <= 2 * ATOL_FLOOR[torch.bfloat16]
+    negative scale goes to the Triton forward; the Gluon backward masks after exp2 and takes
+    any scale. Both by the accuracy rule."""
+    q, k, v, do = _inputs(2, 4, 4, 1000, Hd, torch.bfloat16, DEVICE_GPU)
+    monkeypatch.setattr(fab, "MIN_SCORES", 0)
+    assert fab.hopper_backward_ok(q, k, v, do, True, None)
+    ours = _out_and_grads(lambda a, b, c: flash_attention(a, b, c, True, scale=scale), q, k, v, do)
+    _assert_accurate(ours, q, k, v, do, True, None, torch.bfloat16, scale)
 
 
 @pytest.mark.gpu
@@ -783,12 +796,13 @@ def test_gpu_non_positive_scale_takes_the_triton_forward(scale, Hd):
     (4, 2, 2, 64, True, torch.float16, "BSHD"),
     (1, 1, 1, 1, True, torch.bfloat16, "BHSD"),
 ])
-def test_gpu_hopper_backward(B, H, Hkv, S, causal, dtype, layout, deterministic, monkeypatch):
+@pytest.mark.parametrize("Hd", [64, 128])
+def test_gpu_hopper_backward(B, H, Hkv, S, causal, dtype, layout, deterministic, Hd, monkeypatch):
     """The Gluon backward against the Triton backward (forced) on the same forward: long and odd
     lengths, GQA, both layouts, one-row and partial blocks; against the fp32 reference by the
     accuracy rule where that fits in memory; and bit-identical on repeat when deterministic.
     Each case takes the walk ``_walk`` picks for it (the next test forces the others)."""
-    _check_hopper_backward(B, H, Hkv, S, causal, dtype, layout, deterministic, monkeypatch)
+    _check_hopper_backward(B, H, Hkv, S, Hd, causal, dtype, layout, deterministic, monkeypatch)
 
 
 @pytest.mark.gpu
@@ -799,11 +813,12 @@ def test_gpu_hopper_backward(B, H, Hkv, S, causal, dtype, layout, deterministic,
     ("DESCENDING", 3, 4, 1, 1000, True), ("ASCENDING", 3, 4, 1, 1000, True),
     ("ASCENDING", 2, 4, 4, 4096, True), ("CYCLIC", 2, 4, 4, 129, False),
 ])
-def test_gpu_hopper_backward_every_walk(walk, B, H, Hkv, S, causal, monkeypatch):
+@pytest.mark.parametrize("Hd", [64, 128])
+def test_gpu_hopper_backward_every_walk(walk, B, H, Hkv, S, causal, Hd, monkeypatch):
     """Every order of the deterministic adds (``WALK_*``), whichever ``_walk`` would pick here."""
     forced = int(getattr(fab, "WALK_" + walk))
     monkeypatch.setattr(fab, "_walk", lambda *a: forced)
-    _check_hopper_backward(B, H, Hkv, S, causal, torch.bfloat16, "BHSD", True, monkeypatch)
+    _check_hopper_backward(B, H, Hkv, S, Hd, causal, torch.bfloat16, "BHSD", True, monkeypatch)
 
 
 _STUCK_TURN = """
@@ -837,12 +852,12 @@ def test_gpu_hopper_backward_stuck_turn_fails_instead_of_hanging():
     assert run.returncode != 0 and "CUDA" in run.stderr, run.stderr[-2000:]
 
 
-def _check_hopper_backward(B, H, Hkv, S, causal, dtype, layout, deterministic, monkeypatch):
+def _check_hopper_backward(B, H, Hkv, S, Hd, causal, dtype, layout, deterministic, monkeypatch):
     def make(h, grad=True):
         if layout == "BSHD":
-            t = torch.randn(B, S, h, 128, device=DEVICE_GPU, dtype=dtype).transpose(1, 2)
+            t = torch.randn(B, S, h, Hd, device=DEVICE_GPU, dtype=dtype).transpose(1, 2)
         else:
-            t = torch.randn(B, h, S, 128, device=DEVICE_GPU, dtype=dtype)
+            t = torch.randn(B, h, S, Hd, device=DEVICE_GPU, dtype=dtype)
         return t.requires_grad_(grad)
 
     q, k, v, do = make(H), make(Hkv), make(Hkv), make(H, grad=False)
