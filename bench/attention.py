@@ -135,9 +135,8 @@ def to_markdown(rows, args):
         "ratio = median over rounds of (anchor time / our time): > 1 means ours is faster",
         "ours: on an sm_90 GPU the warp-specialized Gluon kernels run the forward "
         "(attention/flash_attn_hopper.py; every row here: two consumer warpgroups, three at Hd 64 "
-        "from S 4096) and, at Hd 128, the 5-matmul backward (attention/flash_attn_hopper_bwd.py; "
-        "every Hd 128 row here), deterministic by default; the Hd 64 backward runs the Triton "
-        "kernels",
+        "from S 4096) and the 5-matmul backward (attention/flash_attn_hopper_bwd.py; every row "
+        "here: 64-row query steps at Hd 128, 128-row at Hd 64), deterministic by default",
         "nondet: the backward's opt-in deterministic=False mode (dQ parts added in arrival "
         "order); its ratio to cuDNN in the last column",
     ) + [
