@@ -15,6 +15,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +77,34 @@ def bench_row(Hd, S, causal, mode, rounds, warmup, rep, a_vs_a):
     if "ours_nondet" in times:
         ratios["nondet_vs_cudnn"] = median_ratio(times["sdpa_cudnn"], times["ours_nondet"])
     return dict(Hd=Hd, S=S, B=B, H=H, causal=causal, mode=mode, tflops=tflops, ratios=ratios)
+
+
+def host_split(Hd, S, causal, calls=30):
+    """fwd+bwd of ours and cuDNN, ms per call: the event time (do_bench), the sum of the GPU
+    kernels (torch.profiler), and the host's time to issue a call (``calls`` unsynchronized
+    calls, few enough that their launches fit in the GPU's queue: a full queue blocks the host
+    and would time the GPU instead). Event > kernels: the GPU waited for launches."""
+    from torch.profiler import ProfilerActivity, profile
+    H, B = (16 if Hd == 128 else 32), max(TOKENS // S, 1)
+    q, k, v, do = (torch.randn(B, H, S, Hd, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=i < 3) for i in range(4))
+    out = {}
+    for name in ("ours", "sdpa_cudnn"):
+        fn = _runner(IMPLS[name], q, k, v, do, causal, "fwd+bwd")
+        event = triton.testing.do_bench(fn, warmup=100, rep=200, return_mode="median")
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host = (time.perf_counter() - start) / calls * 1e3
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+        kernels = sum(e.self_device_time_total for e in prof.key_averages()) / 20 / 1e3
+        out[name] = (event, kernels, host)
+    return out
 
 
 def report_sass():
@@ -162,6 +191,8 @@ def main():
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--rep", type=int, default=200)
     p.add_argument("--sass", action="store_true")
+    p.add_argument("--host", action="store_true",
+                   help="print host and GPU-kernel time per fwd+bwd call at S 1k and exit")
     p.add_argument("--tune", action="store_true", help="time the WIDE config spaces and exit")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                  "attention.md"))
@@ -169,6 +200,15 @@ def main():
     if args.tune:
         tune_report([(128, 16384, False), (128, 16384, True), (128, 4096, True),
                      (64, 16384, True)])
+        return
+    if args.host:
+        print("| Hd | causal | ours event | ours kernels | ours host | cuDNN event | "
+              "cuDNN kernels | cuDNN host |\n|---:|:---:|---:|---:|---:|---:|---:|---:|")
+        for Hd in args.head_dims:
+            for causal in (False, True):
+                t = host_split(Hd, 1024, causal)
+                print(f"| {Hd} | {'yes' if causal else 'no'} | "
+                      + " | ".join(f"{x:.3f}" for n in ("ours", "sdpa_cudnn") for x in t[n]) + " |")
         return
     lengths = [1024, 4096, 16384] if args.quick else [1024, 2048, 4096, 8192, 16384]
     rows = []
