@@ -6,9 +6,9 @@ H / Hkv query heads), Sq query length, Sk key/value length, Hd head dim.
 - ``_attn_fwd_kernel``: one program per (query block, b, h); streams key/value blocks through an
   online softmax, writes O and the per-row log-sum-exp (fp32, base 2, of the scaled scores).
   The Sq×Sk score matrix never exists in memory. On an H100/H200, the plain case (Sq == Sk, no
-  window, Hd 128, fp16/bf16, at least 2^19 visible scores) runs the warp-specialized Gluon
-  forward of ``flash_attn_hopper`` instead (0.99–1.11× cuDNN at S 4k–16k where this kernel
-  gives 0.80–0.92×).
+  window, Hd 64 or 128, fp16/bf16, a positive scale, at least 2^19 visible scores) runs the
+  warp-specialized Gluon forward of ``flash_attn_hopper`` instead (bench/results/attention.md:
+  1.00–1.12× cuDNN at Hd 128, S 1k–16k, where this kernel gave 0.80–0.92×).
 - ``_attn_bwd_delta_kernel``: delta = rowsum(dO ∘ O) in fp32 (and the Gluon backward's turn
   counters zeroed).
 - ``_attn_bwd_dkdv_kernel``: one program per (key block, b, hkv); recomputes the scores of every
@@ -17,10 +17,11 @@ H / Hkv query heads), Sq query length, Sk key/value length, Hd head dim.
 - ``_attn_bwd_dq_kernel``: one program per (query block, b, h); recomputes the scores against
   every key block and accumulates dQ in registers. No atomics anywhere: repeated backward passes
   are bit-identical.
-- On an H100/H200 the plain Hd 128 case at >= 2^27 visible scores takes the Gluon backward of
-  ``flash_attn_hopper_bwd`` instead of the last two: one kernel, five matmuls instead of seven
-  (fwd+bwd 0.89–0.99× cuDNN at S 4k–16k where these give 0.75–0.84×), with dQ summed by TMA
-  reduce-add in a fixed order unless ``deterministic=False``.
+- On an H100/H200 the plain Hd 64 or 128 case at >= 2^27 visible scores takes the Gluon backward
+  of ``flash_attn_hopper_bwd`` instead of the last two: one kernel, five matmuls instead of seven
+  (bench/results/attention.md: fwd+bwd 0.98–1.07× cuDNN at S 2k–16k where these gave 0.75–0.98×;
+  S 1k is bound by host time on some hosts), with dQ summed by TMA reduce-add in a fixed order
+  unless ``deterministic=False``.
 
 Which keys a query sees. Queries and keys are aligned bottom-right (FlashAttention >= 2.1,
 ``torch.nn.attention.bias.causal_lower_right``): query i sits at key position i' = i + Sk − Sq, so
@@ -230,20 +231,21 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, stride_ks, stride_vs, offs_m, offs_n, off
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k, v = _load_pair(K, V, cols, stride_ks, stride_vs, offs_d, SK, MASKED, HEAD_DIM, BLOCK_D)
-        # Scaled before the row max: max(s)·scale is the max of the scaled scores only for a
-        # positive scale (a negative one overflowed exp2 here).
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        qk = tl.dot(q, tl.trans(k))
         if MASKED:
             keep = _visible(offs_m[:, None], cols[None, :], SQ, SK, DIAG_LO, DIAG_HI, CAUSAL, BAND)
-            qk = tl.where(keep, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        if MASKED:
+            qk = tl.where(keep, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
             # A row that has seen no key yet keeps m = -inf; subtracting 0 instead makes its p
             # and alpha exp2(-inf) = 0 rather than exp2(-inf + inf) = NaN.
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk - m_sub[:, None])
         else:
+            # The max before scaling is the scaled scores' max for qk_scale >= 0, which
+            # attention_forward ensures; one multiply a row instead of one an element.
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_sub = m_new
-        p = tl.math.exp2(qk - m_sub[:, None])
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
@@ -551,7 +553,12 @@ def attention_forward(q, k, v, causal=True, scale=None, window=None):
     lse = torch.empty(B, H, Sq, device=q.device, dtype=torch.float32)
     if q.numel() == 0:
         return o, lse
-    # The Gluon forward masks scores before scaling them (-inf · scale): a positive scale only.
+    if scale < 0:
+        # softmax(s·q·kᵀ) = softmax(|s|·(−q)·kᵀ), with the same LSE, so the backward takes q and s
+        # as given. The kernels take a row's max before scaling: the scaled scores' max only for
+        # s >= 0 (a negative s gave NaN).
+        q, scale = -q, -scale
+    # The Gluon forward masks scores before scaling them (-inf · 0 is NaN): a positive scale only.
     if scale > 0 and hopper_forward_ok(q, k, v, causal, window):
         return hopper_forward(q, k, v, o, lse, causal, scale * _LOG2E)
     grid = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * H)  # noqa: E731
@@ -590,12 +597,13 @@ def attention_backward(do, q, k, v, o, lse, causal=True, scale=None, window=None
     if q.numel() == 0:  # no query: keys and values get no gradient
         return dq, dk.zero_(), dv.zero_()
     delta = torch.empty_like(lse)
-    hopper = hopper_backward_ok(q, k, v, do, causal, window)
-    sem = hopper_turn_counters(q) if hopper and deterministic else None
-    _delta(o, do, delta, sem)
-    if hopper:
-        return hopper_backward(do, q, k, v, lse, delta, sem, dq, dk, dv, causal, scale,
-                               scale * _LOG2E)
+    if hopper_backward_ok(q, k, v, do, causal, window):
+        sem = hopper_turn_counters(q) if deterministic else None
+        launch = hopper_backward(do, q, k, v, lse, delta, sem, dq, dk, dv, causal, scale,
+                                 scale * _LOG2E)
+        _delta(o, do, delta, sem)
+        return launch()
+    _delta(o, do, delta, None)
     common = (H, H // Hkv, *_launch_args(q, k, causal, window), scale * _LOG2E, scale)
     constexprs = {**_path_args(q, k, causal, window), **_head_dim_args(Hd)}
     if Sk > 0:

@@ -64,8 +64,9 @@ from kernel_floor import cached_launch, sm_count
 #   no waiting. A CTA also waits for CTAs launched after it, so all n_k CTAs of a head must be
 #   resident at once.
 # - ASCENDING (causal): CTA j walks up from its diagonal and the grid launches high j first; block
-#   i's order is the nearest key block first, which reached it two steps earlier (CTA j+1 starts
-#   two blocks higher). Waits only for CTAs launched before it, like DESCENDING.
+#   i's order is the nearest key block first, which reached it BLOCK_N / BLOCK_M steps earlier (CTA
+#   j+1 starts that many blocks higher: two at Hd 128, one at Hd 64). Waits only for CTAs launched
+#   before it, like DESCENDING.
 # H100, fwd+bwd against cuDNN, deterministic, B·S 16k, H 16 (a probe, 5 alternating do_bench rounds):
 # S 4096 0.916 → 0.975 non-causal, 0.893 → 0.974 causal; the non-deterministic mode gave
 # 0.973 / 0.988 in the same run. At S 16384 (n_k 128) DESCENDING was as fast (1.016 / 0.984).
@@ -92,7 +93,8 @@ MAX_NREG = 168  # 12 warps (8 consumers, the producer's warpgroup) × 168 = the 
 # 1.042 against 1.068 ms), but that call is bound by host time, and this path's launches now cost
 # less of it (kernel_floor.cached_launch, the Δ kernel zeroing the turn counters): H100, do_bench
 # fwd+bwd, 0.845 against 0.937 ms (cuDNN 0.771), and 1.04 against 0.87× cuDNN on another host
-# (2026-11-24). Below 2^27 the two took turns (host-bound either way).
+# (2026-11-24). Below 2^27 the two took turns (host-bound either way). Measured at Hd 128; Hd 64
+# takes the same threshold, unmeasured below it.
 MIN_SCORES = 1 << 27
 # A deterministic CTA that waits this long for its turn traps (``_wait_for_turn``): the longest
 # honest wait is a head's backward, milliseconds.
@@ -429,10 +431,14 @@ def hopper_turn_counters(q):
 
 
 def hopper_backward(do, q, k, v, lse, delta, sem, dq, dk, dv, causal, scale, scale_log2):
-    """Fills dq, dk, dv (allocated like q, k, v) from ``flash_attn.attention_backward``'s delta
-    (rowsum(dO ∘ O), fp32) and the forward's base-2 LSE; ``scale_log2`` = scale · log2(e).
+    """Prepares the fill of dq, dk, dv (allocated like q, k, v) from the forward's base-2 LSE and
+    ``flash_attn.attention_backward``'s delta (rowsum(dO ∘ O), fp32); ``scale_log2`` = scale ·
+    log2(e).
     Deterministic when given ``sem``, zeroed ``hopper_turn_counters``; None: dQ's parts are added
-    in arrival order."""
+    in arrival order. Returns ``launch``, to call once the Δ kernel that fills ``delta`` (and zeros
+    ``sem``) is queued: it launches the kernel and returns (dq, dk, dv). The accumulator and the
+    descriptors are built before the Δ kernel is queued, so that its run on the GPU covers the
+    launch's host time, not this preparation's as well."""
     B, H, S, Hd = q.shape
     Hkv = k.shape[1]
     block_m = BLOCK_M[Hd]
@@ -447,14 +453,17 @@ def hopper_backward(do, q, k, v, lse, delta, sem, dq, dk, dv, causal, scale, sca
     walk = _walk(causal, n_k, q.device)
     # _turn's orders assume these: ASCENDING starts at the diagonal, CYCLIC at block 0.
     assert walk == WALK_DESCENDING or (walk == WALK_ASCENDING) == causal, (walk, causal)
-    cached_launch(
-        _attn_bwd_hopper_kernel, (n_k, B * Hkv), (q.dtype, do.dtype),
-        _descriptor(q, block_m), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
-        _descriptor(do, block_m), _descriptor(dk, BLOCK_N), _descriptor(dv, BLOCK_N), dq_desc, lse,
-        delta, delta if sem is None else sem,  # (SEM is not read unless deterministic)
-        H, H // Hkv, S, s_pad, scale_log2, scale, STUCK_NS, CAUSAL=causal,
-        DETERMINISTIC=deterministic, WALK=walk, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD_D=Hd,
-        STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=8,
-        maxnreg=MAX_NREG)
-    dq.copy_(dq_acc.view(B, H, s_pad, Hd)[:, :, :S])
-    return dq, dk, dv
+    args = (_descriptor(q, block_m), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
+            _descriptor(do, block_m), _descriptor(dk, BLOCK_N), _descriptor(dv, BLOCK_N), dq_desc,
+            lse, delta, delta if sem is None else sem,  # (SEM is not read unless deterministic)
+            H, H // Hkv, S, s_pad, scale_log2, scale, STUCK_NS)
+
+    def launch():
+        cached_launch(
+            _attn_bwd_hopper_kernel, (n_k, B * Hkv), (q.dtype, do.dtype), *args, CAUSAL=causal,
+            DETERMINISTIC=deterministic, WALK=walk, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD_D=Hd,
+            STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=8,
+            maxnreg=MAX_NREG)
+        dq.copy_(dq_acc.view(B, H, s_pad, Hd)[:, :, :S])
+        return dq, dk, dv
+    return launch

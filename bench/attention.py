@@ -7,6 +7,7 @@ triton.testing.do_bench (median); the claim is the median over rounds of anchor_
 (> 1: ours faster). The A-vs-A rows time ours against itself to show the noise.
 
     python bench/attention.py [--quick] [--sass] [--out bench/results/attention.md]
+    python bench/attention.py --host   # host vs GPU-kernel time of a fwd+bwd call at S 1k
 """
 
 import argparse
@@ -84,6 +85,7 @@ def host_split(Hd, S, causal, calls=30):
     kernels (torch.profiler), and the host's time to issue a call (``calls`` unsynchronized
     calls, few enough that their launches fit in the GPU's queue: a full queue blocks the host
     and would time the GPU instead). Event > kernels: the GPU waited for launches."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     H, B = (16 if Hd == 128 else 32), max(TOKENS // S, 1)
     q, k, v, do = (torch.randn(B, H, S, Hd, device="cuda", dtype=torch.bfloat16,
@@ -102,7 +104,8 @@ def host_split(Hd, S, causal, calls=30):
             for _ in range(20):
                 fn()
             torch.cuda.synchronize()
-        kernels = sum(e.self_device_time_total for e in prof.key_averages()) / 20 / 1e3
+        kernels = sum(e.self_device_time_total for e in prof.key_averages()
+                      if e.device_type == DeviceType.CUDA) / 20 / 1e3
         out[name] = (event, kernels, host)
     return out
 

@@ -170,10 +170,10 @@ def test_interpreter_strided_inputs_match_contiguous():
 @pytest.mark.parametrize("scale", [0.7, 0.0, -0.7])
 @pytest.mark.parametrize("causal", [True, False])
 def test_interpreter_scale_argument(scale, causal):
-    """Any scale SDPA takes, the forward and the backward, on scores spread over ±300 (in
+    """Any scale SDPA takes, the forward and the backward, on scores spread over about ±200 (in
     units of log2 after scaling): 70 keys give full key blocks (the unmasked path, whose row max
-    was once taken before scaling and so, for a negative scale, was the smallest score: exp2
-    overflowed) and masked ones."""
+    is taken before scaling: for a negative scale that was the smallest score and exp2
+    overflowed, until the wrapper negated q instead) and masked ones."""
     q, k, v, do = _inputs(1, 2, 2, 70, 32, torch.float32, "cpu")
     q = (q.detach() * 8).requires_grad_()
     ours = _out_and_grads(lambda a, b, c: flash_attention(a, b, c, causal, scale=scale), q, k, v, do)
@@ -638,7 +638,8 @@ print(json.dumps(out))
 def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
     """The warp-specialized kernels' register plans hold when compiled for sm_90 (no GPU needed:
     Triton's bundled ptxas; a child process, since the interpreter that conftest switches on
-    cannot compile): registers within the launch budget (``max_nreg``), no spills, setmaxnreg
+    cannot compile): registers within the launch budget (``max_nreg``), no spills (but the few
+    the Hd 64 backward's 128-row steps cost, bounded below), setmaxnreg
     present (without it every warp keeps the launch's 168 or 128 registers and the consumers
     spill), and no C7515 from ptxas.
     C7515 means ptxas waits for every wgmma where it is issued: the backward once carried a
@@ -652,7 +653,8 @@ def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
              ["fwd", True, False, 64, "bfloat16", None, 1024],
              ["fwd", True, False, 64, "bfloat16", None, fah.WIDE_HD64_FROM],
              ["fwd", False, False, 64, "float16", None, fah.WIDE_HD64_FROM],
-             ["bwd", False, False, 128, "float16", walks[0], None]]
+             ["bwd", False, False, 128, "float16", walks[0], None],
+             ["bwd", False, False, 64, "float16", walks[0], None]]
     cases += [["bwd", causal, True, head_d, "bfloat16", walk, None]
               for head_d in fab.HEAD_DIMS for causal in (True, False) for walk in walks]
     run = _run_child(_SM90_RESOURCES, json.dumps(cases), timeout=600)
@@ -773,11 +775,14 @@ def test_gpu_hopper_forward_matches_triton_forward(B, H, Hkv, S, Hd, causal, dty
 @pytest.mark.skipif(not _on_sm90(), reason="the Gluon forward is for sm_90")
 @pytest.mark.parametrize("scale", [0.0, -0.3])
 @pytest.mark.parametrize("Hd", [64, 128])
-def test_gpu_non_positive_scale_takes_the_triton_forward(scale, Hd, monkeypatch):
-    """The Gluon forward masks scores before it scales them (-inf · 0 is NaN), so a zero or
-    negative scale goes to the Triton forward; the Gluon backward masks after exp2 and takes
-    any scale. Both by the accuracy rule."""
+def test_gpu_non_positive_scale(scale, Hd, monkeypatch):
+    """A zero scale goes to the Triton forward (the Gluon forward masks scores before it scales
+    them: -inf · 0 is NaN); a negative one to the Gluon forward on −q with |scale|. The Gluon
+    backward masks after exp2 and takes any scale. Scores spread wide (q · 8), so a row max
+    taken before a negative scale overflows exp2. Both by the accuracy rule."""
     q, k, v, do = _inputs(2, 4, 4, 1000, Hd, torch.bfloat16, DEVICE_GPU)
+    q = (q.detach() * 8).requires_grad_()
+    assert fah.hopper_forward_ok(q, k, v, True, None)
     monkeypatch.setattr(fab, "MIN_SCORES", 0)
     assert fab.hopper_backward_ok(q, k, v, do, True, None)
     ours = _out_and_grads(lambda a, b, c: flash_attention(a, b, c, True, scale=scale), q, k, v, do)
@@ -888,7 +893,7 @@ def _check_hopper_backward(B, H, Hkv, S, Hd, causal, dtype, layout, deterministi
 @pytest.mark.parametrize("S", [17, 1000])
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_triton_forward_still_accurate(S, causal, monkeypatch):
-    """On Hopper the plain Hd 128 cases take the Gluon forward; this keeps the Triton forward
-    (every other GPU) under the accuracy rule too."""
+    """On Hopper the plain Hd 64 and 128 cases take the Gluon forward; this keeps the Triton
+    forward (every other GPU) under the accuracy rule too."""
     monkeypatch.setattr(fa, "hopper_forward_ok", lambda *a: False)
     _check_against_reference(2, 8, 2, S, 128, causal, torch.bfloat16, DEVICE_GPU)
