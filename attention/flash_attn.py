@@ -6,7 +6,7 @@ H / Hkv query heads), Sq query length, Sk key/value length, Hd head dim.
 - ``_attn_fwd_kernel``: one program per (query block, b, h); streams key/value blocks through an
   online softmax, writes O and the per-row log-sum-exp (fp32, base 2, of the scaled scores).
   The Sq×Sk score matrix never exists in memory. On an H100/H200, the plain case (Sq == Sk, no
-  window, Hd 64 or 128, fp16/bf16, a positive scale, at least 2^19 visible scores) runs the
+  window, Hd 64 or 128, fp16/bf16, a nonzero scale, at least 2^19 visible scores) runs the
   warp-specialized Gluon forward of ``flash_attn_hopper`` instead (bench/results/attention.md:
   1.00–1.12× cuDNN at Hd 128, S 1k–16k, where this kernel gave 0.80–0.92×).
 - ``_attn_bwd_delta_kernel``: delta = rowsum(dO ∘ O) in fp32 (and the Gluon backward's turn

@@ -59,11 +59,16 @@ def _runner(impl, q, k, v, do, causal, mode):
     return lambda: torch.autograd.grad(impl(q, k, v, causal), (q, k, v), do)
 
 
-def bench_row(Hd, S, causal, mode, rounds, warmup, rep, a_vs_a):
-    H = 16 if Hd == 128 else 32
-    B = max(TOKENS // S, 1)
+def _inputs(Hd, S):
+    """A row's (B, H, q, k, v, do): B·S = TOKENS, H = 16 at Hd 128 and 32 otherwise, bf16 MHA."""
+    H, B = (16 if Hd == 128 else 32), max(TOKENS // S, 1)
     q, k, v, do = (torch.randn(B, H, S, Hd, device="cuda", dtype=torch.bfloat16,
                                requires_grad=i < 3) for i in range(4))
+    return B, H, q, k, v, do
+
+
+def bench_row(Hd, S, causal, mode, rounds, warmup, rep, a_vs_a):
+    B, H, q, k, v, do = _inputs(Hd, S)
     ref = IMPLS["sdpa_cudnn"](q, k, v, causal)
     err = (IMPLS["ours"](q, k, v, causal).float() - ref.float()).abs().max().item()
     assert err < 0.05, f"ours differs from cuDNN by {err} at Hd={Hd} S={S} causal={causal}"
@@ -87,9 +92,7 @@ def host_split(Hd, S, causal, calls=30):
     and would time the GPU instead). Event > kernels: the GPU waited for launches."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-    H, B = (16 if Hd == 128 else 32), max(TOKENS // S, 1)
-    q, k, v, do = (torch.randn(B, H, S, Hd, device="cuda", dtype=torch.bfloat16,
-                               requires_grad=i < 3) for i in range(4))
+    _, _, q, k, v, do = _inputs(Hd, S)
     out = {}
     for name in ("ours", "sdpa_cudnn"):
         fn = _runner(IMPLS[name], q, k, v, do, causal, "fwd+bwd")
@@ -145,9 +148,7 @@ def tune_report(cases):
             triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
             for bm, bn, w, st in space]
     for Hd, S, causal in cases:
-        H, B = (16 if Hd == 128 else 32), max(TOKENS // S, 1)
-        q, k, v, do = (torch.randn(B, H, S, Hd, device="cuda", dtype=torch.bfloat16,
-                                   requires_grad=i < 3) for i in range(4))
+        _, _, q, k, v, do = _inputs(Hd, S)
         torch.autograd.grad(flash_attention(q, k, v, causal=causal), (q, k, v), do)
         for name in WIDE:
             timings = getattr(fa, name).configs_timings

@@ -717,6 +717,13 @@ def test_hopper_kernels_refuse_what_they_do_not_serve():
     assert not fab.hopper_backward_ok(q, q, q, q, True, None)
 
 
+def _gpu_heads(B, h, S, Hd, dtype, layout):
+    """A (B, h, S, Hd) GPU tensor: contiguous ("BHSD") or a transposed (B, S, h, Hd) ("BSHD")."""
+    if layout == "BSHD":
+        return torch.randn(B, S, h, Hd, device=DEVICE_GPU, dtype=dtype).transpose(1, 2)
+    return torch.randn(B, h, S, Hd, device=DEVICE_GPU, dtype=dtype)
+
+
 def _on_sm90():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
@@ -755,12 +762,7 @@ def test_gpu_hopper_forward_matches_triton_forward(B, H, Hkv, S, Hd, causal, dty
             pytest.skip("one tiling at Hd 128")
         monkeypatch.setattr(fah, "WIDE_HD64_FROM", wide_from)
 
-    def make(h):
-        if layout == "BSHD":
-            return torch.randn(B, S, h, Hd, device=DEVICE_GPU, dtype=dtype).transpose(1, 2)
-        return torch.randn(B, h, S, Hd, device=DEVICE_GPU, dtype=dtype)
-
-    q, k, v = make(H), make(Hkv), make(Hkv)
+    q, k, v = (_gpu_heads(B, h, S, Hd, dtype, layout) for h in (H, Hkv, Hkv))
     monkeypatch.setattr(fah, "MIN_SCORES", 0)  # small cases too: the kernel, not the dispatch
     assert fah.hopper_forward_ok(q, k, v, causal, None)
     o, lse = attention_forward(q, k, v, causal)
@@ -858,14 +860,8 @@ def test_gpu_hopper_backward_stuck_turn_fails_instead_of_hanging():
 
 
 def _check_hopper_backward(B, H, Hkv, S, Hd, causal, dtype, layout, deterministic, monkeypatch):
-    def make(h, grad=True):
-        if layout == "BSHD":
-            t = torch.randn(B, S, h, Hd, device=DEVICE_GPU, dtype=dtype).transpose(1, 2)
-        else:
-            t = torch.randn(B, h, S, Hd, device=DEVICE_GPU, dtype=dtype)
-        return t.requires_grad_(grad)
-
-    q, k, v, do = make(H), make(Hkv), make(Hkv), make(H, grad=False)
+    q, k, v = (_gpu_heads(B, h, S, Hd, dtype, layout).requires_grad_() for h in (H, Hkv, Hkv))
+    do = _gpu_heads(B, H, S, Hd, dtype, layout)
     monkeypatch.setattr(fab, "MIN_SCORES", 0)  # small cases too: the kernel, not the dispatch
     assert fab.hopper_backward_ok(q, k, v, do, causal, None)
 
