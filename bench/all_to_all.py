@@ -1,20 +1,23 @@
-"""Benchmark: AllToAllDispatcher dispatch + combine vs raw ``all_to_all_single`` of the same bytes.
+"""Benchmark: AllToAllDispatcher dispatch + combine vs raw ``all_to_all_single`` of one row per pair.
 
 With ``--transport p2p`` ours is :class:`parallel.P2PDispatcher` (rows by NVLink stores into
 symmetric memory, no host sync; ``max_tokens`` = the row's tokens) and the NCCL dispatcher is
 timed in the same rounds in place of the link-bytes-only exchange (results/all_to_all.md; the NCCL
 dispatcher's own tables: results/all_to_all_nccl.md).
 
-What is timed (forward only, no autograd): ours = ``dispatch`` (counts all-to-all, one
-device->host copy of the counts, rows for the other ranks packed while it travels, variable-split
-all-to-all of those rows while the own rows are written into the experts' input) then ``combine``
-of the dispatched rows (identity experts: reverse all-to-all of the other ranks' rows, then one
-pass summing each token's K rows with the combine weights into (T, D), which is the layer's
-combine arithmetic). Anchor = two raw ``all_to_all_single`` calls with the same split sizes, own
-chunk included, on preallocated buffers (there and back): the same rows delivered, none of the
-bookkeeping nor the weighted sum. Also shown (not the anchor): the raw exchange without the own
-chunk, i.e. only the bytes that cross the link. Routing: uniform random top-K (distinct experts
-per token), dropless, bf16 rows, ep = world (each GPU holds E / world experts).
+What is timed (forward only, no autograd): ours = ``dispatch`` (the route, counts all-to-all, one
+device->host copy of the counts, one row per token and remote rank packed while it travels,
+variable-split all-to-all of those rows while the own pairs' rows are written into the experts'
+input, then each received row copied into its pair rows) then ``combine`` of the dispatched rows
+(identity experts, which leave ``w_R`` unapplied: each received token's rows summed into one,
+reverse all-to-all, then one pass summing each token's rows into (T, D)). Anchor = two raw
+``all_to_all_single`` calls with the split sizes of one row per (token, expert) pair, own chunk
+included, on preallocated buffers (there and back): the rows a layout without the per-rank sums
+must move, none of the bookkeeping. Since the dispatcher sends each token to a rank once, its
+ratio can exceed 1 (about K / G fewer rows cross at top-K of E on G ranks). Also shown (not the
+anchor): the raw exchange without the own chunk, i.e. only the pair bytes that cross the link.
+Routing: uniform random top-K (distinct experts per token), dropless, bf16 rows, ep = world
+(each GPU holds E / world experts).
 
 Effective bandwidth = bytes sent + received per rank (both exchanges, the rank's own chunk
 included, mean over ranks) / time (max over ranks).
@@ -101,8 +104,9 @@ def _layer_call(dispatcher, D, E, K, T, device, dtype, seed, backward=False):
         x_TD.requires_grad_(), w_TK.requires_grad_()
 
     def ours():
-        rows_RD, _, meta = dispatcher.dispatch(x_TD, plan)
-        out_TD = dispatcher.combine(rows_RD, meta, w_TK)
+        rows_RD, _, w_R, meta = dispatcher.dispatch(x_TD, plan, w_TK)
+        ours.weighted = w_R is None  # True: the combine applies the weights (P2P); else the experts would
+        out_TD = dispatcher.combine(rows_RD, meta)
         if backward:
             x_TD.grad = w_TK.grad = None
             out_TD.backward(grad_TD)
@@ -112,23 +116,33 @@ def _layer_call(dispatcher, D, E, K, T, device, dtype, seed, backward=False):
     return x_TD, w_TK, plan, ours
 
 
+def _pair_splits(plan, dims) -> tuple[list[int], list[int]]:
+    """The pairs this rank sends to and receives from each rank: what a layout with one row per
+    pair moves (the anchor's split sizes)."""
+    send_G = plan.kept_per_expert_E.view(dims.ep, -1).sum(-1)
+    recv_G = torch.empty_like(send_G)
+    dist.all_to_all_single(recv_G, send_G, group=dims.ep_group)
+    return send_G.tolist(), recv_G.tolist()
+
+
 def bench_row(dispatcher, dims, D, E, K, T, rounds, device, dtype, measure, backward=False, nccl=None):
-    """One table row. ``nccl``: the AllToAllDispatcher, when ``dispatcher`` is another one: it
-    gives the anchor's split sizes and is timed in place of the link-bytes-only exchange."""
+    """One table row. ``nccl``: the AllToAllDispatcher, when ``dispatcher`` is another one: it is
+    timed in place of the link-bytes-only exchange."""
     x_TD, w_TK, plan, ours = _layer_call(dispatcher, D, E, K, T, device, dtype, 1000 + dist.get_rank(), backward)
     gen = torch.Generator(device=device).manual_seed(2000 + dist.get_rank())
 
     with torch.set_grad_enabled(backward):
         out_TD = ours()
-    # correctness guard: with identity experts every token comes home as Σ_k w[t, k] · x[t]
+    # correctness guard: with identity experts (which leave w_R unapplied) every token comes home
+    # as Σ_k x[t] over its pairs, or Σ_k w[t, k] · x[t] when the combine weights
     x, w, g = x_TD.detach().float(), w_TK.detach(), ours.grad_TD.float()
-    torch.testing.assert_close(out_TD.detach(), (x * w.sum(-1, keepdim=True)).to(dtype), rtol=1e-2, atol=1e-2)
-    if backward:  # dx = Σ_k w · g, dw[t, k] = <g[t], x[t]>
-        torch.testing.assert_close(x_TD.grad.float(), g * w.sum(-1, keepdim=True), rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(w_TK.grad, (g * x).sum(-1, keepdim=True).expand_as(w), rtol=2e-2, atol=0.5)
-    with torch.no_grad():
-        _, _, meta = (nccl or dispatcher).dispatch(x_TD, plan)
-    send_splits, recv_splits = meta.send_splits, meta.recv_splits
+    scale = w.sum(-1, keepdim=True) if ours.weighted else torch.full_like(w[:, :1], K)  # dropless: every pair kept
+    torch.testing.assert_close(out_TD.detach(), (x * scale).to(dtype), rtol=1e-2, atol=1e-2)
+    if backward:  # dx = scale · g; dw[t, k] = <g[t], x[t]> where the combine weights, else 0 (w_R unused)
+        torch.testing.assert_close(x_TD.grad.float(), g * scale, rtol=2e-2, atol=2e-2)
+        dw = (g * x).sum(-1, keepdim=True).expand_as(w) if ours.weighted else torch.zeros_like(w)
+        torch.testing.assert_close(w_TK.grad, dw, rtol=2e-2, atol=0.5)
+    send_splits, recv_splits = _pair_splits(plan, dims)
     send_MD = torch.randn(sum(send_splits), D, device=device, dtype=dtype, generator=gen)
     recv_RD = torch.empty(sum(recv_splits), D, device=device, dtype=dtype)
     back_MD = torch.empty_like(send_MD)
@@ -231,8 +245,9 @@ def _header(device, world, rounds, backward, transport="nccl") -> str:
                 "replaces), not the anchor.")
     else:
         what = ["# AllToAllDispatcher: dispatch + combine vs raw all_to_all_single", "",
-                "- ours: AllToAllDispatcher (counts exchange, one host copy of the counts, rows for other ranks packed,",
-                "  all-to-all while the own rows are written; reverse all-to-all, one pass of weighted sums into (T, D))."]
+                "- ours: AllToAllDispatcher (counts exchange, one host copy of the counts, one row per token and remote",
+                "  rank packed, all-to-all while the own rows are written, copied into pair rows; per-token sums, reverse",
+                "  all-to-all, one pass of sums into (T, D))."]
         last = "- last column: the same raw exchanges without the own chunk (only the bytes that cross the link), not the anchor."
     flags = (" --backward" if backward else "") + (" --transport p2p" if transport == "p2p" else "")
     return "\n".join(what + [
@@ -242,11 +257,12 @@ def _header(device, world, rounds, backward, transport="nccl") -> str:
         f"- {rounds} rounds alternating ours / raw / ours-again; ratio = median over rounds of raw time / our time",
         "  (= our effective bandwidth / raw bandwidth, bar 0.85); A-vs-A = ours / ours-again.",
         f"- timed: {'forward + backward of ' if backward else 'forward '}dispatch + combine with identity experts "
-        "vs raw all_to_all_single of the same",
-        f"  split sizes, own chunk included ({'4: there and back, twice' if backward else '2: there and back'}). "
+        "vs raw all_to_all_single of one row per",
+        f"  (token, expert) pair, own chunk included ({'4: there and back, twice' if backward else '2: there and back'}). "
         "bf16 rows, uniform random top-K, dropless, ep = world.",
         last,
-        "- bandwidth = bytes sent + received per rank (both directions, own chunk included) / time (max over ranks).",
+        "- bandwidth = the pair layout's bytes sent + received per rank (both directions, own chunk included) / time",
+        "  (max over ranks), for both columns.",
         "",
     ])
 
@@ -274,7 +290,7 @@ def main():
         device = torch.device("cpu")
     name = "all_to_all.md" if args.transport == "p2p" else "all_to_all_nccl.md"
     out = args.out or (None if args.smoke else os.path.join(os.path.dirname(__file__), "results", name))
-    dims = ParallelDims(world, ep=world).build_mesh("cuda")
+    dims = ParallelDims(world, ep=world).build_mesh(device.type)
     nccl = dims.dispatcher()
 
     def make(T):

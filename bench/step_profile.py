@@ -47,7 +47,6 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.append(str(Path(__file__).resolve().parent))
 
-import moe.dispatch  # noqa: E402
 import moe.layer  # noqa: E402
 import train.trainer  # noqa: E402
 from attention import Attention  # noqa: E402
@@ -122,8 +121,6 @@ def instrument(trainer) -> Ranges:
     for d in {id(m.dispatcher): m.dispatcher for m in model.modules() if isinstance(m, MoELayer)}.values():
         d.dispatch = ranges.wrap(d.dispatch, "dispatch/combine")
         d.combine = ranges.wrap(d.combine, "dispatch/combine")
-    # at EP 1 the experts weight their rows and the combine is this sum (moe.dispatch.run_weighting_experts)
-    moe.dispatch.sum_combine = ranges.wrap(moe.dispatch.sum_combine, "dispatch/combine")
     train.trainer.reduce_gradients = ranges.wrap(train.trainer.reduce_gradients, "gradient sync")
     train.trainer.clip_grad_norm_ = ranges.wrap(train.trainer.clip_grad_norm_, "optimizer + clip")
     trainer.optimizer.step = ranges.wrap(trainer.optimizer.step, "optimizer + clip")

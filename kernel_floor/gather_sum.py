@@ -7,8 +7,8 @@ width, M rows of a buffer.
 An MoE layer hands each kept (token, slot) pair's row to an expert and sums the K expert
 outputs of each token with the combine weights. Where the output row of a pair lives depends on
 the transport: one buffer in dispatch order (all experts here, ``moe.kernels.combine``), the
-own-rows buffer or the buffer received back from the other ranks (NCCL all-to-all,
-``parallel.pair_rows``), the own expert output or the return buffer the peers stored into (P2P,
+own-rows buffer or the rows of each token summed on and received back from the other ranks
+(NCCL all-to-all, ``parallel.token_rows``), the own expert output or the return buffer the peers stored into (P2P,
 ``parallel.p2p_rows``). Each names it with a **locator**, a ``@triton.jit`` function passed to the
 kernels as a ``tl.constexpr``::
 
@@ -137,7 +137,8 @@ def _grid(T: int, max_programs: int | None, block_t: int) -> tuple[int]:
 def gather_sum(T: int, D: int, locate, idx0: torch.Tensor, idx1: torch.Tensor | None, me: int, n: int,
                a_MD: torch.Tensor, b_MD: torch.Tensor | None = None, w_TK: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None, *, K: int, prologue=None, prologue_args=(0, 0, 0),
-               block_t: int = ROW_BLOCK_T, max_programs: int | None = None) -> torch.Tensor:
+               block_t: int = ROW_BLOCK_T, max_programs: int | None = None,
+               out_TD: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the forward: ``out_TD[t] = Σ_k (w[t, k] ·) row of (t, k)`` in fp32, cast to
     ``out_dtype`` (default a's dtype).
 
@@ -150,9 +151,12 @@ def gather_sum(T: int, D: int, locate, idx0: torch.Tensor, idx1: torch.Tensor | 
         prologue, prologue_args: optional jit function run first in every program, and its three
             arguments; with a prologue the kernel runs even when T = 0.
         block_t, max_programs: tokens per step and a cap on the grid (None: one program per block).
+        out_TD: where to write (a (T, D) view with unit column stride, any row stride; its dtype
+            wins over ``out_dtype``), or None: a new tensor.
     The callers check their own arguments' shapes; this launcher only launches.
     """
-    out_TD = a_MD.new_empty((T, D), dtype=out_dtype or a_MD.dtype)
+    if out_TD is None:
+        out_TD = a_MD.new_empty((T, D), dtype=out_dtype or a_MD.dtype)
     if (T == 0 or D == 0) and prologue is None:
         return out_TD
     w_TK = None if w_TK is None else w_TK.contiguous()  # indexed by pair t·K + k

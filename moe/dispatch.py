@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from moe.capacity import RoutingPlan
+from kernel_floor import check_pair_weights
 from moe.kernels.combine import gather_rows, sum_combine, weighted_combine
 
 
@@ -40,15 +41,27 @@ class Dispatcher(ABC):
         """This process's rank in the expert-parallel group."""
 
     @abstractmethod
-    def dispatch(self, x_TD: torch.Tensor, plan: RoutingPlan,
-                 row_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, DispatchMeta]:
-        """x_TD (T, D) and the routing plan -> (rows_RD, offsets_J, meta).
+    def dispatch(self, x_TD: torch.Tensor, plan: RoutingPlan, w_TK: torch.Tensor, row_dtype: torch.dtype | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, DispatchMeta]:
+        """x_TD (T, D), the routing plan and the combine weights w_TK (T, K) fp32 (zero for dropped
+        pairs) -> (rows_RD, offsets_J, w_R, meta).
 
         rows_RD (R, D): the rows for the local experts in J segments, in ``row_dtype`` (default
         x's); offsets_J (J,) int32: the cumulative end of each segment (what the grouped GEMM
         takes). J is a multiple of L and segment s belongs to local expert ``s % L`` (J = L: rows
         sorted by expert). Rows past ``offsets_J[-1]`` are padding, which the grouped GEMM writes
-        as zeros. The backward sums each token's K row gradients in fp32 into x's dtype.
+        as zeros. w_R (R,) fp32: each row's combine weight, which the experts apply to their
+        output (``moe.kernels.grouped_mlp``'s ``w_R``; differentiable, its gradient reaches
+        w_TK); None when the dispatcher's ``combine`` applies the weights itself. The backward sums
+        each token's K row gradients in fp32 into x's dtype.
+
+        Why the experts weight: the weights' gradient then comes from the expert MLP's backward,
+        which recomputes the activation anyway, and no (R, D) output rows are kept for it
+        (measured, H100, OLMoE-shaped layer, T 16k, top-8, bench/moe_layer.py --profile OLMoE:
+        32 KiB a token fewer saved bytes; the combine's backward went from 0.42 to 0.22 ms, the
+        SwiGLU backward pass that now makes the weights' gradient stayed at 0.56 ms); and an
+        expert-parallel combine can sum a token's rows on the experts' rank before sending them
+        back (:mod:`parallel.dispatcher`).
 
         ``row_dtype``: the MoE layer passes its experts' compute dtype. Under autocast the layer's
         input is fp32 (the RMSNorm before it runs in fp32), the experts compute in bf16: rows
@@ -58,25 +71,22 @@ class Dispatcher(ABC):
         """
 
     @abstractmethod
-    def combine(self, y_RD: torch.Tensor, meta: DispatchMeta, w_TK: torch.Tensor,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """y_RD (R, D) expert outputs in dispatch order, w_TK (T, K) fp32 combine weights ->
-        out_TD (T, D): ``Σ_k w[t, k] · y[row of (t, k)]`` accumulated in fp32, cast to
-        ``out_dtype`` (default y's); dropped pairs contribute zero."""
+    def combine(self, y_RD: torch.Tensor, meta: DispatchMeta, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """y_RD (R, D) expert outputs in dispatch order, weighted by the experts with ``dispatch``'s
+        w_R (unless that was None) -> out_TD (T, D): ``Σ_k (w[t, k] ·) y[row of (t, k)]``
+        accumulated in fp32, cast to ``out_dtype`` (default y's); dropped pairs contribute zero."""
 
     def run_experts(self, experts, x_TD: torch.Tensor, plan: RoutingPlan, experts_TK: torch.Tensor,
                     w_TK: torch.Tensor, out_dtype: torch.dtype | None = None,
                     row_dtype: torch.dtype | None = None) -> torch.Tensor:
         """The layer's routed path: :meth:`dispatch` (rows in ``row_dtype``),
-        ``experts(rows_RD, offsets_J) -> y_RD``, :meth:`combine`; x_TD (T, D), the plan and its
+        ``experts(rows_RD, offsets_J, w_R) -> y_RD``, :meth:`combine`; x_TD (T, D), the plan and its
         experts_TK (T, K), w_TK (T, K) fp32 combine weights (zero for dropped pairs) -> out_TD (T, D).
-
         The three steps in order here; a dispatcher that overlaps its exchanges with the experts
-        (:class:`parallel.ExpertParallelDispatcher` with ``overlap_chunks``) overrides it, and so
-        does :class:`LocalDispatcher`, whose experts apply the weights.
+        (:class:`parallel.ExpertParallelDispatcher` with ``overlap_chunks``) overrides it.
         """
-        rows_RD, offsets_J, meta = self.dispatch(x_TD, plan, row_dtype)
-        return self.combine(experts(rows_RD, offsets_J), meta, w_TK, out_dtype)
+        rows_RD, offsets_J, w_R, meta = self.dispatch(x_TD, plan, w_TK, row_dtype)
+        return self.combine(experts(rows_RD, offsets_J, w_R), meta, out_dtype)
 
     @abstractmethod
     def reduce_aux_inputs(self, routed_E: torch.Tensor, prob_sum_E: torch.Tensor,
@@ -99,9 +109,10 @@ class Dispatcher(ABC):
 
 @dataclass(frozen=True)
 class LocalDispatchMeta(DispatchMeta):
-    """order_P: (P,) packing order of the pairs (kept first, by expert); top_k: K."""
+    """order_P: (P,) packing order of the pairs (kept first, by expert); num_tokens: T; top_k: K."""
 
     order_P: torch.Tensor
+    num_tokens: int
     top_k: int
 
 
@@ -124,7 +135,8 @@ class _GatherRowsFn(torch.autograd.Function):
 
 
 class LocalDispatcher(Dispatcher):
-    """All experts on this process: dispatch is a gather, combine the inverse scatter.
+    """All experts on this process: dispatch is a gather, combine the sum of each token's rows
+    (weighted by the experts).
 
     Every pair (dropped ones too) is packed, dropped pairs last, so shapes never depend on the
     routing and nothing waits on the host; the grouped GEMM writes zeros for rows past the last
@@ -134,23 +146,18 @@ class LocalDispatcher(Dispatcher):
     ep_size = 1
     ep_rank = 0
 
-    def dispatch(self, x_TD: torch.Tensor, plan: RoutingPlan,
-                 row_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, LocalDispatchMeta]:
-        top_k = plan.kept_TK.shape[1]
+    def dispatch(self, x_TD: torch.Tensor, plan: RoutingPlan, w_TK: torch.Tensor, row_dtype: torch.dtype | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LocalDispatchMeta]:
+        check_pair_weights("LocalDispatcher.dispatch", w_TK, *plan.kept_TK.shape)
+        T, K = plan.kept_TK.shape
         rows_RD = _GatherRowsFn.apply(x_TD, plan.order_P, plan.kept_TK, row_dtype or x_TD.dtype)
         offsets_J = torch.cumsum(plan.kept_per_expert_E, 0).to(torch.int32)
-        return rows_RD, offsets_J, LocalDispatchMeta(plan.order_P, top_k)
+        w_R = w_TK.reshape(-1).index_select(0, plan.order_P)
+        return rows_RD, offsets_J, w_R, LocalDispatchMeta(plan.order_P, T, K)
 
-    def combine(self, y_RD: torch.Tensor, meta: LocalDispatchMeta, w_TK: torch.Tensor,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        # row r holds pair order_P[r]; a dropped pair's row is zero (past the last offset)
-        return weighted_combine(y_RD, meta.order_P, w_TK, out_dtype)
-
-    def run_experts(self, experts, x_TD: torch.Tensor, plan: RoutingPlan, experts_TK: torch.Tensor,
-                    w_TK: torch.Tensor, out_dtype: torch.dtype | None = None,
-                    row_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """:func:`run_weighting_experts`: the experts apply the combine weights."""
-        return run_weighting_experts(self, experts, x_TD, plan, w_TK, out_dtype, row_dtype)
+    def combine(self, y_RD: torch.Tensor, meta: LocalDispatchMeta, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        # row r holds pair order_P[r], weighted by the experts; a dropped pair's row is zero (past the last offset)
+        return sum_combine(y_RD, meta.order_P, meta.num_tokens, meta.top_k, out_dtype)
 
     def reduce_aux_inputs(self, routed_E: torch.Tensor, prob_sum_E: torch.Tensor,
                           num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -162,23 +169,3 @@ class LocalDispatcher(Dispatcher):
 
     def reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
         return counts
-
-
-def run_weighting_experts(dispatcher: Dispatcher, experts, x_TD: torch.Tensor, plan: RoutingPlan, w_TK: torch.Tensor,
-                          out_dtype: torch.dtype | None = None, row_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """:meth:`Dispatcher.run_experts` for a dispatch whose metadata is a :class:`LocalDispatchMeta`
-    (every pair packed on this rank), with the combine weights applied by the experts
-    (``experts(rows_RD, offsets_J, w_R)``, one weight per row) and the combine a plain sum
-    (:func:`~moe.kernels.combine.sum_combine`).
-
-    Why: the weights' gradient then comes from the expert MLP's backward, which recomputes the
-    activation anyway, and no (R, D) output rows are kept for it. Measured (H100, OLMoE-shaped
-    layer, T 16k, top-8, bench/moe_layer.py --profile OLMoE): 32 KiB a token fewer saved bytes,
-    and the combine's backward (the dout scatter, plus the <dout, y> dots it no longer makes)
-    went from 0.42 to 0.22 ms; the SwiGLU backward pass that now makes the weights' gradient
-    stayed at 0.56 ms.
-    """
-    rows_RD, offsets_J, meta = dispatcher.dispatch(x_TD, plan, row_dtype)
-    w_R = w_TK.reshape(-1).index_select(0, meta.order_P)
-    y_RD = experts(rows_RD, offsets_J, w_R)
-    return sum_combine(y_RD, meta.order_P, w_TK.shape[0], w_TK.shape[1], out_dtype)

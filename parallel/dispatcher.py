@@ -1,34 +1,41 @@
-"""The NCCL expert-parallel dispatcher: tokens travel to their expert's rank by all-to-all, and back.
+"""The NCCL expert-parallel dispatcher: tokens travel to their experts' rank by all-to-all, and back.
 
-Legend: T tokens, D model dim, K experts per token (top-k), P = T·K pairs, E experts, G ranks of
-the expert-parallel group, L = E / G experts per rank, M rows of a send/return buffer (the pairs
-this rank keeps and sends), R rows it receives for its L experts.
+Legend: T tokens, D model dim, K experts per token (top-k), E experts, G ranks of the
+expert-parallel group, L = E / G experts per rank, S = K + G slots of a token, U unique rows (one
+per token and remote rank it has a kept pair on), R rows for the local experts, C = D + X columns
+of a row with its tail of X columns.
+
+A token crosses to a rank once, however many of its pairs go there (:mod:`parallel.token_rows`
+says why and names the tables); the experts apply the combine weights, so the way back carries
+one summed row per token and rank too.
 
 ``dispatch``:
-1. ``plan.order_P`` lists the kept pairs sorted by expert, hence by destination rank (rank g holds
-   experts ``[g·L, (g+1)·L)``), then the dropped pairs: pair (t, k)'s place in that list is its
-   send position.
-2. Per-expert counts go out with one small all-to-all (E int64 per rank), and both the sent and
-   received counts come to the host in ONE device->host copy: ``all_to_all_single`` takes its
-   split sizes as Python lists, so this is the one host sync of the layer's dispatch. The rows
-   for the other ranks are packed (one pass over the tokens, :mod:`parallel.pair_rows`) while
-   that copy is in flight.
-3. Those rows move with one variable-split ``all_to_all_single`` in which this rank's own chunk is
-   empty: the rows for its own experts are written straight into the experts' input while the
-   exchange runs (no NCCL self copy, and that pass is off the critical path). The experts' rows
-   are [own rows; rows from each other source rank], each block ordered by local expert: the
-   grouped GEMM takes them as G·L row segments, segment ``b·L + l`` multiplied by local expert
-   l's weights (see ``moe.kernels.grouped_mm``), with no regrouping pass.
+1. The route (:meth:`AllToAllDispatcher._route`): each pair's destination rank and place among
+   the pairs that rank receives from this one (the kept pairs by expert, as ``plan.order_P``
+   sorts them), and the slot table: own pairs' rows, and one send row per (token, remote rank).
+2. Per destination rank, its L experts' pair counts and the unique rows go out in one small
+   all-to-all, and both the sent and received counts come to the host in ONE device->host copy:
+   ``all_to_all_single`` takes its split sizes as Python lists, so this is the one host sync of
+   a layer's dispatches. The send buffer is packed while that copy is in flight: each unique row
+   is the token's row followed by a tail of X columns holding, per slot k, the place of the
+   token's pair k among the destination's rows from this rank (int32, -1: not there) and its
+   combine weight (fp32), bit-cast into the row dtype.
+3. The rows move with one variable-split ``all_to_all_single`` in which this rank's own chunk is
+   empty: the own pairs' rows are written straight into the experts' input while the exchange
+   runs. The receiver then copies each received row into the pair rows its tail names. The
+   experts' input is [own rows; rows from each other source rank], each block ordered by local
+   expert: the grouped GEMM takes them as G·L row segments, segment ``b·L + l`` multiplied by
+   local expert l's weights (see ``moe.kernels.grouped_mm``), with no regrouping pass. The
+   weights come out as ``w_R``, one per row, for the experts to apply.
 
-``combine`` sends the other ranks' expert outputs back with the reverse exchange and sums each
-token's K rows, from the received buffer or straight from the own rows, with the combine weights
-in one pass. The backward of each is the other's forward with the roles swapped: the dispatch
-backward is a reverse exchange plus one summing pass, the combine backward packs ``w · dout``
-for the remote pairs, exchanges it and writes the own pairs' rows during the exchange.
-Measured on 2×H200 (bench/all_to_all.py; bench/results/all_to_all.md): regrouping by expert and
-un-permuting into pair order reached 0.41–0.65× the raw exchange's bandwidth at 4k–32k tokens;
-the version with a gather (K reads of each token row) before the exchange and a fused combine
-after it, both on the critical path, reached 0.22–0.81×.
+``combine``: the receiver sums each received token's pair outputs into one row, sends those back
+with the reverse exchange, and the sender adds them to its own pairs' outputs, in fp32.
+
+The backward of each is the other's forward with the roles swapped: the dispatch backward sums
+each received token's pair gradients into one row, its tail carrying the weights' gradients,
+sends them back and adds them to the own pairs'; the combine backward sends ``dout`` once per
+token and rank and the receiver copies it into the token's pair rows (the own pairs' rows
+written during the exchange).
 
 Opt-in timing (``time_comm=True`` or a :class:`~parallel.comm.CommTimer` set as ``comm_timer``):
 the counts exchange and both row exchanges, forward and backward, add their spans to the timer,
@@ -47,21 +54,62 @@ from moe.capacity import RoutingPlan
 from parallel import flight
 from parallel.comm import CommTimer, SideStreams, run_beside
 from parallel.ep_dispatcher import ExpertParallelDispatcher, ExpertParallelMeta
-from parallel.pair_rows import gather_pairs_sum, scatter_pairs
+from parallel.token_rows import gather_slots, scatter_slots
+
+
+@dataclass(frozen=True)
+class _Route:
+    """Where this rank's pairs go (the sender's side), from :meth:`AllToAllDispatcher._route`.
+
+    slot_TS: (T, K + G) int64 slot table (:mod:`parallel.token_rows`); dest_TK: (T, K) int64
+    destination rank of each pair (G: dropped); place_TK: (T, K) int64 the pair's place among the
+    pairs its destination receives from this rank; unique_G: (G,) int64 unique rows sent to each
+    rank (0 to this one); me: this rank in the group; stream: the side stream for the own rows'
+    pass (None on CPU); layer: the module that dispatched, for the backward's records
+    (:mod:`parallel.flight`).
+    """
+
+    slot_TS: torch.Tensor
+    dest_TK: torch.Tensor
+    place_TK: torch.Tensor
+    unique_G: torch.Tensor
+    me: int
+    group: object
+    timer: "CommTimer | None"
+    stream: "torch.cuda.Stream | None"
+    layer: str
+
+
+@dataclass(frozen=True)
+class _Counts:
+    """One dispatch's route and counts from :meth:`AllToAllDispatcher._prepare`.
+
+    recv_GC: (G, C) int64 on the device, per source rank: the pairs it sends to each local expert
+    (L columns), then its unique rows (last column); host_2GC: (2, G, C) the sent (per destination)
+    and received counts on the host, valid once ``copied`` (None: a CPU run, already valid) has
+    completed.
+    """
+
+    route: _Route
+    recv_GC: torch.Tensor
+    host_2GC: torch.Tensor
+    copied: "torch.cuda.Event | None"
 
 
 @dataclass(frozen=True)
 class AllToAllMeta(ExpertParallelMeta):
     """What ``combine`` needs from ``dispatch``.
 
-    route: where each pair's row went (send positions, destination ranks' bounds, the group).
-    send_splits, recv_splits: rows sent to / received from each group rank, this rank's own rows
-        included (they are moved locally, not by the exchange).
+    route: where this rank's pairs went; row_UK: (U, K) int64 row table of the received unique
+    rows (:mod:`parallel.token_rows`); send_unique, recv_unique: unique rows sent to / received
+    from each group rank (0 for this one); num_rows: R, the rows of the experts' input.
     """
 
-    route: "_Route"
-    send_splits: list[int]
-    recv_splits: list[int]
+    route: _Route
+    row_UK: torch.Tensor
+    send_unique: list[int]
+    recv_unique: list[int]
+    num_rows: int
 
 
 def _timed_all_to_all(out_MD, in_MD, out_splits, in_splits, group, timer: "CommTimer | None", what: str,
@@ -78,46 +126,15 @@ def _timed_all_to_all(out_MD, in_MD, out_splits, in_splits, group, timer: "CommT
         timer.stop(begin)
 
 
-def _exchange(out_MD, in_MD, out_splits, in_splits, route: "_Route", what: str) -> None:
+def _exchange(out_MD, in_MD, out_splits, in_splits, route: _Route, what: str) -> None:
     """:func:`_timed_all_to_all` over the route's group and timer, recorded as the route's layer's."""
     _timed_all_to_all(out_MD, in_MD, out_splits, in_splits, route.group, route.timer, what, route.layer)
 
 
-def _exchange_beside(route: "_Route", out_MD, in_MD, out_splits, in_splits, fn, what: str) -> None:
+def _exchange_beside(route: _Route, out_MD, in_MD, out_splits, in_splits, fn, what: str) -> None:
     """:func:`_exchange` on the current stream while ``fn`` runs on the route's side stream (see
     :func:`~parallel.comm.run_beside`)."""
     run_beside(route.stream, lambda: _exchange(out_MD, in_MD, out_splits, in_splits, route, what), fn)
-
-
-@dataclass(frozen=True)
-class _Route:
-    """Where each pair's row goes (see :mod:`parallel.pair_rows`) and who moves it.
-
-    pos_TK: (T, K) int64 send position of each pair (>= M: dropped); ends_G: (G,) int64 cumulative
-    end of each destination rank's positions; me: this rank in the group; stream: the side stream
-    for the own rows' pass (None on CPU); layer: the module that dispatched, for the backward's
-    records (:mod:`parallel.flight`).
-    """
-
-    pos_TK: torch.Tensor
-    ends_G: torch.Tensor
-    me: int
-    group: object
-    timer: "CommTimer | None"
-    stream: "torch.cuda.Stream | None"
-    layer: str
-
-
-@dataclass(frozen=True)
-class _Counts:
-    """One dispatch's counts from :meth:`AllToAllDispatcher._prepare`: recv_E (E,) int64 pairs
-    each expert of the group receives from this rank's peers, on the device (by source rank,
-    then local expert); host_2E (2, E) the sent and received counts on the host, valid once
-    ``copied`` (None: a CPU run, already valid) has completed."""
-
-    recv_E: torch.Tensor
-    host_2E: torch.Tensor
-    copied: "torch.cuda.Event | None"
 
 
 def _send_positions(order_P: torch.Tensor) -> torch.Tensor:
@@ -126,99 +143,146 @@ def _send_positions(order_P: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order_P).scatter_(0, order_P, positions)
 
 
-def _remote(splits: list[int], me: int) -> list[int]:
-    """The split sizes without this rank's own chunk (its rows never enter the exchange)."""
-    return [0 if g == me else n for g, n in enumerate(splits)]
+def _header_columns(K: int, D: int, dtype: torch.dtype) -> int:
+    """X: the columns of ``dtype`` before a unique row's D that hold its K int32 places and K fp32
+    weights (8·K bytes), rounded so that the header and the whole row are 16-byte multiples (the
+    row kernels' vector loads, and the int32 view of every row's header)."""
+    X = -(-8 * K // dtype.itemsize)
+    return X + (-(X + D) * dtype.itemsize) % 16 // dtype.itemsize
+
+
+def _headers(buf_UC: torch.Tensor, X: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of the unique rows' headers: (U, K) int32 places and (U, K) fp32 weights."""
+    head = buf_UC[:, :X].view(torch.int32)
+    return head[:, :K], head[:, K:2 * K].view(torch.float32)
+
+
+def _remote_rows(route: _Route, sink: int) -> torch.Tensor:
+    """(T, K) int64: the send row of each pair's unique row, ``sink`` for own and dropped pairs."""
+    K, G = route.dest_TK.shape[1], route.unique_G.numel()
+    remote = (route.dest_TK != route.me) & (route.dest_TK < G)
+    return torch.where(remote, route.slot_TS.gather(1, K + route.dest_TK.clamp(max=G - 1)), sink)
+
+
+def _splits(host_2GC: torch.Tensor, me: int) -> tuple[list[int], list[int], int, int]:
+    """From the host counts: unique rows sent to and received from each rank, this rank's own
+    pairs and R, the rows of its experts' input."""
+    (send_pairs, recv_pairs), (send_unique, recv_unique) = host_2GC[..., :-1].sum(-1).tolist(), host_2GC[..., -1].tolist()
+    return send_unique, recv_unique, send_pairs[me], sum(recv_pairs)
+
+
+def _receiver_rows(place_UK: torch.Tensor, recv_GC: torch.Tensor, num_unique: int, me: int) -> torch.Tensor:
+    """(U, K) int64 row table of the received unique rows: each header's places, which count from
+    the start of its source's block of the experts' input ([own rows; each other source's rows]),
+    turned into rows of that input."""
+    pairs_G = recv_GC[:, :-1].sum(-1)
+    others_G = pairs_G.clone()
+    others_G[me] = 0
+    start_G = pairs_G[me] + others_G.cumsum(0) - others_G
+    start_U = torch.repeat_interleave(start_G, recv_GC[:, -1], output_size=num_unique)
+    place_UK = place_UK.to(torch.int64)
+    return torch.where(place_UK >= 0, place_UK + start_U[:, None], -1)
 
 
 class _DispatchFn(torch.autograd.Function):
-    """x_TD (T, D) -> rows_RD (R, D) in row_dtype: [own rows for the local experts; rows received, by source].
+    """x_TD (T, D), w_TK (T, K) fp32 -> rows_RD (R, D) in row_dtype ([own rows for the local
+    experts; rows received, by source]), w_R (R,) fp32 their combine weights, and the received
+    rows' row table (see the module docstring).
 
-    Forward: pack the remote pairs (before the host waits for the counts), exchange them, and
-    write the own pairs straight into rows_RD while the exchange runs. Backward: the reverse
-    exchange of the remote rows' gradients, then one pass summing each token's K pair gradients
-    from both buffers.
+    Backward: each received token's pair gradients summed into one row, whose header carries the
+    pairs' weight gradients, sent home and added to the own pairs' gradients.
     """
 
     @staticmethod
-    def forward(ctx, x_TD, route: _Route, counts_2GL: torch.Tensor, copied, row_dtype: torch.dtype):
+    def forward(ctx, x_TD, w_TK, counts: _Counts, row_dtype: torch.dtype):
+        route = counts.route
         T, D = x_TD.shape
-        K, me = route.pos_TK.shape[1], route.me
+        K, G, me = route.dest_TK.shape[1], route.unique_G.numel(), route.me
+        X = _header_columns(K, D, row_dtype)
         x_TD = x_TD.contiguous()
+        # unique rows and headers, packed while the counts travel: at most T rows per remote rank
+        # (U is not on the host yet), plus a sink row for the headers of pairs sent nowhere
+        send_UC = x_TD.new_empty((T * (G - 1) + 1, X + D), dtype=row_dtype)
+        scatter_slots(x_TD, route.slot_TS, K, send_UC[:, X:], "b")
+        place_UK, weight_UK = _headers(send_UC, X, K)
+        place_UK.fill_(-1)
+        sent_TK, slot_TK = _remote_rows(route, send_UC.shape[0] - 1), torch.arange(K, device=x_TD.device).expand(T, K)
+        place_UK.index_put_((sent_TK, slot_TK), route.place_TK.to(torch.int32))
+        weight_UK.index_put_((sent_TK, slot_TK), w_TK)
+        if counts.copied is not None:
+            counts.copied.synchronize()
+        send_unique, recv_unique, num_own, R = _splits(counts.host_2GC, me)
+        rows_RD = x_TD.new_empty((R, D), dtype=row_dtype)
+        recv_UC = x_TD.new_empty((sum(recv_unique), X + D), dtype=row_dtype)
+        _exchange_beside(route, recv_UC, send_UC[:sum(send_unique)], recv_unique, send_unique,
+                         lambda: scatter_slots(x_TD, route.slot_TS, K, rows_RD, "a"), "dispatch rows")
+        place_UK, weight_UK = _headers(recv_UC, X, K)
+        row_UK = _receiver_rows(place_UK, counts.recv_GC, recv_UC.shape[0], me)
+        scatter_slots(recv_UC[:, X:], row_UK, K, rows_RD, "a")
+        w_R = w_TK.new_empty(R + 1)  # the last entry: a sink for slots that name no row
+        own_TK = route.slot_TS[:, :K]
+        w_R.index_put_((torch.where(own_TK >= 0, own_TK, R),), w_TK)
+        w_R.index_put_((torch.where(row_UK >= 0, row_UK, R),), weight_UK)
+        ctx.route, ctx.row_UK, ctx.splits, ctx.header = route, row_UK, (send_unique, recv_unique), X
         ctx.x_dtype = x_TD.dtype
-        send_MD = x_TD.new_empty((T * K, D), dtype=row_dtype)  # upper bound: M is not on the host yet
-        scatter_pairs(x_TD, route.pos_TK, route.ends_G, me, send_MD, local=False)
-        if copied is not None:
-            copied.synchronize()
-        splits_2G = counts_2GL.sum(-1)
-        send_splits, recv_splits = splits_2G.tolist()
-        num_own = send_splits[me]
-        remote_send, remote_recv = _remote(send_splits, me), _remote(recv_splits, me)
-        rows_RD = x_TD.new_empty((sum(recv_splits), D), dtype=row_dtype)
-        _exchange_beside(route, rows_RD[num_own:], send_MD[:sum(remote_send)], remote_recv, remote_send,
-                         lambda: scatter_pairs(x_TD, route.pos_TK, route.ends_G, me, rows_RD[:num_own], local=True),
-                         "dispatch rows")
-        ctx.route, ctx.splits, ctx.num_own = route, (remote_send, remote_recv), num_own
-        ctx.mark_non_differentiable(splits_2G)
-        return rows_RD, splits_2G
+        ctx.mark_non_differentiable(row_UK)
+        return rows_RD, w_R[:R], row_UK
 
     @staticmethod
-    def backward(ctx, grad_RD, _):
-        route, (remote_send, remote_recv), num_own = ctx.route, ctx.splits, ctx.num_own
+    def backward(ctx, grad_RD, dw_R, _):
+        route, row_UK, (send_unique, recv_unique), X = ctx.route, ctx.row_UK, ctx.splits, ctx.header
+        (R, D), K = grad_RD.shape, row_UK.shape[1]
         grad_RD = grad_RD.contiguous()
-        back_MD = grad_RD.new_empty((sum(remote_send), grad_RD.shape[1]))
-        _exchange(back_MD, grad_RD[num_own:], remote_send, remote_recv, route, "dispatch rows (backward)")
-        grad_TD = gather_pairs_sum(back_MD, grad_RD[:num_own], route.pos_TK, route.ends_G, route.me,
-                                   out_dtype=ctx.x_dtype)
-        return grad_TD, None, None, None, None
+        back_UC = grad_RD.new_empty((sum(recv_unique), X + D))
+        gather_slots(grad_RD, None, row_UK, K, out_TD=back_UC[:, X:])
+        dw_R = torch.cat([dw_R.float(), dw_R.new_zeros(1, dtype=torch.float32)])  # the sink: slots with no row
+        _headers(back_UC, X, K)[1].copy_(dw_R[torch.where(row_UK >= 0, row_UK, R)])
+        home_UC = grad_RD.new_empty((sum(send_unique), X + D))
+        _exchange(home_UC, back_UC, send_unique, recv_unique, route, "dispatch rows (backward)")
+        grad_TD = gather_slots(grad_RD, home_UC[:, X:], route.slot_TS, K, out_dtype=ctx.x_dtype)
+        if not ctx.needs_input_grad[1]:
+            return grad_TD, None, None, None
+        dw_home_UK = _headers(home_UC, X, K)[1]
+        dw_home_UK = torch.cat([dw_home_UK, dw_home_UK.new_zeros(1, K)])  # the sink row: own and dropped pairs
+        T = route.slot_TS.shape[0]
+        remote_TK = dw_home_UK[_remote_rows(route, home_UC.shape[0]), torch.arange(K, device=grad_RD.device).expand(T, K)]
+        own_TK = route.slot_TS[:, :K]
+        dw_TK = torch.where(own_TK >= 0, dw_R[own_TK.clamp(min=0)], remote_TK)
+        return grad_TD, dw_TK, None, None
 
 
 class _CombineFn(torch.autograd.Function):
-    """y_RD (R, D) in dispatch order, w_TK (T, K) fp32 -> out_TD = Σ_k w[t, k] · y[row of (t, k)].
+    """y_RD (R, D) expert outputs, weighted already, in dispatch order -> out_TD = Σ_k y[row of (t, k)].
 
-    Forward: the reverse exchange of the remote rows, then one pass over both buffers. Backward:
-    ``dy = w · dout`` packed for the remote pairs, exchanged, and written for the own pairs while
-    the exchange runs; ``dw = <dout, y>`` in the same passes. For dw the received rows and a copy
-    of the own rows (made while the forward exchange runs) are kept, M rows in all.
+    Forward: each received token's rows summed into one, sent home by the reverse exchange and
+    added to the own pairs' rows. Backward: ``dout`` sent once per token and remote rank, copied
+    into the received tokens' pair rows; the own pairs' rows written during the exchange.
     """
 
     @staticmethod
-    def forward(ctx, y_RD, w_TK, route: _Route, splits: tuple, out_dtype):
-        remote_send, remote_recv, num_own = splits
+    def forward(ctx, y_RD, meta: AllToAllMeta, out_dtype):
+        route, row_UK = meta.route, meta.row_UK
+        K = row_UK.shape[1]
         y_RD = y_RD.contiguous()
-        back_MD = y_RD.new_empty((sum(remote_send), y_RD.shape[1]))
-        if ctx.needs_input_grad[1]:
-            own_MD = y_RD.new_empty((num_own, y_RD.shape[1]))
-            _exchange_beside(route, back_MD, y_RD[num_own:], remote_send, remote_recv,
-                             lambda: own_MD.copy_(y_RD[:num_own]), "combine rows")
-        else:
-            own_MD = None
-            _exchange(back_MD, y_RD[num_own:], remote_send, remote_recv, route, "combine rows")
-        out_TD = gather_pairs_sum(back_MD, y_RD[:num_own], route.pos_TK, route.ends_G, route.me, w_TK, out_dtype)
-        ctx.route, ctx.splits, ctx.rows = route, splits, y_RD.shape[0]
-        ctx.y_dtype = y_RD.dtype
-        if own_MD is not None:
-            ctx.save_for_backward(w_TK, back_MD, own_MD)
-        else:
-            ctx.save_for_backward(w_TK)
-        return out_TD
+        sums_UD = gather_slots(y_RD, None, row_UK, K)
+        home_UD = y_RD.new_empty((sum(meta.send_unique), y_RD.shape[1]))
+        _exchange(home_UD, sums_UD, meta.send_unique, meta.recv_unique, route, "combine rows")
+        ctx.meta, ctx.y_dtype = meta, y_RD.dtype
+        return gather_slots(y_RD, home_UD, route.slot_TS, K, out_dtype=out_dtype)
 
     @staticmethod
     def backward(ctx, dout_TD):
-        route, (remote_send, remote_recv, num_own) = ctx.route, ctx.splits
-        w_TK, *kept = ctx.saved_tensors
-        back_MD, own_MD = kept if kept else (None, None)
+        meta = ctx.meta
+        route, K, D = meta.route, meta.row_UK.shape[1], dout_TD.shape[1]
         dout_TD = dout_TD.contiguous()
-        dw_TK = torch.empty_like(w_TK) if back_MD is not None else None  # both passes write all of it
-        dy_RD = dout_TD.new_empty((ctx.rows, dout_TD.shape[1]), dtype=ctx.y_dtype)
-        send_MD = dy_RD.new_empty((sum(remote_send), dout_TD.shape[1]))
-        scatter_pairs(dout_TD, route.pos_TK, route.ends_G, route.me, send_MD, local=False, w_TK=w_TK,
-                      y_MD=back_MD, dw_TK=dw_TK)
-        _exchange_beside(route, dy_RD[num_own:], send_MD, remote_recv, remote_send,
-                         lambda: scatter_pairs(dout_TD, route.pos_TK, route.ends_G, route.me, dy_RD[:num_own],
-                                               local=True, w_TK=w_TK, y_MD=own_MD, dw_TK=dw_TK),
-                         "combine rows (backward)")
-        return dy_RD, dw_TK, None, None, None
+        send_UD = dout_TD.new_empty((sum(meta.send_unique), D), dtype=ctx.y_dtype)
+        scatter_slots(dout_TD, route.slot_TS, K, send_UD, "b")
+        dy_RD = dout_TD.new_empty((meta.num_rows, D), dtype=ctx.y_dtype)
+        recv_UD = dout_TD.new_empty((sum(meta.recv_unique), D), dtype=ctx.y_dtype)
+        _exchange_beside(route, recv_UD, send_UD, meta.recv_unique, meta.send_unique,
+                         lambda: scatter_slots(dout_TD, route.slot_TS, K, dy_RD, "a"), "combine rows (backward)")
+        scatter_slots(recv_UD, meta.row_UK, K, dy_RD, "a")
+        return dy_RD, None, None
 
 
 class AllToAllDispatcher(ExpertParallelDispatcher):
@@ -238,50 +302,59 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         self.comm_timer = CommTimer() if time_comm else None
         self._side_streams = SideStreams()
 
-    def _prepare(self, kept_NE: torch.Tensor) -> list["_Counts"]:
-        """The per-expert counts of N dispatches in one small all-to-all (N·E int64 per rank), and
-        the sent and received counts on their way to the host in one copy: the one host sync of a
-        layer's dispatches, taken by the first of them (in :class:`_DispatchFn`)."""
-        N, E = kept_NE.shape
+    def _route(self, plan: RoutingPlan) -> _Route:
+        """Each pair's destination rank and place there, and the slot table (module docstring)."""
+        G, me = self.ep_size, self.ep_rank
+        T, K = plan.kept_TK.shape
+        device = plan.order_P.device
+        per_rank_G = plan.kept_per_expert_E.view(G, -1).sum(-1)
+        ends_G = per_rank_G.cumsum(0)
+        pos_TK = _send_positions(plan.order_P).view(T, K)  # kept pairs by expert, hence by rank
+        dest_TK = torch.searchsorted(ends_G, pos_TK, right=True)  # G: past every rank's pairs, dropped
+        place_TK = pos_TK - (ends_G - per_rank_G)[dest_TK.clamp(max=G - 1)]
+        own_TK = dest_TK == me
+        remote_TK = ~own_TK & (dest_TK < G)
+        has_TG = torch.zeros((T, G + 1), dtype=torch.int64, device=device)
+        has_TG = has_TG.scatter_(1, torch.where(remote_TK, dest_TK, G), 1)[:, :G]
+        send_row_GT = has_TG.t().flatten().cumsum(0).view(G, T) - 1  # by destination rank, then token
+        slot_TS = torch.cat([torch.where(own_TK, place_TK, -1), torch.where(has_TG > 0, send_row_GT.t(), -1)], 1)
+        return _Route(slot_TS=slot_TS, dest_TK=dest_TK, place_TK=place_TK, unique_G=has_TG.sum(0), me=me,
+                      group=self.ep_group, timer=self.comm_timer, stream=self._side_streams.get(device),
+                      layer=flight.RECORDER.layer)
+
+    def _prepare(self, plans: list[RoutingPlan]) -> list[_Counts]:
+        """The routes of N dispatches, and their counts in one small all-to-all (per destination
+        rank: its L experts' pair counts and the unique rows, N·G·(L + 1) int64 per rank), on their
+        way to the host in one copy: the one host sync of a layer's dispatches, taken by the first
+        of them (in :class:`_DispatchFn`)."""
         G = self.ep_size
-        send_GNL = kept_NE.view(N, G, E // G).transpose(0, 1).contiguous()  # by destination rank
-        recv_GNL = torch.empty_like(send_GNL)  # by source rank
-        _timed_all_to_all(recv_GNL, send_GNL, None, None, self.ep_group, self.comm_timer, "dispatch counts")
-        recv_NE = recv_GNL.transpose(0, 1).reshape(N, E)
-        host_2NE = torch.stack([kept_NE, recv_NE]).to("cpu", non_blocking=True)
-        copied = torch.cuda.Event() if kept_NE.is_cuda else None
+        routes = [self._route(plan) for plan in plans]
+        send_GNC = torch.stack([torch.cat([plan.kept_per_expert_E.view(G, -1), route.unique_G[:, None]], 1)
+                                for plan, route in zip(plans, routes)], 1)
+        recv_GNC = torch.empty_like(send_GNC)  # by source rank
+        _timed_all_to_all(recv_GNC, send_GNC, None, None, self.ep_group, self.comm_timer, "dispatch counts")
+        host_2GNC = torch.stack([send_GNC, recv_GNC]).to("cpu", non_blocking=True)
+        copied = torch.cuda.Event() if send_GNC.is_cuda else None
         if copied is not None:
             copied.record()
-        return [_Counts(recv_NE[n], host_2NE[:, n], copied) for n in range(N)]
+        return [_Counts(route, recv_GNC[:, n], host_2GNC[:, :, n], copied) for n, route in enumerate(routes)]
 
-    def _dispatch_ep(self, x_TD: torch.Tensor, plan: RoutingPlan, num_experts: int, prepared: "_Counts",
-                     row_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, AllToAllMeta]:
+    def _dispatch_ep(self, x_TD: torch.Tensor, plan: RoutingPlan, w_TK: torch.Tensor, num_experts: int,
+                     prepared: _Counts, row_dtype: torch.dtype):
         """x_TD (T, D) -> rows_RD (R, D) in blocks [own rows; each other source rank's rows], each
         block by local expert; offsets_J (G·L,) int32 cumulative segment ends (segment b·L + l:
-        block b, local expert l); and the metadata for :meth:`combine`."""
-        G, me = self.ep_size, self.ep_rank
-        L = num_experts // G
-        T, K = plan.kept_TK.shape
-        send_counts_E, recv_counts_E = plan.kept_per_expert_E, prepared.recv_E
-        counts_2GL = prepared.host_2E.view(2, G, L)
-        # Everything that does not need the counts on the host is enqueued before the host waits
-        # (in _DispatchFn, after the remote rows are packed): it runs while the counts travel.
-        route = _Route(
-            pos_TK=_send_positions(plan.order_P).view(T, K),
-            ends_G=send_counts_E.view(G, L).sum(-1).cumsum(0),
-            me=me, group=self.ep_group, timer=self.comm_timer, stream=self._side_streams.get(x_TD.device),
-            layer=flight.RECORDER.layer,
-        )
-        # segments: own rows first, then each other source rank's; local expert l within each
-        recv_GL = recv_counts_E.view(G, L)
+        block b, local expert l); w_R (R,) the rows' combine weights; and the metadata for
+        :meth:`combine`."""
+        me = self.ep_rank
+        # enqueued before the host waits for the counts (in _DispatchFn): it runs while they travel
+        recv_GL = prepared.recv_GC[:, :-1]
         blocks_GL = recv_GL if me == 0 else torch.cat([recv_GL[me:me + 1], recv_GL[:me], recv_GL[me + 1:]])
         offsets_J = blocks_GL.flatten().cumsum(0, dtype=torch.int32)
-        rows_RD, splits_2G = _DispatchFn.apply(x_TD, route, counts_2GL, prepared.copied, row_dtype)
-        send_splits, recv_splits = splits_2G.tolist()
-        return rows_RD, offsets_J, AllToAllMeta(route=route, send_splits=send_splits, recv_splits=recv_splits)
+        rows_RD, w_R, row_UK = _DispatchFn.apply(x_TD, w_TK, prepared, row_dtype)
+        send_unique, recv_unique, _, R = _splits(prepared.host_2GC, me)
+        meta = AllToAllMeta(route=prepared.route, row_UK=row_UK, send_unique=send_unique, recv_unique=recv_unique,
+                            num_rows=R)
+        return rows_RD, offsets_J, w_R, meta
 
-    def _combine_ep(self, y_RD: torch.Tensor, meta: AllToAllMeta, w_TK: torch.Tensor,
-                    out_dtype: torch.dtype) -> torch.Tensor:
-        me = meta.route.me
-        splits = (_remote(meta.send_splits, me), _remote(meta.recv_splits, me), meta.send_splits[me])
-        return _CombineFn.apply(y_RD, w_TK, meta.route, splits, out_dtype)
+    def _combine_ep(self, y_RD: torch.Tensor, meta: AllToAllMeta, out_dtype: torch.dtype) -> torch.Tensor:
+        return _CombineFn.apply(y_RD, meta, out_dtype)

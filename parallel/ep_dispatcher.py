@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from moe.capacity import RoutingPlan, split_plan
 from moe.config import check_positive_int
-from moe.dispatch import Dispatcher, DispatchMeta, LocalDispatcher, LocalDispatchMeta, run_weighting_experts
+from kernel_floor import check_pair_weights
+from moe.dispatch import Dispatcher, DispatchMeta, LocalDispatcher, LocalDispatchMeta
 from parallel import flight
 from parallel.all_to_all import all_reduce_sum
 from parallel.comm import SideStreams
@@ -110,21 +111,23 @@ class ExpertParallelDispatcher(Dispatcher):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(ep_size={self.ep_size}, ep_rank={self.ep_rank})"
 
-    def dispatch(self, x_TD: torch.Tensor, plan: RoutingPlan, row_dtype: torch.dtype | None = None,
-                 prepared=None) -> tuple[torch.Tensor, torch.Tensor, DispatchMeta]:
+    def dispatch(self, x_TD: torch.Tensor, plan: RoutingPlan, w_TK: torch.Tensor, row_dtype: torch.dtype | None = None,
+                 prepared=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, DispatchMeta]:
         """See :meth:`moe.Dispatcher.dispatch`; ``prepared``: this dispatch's entry of
         :meth:`_prepare` when :meth:`run_experts` prepared several at once (None: its own)."""
         if self.ep_size == 1:
-            return self._local.dispatch(x_TD, plan, row_dtype)
+            return self._local.dispatch(x_TD, plan, w_TK, row_dtype)
+        check_pair_weights(f"{type(self).__name__}.dispatch", w_TK, *plan.kept_TK.shape)
         num_experts = plan.kept_per_expert_E.numel()
         if num_experts % self.ep_size:
             raise ValueError(f"{type(self).__name__}: {num_experts} experts do not split over {self.ep_size} ranks")
         if prepared is None:
-            prepared = self._prepare(plan.kept_per_expert_E[None])[0]
-        rows_RD, offsets_J, meta = self._dispatch_ep(x_TD, plan, num_experts, prepared, row_dtype or x_TD.dtype)
+            prepared = self._prepare([plan])[0]
+        rows_RD, offsets_J, w_R, meta = self._dispatch_ep(x_TD, plan, w_TK, num_experts, prepared,
+                                                          row_dtype or x_TD.dtype)
         if rows_RD.shape[0] == 0:
             meta = replace(meta, empty_rows_RD=rows_RD)
-        return rows_RD, offsets_J, meta
+        return rows_RD, offsets_J, w_R, meta
 
     def run_experts(self, experts, x_TD: torch.Tensor, plan: RoutingPlan, experts_TK: torch.Tensor,
                     w_TK: torch.Tensor, out_dtype: torch.dtype | None = None,
@@ -145,9 +148,7 @@ class ExpertParallelDispatcher(Dispatcher):
         same pairs, weights and drops; the weight gradients summed over chunks). On a CPU the
         chunks run one after the other.
         """
-        if self.ep_size == 1:  # the local dispatcher's path: the experts weight their rows
-            return run_weighting_experts(self, experts, x_TD, plan, w_TK, out_dtype, row_dtype)
-        if self.overlap_chunks == 1:
+        if self.ep_size == 1 or self.overlap_chunks == 1:
             return super().run_experts(experts, x_TD, plan, experts_TK, w_TK, out_dtype, row_dtype)
         chunks = split_plan(plan, experts_TK, self.overlap_chunks)
         main, side = _current_stream(x_TD.device), self._overlap_streams.get(x_TD.device)
@@ -155,12 +156,12 @@ class ExpertParallelDispatcher(Dispatcher):
             side.wait_stream(main)  # the plan and x_TD are made on the current stream
         dispatched, ready = [], []
         with _on(side):
-            prepared = self._prepare(torch.stack([p.kept_per_expert_E for _, p in chunks]))
+            prepared = self._prepare([chunk_plan for _, chunk_plan in chunks])
             for (tokens, chunk_plan), prep in zip(chunks, prepared):
-                dispatched.append(self.dispatch(x_TD[tokens], chunk_plan, row_dtype, prep))
+                dispatched.append(self.dispatch(x_TD[tokens], chunk_plan, w_TK[tokens], row_dtype, prep))
                 ready.append(side.record_event() if side is not None else None)
         outs = []
-        for (tokens, _), (rows_RD, offsets_J, meta), event in zip(chunks, dispatched, ready):
+        for (rows_RD, offsets_J, w_R, meta), event in zip(dispatched, ready):
             if side is not None:
                 main.wait_event(event)
                 # made on the side stream and saved by the experts for their backward: unrecorded,
@@ -169,13 +170,13 @@ class ExpertParallelDispatcher(Dispatcher):
                 # the next to run) could overwrite it while the wgrad kernel still read it (an
                 # illegal address in the first backward of the OLMoE-shaped step on 2×H200, 3 runs
                 # of 3; fixed by this record, 3 of 3 clean; the tiny GPU test had passed)
-                _record_stream(main, rows_RD, offsets_J)
-            y_RD = experts(rows_RD, offsets_J)
+                _record_stream(main, rows_RD, offsets_J, *([] if w_R is None else [w_R]))
+            y_RD = experts(rows_RD, offsets_J, w_R)
             if side is not None:
                 side.wait_stream(main)
                 _record_stream(side, y_RD)
             with _on(side):
-                out_TD = self.combine(y_RD, meta, w_TK[tokens], out_dtype)
+                out_TD = self.combine(y_RD, meta, out_dtype)
             outs.append(out_TD)
         if side is not None:
             main.wait_stream(side)
@@ -183,28 +184,26 @@ class ExpertParallelDispatcher(Dispatcher):
             _record_stream(side, x_TD, w_TK)  # read there through their chunks' views
         return torch.cat(outs)
 
-    def combine(self, y_RD: torch.Tensor, meta: DispatchMeta, w_TK: torch.Tensor,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def combine(self, y_RD: torch.Tensor, meta: DispatchMeta, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if isinstance(meta, LocalDispatchMeta):
-            return self._local.combine(y_RD, meta, w_TK, out_dtype)
+            return self._local.combine(y_RD, meta, out_dtype)
         y_RD = _keep_in_graph(y_RD, meta.empty_rows_RD)
-        return self._combine_ep(y_RD, meta, w_TK, out_dtype or y_RD.dtype)
+        return self._combine_ep(y_RD, meta, out_dtype or y_RD.dtype)
 
-    def _prepare(self, kept_NE: torch.Tensor) -> list:
-        """What N dispatches need before they move rows, done for all N at once, from their (N, E)
-        kept-pair counts: one entry per dispatch, handed to :meth:`_dispatch_ep`. None here."""
-        return [None] * kept_NE.shape[0]
+    def _prepare(self, plans: list[RoutingPlan]) -> list:
+        """What N dispatches need before they move rows, done for all N at once from their plans:
+        one entry per dispatch, handed to :meth:`_dispatch_ep`. None here."""
+        return [None] * len(plans)
 
     @abstractmethod
-    def _dispatch_ep(self, x_TD: torch.Tensor, plan: RoutingPlan, num_experts: int, prepared,
-                     row_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, ExpertParallelMeta]:
+    def _dispatch_ep(self, x_TD: torch.Tensor, plan: RoutingPlan, w_TK: torch.Tensor, num_experts: int, prepared,
+                     row_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, ExpertParallelMeta]:
         """:meth:`dispatch` over more than one rank; ``num_experts`` E is a multiple of ep_size;
         ``prepared``: this dispatch's entry of :meth:`_prepare`; rows sent and returned in
         ``row_dtype``, the backward's sum in fp32 into x's dtype."""
 
     @abstractmethod
-    def _combine_ep(self, y_RD: torch.Tensor, meta: ExpertParallelMeta, w_TK: torch.Tensor,
-                    out_dtype: torch.dtype) -> torch.Tensor:
+    def _combine_ep(self, y_RD: torch.Tensor, meta: ExpertParallelMeta, out_dtype: torch.dtype) -> torch.Tensor:
         """:meth:`combine` of what :meth:`_dispatch_ep` returned; y_RD is already kept in the graph."""
 
     def reduce_aux_inputs(self, routed_E: torch.Tensor, prob_sum_E: torch.Tensor,

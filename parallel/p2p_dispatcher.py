@@ -145,9 +145,11 @@ class _P2PRoute:
 
 @dataclass(frozen=True)
 class P2PMeta(ExpertParallelMeta):
-    """What ``combine`` needs from ``dispatch``."""
+    """What ``combine`` needs from ``dispatch``: the route, and the combine weights w_TK (T, K)
+    fp32, which this transport applies in its combine (``dispatch`` returns no ``w_R``)."""
 
     route: _P2PRoute
+    w_TK: torch.Tensor
 
 
 def _home_and_sum(route: _P2PRoute, y_RD: torch.Tensor, w_TK: torch.Tensor | None = None,
@@ -272,11 +274,13 @@ class P2PDispatcher(ExpertParallelDispatcher):
         increment_version(slot.buf.views["recv"])
         return slot, grad, index, P_cap
 
-    def _dispatch_ep(self, x_TD: torch.Tensor, plan: RoutingPlan, num_experts: int, prepared,
-                     row_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, P2PMeta]:
+    def _dispatch_ep(self, x_TD: torch.Tensor, plan: RoutingPlan, w_TK: torch.Tensor, num_experts: int, prepared,
+                     row_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, None, P2PMeta]:
         """As :meth:`~moe.dispatch.Dispatcher.dispatch`, but rows_RD has R_cap rows (padding past
-        ``offsets[-1]``); raises ValueError when T > ``max_tokens``. Nothing to prepare: the
-        counts travel inside the dispatch kernel."""
+        ``offsets[-1]``) and w_R is None: the combine applies the weights (the rows' weights would
+        have to travel to the experts' rank, and their gradients back, which the peer-store kernels
+        do not do yet). Raises ValueError when T > ``max_tokens``. Nothing to prepare: the counts
+        travel inside the dispatch kernel."""
         me, E = self.ep_rank, num_experts
         T, K = plan.kept_TK.shape
         if T > self.max_tokens:
@@ -287,13 +291,12 @@ class P2PDispatcher(ExpertParallelDispatcher):
         route = _P2PRoute(route_2TK[0], route_2TK[1], torch.empty(E, dtype=torch.int32, device=device), slot,
                           slot.generation, grad, me, P_cap, index)
         rows_RD = _P2PDispatchFn.apply(x_TD, plan.order_P, plan.kept_per_expert_E.contiguous(), route)
-        return rows_RD, route.offsets_J, P2PMeta(route)
+        return rows_RD, route.offsets_J, None, P2PMeta(route=route, w_TK=w_TK)
 
-    def _combine_ep(self, y_RD: torch.Tensor, meta: P2PMeta, w_TK: torch.Tensor,
-                    out_dtype: torch.dtype) -> torch.Tensor:
+    def _combine_ep(self, y_RD: torch.Tensor, meta: P2PMeta, out_dtype: torch.dtype) -> torch.Tensor:
         """As :meth:`~moe.dispatch.Dispatcher.combine`; y_RD has the R_cap rows ``dispatch`` returned."""
         R_cap = meta.route.slot.buf.views["recv"].shape[0]
         if y_RD.dim() != 2 or y_RD.shape[0] != R_cap:
             raise ValueError(f"P2PDispatcher.combine: y_RD must have the {R_cap} rows dispatch returned, "
                              f"got {tuple(y_RD.shape)}")
-        return _P2PCombineFn.apply(y_RD, w_TK, meta.route, out_dtype)
+        return _P2PCombineFn.apply(y_RD, meta.w_TK, meta.route, out_dtype)

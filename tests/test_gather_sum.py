@@ -4,7 +4,8 @@ each of the three locators that use them, against the family's one PyTorch refer
 - the local combines (``moe.kernels.combine``): one buffer in dispatch order, ``weighted_combine``
   (the EP dispatchers' one-rank fallback's ``combine``) and ``sum_combine`` (rows the experts
   weighted: what the one-process layer runs);
-- the NCCL dispatcher's pair rows (``parallel.pair_rows``): a local and a remote buffer;
+- the NCCL dispatcher's token rows (``parallel.token_rows``): slot tables into an own-rows and a
+  unique-rows buffer;
 - the P2P dispatcher's sum and push (``parallel.p2p_rows``): the own rows and the return buffer,
   stores through a table of G buffer addresses (G local buffers stand for the ranks).
 
@@ -18,9 +19,7 @@ import torch
 
 from moe.kernels.combine import gather_rows, sum_combine, weighted_combine, weighted_combine_reference
 from parallel.p2p_rows import push_rows, push_rows_reference, sum_pairs, sum_pairs_reference
-from parallel.pair_rows import (
-    gather_pairs_sum, gather_pairs_sum_reference, locate_reference, scatter_pairs, scatter_pairs_reference,
-)
+from parallel.token_rows import gather_slots, scatter_slots
 from tests.peers import G, buffer_ptrs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -165,117 +164,121 @@ def test_combine_gpu_bf16_matches_reference(T, K, D, num_rows):
 
 
 # ---------------------------------------------------------------------------------------------
-# The NCCL dispatcher's pair rows: a local and a remote buffer, located by send position.
+# The NCCL dispatcher's token rows: slot tables split into two buffers.
 
-# rows are copied or summed over at most K = 3 terms in fp32, then rounded once to the dtype
-PAIR_ROWS_TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+# rows are copied or summed over at most S terms in fp32, then rounded once to the dtype
+TOKEN_ROWS_TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 
-def _pair_route(T, K, G, L, me, drop=0.25, to=None, seed=0):
-    """(pos_TK, ends_G): send positions of a random routing (kept pairs by expert, dropped last)."""
+def _slot_table(T, S, split, rows_a, rows_b, missing=0.3, seed=0):
+    """(T, S) int64: slots before ``split`` name distinct rows of a (rows_a of them), the others
+    distinct rows of b, a random share -1 (or every slot, when a buffer has no rows)."""
     gen = torch.Generator().manual_seed(seed)
-    expert_P = torch.randint(0, G * L, (T * K,), generator=gen) if to is None else torch.full((T * K,), to)
-    kept_P = torch.rand(T * K, generator=gen) >= drop
-    key = torch.where(kept_P, expert_P, G * L)
-    order = torch.sort(key, stable=True).indices
-    pos = torch.empty_like(order)
-    pos[order] = torch.arange(T * K)
-    per_rank = torch.bincount(expert_P[kept_P] // L, minlength=G)
-    return pos.view(T, K).to(DEVICE), per_rank.cumsum(0).to(DEVICE)
+    table = torch.full((T, S), -1, dtype=torch.int64)
+    for lo, hi, rows in ((0, split, rows_a), (split, S, rows_b)):
+        there = torch.rand(T, hi - lo, generator=gen) >= missing
+        n = min(int(there.sum()), rows)
+        places = there.flatten().nonzero()[:n, 0]
+        block = torch.full((T * (hi - lo),), -1, dtype=torch.int64)
+        block[places] = torch.randperm(rows, generator=gen)[:n]
+        table[:, lo:hi] = block.view(T, hi - lo)
+    return table.to(DEVICE)
 
 
-PAIR_CASES = [  # T, K, G, L, me, kwargs
-    (37, 2, 2, 3, 0, {}),
-    (37, 3, 3, 2, 1, {}),
-    (29, 1, 4, 1, 3, {"drop": 0.0}),
-    (16, 2, 2, 2, 1, {"to": 0}),       # every pair to rank 0: rank 1 has no own rows
-    (16, 2, 2, 2, 0, {"to": 1, "drop": 0.0}),  # ... and rank 0 keeps none, sends all
-    (16, 2, 2, 2, 0, {"to": 0}),       # rank 0 sends nothing away
-    (12, 2, 3, 2, 2, {"drop": 1.0}),   # every pair dropped
-    (1, 3, 2, 2, 1, {}),
+TOKEN_CASES = [  # T, S, split, rows of a, rows of b
+    (37, 5, 3, 60, 40),
+    (29, 4, 4, 90, 0),   # a row table: every slot names a row of a
+    (16, 3, 1, 0, 30),   # no own rows
+    (12, 3, 2, 20, 0),   # no unique rows
+    (1, 6, 4, 4, 2),
+    (0, 5, 3, 0, 0),
 ]
 
 
-def _pair_buffers(pos_TK, ends_G, me):
-    is_local, is_remote, *_ = locate_reference(pos_TK, ends_G, me)
-    return int(is_local.sum()), int(is_remote.sum())
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,K,G,L,me,kw", PAIR_CASES)
-def test_scatter_pairs_matches_reference(T, K, G, L, me, kw, dtype):
+@pytest.mark.parametrize("T,S,split,rows_a,rows_b", TOKEN_CASES)
+def test_scatter_slots_matches_reference(T, S, split, rows_a, rows_b, dtype):
     D = 70  # not a multiple of the interpreter's 64-column block
-    pos_TK, ends_G = _pair_route(T, K, G, L, me, **kw)
-    n_local, n_remote = _pair_buffers(pos_TK, ends_G, me)
+    table = _slot_table(T, S, split, rows_a, rows_b)
     x_TD = torch.randn(T, D, device=DEVICE).to(dtype)
-    w_TK = torch.rand(T, K, device=DEVICE)
-    for local, rows in ((True, n_local), (False, n_remote + 5)):  # a remote buffer may be larger
-        y_MD = torch.randn(rows, D, device=DEVICE).to(dtype)
-        for with_w in (False, True):
-            w = w_TK if with_w else None
-            got, want = (torch.full((rows, D), 7.0, device=DEVICE, dtype=dtype) for _ in range(2))
-            dw_got, dw_want = (torch.full((T, K), -3.0, device=DEVICE) for _ in range(2))
-            scatter_pairs(x_TD, pos_TK, ends_G, me, got, local, w, y_MD, dw_got, backend="triton")
-            scatter_pairs_reference(x_TD, pos_TK, ends_G, me, want, local, w, y_MD, dw_want)
-            torch.testing.assert_close(got, want, rtol=PAIR_ROWS_TOL[dtype], atol=PAIR_ROWS_TOL[dtype])
-            torch.testing.assert_close(dw_got, dw_want, rtol=1e-3, atol=1e-3)
-        written = (got != 7.0).any(-1).sum().item()
-        assert written <= (n_local if local else n_remote)
-    # the two passes write every dw entry once (dropped pairs: 0, by the remote pass)
-    dw_TK = torch.full((T, K), float("nan"), device=DEVICE)
-    for local, rows in ((True, n_local), (False, n_remote)):
-        scatter_pairs(x_TD, pos_TK, ends_G, me, torch.empty(rows, D, device=DEVICE, dtype=dtype), local, w_TK,
-                      torch.randn(rows, D, device=DEVICE).to(dtype), dw_TK, backend="triton")
-    assert not dw_TK.isnan().any()
-    assert (dw_TK[pos_TK >= ends_G[-1]] == 0).all()
+    for side, rows in (("a", rows_a), ("b", rows_b)):
+        # the destination's rows carry a 6-column head, as the dispatcher's send buffer does
+        got, want = (torch.full((rows + 1, D + 6), 7.0, device=DEVICE, dtype=dtype) for _ in range(2))
+        scatter_slots(x_TD, table, split, got[:, 6:], side, backend="triton")
+        scatter_slots(x_TD, table, split, want[:, 6:], side, backend="reference")
+        torch.testing.assert_close(got, want, rtol=TOKEN_ROWS_TOL[dtype], atol=TOKEN_ROWS_TOL[dtype])
+        named = table[:, :split] if side == "a" else table[:, split:]
+        assert ((got[:, 6:] != 7.0).any(-1).sum() == (named >= 0).sum()).item()
+        assert (got[:, :6] == 7.0).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,K,G,L,me,kw", PAIR_CASES)
-def test_gather_pairs_sum_matches_reference(T, K, G, L, me, kw, dtype):
+@pytest.mark.parametrize("T,S,split,rows_a,rows_b", TOKEN_CASES)
+def test_gather_slots_matches_reference(T, S, split, rows_a, rows_b, dtype):
     D = 70
-    pos_TK, ends_G = _pair_route(T, K, G, L, me, **kw)
-    n_local, n_remote = _pair_buffers(pos_TK, ends_G, me)
-    remote_MD = torch.randn(n_remote, D, device=DEVICE).to(dtype)
-    local_MD = torch.randn(n_local, D, device=DEVICE).to(dtype)
-    w_TK = torch.rand(T, K, device=DEVICE)
-    for w in (None, w_TK):
-        got = gather_pairs_sum(remote_MD, local_MD, pos_TK, ends_G, me, w, torch.float32, backend="triton")
-        want = gather_pairs_sum_reference(remote_MD, local_MD, pos_TK, ends_G, me, w, torch.float32)
-        torch.testing.assert_close(got, want, rtol=PAIR_ROWS_TOL[dtype], atol=PAIR_ROWS_TOL[dtype])
+    table = _slot_table(T, S, split, rows_a, rows_b, seed=1)
+    a_MD = torch.randn(rows_a, D, device=DEVICE).to(dtype)
+    b_MD = torch.randn(rows_b, D + 3, device=DEVICE).to(dtype)[:, 3:]  # a strided view, as the dispatcher reads
+    got = gather_slots(a_MD, b_MD, table, split, torch.float32, backend="triton")
+    want = gather_slots(a_MD, b_MD, table, split, torch.float32, backend="reference")
+    torch.testing.assert_close(got, want, rtol=TOKEN_ROWS_TOL[dtype], atol=TOKEN_ROWS_TOL[dtype])
+    out = torch.full((T, D + 5), 7.0, device=DEVICE, dtype=dtype)
+    assert gather_slots(a_MD, b_MD, table, split, out_TD=out[:, 5:], backend="triton").data_ptr() == out[:, 5:].data_ptr()
+    torch.testing.assert_close(out[:, 5:].float(), want, rtol=TOKEN_ROWS_TOL[dtype], atol=TOKEN_ROWS_TOL[dtype])
+    assert (out[:, :5] == 7.0).all()
 
 
-def test_scatter_then_gather_is_the_weighted_sum_of_each_token_over_its_kept_pairs():
-    """Round trip through both buffers: independent of the reference's own locate logic."""
-    T, K, G, L, me, D = 23, 3, 3, 2, 1, 40
-    pos_TK, ends_G = _pair_route(T, K, G, L, me, seed=3)
-    n_local, n_remote = _pair_buffers(pos_TK, ends_G, me)
-    x_TD = torch.randn(T, D, device=DEVICE)
-    w_TK = torch.rand(T, K, device=DEVICE)
-    local_MD = torch.empty(n_local, D, device=DEVICE)
-    remote_MD = torch.empty(n_remote, D, device=DEVICE)
-    scatter_pairs(x_TD, pos_TK, ends_G, me, local_MD, True, backend="triton")
-    scatter_pairs(x_TD, pos_TK, ends_G, me, remote_MD, False, backend="triton")
-    got = gather_pairs_sum(remote_MD, local_MD, pos_TK, ends_G, me, w_TK, backend="triton")
-    kept_TK = pos_TK < ends_G[-1]
-    torch.testing.assert_close(got, x_TD * (w_TK * kept_TK).sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
-    assert 0 < n_local < kept_TK.sum() and n_local + n_remote == kept_TK.sum()
+def test_token_round_trip_is_the_sum_of_each_tokens_pair_rows():
+    """A dispatch and combine with identity experts, independent of the reference: a token sent
+    once to a rank, copied into its pair rows there, summed back into one row, added to its own
+    pair rows, is its row times its number of kept pairs."""
+    T, K, D = 23, 3, 40
+    gen = torch.Generator().manual_seed(3)
+    x_TD = torch.randn(T, D, generator=gen).to(DEVICE)
+    own_TK = torch.rand(T, K, generator=gen) < 0.4                    # pairs on this rank
+    far_TK = ~own_TK & (torch.rand(T, K, generator=gen) < 0.7)        # pairs on the other rank
+    own_rows = own_TK.flatten().cumsum(0).view(T, K) - 1
+    sent_T = far_TK.any(-1)
+    send_row_T = sent_T.cumsum(0) - 1
+    slot_TS = torch.cat([torch.where(own_TK, own_rows, -1), torch.where(sent_T, send_row_T, -1)[:, None]], 1)
+    n_own, n_sent, n_far = int(own_TK.sum()), int(sent_T.sum()), int(far_TK.sum())
+    # the receiver lays the far pairs out after its own rows, in a shuffled order
+    far_rows = n_own + torch.randperm(n_far, generator=gen)
+    row_UK = torch.full((n_sent, K), -1, dtype=torch.int64)
+    row_UK[far_TK[sent_T]] = far_rows
+    slot_TS, row_UK = slot_TS.to(DEVICE), row_UK.to(DEVICE)
+    send_UD = torch.empty(n_sent, D, device=DEVICE)
+    rows_RD = torch.full((n_own + n_far, D), float("nan"), device=DEVICE)
+    scatter_slots(x_TD, slot_TS, K, send_UD, "b", backend="triton")
+    scatter_slots(x_TD, slot_TS, K, rows_RD, "a", backend="triton")
+    scatter_slots(send_UD, row_UK, K, rows_RD, "a", backend="triton")
+    assert not rows_RD.isnan().any()
+    home_UD = gather_slots(rows_RD, None, row_UK, K, backend="triton")
+    out_TD = gather_slots(rows_RD, home_UD, slot_TS, K, backend="triton")
+    kept = (own_TK | far_TK).sum(-1, keepdim=True).to(DEVICE)
+    torch.testing.assert_close(out_TD, x_TD * kept, rtol=1e-5, atol=1e-5)
+    assert 0 < n_own < n_own + n_far
 
 
-def test_pair_rows_bad_arguments_name_the_field():
-    pos_TK, ends_G = _pair_route(4, 2, 2, 2, 0)
+def test_token_rows_bad_arguments_name_the_field():
     x_TD = torch.randn(4, 8, device=DEVICE)
-    with pytest.raises(ValueError, match="pos_TK"):
-        scatter_pairs(x_TD, pos_TK.int(), ends_G, 0, torch.empty(8, 8, device=DEVICE), True)
-    with pytest.raises(ValueError, match="me=2"):
-        scatter_pairs(x_TD, pos_TK, ends_G, 2, torch.empty(8, 8, device=DEVICE), True)
-    with pytest.raises(ValueError, match="w_TK"):
-        gather_pairs_sum(x_TD, x_TD, pos_TK, ends_G, 0, torch.ones(4, 3, device=DEVICE))
-    with pytest.raises(ValueError, match="dw_TK must be a contiguous"):
-        scatter_pairs(x_TD, pos_TK, ends_G, 0, torch.empty(8, 8, device=DEVICE), True, y_MD=x_TD,
-                      dw_TK=torch.empty(2, 4, device=DEVICE).t())
-    with pytest.raises(ValueError, match="y_MD and dw_TK"):
-        scatter_pairs(x_TD, pos_TK, ends_G, 0, torch.empty(8, 8, device=DEVICE), True, y_MD=x_TD)
+    table = torch.full((4, 3), -1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="table_TS"):
+        scatter_slots(x_TD, table.int(), 2, torch.empty(8, 8, device=DEVICE), "a")
+    with pytest.raises(ValueError, match="table_TS"):
+        scatter_slots(x_TD, table[:3], 2, torch.empty(8, 8, device=DEVICE), "a")
+    with pytest.raises(ValueError, match="split=4"):
+        gather_slots(x_TD, None, table, 4)
+    with pytest.raises(ValueError, match="side"):
+        scatter_slots(x_TD, table, 2, torch.empty(8, 8, device=DEVICE), "c")
+    with pytest.raises(ValueError, match="dst_MD"):
+        scatter_slots(x_TD, table, 2, torch.empty(8, 9, device=DEVICE), "a")
+    with pytest.raises(ValueError, match="dst_MD"):
+        scatter_slots(x_TD, table, 2, torch.empty(8, 8, device=DEVICE).t(), "a")
+    with pytest.raises(ValueError, match="share a dtype"):
+        gather_slots(x_TD, x_TD.half(), table, 2)
+    with pytest.raises(ValueError, match="out_TD"):
+        gather_slots(x_TD, None, table, 2, out_TD=torch.empty(3, 8, device=DEVICE))
 
 
 # ---------------------------------------------------------------------------------------------

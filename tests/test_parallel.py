@@ -51,6 +51,7 @@ class Case:
     overlap_chunks: int = 1  # the dispatcher pipelines each layer's tokens in this many chunks
 
 
+EXPERT_SCALE = 10.0  # the experts' init gives outputs ~1e-3 of the residual's at these sizes
 DIM, HIDDEN = 16, 12  # CPU: odd hidden width; on CUDA the aligned sizes the Triton GEMM tiles
 GPU_DIM, GPU_HIDDEN = 64, 32
 
@@ -93,9 +94,14 @@ class Tiny(nn.Module):
             z_loss_coef=case.z_loss_coef, dispatcher=dispatcher, device=device, dtype=dtype,
         )
         self.head = nn.Linear(dim, dim, device=device, dtype=dtype)
+        self.moe.shared_experts.register_forward_hook(lambda _m, _i, out: setattr(self, "shared_out", out))
 
     def forward(self, x):
-        return self.head(x + self.moe(x))
+        # the routed experts' output, kept for its own comparison: at this init it is ~1e-3 of the
+        # output (and of the shared expert's), so an error in the exchanged rows hides in theirs
+        moe_out = self.moe(x)
+        self.routed_out = moe_out - self.shared_out.to(moe_out.dtype)
+        return self.head(x + moe_out)
 
 
 def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -139,6 +145,9 @@ def _equivalence(case: Case, dims: ParallelDims, device, dtype, transport: str =
     torch.manual_seed(99)
     ref = Tiny(case, None, groups, device, dtype, dim, hidden)
     _force_routes(ref, case, num_local)
+    with torch.no_grad():  # the routed path at the scale of the others, so its errors show in every gradient
+        for p in ref.moe.experts.parameters():
+            p.mul_(EXPERT_SCALE)
     par = Tiny(case, _dispatcher(dims, transport, tokens, case.overlap_chunks), 1, device, dtype, dim, hidden)
     with torch.no_grad():
         ref_params = dict(ref.named_parameters())
@@ -165,6 +174,7 @@ def _equivalence(case: Case, dims: ParallelDims, device, dtype, transport: str =
 
     errors = {
         "output": _rel_err(out, out_ref[start:start + tokens[rank]]),
+        "routed_output": _rel_err(par.routed_out, ref.routed_out[start:start + tokens[rank]]),
         "lb_loss": _rel_err(par.moe.last_aux.load_balancing_loss, ref.moe.last_aux.load_balancing_loss),
         "mean_loss": _rel_err(mean_loss, loss_ref),
         # the rank's input gradient is that of its own loss: N times the mean's
@@ -376,8 +386,8 @@ def _p2p_slots(rank: int, world: int) -> dict:
         x.grad = w.grad = None
         h = x
         for _ in range(2):
-            rows, _, meta = p2p.dispatch(h, plan)
-            h = p2p.combine(rows, meta, w)
+            rows, _, _, meta = p2p.dispatch(h, plan, w)
+            h = p2p.combine(rows, meta)
         try:
             h.backward(g)
         except RuntimeError as e:

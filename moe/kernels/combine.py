@@ -15,7 +15,7 @@ with the inverse index ``row_of_pair`` as the locator:
 
 A pair with no row (dropped by the capacity, or not sent) contributes zero and gets ``dw = 0``.
 :func:`sum_combine` is the same pair of kernels without weights, for rows the experts weighted
-already (the one-rank path, ``moe.dispatch.run_weighting_experts``): it keeps no output rows.
+already (``moe.LocalDispatcher``'s combine): it keeps no output rows.
 :func:`gather_rows`, the local dispatch's packing, is the backward kernel without weights.
 ``weighted_combine_reference`` is the plain PyTorch version beside it.
 """
