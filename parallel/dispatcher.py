@@ -62,16 +62,14 @@ class _Route:
     """Where this rank's pairs go (the sender's side), from :meth:`AllToAllDispatcher._route`.
 
     slot_TS: (T, K + G) int64 slot table (:mod:`parallel.token_rows`); dest_TK: (T, K) int64
-    destination rank of each pair (G: dropped); place_TK: (T, K) int64 the pair's place among the
-    pairs its destination receives from this rank; unique_G: (G,) int64 unique rows sent to each
-    rank (0 to this one); me: this rank in the group; stream: the side stream for the own rows'
-    pass (None on CPU); layer: the module that dispatched, for the backward's records
-    (:mod:`parallel.flight`).
+    destination rank of each pair (G: dropped); unique_G: (G,) int64 unique rows sent to each rank
+    (0 to this one); me: this rank in the group; stream: the side stream for the own rows' pass
+    (None on CPU); layer: the module that dispatched, for the backward's records
+    (:mod:`parallel.flight`). Kept until the backward, so only what the backward reads.
     """
 
     slot_TS: torch.Tensor
     dest_TK: torch.Tensor
-    place_TK: torch.Tensor
     unique_G: torch.Tensor
     me: int
     group: object
@@ -84,13 +82,15 @@ class _Route:
 class _Counts:
     """One dispatch's route and counts from :meth:`AllToAllDispatcher._prepare`.
 
-    recv_GC: (G, C) int64 on the device, per source rank: the pairs it sends to each local expert
+    place_TK: (T, K) int64 each pair's place among the pairs its destination receives from this
+    rank (the headers' places; read by the dispatch forward only); recv_GC: (G, C) int64 on the device, per source rank: the pairs it sends to each local expert
     (L columns), then its unique rows (last column); host_2GC: (2, G, C) the sent (per destination)
     and received counts on the host, valid once ``copied`` (None: a CPU run, already valid) has
     completed.
     """
 
     route: _Route
+    place_TK: torch.Tensor
     recv_GC: torch.Tensor
     host_2GC: torch.Tensor
     copied: "torch.cuda.Event | None"
@@ -207,7 +207,7 @@ class _DispatchFn(torch.autograd.Function):
         place_UK, weight_UK = _headers(send_UC, X, K)
         place_UK.fill_(-1)
         sent_TK, slot_TK = _remote_rows(route, send_UC.shape[0] - 1), torch.arange(K, device=x_TD.device).expand(T, K)
-        place_UK.index_put_((sent_TK, slot_TK), route.place_TK.to(torch.int32))
+        place_UK.index_put_((sent_TK, slot_TK), counts.place_TK.to(torch.int32))
         weight_UK.index_put_((sent_TK, slot_TK), w_TK)
         if counts.copied is not None:
             counts.copied.synchronize()
@@ -302,8 +302,9 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         self.comm_timer = CommTimer() if time_comm else None
         self._side_streams = SideStreams()
 
-    def _route(self, plan: RoutingPlan) -> _Route:
-        """Each pair's destination rank and place there, and the slot table (module docstring)."""
+    def _route(self, plan: RoutingPlan) -> tuple[_Route, torch.Tensor]:
+        """The route (each pair's destination rank, the slot table: module docstring) and
+        place_TK (T, K), each pair's place among the pairs its destination receives from here."""
         G, me = self.ep_size, self.ep_rank
         T, K = plan.kept_TK.shape
         device = plan.order_P.device
@@ -318,9 +319,9 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         has_TG = has_TG.scatter_(1, torch.where(remote_TK, dest_TK, G), 1)[:, :G]
         send_row_GT = has_TG.t().flatten().cumsum(0).view(G, T) - 1  # by destination rank, then token
         slot_TS = torch.cat([torch.where(own_TK, place_TK, -1), torch.where(has_TG > 0, send_row_GT.t(), -1)], 1)
-        return _Route(slot_TS=slot_TS, dest_TK=dest_TK, place_TK=place_TK, unique_G=has_TG.sum(0), me=me,
-                      group=self.ep_group, timer=self.comm_timer, stream=self._side_streams.get(device),
-                      layer=flight.RECORDER.layer)
+        route = _Route(slot_TS=slot_TS, dest_TK=dest_TK, unique_G=has_TG.sum(0), me=me, group=self.ep_group,
+                       timer=self.comm_timer, stream=self._side_streams.get(device), layer=flight.RECORDER.layer)
+        return route, place_TK
 
     def _prepare(self, plans: list[RoutingPlan]) -> list[_Counts]:
         """The routes of N dispatches, and their counts in one small all-to-all (per destination
@@ -330,14 +331,15 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         G = self.ep_size
         routes = [self._route(plan) for plan in plans]
         send_GNC = torch.stack([torch.cat([plan.kept_per_expert_E.view(G, -1), route.unique_G[:, None]], 1)
-                                for plan, route in zip(plans, routes)], 1)
+                                for plan, (route, _) in zip(plans, routes)], 1)
         recv_GNC = torch.empty_like(send_GNC)  # by source rank
         _timed_all_to_all(recv_GNC, send_GNC, None, None, self.ep_group, self.comm_timer, "dispatch counts")
         host_2GNC = torch.stack([send_GNC, recv_GNC]).to("cpu", non_blocking=True)
         copied = torch.cuda.Event() if send_GNC.is_cuda else None
         if copied is not None:
             copied.record()
-        return [_Counts(route, recv_GNC[:, n], host_2GNC[:, :, n], copied) for n, route in enumerate(routes)]
+        return [_Counts(route, place_TK, recv_GNC[:, n], host_2GNC[:, :, n], copied)
+                for n, (route, place_TK) in enumerate(routes)]
 
     def _dispatch_ep(self, x_TD: torch.Tensor, plan: RoutingPlan, w_TK: torch.Tensor, num_experts: int,
                      prepared: _Counts, row_dtype: torch.dtype):

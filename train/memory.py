@@ -9,8 +9,7 @@
 Legend: B batch, S sequence length, T = B·S tokens per rank and micro-batch, D model dim, V
 vocabulary, H / Hkv / Hd query heads / key-value heads / head dim, E experts, K top-k, L = E / ep
 experts on this rank, F expert hidden dim, U width of an MLP's first matmul (2F SwiGLU, F GELU),
-P = T·K (token, slot) pairs, R rows the experts compute, M rows the combine keeps, J row
-segments, W world.
+P = T·K (token, slot) pairs, R rows the experts compute, J row segments, W world.
 
 Nothing is built and nothing runs on a device: parameter shapes are written out from the config as
 train/model.py declares them (tests/test_memory.py checks them against the model built on the meta
@@ -33,8 +32,8 @@ What is counted, per GPU:
   load-balancing loss's f_E, token counts) are left out. The LM head and its cross-entropy
   (``model(tokens, targets)``, train/lm_loss.py) keep the gradients they compute in the forward:
   their input's (T, D) and the weight's (V, D), no (T, V) tensor.
-- dispatch: what the exchange holds per MoE layer until its backward (the rows the combine keeps,
-  the route's index tensors, with selective checkpointing the received rows), and with
+- dispatch: what the exchange holds per MoE layer until its backward (the route's index tensors,
+  the rows the P2P combine keeps, with selective checkpointing the received rows), and with
   ``parallel.dispatcher=p2p`` the symmetric-memory slots (one per MoE block) and gradient buffer;
   these are mapped outside PyTorch's caching allocator, so max_memory_allocated should not count
   them (:attr:`Prediction.outside_allocator`; not verified on a GPU).
@@ -103,6 +102,11 @@ every FSDP buffer at once) and after:
 | --parallel.ep=1 | fsdp | selective | 64.09 | 56.11 | 55.58 | 1.010 |
 | --model.n_layers=30 (EP 2) | replicate | none | 132.74 | 132.74 | 134.33 | 0.988 |
 | --model.n_layers=40 (EP 2) | fsdp | full | 132.91 | 131.04 | 130.29 | 1.006 |
+
+Since the NCCL dispatcher sends each token to a rank once and its experts weight their rows
+(parallel/dispatcher.py, 2026-11-25), its combine keeps no rows: the predictions of the EP 2 rows
+above are smaller by the T·K rows of D it kept per MoE layer (olmoe_bench: 16 × 8192 · 8 · 2048 ·
+2 B = 4.0 GiB), not yet measured.
 
 These were measured with the LM head's fp32 logits materialised (``F.cross_entropy`` of
 ``model(tokens)``, before train/lm_loss.py): the model of that path counted them, the (T, V)
@@ -316,11 +320,10 @@ class Part:
 
 @dataclass(frozen=True)
 class Rows:
-    """One MoE layer's rows on one rank, balanced routing: R the experts compute, M the combine
-    keeps (NCCL: the rows returned to this rank), J row segments of the grouped GEMM."""
+    """One MoE layer's rows on one rank, balanced routing: R the experts compute, J row segments
+    of the grouped GEMM."""
 
     R: int
-    M: int
     J: int
 
 
@@ -328,14 +331,14 @@ def expert_rows(s: ModelShape, T: int, lay: Layout) -> Rows:
     P = T * s.K
     if lay.transport == "local":
         # LocalDispatcher packs every pair, the dropped ones last (moe/dispatch.py)
-        return Rows(P, P, s.E)
+        return Rows(P, s.E)
     if lay.transport == "p2p":
         # P2PDispatcher hands the experts its fixed R_cap = ep·T·K rows (parallel/p2p_dispatcher.py)
-        return Rows(lay.ep * P, lay.ep * P, s.E)
+        return Rows(lay.ep * P, s.E)
     # balanced routing: every rank sends and receives its T·K pairs, fewer when the capacity
     # C = capacity_factor·T·K / E per expert caps them
     kept = P if s.capacity_factor is None else min(P, math.ceil(s.capacity_factor * P))
-    return Rows(kept, kept, s.E)
+    return Rows(kept, s.E)
 
 
 def _norm(name: str, T: int, D: int, num: Numerics, region: str, nbytes: int = 4) -> list[Part]:
@@ -403,24 +406,27 @@ def block_parts(s: ModelShape, moe: bool, B: int, S: int, lay: Layout, num: Nume
     ]
     if not (s.swiglu and c == 2):
         parts.append(Part("expert hidden h", rows.R * s.F * c, "experts"))
-    if lay.transport == "local":
-        # the experts weight their output rows (moe.dispatch.LocalDispatcher.run_experts): the
-        # SwiGLU node keeps the row weights (and so does the experts' checkpoint, an input of
-        # theirs: "rest"); the other paths scale the output rows in a node that keeps them (what
-        # the weighted combine kept); the combine only sums
+    if lay.transport in ("local", "nccl"):
+        # the experts weight their output rows (moe.Dispatcher.dispatch's w_R): the SwiGLU node
+        # keeps the row weights (and so does the experts' checkpoint, an input of theirs: "rest");
+        # the other paths scale the output rows in a node that keeps them (what the weighted
+        # combine kept); the combine only sums
         parts.append(Part("expert row weights (fp32)", rows.R * 4))
         if not (s.swiglu and c == 2):
             parts.append(Part("expert output rows (row scaling)", rows.R * D * c, "experts"))
-        parts += [Part("dispatch gather index", P * 8, dispatch=True),
-                  Part("combine: row of each pair", P * 8, dispatch=True)]
+        if lay.transport == "local":
+            parts += [Part("dispatch gather index", P * 8, dispatch=True),
+                      Part("combine: row of each pair", P * 8, dispatch=True)]
+        else:
+            # parallel/dispatcher.py: the slot table (K + ep slots a token) and each pair's rank,
+            # and the row table of the tokens received (at most one per token of each other rank)
+            received = (lay.ep - 1) * min(T, -(-rows.R // lay.ep))
+            parts += [Part("route: slot table and each pair's rank", (T * (s.K + lay.ep) + P) * 8, dispatch=True),
+                      Part("row table of the received tokens", received * s.K * 8, dispatch=True)]
         return parts
-    parts.append(Part("combine weights × kept mask", P * 4))
-    if lay.transport == "nccl":
-        parts += [Part("combine: rows returned by the all-to-all", rows.M * D * c, dispatch=True),
-                  Part("route: send position of each pair", P * 8, dispatch=True)]
-    else:
-        parts += [Part("combine: expert output rows (on ctx)", rows.R * D * c, dispatch=True),
-                  Part("route: row and rank of each pair", 2 * P * 8, dispatch=True)]
+    parts += [Part("combine weights × kept mask", P * 4),
+              Part("combine: expert output rows (on ctx)", rows.R * D * c, dispatch=True),
+              Part("route: row and rank of each pair", 2 * P * 8, dispatch=True)]
     return parts
 
 
