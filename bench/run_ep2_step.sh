@@ -17,6 +17,9 @@
 #                                       # in the fastest layout (P2P, replicate, 8 micro-batches), the
 #                                       # routing of every layer and the MFU; its step profile; the
 #                                       # shipped layout's step profile
+#   PART=6 bash bench/run_ep2_step.sh   # after the NCCL token rows: the 2-GPU tests, then the step
+#                                       # profiles of NCCL and P2P in the bar's layout (replicate, 8
+#                                       # micro-batches) and of the shipped layout
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -110,6 +113,18 @@ elif [ "$PART" = 5 ]; then
     prof "olmoe_bench (routing options) EP 2, P2P, replicate, 8 micro-batches" 90 configs/olmoe_bench.yaml \
         --warm 3 --steps 1 --timed 3 $FAST
     prof "olmoe_bench (routing options) EP 2, NCCL, fsdp, one micro-batch (as shipped)" 90 configs/olmoe_bench.yaml \
+        --warm 8 --steps 3 --timed 10
+elif [ "$PART" = 6 ]; then
+    # after the NCCL dispatcher's token rows (each token sent to a rank once, the experts weight):
+    # the 2-GPU tests first (never run on GPUs before), then the step in the bar's layout with NCCL
+    # beside P2P, then the shipped layout
+    MOE_AUTOTUNE=0 timeout 200 python3 -m pytest -q -m multigpu tests/test_parallel.py 2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
+    FAST="--parallel.data_parallel=replicate --train.grad_accum=8"
+    prof "olmoe_bench EP 2, NCCL token rows, replicate, 8 micro-batches" 90 configs/olmoe_bench.yaml \
+        --warm 3 --steps 1 --timed 3 $FAST
+    prof "olmoe_bench EP 2, P2P, replicate, 8 micro-batches" 90 configs/olmoe_bench.yaml \
+        --warm 3 --steps 1 --timed 3 $FAST --parallel.dispatcher=p2p
+    prof "olmoe_bench EP 2, NCCL token rows, fsdp, one micro-batch (as shipped)" 80 configs/olmoe_bench.yaml \
         --warm 8 --steps 3 --timed 10
 else
     timeout "$(left)" python3 bench/memory_check.py --gpus 2 --steps 8 --timeout 200 --out "$OUT/memory_ep2.md" \
