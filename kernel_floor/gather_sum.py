@@ -182,7 +182,7 @@ def scatter_rows(x_TD: torch.Tensor, dest, locate, idx0: torch.Tensor, idx1: tor
     found by ``locate`` in ``ya_MD`` / ``yb_MD``).
 
     Args:
-        x_TD: (T, D) contiguous rows.
+        x_TD: (T, D) rows with unit column stride (any row stride).
         dest, locate: the destination and the locator (module docstring), sharing ``idx0``,
             ``idx1``, ``me``, ``n``.
         dst: the one destination buffer (its rows ``stride_dst`` elements apart), or with

@@ -15,9 +15,16 @@ from dataclasses import dataclass
 
 import torch
 
-from moe.capacity import RoutingPlan
 from kernel_floor import check_pair_weights
+from moe.capacity import RoutingPlan
 from moe.kernels.combine import gather_rows, sum_combine, weighted_combine
+
+
+def check_combine_weights(name: str, w_TK, plan: RoutingPlan) -> None:
+    """``dispatch``'s w_TK must be the (T, K) fp32 combine weights of the plan's pairs."""
+    if not isinstance(w_TK, torch.Tensor):
+        raise TypeError(f"{name}: w_TK must be the (T, K) fp32 combine weights, got {type(w_TK).__name__}")
+    check_pair_weights(name, w_TK, *plan.kept_TK.shape)
 
 
 @dataclass(frozen=True)
@@ -148,14 +155,15 @@ class LocalDispatcher(Dispatcher):
 
     def dispatch(self, x_TD: torch.Tensor, plan: RoutingPlan, w_TK: torch.Tensor, row_dtype: torch.dtype | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LocalDispatchMeta]:
-        check_pair_weights("LocalDispatcher.dispatch", w_TK, *plan.kept_TK.shape)
+        check_combine_weights("LocalDispatcher.dispatch", w_TK, plan)
         T, K = plan.kept_TK.shape
         rows_RD = _GatherRowsFn.apply(x_TD, plan.order_P, plan.kept_TK, row_dtype or x_TD.dtype)
         offsets_J = torch.cumsum(plan.kept_per_expert_E, 0).to(torch.int32)
         w_R = w_TK.reshape(-1).index_select(0, plan.order_P)
         return rows_RD, offsets_J, w_R, LocalDispatchMeta(plan.order_P, T, K)
 
-    def combine(self, y_RD: torch.Tensor, meta: LocalDispatchMeta, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def combine(self, y_RD: torch.Tensor, meta: LocalDispatchMeta,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
         # row r holds pair order_P[r], weighted by the experts; a dropped pair's row is zero (past the last offset)
         return sum_combine(y_RD, meta.order_P, meta.num_tokens, meta.top_k, out_dtype)
 

@@ -1,9 +1,8 @@
 """The NCCL expert-parallel dispatcher: tokens travel to their experts' rank by all-to-all, and back.
 
 Legend: T tokens, D model dim, K experts per token (top-k), E experts, G ranks of the
-expert-parallel group, L = E / G experts per rank, S = K + G slots of a token, U unique rows (one
-per token and remote rank it has a kept pair on), R rows for the local experts, C = D + X columns
-of a row with its tail of X columns.
+expert-parallel group, L = E / G experts per rank, R rows for the local experts, M rows of a
+buffer of unique rows (one per token and remote rank it has a kept pair on).
 
 A token crosses to a rank once, however many of its pairs go there (:mod:`parallel.token_rows`
 says why and names the tables); the experts apply the combine weights, so the way back carries
@@ -12,27 +11,29 @@ one summed row per token and rank too.
 ``dispatch``:
 1. The route (:meth:`AllToAllDispatcher._route`): each pair's destination rank and place among
    the pairs that rank receives from this one (the kept pairs by expert, as ``plan.order_P``
-   sorts them), and the slot table: own pairs' rows, and one send row per (token, remote rank).
+   sorts them), and the row tables: the own pairs' rows, one send row per (token, remote rank).
 2. Per destination rank, its L experts' pair counts and the unique rows go out in one small
    all-to-all, and both the sent and received counts come to the host in ONE device->host copy:
    ``all_to_all_single`` takes its split sizes as Python lists, so this is the one host sync of
    a layer's dispatches. The send buffer is packed while that copy is in flight: each unique row
-   is the token's row followed by a tail of X columns holding, per slot k, the place of the
-   token's pair k among the destination's rows from this rank (int32, -1: not there) and its
-   combine weight (fp32), bit-cast into the row dtype.
+   is a header, the token's row and padding (:func:`_unique_row_layout`); the header holds, per
+   slot k, the place of the token's pair k among the destination's rows from this rank (int32,
+   -1: not there) and its combine weight (fp32), bit-cast into the row dtype.
 3. The rows move with one variable-split ``all_to_all_single`` in which this rank's own chunk is
    empty: the own pairs' rows are written straight into the experts' input while the exchange
-   runs. The receiver then copies each received row into the pair rows its tail names. The
+   runs. The receiver then copies each received row into the pair rows its header names. The
    experts' input is [own rows; rows from each other source rank], each block ordered by local
    expert: the grouped GEMM takes them as G·L row segments, segment ``b·L + l`` multiplied by
    local expert l's weights (see ``moe.kernels.grouped_mm``), with no regrouping pass. The
    weights come out as ``w_R``, one per row, for the experts to apply.
 
-``combine``: the receiver sums each received token's pair outputs into one row, sends those back
-with the reverse exchange, and the sender adds them to its own pairs' outputs, in fp32.
+``combine``: the receiver sums each received token's pair outputs into one row (fp32, rounded to
+the rows' dtype: one rounding per token and rank that the pair layout did not have), sends those
+back with the reverse exchange, and the sender adds them to its own pairs' outputs in fp32. The
+dispatch backward's sums cross the same way.
 
 The backward of each is the other's forward with the roles swapped: the dispatch backward sums
-each received token's pair gradients into one row, its tail carrying the weights' gradients,
+each received token's pair gradients into one row, its header carrying the weights' gradients,
 sends them back and adds them to the own pairs'; the combine backward sends ``dout`` once per
 token and rank and the receiver copies it into the token's pair rows (the own pairs' rows
 written during the exchange).
@@ -61,14 +62,16 @@ from parallel.token_rows import gather_slots, scatter_slots
 class _Route:
     """Where this rank's pairs go (the sender's side), from :meth:`AllToAllDispatcher._route`.
 
-    slot_TS: (T, K + G) int64 slot table (:mod:`parallel.token_rows`); dest_TK: (T, K) int64
+    own_TK, sent_TG: (T, K) and (T, G) int64 row tables of the own pairs' rows and of the tokens'
+    unique rows in the send buffer (:mod:`parallel.token_rows`); dest_TK: (T, K) int64
     destination rank of each pair (G: dropped); unique_G: (G,) int64 unique rows sent to each rank
     (0 to this one); me: this rank in the group; stream: the side stream for the own rows' pass
     (None on CPU); layer: the module that dispatched, for the backward's records
     (:mod:`parallel.flight`). Kept until the backward, so only what the backward reads.
     """
 
-    slot_TS: torch.Tensor
+    own_TK: torch.Tensor
+    sent_TG: torch.Tensor
     dest_TK: torch.Tensor
     unique_G: torch.Tensor
     me: int
@@ -82,17 +85,17 @@ class _Route:
 class _Counts:
     """One dispatch's route and counts from :meth:`AllToAllDispatcher._prepare`.
 
-    place_TK: (T, K) int64 each pair's place among the pairs its destination receives from this
-    rank (the headers' places; read by the dispatch forward only); recv_GC: (G, C) int64 on the device, per source rank: the pairs it sends to each local expert
-    (L columns), then its unique rows (last column); host_2GC: (2, G, C) the sent (per destination)
-    and received counts on the host, valid once ``copied`` (None: a CPU run, already valid) has
-    completed.
+    place_TK: (T, K) int64 each pair's place among the pairs its destination receives from this rank
+    (the headers' places; read by the dispatch forward only); recv_counts: (G, L + 1) int64 on the
+    device, per source rank: the pairs it sends to each local expert (L columns), then its unique
+    rows (last column); host_counts: (2, G, L + 1) the sent (per destination) and received counts on
+    the host, valid once ``copied`` (None: a CPU run, already valid) has completed.
     """
 
     route: _Route
     place_TK: torch.Tensor
-    recv_GC: torch.Tensor
-    host_2GC: torch.Tensor
+    recv_counts: torch.Tensor
+    host_counts: torch.Tensor
     copied: "torch.cuda.Event | None"
 
 
@@ -100,13 +103,13 @@ class _Counts:
 class AllToAllMeta(ExpertParallelMeta):
     """What ``combine`` needs from ``dispatch``.
 
-    route: where this rank's pairs went; row_UK: (U, K) int64 row table of the received unique
+    route: where this rank's pairs went; row_MK: (M, K) int64 row table of the received unique
     rows (:mod:`parallel.token_rows`); send_unique, recv_unique: unique rows sent to / received
     from each group rank (0 for this one); num_rows: R, the rows of the experts' input.
     """
 
     route: _Route
-    row_UK: torch.Tensor
+    row_MK: torch.Tensor
     send_unique: list[int]
     recv_unique: list[int]
     num_rows: int
@@ -143,45 +146,49 @@ def _send_positions(order_P: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order_P).scatter_(0, order_P, positions)
 
 
-def _header_columns(K: int, D: int, dtype: torch.dtype) -> int:
-    """X: the columns of ``dtype`` before a unique row's D that hold its K int32 places and K fp32
-    weights (8·K bytes), rounded so that the header and the whole row are 16-byte multiples (the
-    row kernels' vector loads, and the int32 view of every row's header)."""
-    X = -(-8 * K // dtype.itemsize)
-    return X + (-(X + D) * dtype.itemsize) % 16 // dtype.itemsize
+def _unique_row_layout(K: int, D: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(head, width): a unique row of ``width`` columns of ``dtype`` is a header of ``head`` columns
+    (its K int32 places and K fp32 weights, 8·K bytes, padded to 16), the row's D columns, and
+    padding. Both are 16-byte multiples: the header's int32 view needs every row's header 4-byte
+    aligned, and the row kernels' vector loads want the row 16-byte aligned (any D, odd ones
+    included)."""
+    head = -(-8 * K // 16) * 16 // dtype.itemsize
+    return head, head + D + (-D * dtype.itemsize) % 16 // dtype.itemsize
 
 
-def _headers(buf_UC: torch.Tensor, X: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of the unique rows' headers: (U, K) int32 places and (U, K) fp32 weights."""
-    head = buf_UC[:, :X].view(torch.int32)
-    return head[:, :K], head[:, K:2 * K].view(torch.float32)
+def _headers(buf: torch.Tensor, head: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a buffer of unique rows' headers: (M, K) int32 places and (M, K) fp32 weights."""
+    header = buf[:, :head].view(torch.int32)
+    return header[:, :K], header[:, K:2 * K].view(torch.float32)
 
 
-def _remote_rows(route: _Route, sink: int) -> torch.Tensor:
-    """(T, K) int64: the send row of each pair's unique row, ``sink`` for own and dropped pairs."""
-    K, G = route.dest_TK.shape[1], route.unique_G.numel()
+def _header_index(route: _Route, sink: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, K) row and column of each pair's entry among the headers of a buffer of unique rows:
+    its token's unique row for its rank (``sink`` for own and dropped pairs) and its slot k."""
+    (T, K), G = route.dest_TK.shape, route.unique_G.numel()
     remote = (route.dest_TK != route.me) & (route.dest_TK < G)
-    return torch.where(remote, route.slot_TS.gather(1, K + route.dest_TK.clamp(max=G - 1)), sink)
+    row_TK = torch.where(remote, route.sent_TG.gather(1, route.dest_TK.clamp(max=G - 1)), sink)
+    return row_TK, torch.arange(K, device=row_TK.device).expand(T, K)
 
 
-def _splits(host_2GC: torch.Tensor, me: int) -> tuple[list[int], list[int], int, int]:
-    """From the host counts: unique rows sent to and received from each rank, this rank's own
-    pairs and R, the rows of its experts' input."""
-    (send_pairs, recv_pairs), (send_unique, recv_unique) = host_2GC[..., :-1].sum(-1).tolist(), host_2GC[..., -1].tolist()
-    return send_unique, recv_unique, send_pairs[me], sum(recv_pairs)
+def _splits(host_counts: torch.Tensor) -> tuple[list[int], list[int], int]:
+    """From the host counts: unique rows sent to and received from each rank, and R, the rows of
+    this rank's experts' input (the pairs it receives, its own included)."""
+    send_unique, recv_unique = host_counts[..., -1].tolist()
+    return send_unique, recv_unique, int(host_counts[1, :, :-1].sum())
 
 
-def _receiver_rows(place_UK: torch.Tensor, recv_GC: torch.Tensor, num_unique: int, me: int) -> torch.Tensor:
-    """(U, K) int64 row table of the received unique rows: each header's places, which count from
+def _receiver_rows(place_MK: torch.Tensor, recv_counts: torch.Tensor, num_unique: int, me: int) -> torch.Tensor:
+    """(M, K) int64 row table of the received unique rows: each header's places, which count from
     the start of its source's block of the experts' input ([own rows; each other source's rows]),
     turned into rows of that input."""
-    pairs_G = recv_GC[:, :-1].sum(-1)
+    pairs_G = recv_counts[:, :-1].sum(-1)
     others_G = pairs_G.clone()
     others_G[me] = 0
     start_G = pairs_G[me] + others_G.cumsum(0) - others_G
-    start_U = torch.repeat_interleave(start_G, recv_GC[:, -1], output_size=num_unique)
-    place_UK = place_UK.to(torch.int64)
-    return torch.where(place_UK >= 0, place_UK + start_U[:, None], -1)
+    start_M = torch.repeat_interleave(start_G, recv_counts[:, -1], output_size=num_unique)
+    place_MK = place_MK.to(torch.int64)
+    return torch.where(place_MK >= 0, place_MK + start_M[:, None], -1)
 
 
 class _DispatchFn(torch.autograd.Function):
@@ -198,55 +205,56 @@ class _DispatchFn(torch.autograd.Function):
         route = counts.route
         T, D = x_TD.shape
         K, G, me = route.dest_TK.shape[1], route.unique_G.numel(), route.me
-        X = _header_columns(K, D, row_dtype)
+        head, width = _unique_row_layout(K, D, row_dtype)
         x_TD = x_TD.contiguous()
-        # unique rows and headers, packed while the counts travel: at most T rows per remote rank
-        # (U is not on the host yet), plus a sink row for the headers of pairs sent nowhere
-        send_UC = x_TD.new_empty((T * (G - 1) + 1, X + D), dtype=row_dtype)
-        scatter_slots(x_TD, route.slot_TS, K, send_UC[:, X:], "b")
-        place_UK, weight_UK = _headers(send_UC, X, K)
-        place_UK.fill_(-1)
-        sent_TK, slot_TK = _remote_rows(route, send_UC.shape[0] - 1), torch.arange(K, device=x_TD.device).expand(T, K)
-        place_UK.index_put_((sent_TK, slot_TK), counts.place_TK.to(torch.int32))
-        weight_UK.index_put_((sent_TK, slot_TK), w_TK)
+        # unique rows and headers, packed while the counts travel: M is not on the host yet, and a
+        # token has at most min(K, G - 1) of them; plus a sink row for the headers of pairs sent nowhere
+        send_buf = x_TD.new_empty((T * min(K, G - 1) + 1, width), dtype=row_dtype)
+        scatter_slots(x_TD, route.sent_TG, send_buf[:, head:head + D])
+        place_MK, weight_MK = _headers(send_buf, head, K)
+        place_MK.fill_(-1)
+        entry_TK = _header_index(route, send_buf.shape[0] - 1)
+        place_MK.index_put_(entry_TK, counts.place_TK.to(torch.int32))
+        weight_MK.index_put_(entry_TK, w_TK)
         if counts.copied is not None:
             counts.copied.synchronize()
-        send_unique, recv_unique, num_own, R = _splits(counts.host_2GC, me)
+        send_unique, recv_unique, R = _splits(counts.host_counts)
         rows_RD = x_TD.new_empty((R, D), dtype=row_dtype)
-        recv_UC = x_TD.new_empty((sum(recv_unique), X + D), dtype=row_dtype)
-        _exchange_beside(route, recv_UC, send_UC[:sum(send_unique)], recv_unique, send_unique,
-                         lambda: scatter_slots(x_TD, route.slot_TS, K, rows_RD, "a"), "dispatch rows")
-        place_UK, weight_UK = _headers(recv_UC, X, K)
-        row_UK = _receiver_rows(place_UK, counts.recv_GC, recv_UC.shape[0], me)
-        scatter_slots(recv_UC[:, X:], row_UK, K, rows_RD, "a")
+        recv_buf = x_TD.new_empty((sum(recv_unique), width), dtype=row_dtype)
+        _exchange_beside(route, recv_buf, send_buf[:sum(send_unique)], recv_unique, send_unique,
+                         lambda: scatter_slots(x_TD, route.own_TK, rows_RD), "dispatch rows")
+        place_MK, weight_MK = _headers(recv_buf, head, K)
+        row_MK = _receiver_rows(place_MK, counts.recv_counts, recv_buf.shape[0], me)
+        scatter_slots(recv_buf[:, head:head + D], row_MK, rows_RD)
         w_R = w_TK.new_empty(R + 1)  # the last entry: a sink for slots that name no row
-        own_TK = route.slot_TS[:, :K]
-        w_R.index_put_((torch.where(own_TK >= 0, own_TK, R),), w_TK)
-        w_R.index_put_((torch.where(row_UK >= 0, row_UK, R),), weight_UK)
-        ctx.route, ctx.row_UK, ctx.splits, ctx.header = route, row_UK, (send_unique, recv_unique), X
+        w_R.index_put_((torch.where(route.own_TK >= 0, route.own_TK, R),), w_TK)
+        w_R.index_put_((torch.where(row_MK >= 0, row_MK, R),), weight_MK)
+        ctx.route, ctx.row_MK, ctx.splits, ctx.layout = route, row_MK, (send_unique, recv_unique), (head, width)
         ctx.x_dtype = x_TD.dtype
-        ctx.mark_non_differentiable(row_UK)
-        return rows_RD, w_R[:R], row_UK
+        w_R = w_R[:R]
+        # weights that need no gradient: no w_R gradient for the experts to compute and send home
+        ctx.mark_non_differentiable(row_MK, *([] if ctx.needs_input_grad[1] else [w_R]))
+        return rows_RD, w_R, row_MK
 
     @staticmethod
     def backward(ctx, grad_RD, dw_R, _):
-        route, row_UK, (send_unique, recv_unique), X = ctx.route, ctx.row_UK, ctx.splits, ctx.header
-        (R, D), K = grad_RD.shape, row_UK.shape[1]
+        route, row_MK, (send_unique, recv_unique), (head, width) = ctx.route, ctx.row_MK, ctx.splits, ctx.layout
+        (R, D), K = grad_RD.shape, row_MK.shape[1]
         grad_RD = grad_RD.contiguous()
-        back_UC = grad_RD.new_empty((sum(recv_unique), X + D))
-        gather_slots(grad_RD, None, row_UK, K, out_TD=back_UC[:, X:])
-        dw_R = torch.cat([dw_R.float(), dw_R.new_zeros(1, dtype=torch.float32)])  # the sink: slots with no row
-        _headers(back_UC, X, K)[1].copy_(dw_R[torch.where(row_UK >= 0, row_UK, R)])
-        home_UC = grad_RD.new_empty((sum(send_unique), X + D))
-        _exchange(home_UC, back_UC, send_unique, recv_unique, route, "dispatch rows (backward)")
-        grad_TD = gather_slots(grad_RD, home_UC[:, X:], route.slot_TS, K, out_dtype=ctx.x_dtype)
+        back_buf = grad_RD.new_empty((sum(recv_unique), width))
+        gather_slots(grad_RD, row_MK, out_TD=back_buf[:, head:head + D])
+        if ctx.needs_input_grad[1]:
+            dw_R = torch.cat([dw_R.float(), dw_R.new_zeros(1, dtype=torch.float32)])  # the sink: slots with no row
+            _headers(back_buf, head, K)[1].copy_(dw_R[torch.where(row_MK >= 0, row_MK, R)])
+        home_buf = grad_RD.new_empty((sum(send_unique), width))
+        _exchange(home_buf, back_buf, send_unique, recv_unique, route, "dispatch rows (backward)")
+        grad_TD = gather_slots(grad_RD, route.own_TK, home_buf[:, head:head + D], route.sent_TG, ctx.x_dtype)
         if not ctx.needs_input_grad[1]:
             return grad_TD, None, None, None
-        dw_home_UK = _headers(home_UC, X, K)[1]
-        dw_home_UK = torch.cat([dw_home_UK, dw_home_UK.new_zeros(1, K)])  # the sink row: own and dropped pairs
-        T = route.slot_TS.shape[0]
-        remote_TK = dw_home_UK[_remote_rows(route, home_UC.shape[0]), torch.arange(K, device=grad_RD.device).expand(T, K)]
-        own_TK = route.slot_TS[:, :K]
+        dw_home_MK = _headers(home_buf, head, K)[1]
+        dw_home_MK = torch.cat([dw_home_MK, dw_home_MK.new_zeros(1, K)])  # the sink row: own and dropped pairs
+        remote_TK = dw_home_MK[_header_index(route, home_buf.shape[0])]
+        own_TK = route.own_TK
         dw_TK = torch.where(own_TK >= 0, dw_R[own_TK.clamp(min=0)], remote_TK)
         return grad_TD, dw_TK, None, None
 
@@ -261,27 +269,26 @@ class _CombineFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y_RD, meta: AllToAllMeta, out_dtype):
-        route, row_UK = meta.route, meta.row_UK
-        K = row_UK.shape[1]
+        route = meta.route
         y_RD = y_RD.contiguous()
-        sums_UD = gather_slots(y_RD, None, row_UK, K)
-        home_UD = y_RD.new_empty((sum(meta.send_unique), y_RD.shape[1]))
-        _exchange(home_UD, sums_UD, meta.send_unique, meta.recv_unique, route, "combine rows")
+        sums_MD = gather_slots(y_RD, meta.row_MK)
+        home_MD = y_RD.new_empty((sum(meta.send_unique), y_RD.shape[1]))
+        _exchange(home_MD, sums_MD, meta.send_unique, meta.recv_unique, route, "combine rows")
         ctx.meta, ctx.y_dtype = meta, y_RD.dtype
-        return gather_slots(y_RD, home_UD, route.slot_TS, K, out_dtype=out_dtype)
+        return gather_slots(y_RD, route.own_TK, home_MD, route.sent_TG, out_dtype)
 
     @staticmethod
     def backward(ctx, dout_TD):
         meta = ctx.meta
-        route, K, D = meta.route, meta.row_UK.shape[1], dout_TD.shape[1]
+        route, D = meta.route, dout_TD.shape[1]
         dout_TD = dout_TD.contiguous()
-        send_UD = dout_TD.new_empty((sum(meta.send_unique), D), dtype=ctx.y_dtype)
-        scatter_slots(dout_TD, route.slot_TS, K, send_UD, "b")
+        send_MD = dout_TD.new_empty((sum(meta.send_unique), D), dtype=ctx.y_dtype)
+        scatter_slots(dout_TD, route.sent_TG, send_MD)
         dy_RD = dout_TD.new_empty((meta.num_rows, D), dtype=ctx.y_dtype)
-        recv_UD = dout_TD.new_empty((sum(meta.recv_unique), D), dtype=ctx.y_dtype)
-        _exchange_beside(route, recv_UD, send_UD, meta.recv_unique, meta.send_unique,
-                         lambda: scatter_slots(dout_TD, route.slot_TS, K, dy_RD, "a"), "combine rows (backward)")
-        scatter_slots(recv_UD, meta.row_UK, K, dy_RD, "a")
+        recv_MD = dout_TD.new_empty((sum(meta.recv_unique), D), dtype=ctx.y_dtype)
+        _exchange_beside(route, recv_MD, send_MD, meta.recv_unique, meta.send_unique,
+                         lambda: scatter_slots(dout_TD, route.own_TK, dy_RD), "combine rows (backward)")
+        scatter_slots(recv_MD, meta.row_MK, dy_RD)
         return dy_RD, None, None
 
 
@@ -303,7 +310,7 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         self._side_streams = SideStreams()
 
     def _route(self, plan: RoutingPlan) -> tuple[_Route, torch.Tensor]:
-        """The route (each pair's destination rank, the slot table: module docstring) and
+        """The route (each pair's destination rank, the row tables: module docstring) and
         place_TK (T, K), each pair's place among the pairs its destination receives from here."""
         G, me = self.ep_size, self.ep_rank
         T, K = plan.kept_TK.shape
@@ -318,8 +325,8 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         has_TG = torch.zeros((T, G + 1), dtype=torch.int64, device=device)
         has_TG = has_TG.scatter_(1, torch.where(remote_TK, dest_TK, G), 1)[:, :G]
         send_row_GT = has_TG.t().flatten().cumsum(0).view(G, T) - 1  # by destination rank, then token
-        slot_TS = torch.cat([torch.where(own_TK, place_TK, -1), torch.where(has_TG > 0, send_row_GT.t(), -1)], 1)
-        route = _Route(slot_TS=slot_TS, dest_TK=dest_TK, unique_G=has_TG.sum(0), me=me, group=self.ep_group,
+        route = _Route(own_TK=torch.where(own_TK, place_TK, -1),
+                       sent_TG=torch.where(has_TG > 0, send_row_GT.t(), -1).contiguous(), dest_TK=dest_TK, unique_G=has_TG.sum(0), me=me, group=self.ep_group,
                        timer=self.comm_timer, stream=self._side_streams.get(device), layer=flight.RECORDER.layer)
         return route, place_TK
 
@@ -330,15 +337,15 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         of them (in :class:`_DispatchFn`)."""
         G = self.ep_size
         routes = [self._route(plan) for plan in plans]
-        send_GNC = torch.stack([torch.cat([plan.kept_per_expert_E.view(G, -1), route.unique_G[:, None]], 1)
+        send_counts = torch.stack([torch.cat([plan.kept_per_expert_E.view(G, -1), route.unique_G[:, None]], 1)
                                 for plan, (route, _) in zip(plans, routes)], 1)
-        recv_GNC = torch.empty_like(send_GNC)  # by source rank
-        _timed_all_to_all(recv_GNC, send_GNC, None, None, self.ep_group, self.comm_timer, "dispatch counts")
-        host_2GNC = torch.stack([send_GNC, recv_GNC]).to("cpu", non_blocking=True)
-        copied = torch.cuda.Event() if send_GNC.is_cuda else None
+        recv_counts_all = torch.empty_like(send_counts)  # by source rank
+        _timed_all_to_all(recv_counts_all, send_counts, None, None, self.ep_group, self.comm_timer, "dispatch counts")
+        host_counts_all = torch.stack([send_counts, recv_counts_all]).to("cpu", non_blocking=True)
+        copied = torch.cuda.Event() if send_counts.is_cuda else None
         if copied is not None:
             copied.record()
-        return [_Counts(route, place_TK, recv_GNC[:, n], host_2GNC[:, :, n], copied)
+        return [_Counts(route, place_TK, recv_counts_all[:, n], host_counts_all[:, :, n], copied)
                 for n, (route, place_TK) in enumerate(routes)]
 
     def _dispatch_ep(self, x_TD: torch.Tensor, plan: RoutingPlan, w_TK: torch.Tensor, num_experts: int,
@@ -349,12 +356,12 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         :meth:`combine`."""
         me = self.ep_rank
         # enqueued before the host waits for the counts (in _DispatchFn): it runs while they travel
-        recv_GL = prepared.recv_GC[:, :-1]
+        recv_GL = prepared.recv_counts[:, :-1]
         blocks_GL = recv_GL if me == 0 else torch.cat([recv_GL[me:me + 1], recv_GL[:me], recv_GL[me + 1:]])
         offsets_J = blocks_GL.flatten().cumsum(0, dtype=torch.int32)
-        rows_RD, w_R, row_UK = _DispatchFn.apply(x_TD, w_TK, prepared, row_dtype)
-        send_unique, recv_unique, _, R = _splits(prepared.host_2GC, me)
-        meta = AllToAllMeta(route=prepared.route, row_UK=row_UK, send_unique=send_unique, recv_unique=recv_unique,
+        rows_RD, w_R, row_MK = _DispatchFn.apply(x_TD, w_TK, prepared, row_dtype)
+        send_unique, recv_unique, R = _splits(prepared.host_counts)  # on the host since the dispatch
+        meta = AllToAllMeta(route=prepared.route, row_MK=row_MK, send_unique=send_unique, recv_unique=recv_unique,
                             num_rows=R)
         return rows_RD, offsets_J, w_R, meta
 

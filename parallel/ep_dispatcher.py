@@ -19,8 +19,7 @@ import torch.distributed as dist
 
 from moe.capacity import RoutingPlan, split_plan
 from moe.config import check_positive_int
-from kernel_floor import check_pair_weights
-from moe.dispatch import Dispatcher, DispatchMeta, LocalDispatcher, LocalDispatchMeta
+from moe.dispatch import Dispatcher, DispatchMeta, LocalDispatcher, LocalDispatchMeta, check_combine_weights
 from parallel import flight
 from parallel.all_to_all import all_reduce_sum
 from parallel.comm import SideStreams
@@ -57,9 +56,10 @@ def _keep_in_graph(y_RD: torch.Tensor, empty_rows_RD: torch.Tensor | None) -> to
     ranks would wait forever. A rank that received no rows (R = 0) has experts that compute
     nothing, so its expert output does not depend on the received rows nor on the weights. Two
     rules make the graph the same on every rank:
-    - the dispatch exchange's backward exists iff ``x_TD`` requires grad (the same on every
-      rank); when R = 0 the (empty) received rows are tied to the output with a zero gradient, so
-      the backward reaches that exchange (costs nothing: the tensors have 0 rows);
+    - the dispatch exchange's backward exists iff ``x_TD`` or the combine weights require grad (the
+      same on every rank; the NCCL dispatch carries the weights); when R = 0 the (empty) received
+      rows are tied to the output with a zero gradient, so the backward reaches that exchange (costs
+      nothing: the tensors have 0 rows);
     - the combine exchange's backward exists iff grad mode is on: an output that does not require
       grad is made a leaf that does (frozen experts then still run the exchange, with zeros).
     """
@@ -117,7 +117,7 @@ class ExpertParallelDispatcher(Dispatcher):
         :meth:`_prepare` when :meth:`run_experts` prepared several at once (None: its own)."""
         if self.ep_size == 1:
             return self._local.dispatch(x_TD, plan, w_TK, row_dtype)
-        check_pair_weights(f"{type(self).__name__}.dispatch", w_TK, *plan.kept_TK.shape)
+        check_combine_weights(f"{type(self).__name__}.dispatch", w_TK, plan)
         num_experts = plan.kept_per_expert_E.numel()
         if num_experts % self.ep_size:
             raise ValueError(f"{type(self).__name__}: {num_experts} experts do not split over {self.ep_size} ranks")
@@ -135,14 +135,15 @@ class ExpertParallelDispatcher(Dispatcher):
         """:meth:`moe.Dispatcher.run_experts`, pipelined over ``overlap_chunks`` = N token chunks.
 
         The whole plan's drops are cut into N chunk plans (:func:`moe.capacity.split_plan`). What
-        every chunk dispatch needs first (the NCCL transport: the per-expert counts, read on the
-        host) is exchanged for all N at once (:meth:`_prepare`: one host sync per layer, not N).
-        Then, on a second CUDA stream, the N dispatches are enqueued; on the current stream the
-        experts of chunk c wait only for dispatch c, and combine c (second stream again) waits
-        only for them. So the second stream runs dispatch c+1 while chunk c's experts compute, and
-        combine c while chunk c+1's experts compute: of the 2N exchanges, dispatch 0 and combine
-        N−1 are left exposed. The backward keeps the overlap: autograd runs each backward on its
-        forward's stream (combine c's backward beside the experts' backward of chunk c+1's, ...).
+        every chunk dispatch needs first (the NCCL transport: its route, and the per-expert and
+        unique-row counts, read on the host) is made and exchanged for all N at once
+        (:meth:`_prepare`: one host sync per layer, not N). Then, on a second CUDA stream, the N
+        dispatches are enqueued; on the current stream the experts of chunk c wait only for dispatch
+        c, and combine c (second stream again) waits only for them. So the second stream runs
+        dispatch c+1 while chunk c's experts compute, and combine c while chunk c+1's experts
+        compute: of the 2N exchanges, dispatch 0 and combine N−1 are left exposed. The backward
+        keeps the overlap: autograd runs each backward on its forward's stream (combine c's backward
+        beside the experts' backward of chunk c+1's, ...).
 
         The results equal the unchunked path's up to the experts' and combine's rounding (the
         same pairs, weights and drops; the weight gradients summed over chunks). On a CPU the
@@ -197,7 +198,8 @@ class ExpertParallelDispatcher(Dispatcher):
 
     @abstractmethod
     def _dispatch_ep(self, x_TD: torch.Tensor, plan: RoutingPlan, w_TK: torch.Tensor, num_experts: int, prepared,
-                     row_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, ExpertParallelMeta]:
+                     row_dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, ExpertParallelMeta]:
         """:meth:`dispatch` over more than one rank; ``num_experts`` E is a multiple of ep_size;
         ``prepared``: this dispatch's entry of :meth:`_prepare`; rows sent and returned in
         ``row_dtype``, the backward's sum in fp32 into x's dtype."""

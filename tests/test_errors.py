@@ -91,3 +91,15 @@ def test_experts_not_divisible_by_ep_size():
 
     with pytest.raises(ValueError, match="num_experts=4 must be divisible by the expert-parallel size 3"):
         MoELayer(8, 16, 4, dispatcher=FakeDispatcher())
+
+
+def test_dispatch_needs_the_combine_weights():
+    from moe.capacity import plan_routing
+    from moe.dispatch import LocalDispatcher
+
+    plan = plan_routing(torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2), 4, None)
+    x = torch.randn(2, 8)
+    with pytest.raises(TypeError, match="w_TK must be the"):
+        LocalDispatcher().dispatch(x, plan, None)
+    with pytest.raises(ValueError, match="w_TK must be fp32 of shape"):
+        LocalDispatcher().dispatch(x, plan, torch.rand(2, 3))

@@ -2,9 +2,9 @@
 each of the three locators that use them, against the family's one PyTorch reference.
 
 - the local combines (``moe.kernels.combine``): one buffer in dispatch order, ``weighted_combine``
-  (the EP dispatchers' one-rank fallback's ``combine``) and ``sum_combine`` (rows the experts
-  weighted: what the one-process layer runs);
-- the NCCL dispatcher's token rows (``parallel.token_rows``): slot tables into an own-rows and a
+  (the local dispatch's backward, with weights 1 and 0) and ``sum_combine`` (rows the experts
+  weighted: the local dispatcher's combine);
+- the NCCL dispatcher's token rows (``parallel.token_rows``): row tables into an own-rows and a
   unique-rows buffer;
 - the P2P dispatcher's sum and push (``parallel.p2p_rows``): the own rows and the return buffer,
   stores through a table of G buffer addresses (G local buffers stand for the ranks).
@@ -164,66 +164,62 @@ def test_combine_gpu_bf16_matches_reference(T, K, D, num_rows):
 
 
 # ---------------------------------------------------------------------------------------------
-# The NCCL dispatcher's token rows: slot tables split into two buffers.
+# The NCCL dispatcher's token rows: row tables into one or two buffers.
 
-# rows are copied or summed over at most S terms in fp32, then rounded once to the dtype
+# rows are copied or summed over at most K + G terms in fp32, then rounded once to the dtype
 TOKEN_ROWS_TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 
-def _slot_table(T, S, split, rows_a, rows_b, missing=0.3, seed=0):
-    """(T, S) int64: slots before ``split`` name distinct rows of a (rows_a of them), the others
-    distinct rows of b, a random share -1 (or every slot, when a buffer has no rows)."""
+def _row_table(T, slots, rows, missing=0.3, seed=0):
+    """(T, slots) int64 naming distinct rows of a buffer of ``rows`` rows, a random share -1 (every
+    slot when the buffer has no rows)."""
     gen = torch.Generator().manual_seed(seed)
-    table = torch.full((T, S), -1, dtype=torch.int64)
-    for lo, hi, rows in ((0, split, rows_a), (split, S, rows_b)):
-        there = torch.rand(T, hi - lo, generator=gen) >= missing
-        n = min(int(there.sum()), rows)
-        places = there.flatten().nonzero()[:n, 0]
-        block = torch.full((T * (hi - lo),), -1, dtype=torch.int64)
-        block[places] = torch.randperm(rows, generator=gen)[:n]
-        table[:, lo:hi] = block.view(T, hi - lo)
-    return table.to(DEVICE)
+    there = (torch.rand(T * slots, generator=gen) >= missing).nonzero()[:, 0][:rows]
+    table = torch.full((T * slots,), -1, dtype=torch.int64)
+    table[there] = torch.randperm(rows, generator=gen)[:there.numel()]
+    return table.view(T, slots).to(DEVICE)
 
 
-TOKEN_CASES = [  # T, S, split, rows of a, rows of b
-    (37, 5, 3, 60, 40),
-    (29, 4, 4, 90, 0),   # a row table: every slot names a row of a
-    (16, 3, 1, 0, 30),   # no own rows
-    (12, 3, 2, 20, 0),   # no unique rows
-    (1, 6, 4, 4, 2),
-    (0, 5, 3, 0, 0),
+TOKEN_CASES = [  # T, K, G, rows of a, rows of b
+    (37, 3, 2, 60, 40),
+    (29, 4, 0, 90, 0),   # one table (the receiver's)
+    (16, 1, 3, 0, 30),   # no own rows
+    (12, 2, 1, 20, 0),   # no unique rows
+    (1, 4, 2, 4, 2),
+    (0, 3, 2, 0, 0),
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,S,split,rows_a,rows_b", TOKEN_CASES)
-def test_scatter_slots_matches_reference(T, S, split, rows_a, rows_b, dtype):
+@pytest.mark.parametrize("T,K,G,rows_a,rows_b", TOKEN_CASES)
+def test_scatter_slots_matches_reference(T, K, G, rows_a, rows_b, dtype):
     D = 70  # not a multiple of the interpreter's 64-column block
-    table = _slot_table(T, S, split, rows_a, rows_b)
     x_TD = torch.randn(T, D, device=DEVICE).to(dtype)
-    for side, rows in (("a", rows_a), ("b", rows_b)):
+    for slots, rows, seed in ((K, rows_a, 0), (G, rows_b, 1)):
+        table = _row_table(T, slots, rows, seed=seed)
         # the destination's rows carry a 6-column head, as the dispatcher's send buffer does
         got, want = (torch.full((rows + 1, D + 6), 7.0, device=DEVICE, dtype=dtype) for _ in range(2))
-        scatter_slots(x_TD, table, split, got[:, 6:], side, backend="triton")
-        scatter_slots(x_TD, table, split, want[:, 6:], side, backend="reference")
+        scatter_slots(x_TD, table, got[:, 6:], backend="triton")
+        scatter_slots(x_TD, table, want[:, 6:], backend="reference")
         torch.testing.assert_close(got, want, rtol=TOKEN_ROWS_TOL[dtype], atol=TOKEN_ROWS_TOL[dtype])
-        named = table[:, :split] if side == "a" else table[:, split:]
-        assert ((got[:, 6:] != 7.0).any(-1).sum() == (named >= 0).sum()).item()
+        assert ((got[:, 6:] != 7.0).any(-1).sum() == (table >= 0).sum()).item()
         assert (got[:, :6] == 7.0).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,S,split,rows_a,rows_b", TOKEN_CASES)
-def test_gather_slots_matches_reference(T, S, split, rows_a, rows_b, dtype):
+@pytest.mark.parametrize("T,K,G,rows_a,rows_b", TOKEN_CASES)
+def test_gather_slots_matches_reference(T, K, G, rows_a, rows_b, dtype):
     D = 70
-    table = _slot_table(T, S, split, rows_a, rows_b, seed=1)
+    a_TK, b_TG = _row_table(T, K, rows_a, seed=2), _row_table(T, G, rows_b, seed=3)
     a_MD = torch.randn(rows_a, D, device=DEVICE).to(dtype)
     b_MD = torch.randn(rows_b, D + 3, device=DEVICE).to(dtype)[:, 3:]  # a strided view, as the dispatcher reads
-    got = gather_slots(a_MD, b_MD, table, split, torch.float32, backend="triton")
-    want = gather_slots(a_MD, b_MD, table, split, torch.float32, backend="reference")
-    torch.testing.assert_close(got, want, rtol=TOKEN_ROWS_TOL[dtype], atol=TOKEN_ROWS_TOL[dtype])
+    for b, table in ((None, None), (b_MD, b_TG)):
+        got = gather_slots(a_MD, a_TK, b, table, torch.float32, backend="triton")
+        want = gather_slots(a_MD, a_TK, b, table, torch.float32, backend="reference")
+        torch.testing.assert_close(got, want, rtol=TOKEN_ROWS_TOL[dtype], atol=TOKEN_ROWS_TOL[dtype])
     out = torch.full((T, D + 5), 7.0, device=DEVICE, dtype=dtype)
-    assert gather_slots(a_MD, b_MD, table, split, out_TD=out[:, 5:], backend="triton").data_ptr() == out[:, 5:].data_ptr()
+    written = gather_slots(a_MD, a_TK, b_MD, b_TG, out_TD=out[:, 5:], backend="triton")
+    assert written.data_ptr() == out[:, 5:].data_ptr()
     torch.testing.assert_close(out[:, 5:].float(), want, rtol=TOKEN_ROWS_TOL[dtype], atol=TOKEN_ROWS_TOL[dtype])
     assert (out[:, :5] == 7.0).all()
 
@@ -239,22 +235,21 @@ def test_token_round_trip_is_the_sum_of_each_tokens_pair_rows():
     far_TK = ~own_TK & (torch.rand(T, K, generator=gen) < 0.7)        # pairs on the other rank
     own_rows = own_TK.flatten().cumsum(0).view(T, K) - 1
     sent_T = far_TK.any(-1)
-    send_row_T = sent_T.cumsum(0) - 1
-    slot_TS = torch.cat([torch.where(own_TK, own_rows, -1), torch.where(sent_T, send_row_T, -1)[:, None]], 1)
     n_own, n_sent, n_far = int(own_TK.sum()), int(sent_T.sum()), int(far_TK.sum())
+    own_table = torch.where(own_TK, own_rows, -1).to(DEVICE)
+    sent_table = torch.where(sent_T, sent_T.cumsum(0) - 1, -1)[:, None].to(DEVICE)
     # the receiver lays the far pairs out after its own rows, in a shuffled order
-    far_rows = n_own + torch.randperm(n_far, generator=gen)
-    row_UK = torch.full((n_sent, K), -1, dtype=torch.int64)
-    row_UK[far_TK[sent_T]] = far_rows
-    slot_TS, row_UK = slot_TS.to(DEVICE), row_UK.to(DEVICE)
-    send_UD = torch.empty(n_sent, D, device=DEVICE)
+    row_MK = torch.full((n_sent, K), -1, dtype=torch.int64)
+    row_MK[far_TK[sent_T]] = n_own + torch.randperm(n_far, generator=gen)
+    row_MK = row_MK.to(DEVICE)
+    send_MD = torch.empty(n_sent, D, device=DEVICE)
     rows_RD = torch.full((n_own + n_far, D), float("nan"), device=DEVICE)
-    scatter_slots(x_TD, slot_TS, K, send_UD, "b", backend="triton")
-    scatter_slots(x_TD, slot_TS, K, rows_RD, "a", backend="triton")
-    scatter_slots(send_UD, row_UK, K, rows_RD, "a", backend="triton")
+    scatter_slots(x_TD, sent_table, send_MD, backend="triton")
+    scatter_slots(x_TD, own_table, rows_RD, backend="triton")
+    scatter_slots(send_MD, row_MK, rows_RD, backend="triton")
     assert not rows_RD.isnan().any()
-    home_UD = gather_slots(rows_RD, None, row_UK, K, backend="triton")
-    out_TD = gather_slots(rows_RD, home_UD, slot_TS, K, backend="triton")
+    home_MD = gather_slots(rows_RD, row_MK, backend="triton")
+    out_TD = gather_slots(rows_RD, own_table, home_MD, sent_table, backend="triton")
     kept = (own_TK | far_TK).sum(-1, keepdim=True).to(DEVICE)
     torch.testing.assert_close(out_TD, x_TD * kept, rtol=1e-5, atol=1e-5)
     assert 0 < n_own < n_own + n_far
@@ -263,22 +258,22 @@ def test_token_round_trip_is_the_sum_of_each_tokens_pair_rows():
 def test_token_rows_bad_arguments_name_the_field():
     x_TD = torch.randn(4, 8, device=DEVICE)
     table = torch.full((4, 3), -1, dtype=torch.int64, device=DEVICE)
-    with pytest.raises(ValueError, match="table_TS"):
-        scatter_slots(x_TD, table.int(), 2, torch.empty(8, 8, device=DEVICE), "a")
-    with pytest.raises(ValueError, match="table_TS"):
-        scatter_slots(x_TD, table[:3], 2, torch.empty(8, 8, device=DEVICE), "a")
-    with pytest.raises(ValueError, match="split=4"):
-        gather_slots(x_TD, None, table, 4)
-    with pytest.raises(ValueError, match="side"):
-        scatter_slots(x_TD, table, 2, torch.empty(8, 8, device=DEVICE), "c")
+    with pytest.raises(ValueError, match="table_TK"):
+        scatter_slots(x_TD, table.int(), torch.empty(8, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="table_TK"):
+        scatter_slots(x_TD, table[:3], torch.empty(8, 8, device=DEVICE))
     with pytest.raises(ValueError, match="dst_MD"):
-        scatter_slots(x_TD, table, 2, torch.empty(8, 9, device=DEVICE), "a")
+        scatter_slots(x_TD, table, torch.empty(8, 9, device=DEVICE))
     with pytest.raises(ValueError, match="dst_MD"):
-        scatter_slots(x_TD, table, 2, torch.empty(8, 8, device=DEVICE).t(), "a")
+        scatter_slots(x_TD, table, torch.empty(8, 8, device=DEVICE).t())
+    with pytest.raises(ValueError, match="go together"):
+        gather_slots(x_TD, table, x_TD)
+    with pytest.raises(ValueError, match="table_TG"):
+        gather_slots(x_TD, table, x_TD, table[:, :2].t().contiguous())
     with pytest.raises(ValueError, match="share a dtype"):
-        gather_slots(x_TD, x_TD.half(), table, 2)
+        gather_slots(x_TD, table, x_TD.half(), table)
     with pytest.raises(ValueError, match="out_TD"):
-        gather_slots(x_TD, None, table, 2, out_TD=torch.empty(3, 8, device=DEVICE))
+        gather_slots(x_TD, table, out_TD=torch.empty(3, 8, device=DEVICE))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -418,10 +418,10 @@ def block_parts(s: ModelShape, moe: bool, B: int, S: int, lay: Layout, num: Nume
             parts += [Part("dispatch gather index", P * 8, dispatch=True),
                       Part("combine: row of each pair", P * 8, dispatch=True)]
         else:
-            # parallel/dispatcher.py: the slot table (K + ep slots a token) and each pair's rank,
+            # parallel/dispatcher.py: the row tables (K + ep entries a token) and each pair's rank,
             # and the row table of the tokens received (at most one per token of each other rank)
             received = (lay.ep - 1) * min(T, -(-rows.R // lay.ep))
-            parts += [Part("route: slot table and each pair's rank", (T * (s.K + lay.ep) + P) * 8, dispatch=True),
+            parts += [Part("route: row tables and each pair's rank", (T * (s.K + lay.ep) + P) * 8, dispatch=True),
                       Part("row table of the received tokens", received * s.K * 8, dispatch=True)]
         return parts
     parts += [Part("combine weights × kept mask", P * 4),
