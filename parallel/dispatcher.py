@@ -55,7 +55,7 @@ from moe.capacity import RoutingPlan
 from parallel import flight
 from parallel.comm import CommTimer, SideStreams, run_beside
 from parallel.ep_dispatcher import ExpertParallelDispatcher, ExpertParallelMeta
-from parallel.token_rows import gather_slots, scatter_slots
+from parallel.token_rows import gather_slots, scatter_slots, write_headers
 
 
 @dataclass(frozen=True)
@@ -208,14 +208,10 @@ class _DispatchFn(torch.autograd.Function):
         head, width = _unique_row_layout(K, D, row_dtype)
         x_TD = x_TD.contiguous()
         # unique rows and headers, packed while the counts travel: M is not on the host yet, and a
-        # token has at most min(K, G - 1) of them; plus a sink row for the headers of pairs sent nowhere
-        send_buf = x_TD.new_empty((T * min(K, G - 1) + 1, width), dtype=row_dtype)
+        # token has at most min(K, G - 1) of them
+        send_buf = x_TD.new_empty((T * min(K, G - 1), width), dtype=row_dtype)
         scatter_slots(x_TD, route.sent_TG, send_buf[:, head:head + D])
-        place_MK, weight_MK = _headers(send_buf, head, K)
-        place_MK.fill_(-1)
-        entry_TK = _header_index(route, send_buf.shape[0] - 1)
-        place_MK.index_put_(entry_TK, counts.place_TK.to(torch.int32))
-        weight_MK.index_put_(entry_TK, w_TK)
+        write_headers(counts.place_TK, route.dest_TK, w_TK.contiguous(), route.sent_TG, *_headers(send_buf, head, K))
         if counts.copied is not None:
             counts.copied.synchronize()
         send_unique, recv_unique, R = _splits(counts.host_counts)
@@ -326,8 +322,9 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         has_TG = has_TG.scatter_(1, torch.where(remote_TK, dest_TK, G), 1)[:, :G]
         send_row_GT = has_TG.t().flatten().cumsum(0).view(G, T) - 1  # by destination rank, then token
         route = _Route(own_TK=torch.where(own_TK, place_TK, -1),
-                       sent_TG=torch.where(has_TG > 0, send_row_GT.t(), -1).contiguous(), dest_TK=dest_TK, unique_G=has_TG.sum(0), me=me, group=self.ep_group,
-                       timer=self.comm_timer, stream=self._side_streams.get(device), layer=flight.RECORDER.layer)
+                       sent_TG=torch.where(has_TG > 0, send_row_GT.t(), -1).contiguous(), dest_TK=dest_TK,
+                       unique_G=has_TG.sum(0), me=me, group=self.ep_group, timer=self.comm_timer,
+                       stream=self._side_streams.get(device), layer=flight.RECORDER.layer)
         return route, place_TK
 
     def _prepare(self, plans: list[RoutingPlan]) -> list[_Counts]:

@@ -19,7 +19,7 @@ import torch
 
 from moe.kernels.combine import gather_rows, sum_combine, weighted_combine, weighted_combine_reference
 from parallel.p2p_rows import push_rows, push_rows_reference, sum_pairs, sum_pairs_reference
-from parallel.token_rows import gather_slots, scatter_slots
+from parallel.token_rows import gather_slots, scatter_slots, write_headers
 from tests.peers import G, buffer_ptrs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -253,6 +253,31 @@ def test_token_round_trip_is_the_sum_of_each_tokens_pair_rows():
     kept = (own_TK | far_TK).sum(-1, keepdim=True).to(DEVICE)
     torch.testing.assert_close(out_TD, x_TD * kept, rtol=1e-5, atol=1e-5)
     assert 0 < n_own < n_own + n_far
+
+
+@pytest.mark.parametrize("T,K,G", [(37, 3, 3), (1, 8, 2), (0, 2, 2), (20, 2, 5)])
+def test_write_headers_matches_reference(T, K, G):
+    gen = torch.Generator().manual_seed(T + K)
+    dest_TK = torch.randint(0, G + 1, (T, K), generator=gen)  # G: dropped
+    place_TK = torch.randint(0, 1000, (T, K), generator=gen)
+    w_TK = torch.rand(T, K, generator=gen)
+    has_TG = torch.zeros(T, G + 1, dtype=torch.int64).scatter_(1, dest_TK, 1)[:, :G]
+    has_TG[:, 1] = 0  # rank 1 is this one: nothing sent to it
+    sent_TG = torch.where(has_TG > 0, has_TG.t().flatten().cumsum(0).view(G, T).t() - 1, -1).contiguous()
+    M = int(has_TG.sum())
+    args = [t.to(DEVICE) for t in (place_TK, dest_TK, w_TK, sent_TG)]
+    heads = []
+    for backend in ("triton", "reference"):
+        buf = torch.full((M + 1, 2 * K + 3), 5, dtype=torch.int32, device=DEVICE)  # one row never sent
+        write_headers(*args, buf[:, :K], buf[:, K:2 * K].view(torch.float32), backend=backend)
+        heads.append(buf)
+    assert torch.equal(heads[0], heads[1])
+    assert (heads[0][M] == 5).all() and (heads[0][:, 2 * K:] == 5).all()
+    # every sent row's places: the token's pairs on its rank, -1 elsewhere
+    for t, g in has_TG.nonzero().tolist():
+        m = sent_TG[t, g]
+        want = torch.where(dest_TK[t] == g, place_TK[t], -1).to(torch.int32)
+        assert torch.equal(heads[0][m, :K].cpu(), want)
 
 
 def test_token_rows_bad_arguments_name_the_field():
