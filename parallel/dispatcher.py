@@ -55,7 +55,7 @@ from moe.capacity import RoutingPlan
 from parallel import flight
 from parallel.comm import CommTimer, SideStreams, run_beside
 from parallel.ep_dispatcher import ExpertParallelDispatcher, ExpertParallelMeta
-from parallel.token_rows import gather_slots, scatter_slots, write_headers
+from parallel.token_rows import gather_slots, locate_pairs, scatter_slots, write_headers
 
 
 @dataclass(frozen=True)
@@ -311,19 +311,12 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         G, me = self.ep_size, self.ep_rank
         T, K = plan.kept_TK.shape
         device = plan.order_P.device
-        per_rank_G = plan.kept_per_expert_E.view(G, -1).sum(-1)
-        ends_G = per_rank_G.cumsum(0)
+        ends_G = plan.kept_per_expert_E.view(G, -1).sum(-1).cumsum(0)
         pos_TK = _send_positions(plan.order_P).view(T, K)  # kept pairs by expert, hence by rank
-        dest_TK = torch.searchsorted(ends_G, pos_TK, right=True)  # G: past every rank's pairs, dropped
-        place_TK = pos_TK - (ends_G - per_rank_G)[dest_TK.clamp(max=G - 1)]
-        own_TK = dest_TK == me
-        remote_TK = ~own_TK & (dest_TK < G)
-        has_TG = torch.zeros((T, G + 1), dtype=torch.int64, device=device)
-        has_TG = has_TG.scatter_(1, torch.where(remote_TK, dest_TK, G), 1)[:, :G]
-        send_row_GT = has_TG.t().flatten().cumsum(0).view(G, T) - 1  # by destination rank, then token
-        route = _Route(own_TK=torch.where(own_TK, place_TK, -1),
-                       sent_TG=torch.where(has_TG > 0, send_row_GT.t(), -1).contiguous(), dest_TK=dest_TK,
-                       unique_G=has_TG.sum(0), me=me, group=self.ep_group, timer=self.comm_timer,
+        dest_TK, place_TK, own_TK, has_GT = locate_pairs(pos_TK, ends_G, me)
+        send_row_GT = has_GT.flatten().cumsum(0).view(G, T) - 1  # by destination rank, then token
+        route = _Route(own_TK=own_TK, sent_TG=torch.where(has_GT > 0, send_row_GT, -1).t().contiguous(),
+                       dest_TK=dest_TK, unique_G=has_GT.sum(1), me=me, group=self.ep_group, timer=self.comm_timer,
                        stream=self._side_streams.get(device), layer=flight.RECORDER.layer)
         return route, place_TK
 

@@ -19,7 +19,7 @@ import torch
 
 from moe.kernels.combine import gather_rows, sum_combine, weighted_combine, weighted_combine_reference
 from parallel.p2p_rows import push_rows, push_rows_reference, sum_pairs, sum_pairs_reference
-from parallel.token_rows import gather_slots, scatter_slots, write_headers
+from parallel.token_rows import gather_slots, locate_pairs, scatter_slots, write_headers
 from tests.peers import G, buffer_ptrs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -278,6 +278,28 @@ def test_write_headers_matches_reference(T, K, G):
         m = sent_TG[t, g]
         want = torch.where(dest_TK[t] == g, place_TK[t], -1).to(torch.int32)
         assert torch.equal(heads[0][m, :K].cpu(), want)
+
+
+@pytest.mark.parametrize("T,K,G,me,drop", [(37, 3, 3, 1, 0.25), (29, 1, 4, 3, 0.0), (16, 8, 2, 0, 0.5),
+                                           (12, 2, 3, 2, 1.0), (1, 4, 5, 0, 0.0), (0, 2, 2, 1, 0.0)])
+def test_locate_pairs_matches_reference(T, K, G, me, drop):
+    """Send positions of a random routing (kept pairs by rank, ranks that keep none included),
+    located by the kernel and by the reference; every kept pair's place counts within its rank."""
+    gen = torch.Generator().manual_seed(T * G + K)
+    rank_P = torch.randint(0, G, (T * K,), generator=gen)
+    rank_P[rank_P == min(1, G - 1)] = 0  # rank 1 keeps no pair: equal ends
+    kept_P = torch.rand(T * K, generator=gen) >= drop
+    order = torch.sort(torch.where(kept_P, rank_P, G), stable=True).indices
+    pos_TK = torch.empty(T * K, dtype=torch.int64)
+    pos_TK[order] = torch.arange(T * K)
+    ends_G = torch.bincount(rank_P[kept_P], minlength=G).cumsum(0)
+    pos_TK, ends_G = pos_TK.view(T, K).to(DEVICE), ends_G.to(DEVICE)
+    got = locate_pairs(pos_TK, ends_G, me, backend="triton")
+    want = locate_pairs(pos_TK, ends_G, me, backend="reference")
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    dest_TK = got[0].cpu().flatten()
+    assert torch.equal(dest_TK, torch.where(kept_P, rank_P, G))
 
 
 def test_token_rows_bad_arguments_name_the_field():
