@@ -207,10 +207,21 @@ def check_segments(offsets_J: torch.Tensor, num_groups: int) -> None:
                          f"(one entry per row segment), got shape {tuple(offsets_J.shape)}")
 
 
-def check_rows(name: str, t: torch.Tensor, rows: int | None, D: int) -> None:
-    """``t`` must be a contiguous (rows, D) matrix (any row count when ``rows`` is None)."""
-    if t.dim() != 2 or t.shape[1] != D or (rows is not None and t.shape[0] != rows) or not t.is_contiguous():
+def check_rows(name: str, t: torch.Tensor, rows: int | None, D: int, any_row_stride: bool = False) -> None:
+    """``t`` must be a contiguous (rows, D) matrix (any row count when ``rows`` is None); with
+    ``any_row_stride``, its rows may lie any distance apart but each must be contiguous (a view of
+    some columns of a wider buffer, which the row kernels read by their row stride)."""
+    if t.dim() != 2 or t.shape[1] != D or (rows is not None and t.shape[0] != rows):
+        laid_out = False
+    elif any_row_stride:  # a stride of a dimension of size 0 or 1 is never used
+        laid_out = t.shape[0] == 0 or D <= 1 or t.stride(1) == 1
+    else:
+        laid_out = t.is_contiguous()
+    if not laid_out:
         want = f"({rows}, {D})" if rows is not None else f"(rows, {D})"
+        if any_row_stride:
+            raise ValueError(f"{name} must be {want} rows with unit column stride, got {tuple(t.shape)} "
+                             f"strides {t.stride()}")
         raise ValueError(f"{name} must be contiguous {want}, got {tuple(t.shape)}")
 
 

@@ -328,7 +328,7 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         G = self.ep_size
         routes = [self._route(plan) for plan in plans]
         send_counts = torch.stack([torch.cat([plan.kept_per_expert_E.view(G, -1), route.unique_G[:, None]], 1)
-                                for plan, (route, _) in zip(plans, routes)], 1)
+                                   for plan, (route, _) in zip(plans, routes)], 1)
         recv_counts_all = torch.empty_like(send_counts)  # by source rank
         _timed_all_to_all(recv_counts_all, send_counts, None, None, self.ep_group, self.comm_timer, "dispatch counts")
         host_counts_all = torch.stack([send_counts, recv_counts_all]).to("cpu", non_blocking=True)

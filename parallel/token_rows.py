@@ -39,7 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_floor import gather_sum, gather_sum_reference, scatter_rows, scatter_rows_reference, use_reference
+from kernel_floor import (
+    check_rows, gather_sum, gather_sum_reference, scatter_rows, scatter_rows_reference, use_reference,
+)
 
 
 @triton.jit
@@ -76,13 +78,6 @@ def _check_table(name: str, what: str, table: torch.Tensor, T: int) -> None:
                          f"{table.dtype} {tuple(table.shape)}")
 
 
-def _check_rows(name: str, what: str, t_MD: torch.Tensor, D: int) -> None:
-    """Rows of width D with unit column stride (any row stride: a buffer's rows may carry a header)."""
-    if t_MD.dim() != 2 or t_MD.shape[1] != D or (t_MD.shape[0] > 0 and D > 1 and t_MD.stride(1) != 1):
-        raise ValueError(f"{name}: {what} must be (M, {D}) rows with unit column stride, got "
-                         f"{tuple(t_MD.shape)} strides {t_MD.stride()}")
-
-
 def scatter_slots(x_TD: torch.Tensor, table_TK: torch.Tensor, dst_MD: torch.Tensor, backend: str = "auto") -> None:
     """``dst[table[t, k]] = x[t]`` (cast to dst's dtype) for every slot whose row is not -1; other
     rows of dst untouched.
@@ -93,8 +88,8 @@ def scatter_slots(x_TD: torch.Tensor, table_TK: torch.Tensor, dst_MD: torch.Tens
     """
     T, D = x_TD.shape
     _check_table("scatter_slots", "table_TK", table_TK, T)
-    _check_rows("scatter_slots", "x_TD", x_TD, D)
-    _check_rows("scatter_slots", "dst_MD", dst_MD, D)
+    check_rows("scatter_slots: x_TD", x_TD, None, D, any_row_stride=True)
+    check_rows("scatter_slots: dst_MD", dst_MD, None, D, any_row_stride=True)
     if use_reference(backend, not x_TD.is_cuda):
         in_a, _, row, _ = located = locate_reference(table_TK)
         scatter_rows_reference(x_TD, (torch.where(in_a, 0, -1), row), located, [dst_MD])
@@ -115,18 +110,16 @@ def gather_slots(a_MD: torch.Tensor, table_TK: torch.Tensor, b_MD: torch.Tensor 
     """
     T, D = table_TK.shape[0], a_MD.shape[1]
     _check_table("gather_slots", "table_TK", table_TK, T)
-    _check_rows("gather_slots", "a_MD", a_MD, D)
+    check_rows("gather_slots: a_MD", a_MD, None, D, any_row_stride=True)
     if (b_MD is None) != (table_TG is None):
         raise ValueError("gather_slots: b_MD and table_TG go together")
     if b_MD is not None:
         _check_table("gather_slots", "table_TG", table_TG, T)
-        _check_rows("gather_slots", "b_MD", b_MD, D)
+        check_rows("gather_slots: b_MD", b_MD, None, D, any_row_stride=True)
         if b_MD.dtype != a_MD.dtype:
             raise ValueError(f"gather_slots: a_MD ({a_MD.dtype}) and b_MD ({b_MD.dtype}) must share a dtype")
     if out_TD is not None:
-        _check_rows("gather_slots", "out_TD", out_TD, D)
-        if out_TD.shape[0] != T:
-            raise ValueError(f"gather_slots: out_TD must have the tables' {T} rows, got {tuple(out_TD.shape)}")
+        check_rows("gather_slots: out_TD", out_TD, T, D, any_row_stride=True)
     if use_reference(backend, not a_MD.is_cuda):
         out = gather_sum_reference(locate_reference(table_TK, table_TG), a_MD, b_MD, None,
                                    out_TD.dtype if out_TD is not None else out_dtype)
@@ -237,8 +230,8 @@ def locate_pairs(pos_TK: torch.Tensor, ends_G: torch.Tensor, me: int, backend: s
 
     pos_TK: (T, K) int64 contiguous; ends_G: (G,) int64 cumulative, non-decreasing; me: this rank.
     Returns dest_TK (T, K) int64 each pair's rank (G: dropped, at or past ends[-1]); place_TK its
-    place among the pairs its rank receives from here (-1: dropped); own_TK the place where the rank is ``me``,
-    else -1; has_GT (G, T) int64: 1 where token t has a kept pair on rank g != me.
+    place among the pairs its rank receives from here (-1: dropped); own_TK the place where the
+    rank is ``me``, else -1; has_GT (G, T) int64: 1 where token t has a kept pair on rank g != me.
     """
     if pos_TK.dim() != 2 or pos_TK.dtype != torch.int64 or not pos_TK.is_contiguous():
         raise ValueError(f"locate_pairs: pos_TK must be a contiguous (T, K) int64 tensor, got "
