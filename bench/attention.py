@@ -7,7 +7,8 @@ triton.testing.do_bench (median); the claim is the median over rounds of anchor_
 (> 1: ours faster). The A-vs-A rows time ours against itself to show the noise.
 
     python bench/attention.py [--quick] [--sass] [--out bench/results/attention.md]
-    python bench/attention.py --host   # host vs GPU-kernel time of a fwd+bwd call at S 1k
+    python bench/attention.py --host   # host vs GPU-kernel time of a fwd+bwd call at S 1k, and
+                                       # where the host time of our backward goes
 """
 
 import argparse
@@ -113,6 +114,51 @@ def host_split(Hd, S, causal, calls=30):
     return out
 
 
+def backward_thread_split(Hd, S, causal, calls=30):
+    """Host ms of our backward's Python body (``FlashAttentionFn.backward``) within a fwd+bwd
+    call: run by the autograd engine's device thread (the default), by the calling thread
+    (``set_multithreading_enabled(False)``), and called directly. The body's work is the same in
+    all three; a slower first column is the device thread's wake-up on another core."""
+    import threading
+
+    from attention.flash_attn import FlashAttentionFn, attention_backward, attention_forward
+    _, _, q, k, v, do = _inputs(Hd, S)
+    body, inner = [], FlashAttentionFn.backward
+
+    def timed(ctx, g):
+        start = time.perf_counter()
+        out = inner(ctx, g)
+        body.append((time.perf_counter() - start, threading.get_ident()))
+        return out
+
+    def median_body(fn):
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        body.clear()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        return statistics.median(t for t, _ in body) * 1e3, body[-1][1] == threading.get_ident()
+
+    call = lambda: torch.autograd.grad(flash_attention(q, k, v, causal=causal), (q, k, v), do)  # noqa: E731
+    FlashAttentionFn.backward = staticmethod(timed)
+    try:
+        device_thread = median_body(call)
+        with torch.autograd.set_multithreading_enabled(False):
+            calling_thread = median_body(call)
+    finally:
+        FlashAttentionFn.backward = staticmethod(inner)
+    assert not device_thread[1] and calling_thread[1], "the threads were not the ones meant"
+    o, lse = attention_forward(q, k, v, causal)
+
+    def direct():
+        start = time.perf_counter()
+        attention_backward(do, q, k, v, o, lse, causal)
+        body.append((time.perf_counter() - start, threading.get_ident()))
+    return device_thread[0], calling_thread[0], median_body(direct)[0]
+
+
 def report_sass():
     """HGMMA (Hopper wgmma) count and resource usage of each compiled attention kernel."""
     cache = os.environ.get("TRITON_CACHE_DIR", os.path.expanduser("~/.triton/cache"))
@@ -213,6 +259,13 @@ def main():
                 t = host_split(Hd, 1024, causal)
                 print(f"| {Hd} | {'yes' if causal else 'no'} | "
                       + " | ".join(f"{x:.3f}" for n in ("ours", "sdpa_cudnn") for x in t[n]) + " |")
+        print("\n| Hd | causal | our backward's body: device thread | calling thread | direct |"
+              "\n|---:|:---:|---:|---:|---:|")
+        for Hd in args.head_dims:
+            for causal in (False, True):
+                print(f"| {Hd} | {'yes' if causal else 'no'} | "
+                      + " | ".join(f"{x:.3f}" for x in backward_thread_split(Hd, 1024, causal))
+                      + " |")
         return
     lengths = [1024, 4096, 16384] if args.quick else [1024, 2048, 4096, 8192, 16384]
     rows = []
