@@ -166,12 +166,12 @@ class MoELayer(nn.Module):
         num_tokens = num_tokens.clamp_min(1)
         lb_loss = load_balancing_loss(routed_E, prob_sum_E, num_tokens, K)
         z_loss = router_z_loss(route.logits_TE)
-        # one collective for the three counts; the GEMM tiles each rank's rows of an expert
-        # separately (one row segment per source rank), so tiles are summed, not recomputed
+        # one collective for both counts; the GEMM tiles an expert's rows from every source rank
+        # as one segment (the dispatchers hand them over expert-major), so its tiles follow from
+        # the summed count
         block_m = self.experts.row_tile_size(self.experts.compute_dtype(x_TD))
-        tiles_E = (plan.kept_per_expert_E + block_m - 1) // block_m
-        counts_3E = self.dispatcher.reduce_counts(torch.stack([plan.routed_per_expert_E, plan.kept_per_expert_E, tiles_E]))
-        stats = compute_stats(counts_3E[0], counts_3E[1], route.scores_TE, capacity, block_m, counts_3E[2])
+        counts_2E = self.dispatcher.reduce_counts(torch.stack([plan.routed_per_expert_E, plan.kept_per_expert_E]))
+        stats = compute_stats(counts_2E[0], counts_2E[1], route.scores_TE, capacity, block_m)
         aux = MoEAux(lb_loss, z_loss, cfg.aux_loss_coef * lb_loss + cfg.z_loss_coef * z_loss, stats)
         return out_TD.view(x.shape), aux
 

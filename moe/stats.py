@@ -60,9 +60,9 @@ def compute_stats(
 ) -> MoEStats:
     """Stats from per-expert counts (already summed over the ranks the user wants to see).
 
-    ``tiles_E``: (E,) row tiles the grouped GEMM ran per expert, default ``ceil(kept / block_m)``;
-    with expert parallelism each source rank's rows of an expert form their own segment, so the
-    caller passes the sum over ranks of each rank's ``ceil(kept / block_m)``."""
+    ``tiles_E``: (E,) row tiles the grouped GEMM ran per expert, default ``ceil(kept / block_m)``
+    (an expert's rows are one segment, with expert parallelism too: the dispatchers hand them over
+    expert-major); the world sums of :mod:`parallel.stats` pass the sum over replicas."""
     routed_E = routed_E.detach()
     kept_E = kept_E.detach()
     routed = routed_E.sum()

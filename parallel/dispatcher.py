@@ -22,10 +22,10 @@ one summed row per token and rank too.
 3. The rows move with one variable-split ``all_to_all_single`` in which this rank's own chunk is
    empty: the own pairs' rows are written straight into the experts' input while the exchange
    runs. The receiver then copies each received row into the pair rows its header names. The
-   experts' input is [own rows; rows from each other source rank], each block ordered by local
-   expert: the grouped GEMM takes them as G·L row segments, segment ``b·L + l`` multiplied by
-   local expert l's weights (see ``moe.kernels.grouped_mm``), with no regrouping pass. The
-   weights come out as ``w_R``, one per row, for the experts to apply.
+   experts' input is expert-major (:func:`~parallel.token_rows.expert_rows`: local expert l's
+   rows are one segment, the sources' pairs in rank order within it), so the grouped GEMM takes
+   L row segments, placed there by the copies themselves with no regrouping pass. The weights
+   come out as ``w_R``, one per row, for the experts to apply.
 
 ``combine``: the receiver sums each received token's pair outputs into one row (fp32, rounded to
 the rows' dtype: one rounding per token and rank that the pair layout did not have), sends those
@@ -46,7 +46,7 @@ The groups, the one-rank fallback, the autograd rule for ranks that receive noth
 global reductions are :class:`~parallel.ep_dispatcher.ExpertParallelDispatcher`'s.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -55,7 +55,7 @@ from moe.capacity import RoutingPlan
 from parallel import flight
 from parallel.comm import CommTimer, SideStreams, run_beside
 from parallel.ep_dispatcher import ExpertParallelDispatcher, ExpertParallelMeta
-from parallel.token_rows import gather_slots, locate_pairs, scatter_slots, write_headers
+from parallel.token_rows import expert_rows, gather_slots, locate_pairs, scatter_slots, write_headers
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,9 @@ class _Route:
     """Where this rank's pairs go (the sender's side), from :meth:`AllToAllDispatcher._route`.
 
     own_TK, sent_TG: (T, K) and (T, G) int64 row tables of the own pairs' rows and of the tokens'
-    unique rows in the send buffer (:mod:`parallel.token_rows`); dest_TK: (T, K) int64
+    unique rows in the send buffer (:mod:`parallel.token_rows`; own_TK holds the own pairs'
+    places until :meth:`AllToAllDispatcher._dispatch_ep` turns them into rows of the experts'
+    input, once the counts are in); dest_TK: (T, K) int64
     destination rank of each pair (G: dropped); unique_G: (G,) int64 unique rows sent to each rank
     (0 to this one); me: this rank in the group; stream: the side stream for the own rows' pass
     (None on CPU); layer: the module that dispatched, for the backward's records
@@ -178,23 +180,10 @@ def _splits(host_counts: torch.Tensor) -> tuple[list[int], list[int], int]:
     return send_unique, recv_unique, int(host_counts[1, :, :-1].sum())
 
 
-def _receiver_rows(place_MK: torch.Tensor, recv_counts: torch.Tensor, num_unique: int, me: int) -> torch.Tensor:
-    """(M, K) int64 row table of the received unique rows: each header's places, which count from
-    the start of its source's block of the experts' input ([own rows; each other source's rows]),
-    turned into rows of that input."""
-    pairs_G = recv_counts[:, :-1].sum(-1)
-    others_G = pairs_G.clone()
-    others_G[me] = 0
-    start_G = pairs_G[me] + others_G.cumsum(0) - others_G
-    start_M = torch.repeat_interleave(start_G, recv_counts[:, -1], output_size=num_unique)
-    place_MK = place_MK.to(torch.int64)
-    return torch.where(place_MK >= 0, place_MK + start_M[:, None], -1)
-
-
 class _DispatchFn(torch.autograd.Function):
-    """x_TD (T, D), w_TK (T, K) fp32 -> rows_RD (R, D) in row_dtype ([own rows for the local
-    experts; rows received, by source]), w_R (R,) fp32 their combine weights, and the received
-    rows' row table (see the module docstring).
+    """x_TD (T, D), w_TK (T, K) fp32 -> rows_RD (R, D) in row_dtype (the experts' input, own pairs
+    and received ones, expert-major), w_R (R,) fp32 their combine weights, and the received rows'
+    row table (see the module docstring).
 
     Backward: each received token's pair gradients summed into one row, whose header carries the
     pairs' weight gradients, sent home and added to the own pairs' gradients.
@@ -204,7 +193,7 @@ class _DispatchFn(torch.autograd.Function):
     def forward(ctx, x_TD, w_TK, counts: _Counts, row_dtype: torch.dtype):
         route = counts.route
         T, D = x_TD.shape
-        K, G, me = route.dest_TK.shape[1], route.unique_G.numel(), route.me
+        K, G = route.dest_TK.shape[1], route.unique_G.numel()
         head, width = _unique_row_layout(K, D, row_dtype)
         x_TD = x_TD.contiguous()
         # unique rows and headers, packed while the counts travel: M is not on the host yet, and a
@@ -220,7 +209,7 @@ class _DispatchFn(torch.autograd.Function):
         _exchange_beside(route, recv_buf, send_buf[:sum(send_unique)], recv_unique, send_unique,
                          lambda: scatter_slots(x_TD, route.own_TK, rows_RD), "dispatch rows")
         place_MK, weight_MK = _headers(recv_buf, head, K)
-        row_MK = _receiver_rows(place_MK, counts.recv_counts, recv_buf.shape[0], me)
+        row_MK = expert_rows(place_MK, counts.recv_counts)
         scatter_slots(recv_buf[:, head:head + D], row_MK, rows_RD)
         w_R = w_TK.new_empty(R + 1)  # the last entry: a sink for slots that name no row
         w_R.index_put_((torch.where(route.own_TK >= 0, route.own_TK, R),), w_TK)
@@ -335,24 +324,21 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         copied = torch.cuda.Event() if send_counts.is_cuda else None
         if copied is not None:
             copied.record()
-        return [_Counts(route, place_TK, recv_counts_all[:, n], host_counts_all[:, :, n], copied)
+        return [_Counts(route, place_TK, recv_counts_all[:, n].contiguous(), host_counts_all[:, :, n], copied)
                 for n, (route, place_TK) in enumerate(routes)]
 
     def _dispatch_ep(self, x_TD: torch.Tensor, plan: RoutingPlan, w_TK: torch.Tensor, num_experts: int,
                      prepared: _Counts, row_dtype: torch.dtype):
-        """x_TD (T, D) -> rows_RD (R, D) in blocks [own rows; each other source rank's rows], each
-        block by local expert; offsets_J (G·L,) int32 cumulative segment ends (segment b·L + l:
-        block b, local expert l); w_R (R,) the rows' combine weights; and the metadata for
-        :meth:`combine`."""
-        me = self.ep_rank
-        # enqueued before the host waits for the counts (in _DispatchFn): it runs while they travel
-        recv_GL = prepared.recv_counts[:, :-1]
-        blocks_GL = recv_GL if me == 0 else torch.cat([recv_GL[me:me + 1], recv_GL[:me], recv_GL[me + 1:]])
-        offsets_J = blocks_GL.flatten().cumsum(0, dtype=torch.int32)
+        """x_TD (T, D) -> rows_RD (R, D), expert-major (:func:`~parallel.token_rows.expert_rows`);
+        offsets_J (L,) int32 cumulative ends of the local experts' rows; w_R (R,) the rows'
+        combine weights; and the metadata for :meth:`combine`."""
+        # enqueued before the host waits for the counts (in _DispatchFn): they run while the counts travel
+        offsets_J = prepared.recv_counts[:, :-1].sum(0).cumsum(0, dtype=torch.int32)
+        route = replace(prepared.route, own_TK=expert_rows(prepared.route.own_TK, prepared.recv_counts, self.ep_rank))
+        prepared = replace(prepared, route=route)
         rows_RD, w_R, row_MK = _DispatchFn.apply(x_TD, w_TK, prepared, row_dtype)
         send_unique, recv_unique, R = _splits(prepared.host_counts)  # on the host since the dispatch
-        meta = AllToAllMeta(route=prepared.route, row_MK=row_MK, send_unique=send_unique, recv_unique=recv_unique,
-                            num_rows=R)
+        meta = AllToAllMeta(route=route, row_MK=row_MK, send_unique=send_unique, recv_unique=recv_unique, num_rows=R)
         return rows_RD, offsets_J, w_R, meta
 
     def _combine_ep(self, y_RD: torch.Tensor, meta: AllToAllMeta, out_dtype: torch.dtype) -> torch.Tensor:

@@ -14,9 +14,10 @@ every rank means every rank takes the same slot.
 ``dispatch``: one kernel (:func:`~parallel.p2p_rows.dispatch_rows`) writes this rank's
 per-expert counts into every rank's count matrix and signals that rank's counts flag, waits until
 all G ranks have signalled, computes from the (G, E) count matrix where each of this rank's kept
-pairs lands and this rank's segment ends, and stores every kept pair's row straight into its
-destination rank's receive buffer (own rows into its own) together with where it came from; then
-a barrier, so the rows are complete when ``dispatch`` returns them.
+pairs lands (a receiver's rows are expert-major: one segment per local expert) and this rank's
+experts' row ends, and stores every kept pair's row straight into its destination rank's receive
+buffer (own rows into its own) together with where it came from; then a barrier, so the rows are
+complete when ``dispatch`` returns them.
 
 ``combine``: every rank stores the valid rows of its expert output that came from another rank
 into that rank's return buffer, at the pair's place (the rows from itself stay), each program
@@ -116,7 +117,7 @@ class _Slot:
 @dataclass(frozen=True)
 class _P2PRoute:
     """One dispatch: ``row_TK`` (T, K) int64 row of each pair in rank ``dest_TK[t, k]``'s receive
-    buffer (-1: dropped); ``offsets_J`` (G·L,) int32 this rank's segment ends (all three filled on
+    buffer (-1: dropped); ``offsets_J`` (L,) int32 this rank's experts' row ends (all three filled on
     the device by the dispatch); the slot and the generation that wrote it; the dispatcher's
     gradient buffer."""
 
@@ -288,8 +289,8 @@ class P2PDispatcher(ExpertParallelDispatcher):
         device = x_TD.device
         slot, grad, index, P_cap = self._take_slot(x_TD.shape[1], row_dtype, K, E, device)
         route_2TK = torch.empty((2, T, K), dtype=torch.int64, device=device)
-        route = _P2PRoute(route_2TK[0], route_2TK[1], torch.empty(E, dtype=torch.int32, device=device), slot,
-                          slot.generation, grad, me, P_cap, index)
+        offsets_J = torch.empty(E // self.ep_size, dtype=torch.int32, device=device)
+        route = _P2PRoute(route_2TK[0], route_2TK[1], offsets_J, slot, slot.generation, grad, me, P_cap, index)
         rows_RD = _P2PDispatchFn.apply(x_TD, plan.order_P, plan.kept_per_expert_E.contiguous(), route)
         return rows_RD, route.offsets_J, None, P2PMeta(route=route, w_TK=w_TK)
 

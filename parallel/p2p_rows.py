@@ -110,34 +110,31 @@ def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, ticke
     l = tl.arange(0, LP)
     ok3 = (s[:, None, None] < G) & (s[None, :, None] < G) & (l[None, None, :] < L)
     C = tl.load(counts_ptr + s[:, None, None] * E + s[None, :, None] * L + l[None, None, :], mask=ok3, other=0)
-    sent = tl.sum(C, axis=2)  # [source, destination] rows
-    src, dst = s[:, None], s[None, :]
-    # at destination d the rows are [d's own; the other sources in rank order]
-    before = (me != dst) & ((src == dst) | ((src < me) & (src != dst)) & (src < G))
-    block_start = tl.sum(tl.where(before, sent, 0), axis=0)  # where my rows start at each destination
-    mine = tl.sum(tl.where(src == me, sent, 0), axis=0)  # what I send to each destination
-    send_end = tl.cumsum(mine, axis=0)
-    shift = block_start - (send_end - mine)  # sorted position -> row at the destination
-    n_kept = tl.sum(mine, axis=0)
+    # [destination, local expert] tables; a destination's rows are expert-major, each expert's
+    # rows by source rank (moe.kernels.grouped_mm then takes one segment per expert)
+    per_expert = tl.sum(C, axis=0)
+    first = tl.cumsum(per_expert, axis=1) - per_expert + tl.sum(tl.where(s[:, None, None] < me, C, 0), axis=0)
+    mine = tl.sum(tl.where(s[:, None, None] == me, C, 0), axis=0)  # what I send to each (destination, expert)
+    mine_end = tl.cumsum(tl.sum(mine, axis=1), axis=0)
+    seg_end = mine_end[:, None] - tl.sum(mine, axis=1)[:, None] + tl.cumsum(mine, axis=1)  # in my sorted order
+    shift = first - (seg_end - mine)  # sorted position -> row at the destination
+    seg_end = tl.where((s[:, None] < G) & (l[None, :] < L), seg_end, tl.cast(2**62, tl.int64))
+    n_kept = tl.sum(tl.sum(mine, axis=1), axis=0)
 
     if tl.program_id(0) == 0:
-        recv = tl.load(counts_ptr + s[:, None] * E + me * L + l[None, :], mask=(s[:, None] < G) & (l[None, :] < L),
-                       other=0)  # [source, local expert] rows I receive
-        place = tl.where(s == me, 0, tl.where(s < me, s + 1, s))
-        recv_rows = tl.sum(recv, axis=1)
-        base = tl.sum(tl.where(place[None, :] < place[:, None], recv_rows[None, :], 0), axis=1)
-        ends = base[:, None] + tl.cumsum(recv, axis=1)
-        tl.store(offsets_ptr + place[:, None] * L + l[None, :], ends.to(tl.int32),
-                 mask=(s[:, None] < G) & (l[None, :] < L))
+        mine_rows = tl.sum(tl.where(s[:, None] == me, per_expert, 0), axis=0)  # [local expert] rows I receive
+        tl.store(offsets_ptr + l, tl.cumsum(mine_rows, axis=0).to(tl.int32), mask=l < L)
 
     offs = tl.arange(0, BLOCK_D)
     for tile in range(tl.program_id(0), tl.cdiv(P, BLOCK_P), tl.num_programs(0)):
         i = tile * BLOCK_P + tl.arange(0, BLOCK_P).to(tl.int64)
         inside = i < P
         pair = tl.load(order_ptr + i, mask=inside, other=0)
-        d = tl.sum(((send_end[None, :] <= i[:, None]) & (s[None, :] < G)).to(tl.int64), axis=1)
+        seg = tl.sum(tl.sum((seg_end[None, :, :] <= i[:, None, None]).to(tl.int64), axis=2), axis=1)  # d·L + l
+        d = seg // L
         kept = inside & (i < n_kept)
-        row = i + tl.sum(tl.where(s[None, :] == d[:, None], shift[None, :], 0), axis=1)
+        at = (s[None, :, None] == d[:, None, None]) & (l[None, None, :] == (seg % L)[:, None, None])
+        row = i + tl.sum(tl.sum(tl.where(at, shift[None, :, :], 0), axis=2), axis=1)
         tl.store(row_ptr + pair, tl.where(kept, row, -1), mask=inside)
         tl.store(dest_ptr + pair, tl.where(kept, d, 0), mask=inside)
         t = pair // K
@@ -221,14 +218,15 @@ def dispatch_rows(x_TD: torch.Tensor, order_P: torch.Tensor, counts_E: torch.Ten
     expert, experts ``[d·L, (d+1)·L)`` on rank d).
 
     Rows: ``order_P`` (P = T·K,) int64 holds the kept pairs sorted by expert, then the dropped
-    ones. A destination d stores its rows in blocks [from d itself; from the other ranks in rank
-    order], each block by local expert; every kept pair's row of x_TD (T, D) goes to row ``row``
-    of rank ``dest``'s receive buffer (``recv_ptrs_G``, of ``recv_dtype``) and ``me · P_cap +
-    t·K + k`` to the same row of its (R_cap,) int64 source buffer.
+    ones. A destination d stores its rows expert-major: local expert 0's, then 1's, ..., each
+    expert's by source rank (one segment per expert for the grouped GEMM: module docstring of
+    :mod:`parallel.token_rows` says why); every kept pair's row of x_TD (T, D) goes to row
+    ``row`` of rank ``dest``'s receive buffer (``recv_ptrs_G``, of ``recv_dtype``) and ``me ·
+    P_cap + t·K + k`` to the same row of its (R_cap,) int64 source buffer.
 
-    Returns ``row_TK``, ``dest_TK`` (T, K) int64 (row -1: dropped), this rank's segment ends
-    ``offsets_J`` (G·L,) int32, blocks as at any destination, segment b·L + l: block b, local
-    expert l (into ``out`` when given), and the programs launched (``ticket`` grew by that)."""
+    Returns ``row_TK``, ``dest_TK`` (T, K) int64 (row -1: dropped), this rank's local experts'
+    row ends ``offsets_J`` (L,) int32 (into ``out`` when given), and the programs launched
+    (``ticket`` grew by that)."""
     if counts_GE.dtype != torch.int64 or counts_GE.dim() != 2 or counts_GE.shape[1] % counts_GE.shape[0]:
         raise ValueError(f"counts_GE must be int64 (G, E) with G dividing E, got {counts_GE.dtype} {tuple(counts_GE.shape)}")
     G, E = counts_GE.shape
@@ -251,10 +249,10 @@ def dispatch_rows(x_TD: torch.Tensor, order_P: torch.Tensor, counts_E: torch.Ten
     device = x_TD.device
     if out is None:
         out = (torch.empty((T, K), dtype=torch.int64, device=device), torch.empty((T, K), dtype=torch.int64, device=device),
-               torch.empty(G * L, dtype=torch.int32, device=device))
+               torch.empty(L, dtype=torch.int32, device=device))
     row_TK, dest_TK, offsets_J = out
-    if row_TK.shape != (T, K) or dest_TK.shape != (T, K) or offsets_J.shape != (G * L,):
-        raise ValueError(f"out must be (T, K) = ({T}, {K}), ({T}, {K}) and ({G * L},) tensors")
+    if row_TK.shape != (T, K) or dest_TK.shape != (T, K) or offsets_J.shape != (L,):
+        raise ValueError(f"out must be (T, K) = ({T}, {K}), ({T}, {K}) and ({L},) tensors")
     grid = grid_programs(triton.cdiv(P, _BLOCK_ROWS), _MAX_PROGRAMS)
     _dispatch_rows_kernel[(grid,)](
         x_TD.contiguous(), order_P, counts_E, cnt_ptrs_G, flag_ptrs_G, ticket, first_ticket, counts_GE, flag, target,
@@ -271,16 +269,15 @@ def p2p_routes_reference(order_P: torch.Tensor, counts_GE: torch.Tensor, me: int
     C = counts_GE.view(G, G, L).tolist()  # [source, destination, local expert]
     P = order_P.numel()
     row, dest = [-1] * P, [0] * P
-    kept = sum(sum(C[me][d]) for d in range(G))
-    for i, pair in enumerate(order_P.tolist()[:kept]):
-        d = next(d for d in range(G) if i < sum(sum(C[me][x]) for x in range(d + 1)))
-        first_at_d = sum(sum(C[me][x]) for x in range(d))
-        sources = [d] + [x for x in range(G) if x != d]
-        start = sum(sum(C[x][d]) for x in sources[:sources.index(me)])
-        row[pair], dest[pair] = start + i - first_at_d, d
-    sources = [me] + [x for x in range(G) if x != me]
-    ends = torch.tensor([C[x][me][l] for x in sources for l in range(L)]).cumsum(0).to(torch.int32)
-    return (torch.tensor(row).view(-1, K), torch.tensor(dest).view(-1, K), ends)
+    segments = [(d, el) for d in range(G) for el in range(L)]  # my sorted order
+    ends = [sum(C[me][d][el] for d, el in segments[:j + 1]) for j in range(len(segments))]
+    for i, pair in enumerate(order_P.tolist()[:ends[-1] if ends else 0]):
+        d, el = segments[next(j for j, end in enumerate(ends) if i < end)]
+        start_here = sum(C[me][x][y] for x, y in segments[:segments.index((d, el))])
+        first = sum(C[x][d][y] for x in range(G) for y in range(el)) + sum(C[x][d][el] for x in range(me))
+        row[pair], dest[pair] = first + i - start_here, d
+    offsets = torch.tensor([sum(C[x][me][el] for x in range(G)) for el in range(L)]).cumsum(0).to(torch.int32)
+    return (torch.tensor(row).view(-1, K), torch.tensor(dest).view(-1, K), offsets)
 
 
 def push_rows(x_TD: torch.Tensor, row_TK: torch.Tensor, dest_TK: torch.Tensor, buf_ptrs_G: torch.Tensor,

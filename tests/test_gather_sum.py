@@ -19,7 +19,7 @@ import torch
 
 from moe.kernels.combine import gather_rows, sum_combine, weighted_combine, weighted_combine_reference
 from parallel.p2p_rows import push_rows, push_rows_reference, sum_pairs, sum_pairs_reference
-from parallel.token_rows import gather_slots, locate_pairs, scatter_slots, write_headers
+from parallel.token_rows import expert_rows, gather_slots, locate_pairs, scatter_slots, write_headers
 from tests.peers import G, buffer_ptrs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -302,6 +302,55 @@ def test_locate_pairs_matches_reference(T, K, G, me, drop):
     assert torch.equal(dest_TK, torch.where(kept_P, rank_P, G))
 
 
+def _places_by_source(c_GL, K, gen):
+    """Every pair (g, l, i) of a (G, L) count matrix, numbered by its source as a sender does
+    (place = Σ_{l' < l} c[g, l'] + i), dealt at random into token rows of K slots (-1 padded):
+    per source its token rows, and each slot's (l, g, i)."""
+    G, L = c_GL.shape
+    rows_G, keys_G = [], []
+    for g in range(G):
+        pairs = [(el, g, i) for el in range(L) for i in range(int(c_GL[g, el]))]
+        pairs = [pairs[j] for j in torch.randperm(len(pairs), generator=gen).tolist()]
+        n_rows = -(-len(pairs) // K) + int(torch.randint(0, 2, (1,), generator=gen))  # a row of -1 now and then
+        slots = torch.randperm(n_rows * K, generator=gen)[:len(pairs)]
+        place, key = torch.full((n_rows * K,), -1, dtype=torch.int32), [None] * (n_rows * K)
+        for slot, (el, src, i) in zip(slots.tolist(), pairs):
+            place[slot] = int(c_GL[g, :el].sum()) + i
+            key[slot] = (el, src, i)
+        rows_G.append(place.view(n_rows, K))
+        keys_G.append(key)
+    return rows_G, keys_G
+
+
+@pytest.mark.parametrize("G,L,K", [(2, 3, 2), (3, 5, 4), (4, 1, 3), (1, 6, 2), (5, 7, 8)])
+def test_expert_rows_make_the_input_expert_major(G, L, K):
+    """Places of random count matrices (a source with no pairs, an expert with no rows) turned
+    into rows, by the kernel and by the reference, for a receive buffer (rows by source) and for
+    one source's own pairs. Independently of either: the rows are a permutation of the input's,
+    in the order (local expert, source, place), i.e. one segment per expert, sources in rank
+    order within it."""
+    gen = torch.Generator().manual_seed(G * 10 + L)
+    c_GL = torch.randint(0, 6, (G, L), generator=gen)
+    c_GL[G // 2] = 0
+    c_GL[:, L // 2] = 0
+    rows_G, keys_G = _places_by_source(c_GL, K, gen)
+    counts = torch.cat([c_GL, torch.tensor([[r.shape[0]] for r in rows_G])], 1).to(DEVICE)
+    place_MK = torch.cat(rows_G)
+    wide = torch.full((place_MK.shape[0], K + 3), 9, dtype=torch.int32)  # a header-like row stride
+    wide[:, :K] = place_MK
+    got = expert_rows(wide.to(DEVICE)[:, :K], counts, backend="triton")
+    assert torch.equal(got, expert_rows(place_MK.to(DEVICE), counts, backend="reference"))
+    keys = [k for key in keys_G for k in key]
+    named = [(key, row) for key, row in zip(keys, got.cpu().flatten().tolist()) if key is not None]
+    assert all(row == -1 for key, row in zip(keys, got.cpu().flatten().tolist()) if key is None)
+    assert [row for _, row in sorted(named)] == list(range(int(c_GL.sum())))
+    for me in range(G):  # one source's own pairs: the same rows as in the buffer
+        own = expert_rows(rows_G[me].to(DEVICE), counts, me, backend="triton")
+        assert torch.equal(own, expert_rows(rows_G[me].to(DEVICE), counts, me, backend="reference"))
+        start = sum(r.shape[0] for r in rows_G[:me])
+        assert torch.equal(own, got[start:start + rows_G[me].shape[0]])
+
+
 def test_token_rows_bad_arguments_name_the_field():
     x_TD = torch.randn(4, 8, device=DEVICE)
     table = torch.full((4, 3), -1, dtype=torch.int64, device=DEVICE)
@@ -321,6 +370,15 @@ def test_token_rows_bad_arguments_name_the_field():
         gather_slots(x_TD, table, x_TD.half(), table)
     with pytest.raises(ValueError, match="out_TD"):
         gather_slots(x_TD, table, out_TD=torch.empty(3, 8, device=DEVICE))
+    counts = torch.zeros(2, 4, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="place_TK"):
+        expert_rows(table.float(), counts)
+    with pytest.raises(ValueError, match="place_TK"):
+        expert_rows(table.t(), counts)
+    with pytest.raises(ValueError, match="recv_counts"):
+        expert_rows(table, counts.int())
+    with pytest.raises(ValueError, match="source 2"):
+        expert_rows(table, counts, 2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -57,8 +57,8 @@ def _plans(case, seed=0):
 @pytest.mark.parametrize("case", list(CASES))
 def test_dispatcher_data_flow_in_one_process(case):
     """The P2P dispatcher's passes over G local buffers: counts, routes and rows lay every
-    receiver's rows out as [own; other sources in rank order], each block by local expert, tokens
-    in order, with offsets its segment ends and src where each row came from; then experts
+    receiver's rows out expert-major (by local expert, then source rank, then token), with
+    offsets its experts' row ends and src where each row came from; then experts
     (y = 2·x + 1 on the valid rows, garbage on the padding), the way home and the weighted sum give
     Σ_k w · y; and the backward passes (identity experts) give dx = Σ_k w · g and dw = <g, y>."""
     tokens, E, K, _, _ = CASES[case]
@@ -87,15 +87,15 @@ def test_dispatcher_data_flow_in_one_process(case):
         assert torch.equal(counts[r], torch.stack([p.kept_per_expert_E for p in plans]))
     for d in range(G):
         expected, origin, ends = [], [], []
-        for s in [d] + [r for r in range(G) if r != d]:
-            for l in range(L):
+        for l in range(L):
+            for s in range(G):
                 kept = plans[s].kept_TK
                 for t in range(tokens[s]):
                     for k in range(K):
                         if experts[s][t, k] == d * L + l and kept[t, k]:
                             expected.append(xs[s][t])
                             origin.append(s * P_cap + t * K + k)
-                ends.append(len(expected))
+            ends.append(len(expected))
         R = len(expected)
         assert routes[d][2].tolist() == ends
         assert src[d][:R].tolist() == origin

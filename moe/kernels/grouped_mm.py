@@ -4,8 +4,9 @@ Legend: M packed rows, I input width, N weight output width, L weight
 groups, J row segments (a multiple of L), F = N/2 for SwiGLU.
 
 ``y = act(x[rows of s] @ w[s % L])`` with segment s holding rows ``offsets[s-1]:offsets[s]``.
-J = L is the usual grouped matmul (rows sorted by group); J = G·L lets an expert-parallel
-dispatcher hand over rows in the (source rank, local expert) order they arrive in.
+J = L is the usual grouped matmul (rows sorted by group), and what the dispatchers hand over
+(expert-parallel ones too: ``parallel.token_rows`` says why); J = G·L takes rows in a (source
+rank, local expert) order unchanged, for a caller that has them so.
 Forward: one persistent Triton GEMM (on Hopper with aligned rows after a tiny launch that lists
 the tiles on the device, see ``grouped_mm_tma``; GELU fused into its epilogue; SwiGLU as one more
 elementwise Triton pass over its output, see ``grouped_mm_fwd``), pre-activation saved when a

@@ -2,9 +2,9 @@
 
 ``out[rows of s] = act(a[rows of s] @ b[s % L])`` where the rows of ``a`` come in J segments,
 segment s holding rows ``offsets[s-1]:offsets[s]``, and J is a multiple of the L weight groups.
-With J = L a segment is a group; with J = G·L (G ranks of an expert-parallel group) the rows
-can stay in the order an all-to-all delivers them, (source rank, local expert), and need no
-regrouping by expert. The same kernel computes the forward
+With J = L a segment is a group (the dispatchers' layout); with J = G·L (G source ranks) rows
+in a (source rank, local expert) order need no regrouping by expert. One segment per group runs
+faster: each segment's end leaves a partial tile (bench/results/expert_layout.md). The same kernel computes the forward
 (``a = x_MI``, ``b[l] = w[l]``, ``(I, N)``) and dgrad (``a = dy_MN``, ``b[l] = w[l]ᵀ``, read
 through swapped strides, no copy).
 

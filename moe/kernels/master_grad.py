@@ -15,9 +15,9 @@ One pass fewer: the SwiGLU MLP's backward (``GroupedSwiGLUMLPFn``) sees that its
 such casts (:func:`tag_master_copy`) and calls :func:`accumulate_wgrad_`, whose Hopper kernel
 adds its fp32 tile into ``.grad`` in the epilogue: 4 + 4 bytes a parameter instead of the
 16-bit ``dw`` written (2), then read with ``.grad`` (2 + 4) and ``.grad`` written (4). Only
-with one row segment per expert (J = L: expert parallelism 1); the J = G·L segments of an
-expert-parallel dispatch keep the two-pass add, so there the weight gradient is rounded to 16
-bits first. Measured on an H100 against the two-pass add (bench/results/master_weights.md):
+with one row segment per expert (J = L: every dispatcher's layout, expert-parallel ones
+included); J = G·L segments keep the two-pass add, so there the weight gradient is rounded to
+16 bits first. Measured on an H100 against the two-pass add (bench/results/master_weights.md):
 1.026x at one micro-batch a step, 1.004x at 16 (within the run's round-to-round spread).
 """
 
