@@ -333,12 +333,13 @@ def expert_rows(s: ModelShape, T: int, lay: Layout) -> Rows:
         # LocalDispatcher packs every pair, the dropped ones last (moe/dispatch.py)
         return Rows(P, s.E)
     if lay.transport == "p2p":
-        # P2PDispatcher hands the experts its fixed R_cap = ep·T·K rows (parallel/p2p_dispatcher.py)
-        return Rows(lay.ep * P, s.E)
+        # P2PDispatcher hands the experts its fixed R_cap = ep·T·K rows (parallel/p2p_dispatcher.py),
+        # one segment per local expert
+        return Rows(lay.ep * P, s.E // lay.ep)
     # balanced routing: every rank sends and receives its T·K pairs, fewer when the capacity
     # C = capacity_factor·T·K / E per expert caps them
     kept = P if s.capacity_factor is None else min(P, math.ceil(s.capacity_factor * P))
-    return Rows(kept, s.E)
+    return Rows(kept, s.E // lay.ep)
 
 
 def _norm(name: str, T: int, D: int, num: Numerics, region: str, nbytes: int = 4) -> list[Part]:
