@@ -168,7 +168,7 @@ class MoELayer(nn.Module):
         z_loss = router_z_loss(route.logits_TE)
         # one collective for both counts; the GEMM tiles an expert's rows from every source rank
         # as one segment (the dispatchers hand them over expert-major), so its tiles follow from
-        # the summed count
+        # the summed count (a lower bound under overlap_chunks > 1: each chunk is its own GEMM)
         block_m = self.experts.row_tile_size(self.experts.compute_dtype(x_TD))
         counts_2E = self.dispatcher.reduce_counts(torch.stack([plan.routed_per_expert_E, plan.kept_per_expert_E]))
         stats = compute_stats(counts_2E[0], counts_2E[1], route.scores_TE, capacity, block_m)

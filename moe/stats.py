@@ -21,8 +21,8 @@ class MoEStats:
         the straggler every rank waits for. load_imbalance = max / mean.
     router_entropy: () mean over tokens of the entropy of the normalised router scores (nats).
     block_m: the grouped GEMM's row tile.
-    tiles_per_expert: (E,) row tiles run per expert: ``ceil(kept / block_m)`` per row segment
-        (one segment per source rank under expert parallelism).
+    tiles_per_expert: (E,) row tiles run per expert: ``ceil(kept / block_m)`` (an expert's rows
+        are one segment, from every source rank together under expert parallelism).
     padded_slots_per_expert: (E,) ``tiles · block_m − kept``: rows of work the GEMM wastes.
     tile_utilization: () ``Σ kept / Σ tiles · block_m`` (1.0 when every tile is full).
     """

@@ -11,7 +11,8 @@ one summed row per token and rank too.
 ``dispatch``:
 1. The route (:meth:`AllToAllDispatcher._route`): each pair's destination rank and place among
    the pairs that rank receives from this one (the kept pairs by expert, as ``plan.order_P``
-   sorts them), and the row tables: the own pairs' rows, one send row per (token, remote rank).
+   sorts them), and the row tables: the own pairs' places (rows once the counts are in), one send
+   row per (token, remote rank).
 2. Per destination rank, its L experts' pair counts and the unique rows go out in one small
    all-to-all, and both the sent and received counts come to the host in ONE device->host copy:
    ``all_to_all_single`` takes its split sizes as Python lists, so this is the one host sync of

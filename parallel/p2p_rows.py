@@ -26,7 +26,7 @@ into the dispatch kernel, took it from 8 launches to 4.
 
 - ``dispatch_rows``: row ``me`` of every rank's (G, E) count matrix = this rank's (E,) counts
   (one program, a signal to each rank); then, once all counts are in, each kept pair's row at
-  its destination and this rank's segment ends, and every kept pair's row of x stored into its
+  its destination and this rank's experts' row ends, and every kept pair's row of x stored into its
   destination's receive buffer with where it came from. One launch where ~30 small torch ops
   and three kernels were (the routes alone made the 4k dispatch 4× faster than those ops).
 - ``push_rows``: ``buf[dest][row] = w · x[t]`` for every kept pair, and with ``own_RD``/
@@ -97,7 +97,7 @@ def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, ticke
     into every rank's count matrix and signals it. Then all wait for the G ranks' counts and
     stride over tiles of BLOCK_P sorted positions of ``order``; every program derives the few
     per-rank sums it needs from the (G, E) count matrix, program 0 also writes this rank's
-    segment ends."""
+    experts' row ends."""
     if tl.atomic_add(ticket_ptr, 1) == first_ticket:
         e = tl.arange(0, BLOCK_E)
         mine_E = tl.load(mine_ptr + e, mask=e < E)

@@ -14,8 +14,9 @@ way back it sums the pairs' outputs, which the experts have already weighted, in
 
 Where rows go is written as ``-1``-padded int64 row indices, one table per buffer:
 
-- the sender's ``own_TK``: the row of pair (t, k) among this rank's own rows (the rows its own
-  experts read), -1 when the pair goes to another rank or is dropped; and ``sent_TG``: the row of
+- the sender's ``own_TK``: the row of the experts' input that holds pair (t, k) when this rank's
+  own experts take it (first its place, until the counts are in: :func:`expert_rows`), -1 when
+  the pair goes to another rank or is dropped; and ``sent_TG``: the row of
   token t's unique row for rank g in the send buffer, -1 when t has no kept pair on g (always for
   this rank);
 - the receiver's ``row_MK``: for received token row m, the row of the experts' input that holds
@@ -41,9 +42,9 @@ expert only: 1361 → 1286 µs (D → 2F) and 694 → 579 µs (F → D), the sep
   one launch (the same in PyTorch: ~13 ops).
 - :func:`expert_rows`: places turned into rows of the expert-major input, in one launch.
 
-Both are the gather-sum family of :mod:`kernel_floor`: a token's K + G slots are its "pairs", and
-``_locate`` reads the first K from one table and the rest from the other. The PyTorch references
-feed the family's reference (used on CPU, tested against the kernels).
+The first two are the gather-sum family of :mod:`kernel_floor`: a token's K + G slots are its
+"pairs", and ``_locate`` reads the first K from one table and the rest from the other. The PyTorch
+references feed the family's reference (used on CPU, tested against the kernels).
 """
 
 import torch

@@ -322,7 +322,7 @@ def _places_by_source(c_GL, K, gen):
     return rows_G, keys_G
 
 
-@pytest.mark.parametrize("G,L,K", [(2, 3, 2), (3, 5, 4), (4, 1, 3), (1, 6, 2), (5, 7, 8)])
+@pytest.mark.parametrize("G,L,K", [(2, 3, 2), (3, 5, 4), (4, 1, 3), (1, 6, 2), (5, 7, 8), (2, 128, 3), (8, 32, 2)])
 def test_expert_rows_make_the_input_expert_major(G, L, K):
     """Places of random count matrices (a source with no pairs, an expert with no rows) turned
     into rows, by the kernel and by the reference, for a receive buffer (rows by source) and for

@@ -138,8 +138,8 @@ def test_fused_swiglu_mlp_equals_the_chain_and_keeps_no_h(case, dtype):
 
 @pytest.mark.parametrize("grads", [(False, True, True), (True, False, False), (False, False, True)])
 def test_fused_swiglu_mlp_segments_and_partial_gradients(grads):
-    """J = G·L segments (what the expert-parallel dispatcher hands over) and only some inputs
-    needing a gradient: still the chain's bits."""
+    """J = G·L segments (rows by source rank) and only some inputs needing a gradient: still the
+    chain's bits."""
     chain, fused = _mlp_chain_and_fused([3, 0, 17, 9, 1, 12], 5, 56, 40, torch.float16, num_groups=2, grads=grads)
     assert len(chain) == len(fused) == 2 + sum(grads)
     for a, b in zip(chain[:-1], fused[:-1]):
@@ -339,7 +339,7 @@ def test_gpu_bf16_matches_reference(case, activation):
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_gpu_bf16_segments_share_weights(activation):
-    # 4 source ranks x 3 weight groups, as an expert-parallel dispatcher hands them over.
+    # 4 source ranks x 3 weight groups: rows by source rank, each block by weight group.
     sizes = [300, 0, 77, 1, 513, 0, 0, 129, 2, 640, 0, 5]
     _check(sizes, 17, I=520, N=600, activation=activation, dtype=torch.bfloat16, num_groups=3)
 
