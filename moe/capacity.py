@@ -81,26 +81,26 @@ def plan_routing(
     T, K = experts_TK.shape
     expert_P = experts_TK.reshape(-1)
     routed_E = _count(expert_P, num_experts)
-    if capacity is None:
+    if capacity is None:  # dropless: every pair kept, the pairs by expert, the kept counts the routed
         kept_P = torch.ones_like(expert_P, dtype=torch.bool)
+        return RoutingPlan(torch.argsort(expert_P, stable=True), kept_P.view(T, K), routed_E, routed_E)
+    if T % capacity_groups:
+        raise ValueError(f"{T} tokens do not split into capacity_groups={capacity_groups} equal groups")
+    pair_P = torch.arange(T * K, device=expert_P.device)
+    group_P = pair_P // (K * (T // capacity_groups))
+    segment_P = group_P * num_experts + expert_P
+    if drop_policy == "probs":
+        # stable sort: equal priorities keep pair order, so the earlier token wins the tie
+        by_priority = torch.argsort(-priority_TK.reshape(-1), stable=True)
     else:
-        if T % capacity_groups:
-            raise ValueError(f"{T} tokens do not split into capacity_groups={capacity_groups} equal groups")
-        pair_P = torch.arange(T * K, device=expert_P.device)
-        group_P = pair_P // (K * (T // capacity_groups))
-        segment_P = group_P * num_experts + expert_P
-        if drop_policy == "probs":
-            # stable sort: equal priorities keep pair order, so the earlier token wins the tie
-            by_priority = torch.argsort(-priority_TK.reshape(-1), stable=True)
-        else:
-            by_priority = pair_P
-        ranked = by_priority[torch.argsort(segment_P[by_priority], stable=True)]
-        seg_sorted = segment_P[ranked]
-        seg_sizes = _count(seg_sorted, capacity_groups * num_experts)
-        seg_starts = torch.cumsum(seg_sizes, 0) - seg_sizes
-        rank_in_seg = pair_P - seg_starts[seg_sorted]
-        kept_P = torch.empty_like(expert_P, dtype=torch.bool)
-        kept_P[ranked] = rank_in_seg < capacity
+        by_priority = pair_P
+    ranked = by_priority[torch.argsort(segment_P[by_priority], stable=True)]
+    seg_sorted = segment_P[ranked]
+    seg_sizes = _count(seg_sorted, capacity_groups * num_experts)
+    seg_starts = torch.cumsum(seg_sizes, 0) - seg_sizes
+    rank_in_seg = pair_P - seg_starts[seg_sorted]
+    kept_P = torch.empty_like(expert_P, dtype=torch.bool)
+    kept_P[ranked] = rank_in_seg < capacity
     order_P, kept_E = _pack(expert_P, kept_P, num_experts)
     return RoutingPlan(order_P, kept_P.view(T, K), kept_E, routed_E)
 

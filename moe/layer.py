@@ -175,10 +175,12 @@ class MoELayer(nn.Module):
         aux = MoEAux(lb_loss, z_loss, cfg.aux_loss_coef * lb_loss + cfg.z_loss_coef * z_loss, stats)
         return out_TD.view(x.shape), aux
 
-    @staticmethod
-    def _normalized(scores_TE: torch.Tensor) -> torch.Tensor:
+    def _normalized(self, scores_TE: torch.Tensor) -> torch.Tensor:
         # P_e of the balancing loss is a distribution over experts: softmax scores already are
-        # one, sigmoid scores are normalised per token (DeepSeek-V3's sequence-wise loss).
+        # one (taken as they are: three launches fewer a forward), sigmoid scores are normalised
+        # per token (DeepSeek-V3's sequence-wise loss).
+        if self.config.score_func == "softmax":
+            return scores_TE
         return scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
