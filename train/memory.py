@@ -162,6 +162,7 @@ class ModelShape:
     qkv_bias: bool = False
     shared_gate: bool = False  # moe.shared_expert_gate: a (1, D) weight
     lm_bias: bool = False  # model.lm_head_bias: a (V,) parameter
+    sigmoid: bool = False  # moe.score_func == "sigmoid": the balancing loss normalises the scores per token
 
     @classmethod
     def of(cls, cfg: Config, moe_blocks: tuple[bool, ...] | None = None) -> "ModelShape":
@@ -173,6 +174,7 @@ class ModelShape:
             capacity_factor=e.capacity_factor, renormalize=e.renormalize,
             moe_blocks=moe_blocks or tuple(e.is_moe_layer(i) for i in range(m.n_layers)),
             qk_norm=m.qk_norm, qkv_bias=m.qkv_bias, shared_gate=e.shared_expert_gate, lm_bias=m.lm_head_bias,
+            sigmoid=e.score_func == "sigmoid",
         )
 
     def up(self, hidden: int) -> int:
@@ -390,8 +392,9 @@ def block_parts(s: ModelShape, moe: bool, B: int, S: int, lay: Layout, num: Nume
         Part("z-loss logsumexp", T * 4),
         Part("top-k indices", P * 8),
         Part("kept mask (bool)", P),
-        Part("balancing-loss score sums", 2 * T * 4),
     ]
+    if s.sigmoid:  # softmax scores enter the balancing loss as they are (moe.MoELayer._normalized)
+        parts.append(Part("balancing-loss score sums", 2 * T * 4))
     if s.renormalize:
         parts.append(Part("chosen scores and their sums", P * 4 + 2 * T * 4))
     if s.F_shared:
