@@ -17,7 +17,8 @@
 #                                       # in the fastest layout (P2P, replicate, 8 micro-batches), the
 #                                       # routing of every layer and the MFU; its step profile; the
 #                                       # shipped layout's step profile
-#   PART=6 bash bench/run_ep2_step.sh   # after the NCCL token rows: the 2-GPU tests, then the step
+#   PART=6 bash bench/run_ep2_step.sh   # after the NCCL token rows and the expert-major rows of both
+#                                       # transports: the 2-GPU tests, then the step
 #                                       # profiles of NCCL and P2P in the bar's layout (replicate, 8
 #                                       # micro-batches) and of the shipped layout
 #
@@ -115,9 +116,10 @@ elif [ "$PART" = 5 ]; then
     prof "olmoe_bench (routing options) EP 2, NCCL, fsdp, one micro-batch (as shipped)" 90 configs/olmoe_bench.yaml \
         --warm 8 --steps 3 --timed 10
 elif [ "$PART" = 6 ]; then
-    # after the NCCL dispatcher's token rows (each token sent to a rank once, the experts weight):
-    # the 2-GPU tests first (never run on GPUs before), then the step in the bar's layout with NCCL
-    # beside P2P, then the shipped layout
+    # after the NCCL dispatcher's token rows (each token sent to a rank once, the experts weight)
+    # and both transports' expert-major rows (one segment per expert): the 2-GPU tests first
+    # (neither has run on GPUs), then the step in the bar's layout with NCCL beside P2P, then the
+    # shipped layout
     MOE_AUTOTUNE=0 timeout 200 python3 -m pytest -q -m multigpu tests/test_parallel.py 2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
     FAST="--parallel.data_parallel=replicate --train.grad_accum=8"
     prof "olmoe_bench EP 2, NCCL token rows, replicate, 8 micro-batches" 90 configs/olmoe_bench.yaml \
