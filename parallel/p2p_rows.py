@@ -115,11 +115,11 @@ def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, ticke
     per_expert = tl.sum(C, axis=0)
     first = tl.cumsum(per_expert, axis=1) - per_expert + tl.sum(tl.where(s[:, None, None] < me, C, 0), axis=0)
     mine = tl.sum(tl.where(s[:, None, None] == me, C, 0), axis=0)  # what I send to each (destination, expert)
-    mine_end = tl.cumsum(tl.sum(mine, axis=1), axis=0)
-    seg_end = mine_end[:, None] - tl.sum(mine, axis=1)[:, None] + tl.cumsum(mine, axis=1)  # in my sorted order
+    mine_D = tl.sum(mine, axis=1)  # ... and to each destination
+    seg_end = (tl.cumsum(mine_D, axis=0) - mine_D)[:, None] + tl.cumsum(mine, axis=1)  # in my sorted order
     shift = first - (seg_end - mine)  # sorted position -> row at the destination
     seg_end = tl.where((s[:, None] < G) & (l[None, :] < L), seg_end, tl.cast(2**62, tl.int64))
-    n_kept = tl.sum(tl.sum(mine, axis=1), axis=0)
+    n_kept = tl.sum(mine_D, axis=0)
 
     if tl.program_id(0) == 0:
         mine_rows = tl.sum(tl.where(s[:, None] == me, per_expert, 0), axis=0)  # [local expert] rows I receive
