@@ -64,7 +64,6 @@ from parallel import flight
 from parallel.ep_dispatcher import ExpertParallelDispatcher, ExpertParallelMeta
 from parallel.p2p_rows import dispatch_rows, push_back, push_rows, sum_pairs
 
-_BARRIER_TIMEOUT_MS = 120_000
 _ALIGN = 256
 
 
@@ -72,25 +71,33 @@ class _SymmetricBuffer:
     """One collectively allocated byte buffer carved into typed regions: ``views[name]``
     is this rank's region, ``ptrs[name]`` the (G,) int64 addresses of that region on every rank."""
 
-    def __init__(self, group, sizes: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device):
-        import torch.distributed._symmetric_memory as symm_mem
-
+    def __init__(self, group, sizes: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device,
+                 timeout_ms: int):
+        self.timeout_ms = timeout_ms
         offsets, nbytes, total = {}, {}, 0
         for name, (shape, dtype) in sizes.items():
             offsets[name], nbytes[name] = total, dtype.itemsize * math.prod(shape)
             total += -(-nbytes[name] // _ALIGN) * _ALIGN
-        self.bytes = symm_mem.empty(max(total, _ALIGN), dtype=torch.uint8, device=device)
+        self.bytes, ptrs = self._allocate(group, max(total, _ALIGN), device)
         self.bytes.zero_()  # padding rows hold finite values from the start
-        self.handle = symm_mem.rendezvous(self.bytes, group)
-        base_G = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64, device=device)
+        base_G = torch.tensor(ptrs, dtype=torch.int64, device=device)
         self.views, self.ptrs = {}, {}
         for name, (shape, dtype) in sizes.items():
             self.views[name] = self.bytes[offsets[name]:offsets[name] + nbytes[name]].view(dtype).view(shape)
             self.ptrs[name] = base_G + offsets[name]
 
+    def _allocate(self, group, nbytes: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+        """(nbytes,) uint8 of this rank's symmetric memory and the G ranks' addresses of it."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        self.handle = symm_mem.rendezvous(buf, group)
+        return buf, list(self.handle.buffer_ptrs)
+
     def barrier(self) -> None:
+        """Every rank's stores into these buffers so far are complete and visible (device side)."""
         flight.record("symmetric-memory barrier of the P2P dispatcher")
-        self.handle.barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)
+        self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
 
 
 class _Slot:
@@ -100,12 +107,13 @@ class _Slot:
     peers' kernels signal and this rank's dispatch ``ticket``. ``generation`` counts the
     dispatches that took the slot."""
 
-    def __init__(self, group, R_cap: int, P_cap: int, D: int, dtype: torch.dtype, G: int, E: int, device):
+    def __init__(self, group, R_cap: int, P_cap: int, D: int, dtype: torch.dtype, G: int, E: int, device,
+                 timeout_ms: int):
         self.buf = _SymmetricBuffer(group, {
             "recv": ((R_cap, D), dtype), "ret": ((P_cap, D), dtype),
             "src": ((R_cap,), torch.int64), "counts": ((G, E), torch.int64),
             "counts_flag": ((1,), torch.int64), "back_flag": ((1,), torch.int64), "ticket": ((1,), torch.int64),
-        }, device)
+        }, device, timeout_ms)
         self.generation = 0
         # the values the flags reach once every signal sent so far has arrived (same on every
         # rank), and the dispatch programs launched so far (this rank's ticket)
@@ -164,7 +172,7 @@ def _home_and_sum(route: _P2PRoute, y_RD: torch.Tensor, w_TK: torch.Tensor | Non
                         route.P_cap, bufs.ptrs["back_flag"])
     slot.back_target += (bufs.ptrs["back_flag"].numel() - 1) * signals
     return sum_pairs(route.row_TK, route.dest_TK, y_RD, bufs.views["ret"], route.me, w_TK, out_dtype,
-                     bufs.views["back_flag"], slot.back_target)
+                     bufs.views["back_flag"], slot.back_target, bufs.timeout_ms)
 
 
 class _P2PDispatchFn(torch.autograd.Function):
@@ -180,7 +188,7 @@ class _P2PDispatchFn(torch.autograd.Function):
             x_TD, order_P, counts_E, bufs.ptrs["counts"], bufs.ptrs["counts_flag"], bufs.views["ticket"], slot.tickets,
             bufs.views["counts"], bufs.views["counts_flag"], slot.counts_target, bufs.ptrs["recv"], bufs.ptrs["src"],
             bufs.views["recv"].dtype, route.me, route.row_TK.shape[1], route.P_cap,
-            out=(route.row_TK, route.dest_TK, route.offsets_J))
+            out=(route.row_TK, route.dest_TK, route.offsets_J), timeout_ms=bufs.timeout_ms)
         slot.tickets += programs
         bufs.barrier()
         ctx.route, ctx.x_dtype = route, x_TD.dtype
@@ -233,19 +241,27 @@ class P2PDispatcher(ExpertParallelDispatcher):
         num_buffers: slots of buffers, taken round-robin: at least the number of MoE layers whose
             dispatch runs before their backward (a model of n MoE layers: n). A dispatch whose
             slot was taken again before its backward raises (never silently reads newer rows).
+        timeout_s: how long a rank's kernels wait for a peer's signal (and its barriers for the
+            peers) before the process fails with a CUDA error, having printed what it waited for
+            (a peer that died or made other calls never signals); the trainer passes
+            ``parallel.timeout_s``.
 
     ``dispatch`` returns R_cap = ep · max_tokens · K rows, whatever the routing; rows past
     ``offsets[-1]`` are padding. Buffers are allocated at the first call for each (D, dtype, K, E).
     """
 
-    def __init__(self, ep_group=None, world_group=None, max_tokens: int = 0, num_buffers: int = 1):
+    def __init__(self, ep_group=None, world_group=None, max_tokens: int = 0, num_buffers: int = 1,
+                 timeout_s: float = 120.0):
         super().__init__(ep_group, world_group)
         for name, value in (("max_tokens", max_tokens), ("num_buffers", num_buffers)):
             check_positive_int(f"P2PDispatcher: {name}", value)
+        if not timeout_s > 0:  # NaN included
+            raise ValueError(f"P2PDispatcher: timeout_s must be > 0, got {timeout_s}")
         if not torch.cuda.is_available():
             raise RuntimeError("P2PDispatcher needs CUDA GPUs (symmetric memory); use AllToAllDispatcher")
         self.max_tokens = max_tokens
         self.num_buffers = num_buffers
+        self.timeout_ms = math.ceil(timeout_s * 1000)
         # resources reused by every call (not per-call state): the slots and gradient buffer of
         # each buffer shape, and how many dispatches each shape has served (picks the slot)
         self._pools: dict[tuple, tuple[list[_Slot], _SymmetricBuffer]] = {}
@@ -261,14 +277,14 @@ class P2PDispatcher(ExpertParallelDispatcher):
         key = (D, dtype, K, E, device)
         group = self.ep_group if self.ep_group is not None else dist.group.WORLD
         if key not in self._pools:
-            grad = _SymmetricBuffer(group, {"rows": ((R_cap, D), dtype)}, device)
+            grad = _SymmetricBuffer(group, {"rows": ((R_cap, D), dtype)}, device, self.timeout_ms)
             self._pools[key] = ([], grad)
         slots, grad = self._pools[key]
         calls = self._calls.get(key, 0)
         self._calls[key] = calls + 1
         index = calls % self.num_buffers
         if index == len(slots):
-            slots.append(_Slot(group, R_cap, P_cap, D, dtype, G, E, device))
+            slots.append(_Slot(group, R_cap, P_cap, D, dtype, G, E, device, self.timeout_ms))
         slot = slots[index]
         slot.generation += 1
         # a view of the earlier generation's rows kept by autograd now fails its version check

@@ -23,6 +23,7 @@ from parallel import (
     ParallelDims, all_reduce_sum, all_to_all, global_moe_stats, sync_gradients, update_expert_biases_global,
 )
 from tests.distributed import run_distributed
+from tests.peers import share_one_gpu
 
 # max |ours - reference| / max |reference|, per (device type, dtype). fp32 on CUDA: Triton's
 # fp32 dot may run in TF32, and the tile config may differ between row counts.
@@ -55,6 +56,9 @@ EXPERT_SCALE = 10.0  # the experts' init gives outputs ~1e-3 of the residual's a
 DIM, HIDDEN = 16, 12  # CPU: odd hidden width; on CUDA the aligned sizes the Triton GEMM tiles
 GPU_DIM, GPU_HIDDEN = 64, 32
 
+# how long a P2P rank waits for its peer: in the first runs of two ranks sharing one GPU (a cold
+# Triton cache) one rank waited over the dispatcher's default 120 s while the other autotuned (H100)
+P2P_TIMEOUT_S = 600.0
 WORLD2 = [
     Case("dropless", ep=2),
     Case("capacity_probs", ep=2, capacity_factor=1.0),
@@ -129,7 +133,7 @@ def _force_routes(model: Tiny, case: Case, num_local: int) -> None:
 def _dispatcher(dims: ParallelDims, transport: str, tokens: tuple[int, ...], overlap_chunks: int = 1):
     if transport == "p2p":
         from parallel.p2p_dispatcher import P2PDispatcher
-        return P2PDispatcher(dims.ep_group, dims.world_group, max_tokens=max(max(tokens), 1))
+        return P2PDispatcher(dims.ep_group, dims.world_group, max_tokens=max(max(tokens), 1), timeout_s=P2P_TIMEOUT_S)
     return dims.dispatcher(overlap_chunks)
 
 
@@ -251,12 +255,18 @@ def _all_to_all_op(device) -> dict:
 
 
 def _run_cases(rank: int, world: int, cases: list[Case], dtypes: list[torch.dtype], not_divisible: list[tuple[int, int]],
-               transport: str = "nccl") -> dict:
-    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+               transport: str = "nccl", share_gpu: bool = False) -> dict:
+    """``share_gpu``: every rank of the gloo group on cuda:0 (tests/peers.share_one_gpu; the
+    P2P transport only; gloo has no all-to-all of CUDA tensors, so no ``all_to_all_op``)."""
+    if share_gpu:
+        share_one_gpu()
+        device = torch.device("cuda", 0)
+    else:
+        device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     dims_by_ep = {}
     for ep in sorted({c.ep for c in cases} | {ep for ep, _ in not_divisible}):  # same order on every rank
         dims_by_ep[ep] = ParallelDims(world, ep).build_mesh()
-    results = {"all_to_all_op": _all_to_all_op(device)}
+    results = {} if share_gpu else {"all_to_all_op": _all_to_all_op(device)}
     for ep, num_experts in not_divisible:
         results[f"not_divisible_ep{ep}_E{num_experts}"] = _not_divisible(dims_by_ep[ep], num_experts, device)
     for dtype in dtypes:
@@ -413,13 +423,15 @@ def test_p2p_two_gpus_equals_one_process():
             _check_case(results, f"{case.name}:{dtype}")
 
 
-def _p2p_slots(rank: int, world: int) -> dict:
+def _p2p_slots(rank: int, world: int, share_gpu: bool = False) -> dict:
     """Two dispatch/combine pairs (identity experts) in flight before one backward: with two
     buffer slots the output and gradients are exact; with one, the backward raises."""
+    if share_gpu:
+        share_one_gpu()
     from parallel.p2p_dispatcher import P2PDispatcher
     from moe.capacity import plan_routing
 
-    device, (T, D, E, K) = torch.device("cuda", rank), (37, 24, 4, 2)
+    device, (T, D, E, K) = torch.device("cuda", 0 if share_gpu else rank), (37, 24, 4, 2)
     gen = torch.Generator(device=device).manual_seed(rank)
     x = torch.randn(T, D, device=device, generator=gen, requires_grad=True)
     experts = torch.rand(T, E, device=device, generator=gen).topk(K, dim=-1).indices
@@ -428,7 +440,7 @@ def _p2p_slots(rank: int, world: int) -> dict:
     g = torch.randn(T, D, device=device, generator=gen)
     out = {}
     for slots in (2, 1):
-        p2p = P2PDispatcher(None, None, max_tokens=T, num_buffers=slots)
+        p2p = P2PDispatcher(None, None, max_tokens=T, num_buffers=slots, timeout_s=P2P_TIMEOUT_S)
         x.grad = w.grad = None
         h = x
         for _ in range(2):
@@ -454,6 +466,22 @@ def _p2p_slots(rank: int, world: int) -> dict:
 @pytest.mark.multigpu
 def test_p2p_buffer_slots_two_layers_in_flight():
     for res in run_distributed(_p2p_slots, 2, backend="nccl"):
+        assert res[2] == {"out": True, "dx": True, "dw": True}, res
+        assert "num_buffers" in res[1], res[1]
+
+
+@pytest.mark.gpu
+def test_p2p_two_ranks_sharing_one_gpu():
+    """The P2P dispatcher's whole path (the peer-store kernels' flags and waits between two live
+    processes, the autograd wiring, the slots) where only one GPU is lent: both ranks on cuda:0,
+    their buffers shared by CUDA IPC. The two-GPU tests above run the same functions over NVLink."""
+    cases = [c for c in WORLD2]
+    results = run_distributed(_run_cases, 2, cases, [torch.float32, torch.bfloat16], [], "p2p", True,
+                              timeout_s=P2P_TIMEOUT_S)
+    for dtype in ("float32", "bfloat16"):
+        for case in cases:
+            _check_case(results, f"{case.name}:{dtype}")
+    for res in run_distributed(_p2p_slots, 2, True, timeout_s=P2P_TIMEOUT_S):
         assert res[2] == {"out": True, "dx": True, "dw": True}, res
         assert "num_buffers" in res[1], res[1]
 

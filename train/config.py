@@ -109,8 +109,9 @@ class ParallelConfig:
                 "router always runs in fp32")
     reduce_dtype: Literal["fp32", "bf16"] = option("fp32", "fsdp: the dtype gradients are reduced in")
     timeout_s: float = option(
-        600.0, "how long a rank waits for the others in one collective before the run stops with an error naming "
-               "the collective (and the layer) it waited in; must exceed the longest checkpoint write")
+        600.0, "how long a rank waits for the others in one collective (or, with dispatcher p2p, for a peer's "
+               "signal) before the run stops with an error naming what it waited in; must exceed the longest "
+               "checkpoint write")
 
 
 @dataclass

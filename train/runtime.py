@@ -45,7 +45,8 @@ class Runtime:
             t.div_(self.world_size)
         return t
 
-    def dispatcher(self, kind: str = "nccl", max_tokens: int = 0, num_buffers: int = 1, overlap_chunks: int = 1):
+    def dispatcher(self, kind: str = "nccl", max_tokens: int = 0, num_buffers: int = 1, overlap_chunks: int = 1,
+                   timeout_s: float = 600.0):
         """The MoE layers' expert-parallel dispatcher, None for one process.
 
         With ep 1 over several ranks the dispatcher's group has one rank: rows stay local, but the
@@ -54,7 +55,8 @@ class Runtime:
 
         kind ``"nccl"``: the all-to-all :class:`~parallel.AllToAllDispatcher`. ``"p2p"``: the
         :class:`~parallel.P2PDispatcher`, whose buffers hold ``max_tokens`` tokens per dispatch
-        in each of ``num_buffers`` slots (one per MoE layer). ``overlap_chunks``: the nccl
+        in each of ``num_buffers`` slots (one per MoE layer), whose kernels wait ``timeout_s`` for
+        a peer before they fail (``parallel.timeout_s``, as the collectives). ``overlap_chunks``: the nccl
         dispatcher's pipelining of each layer's tokens (:meth:`parallel.ExpertParallelDispatcher.run_experts`).
         """
         if not self.distributed:
@@ -71,7 +73,8 @@ class Runtime:
         if per_node % self.ep:
             raise RuntimeError(f"parallel.dispatcher=p2p needs every EP group on one node: "
                                f"parallel.ep={self.ep} does not divide the {per_node} processes per node")
-        return P2PDispatcher(self.dims.ep_group, self.dims.world_group, max_tokens=max_tokens, num_buffers=num_buffers)
+        return P2PDispatcher(self.dims.ep_group, self.dims.world_group, max_tokens=max_tokens, num_buffers=num_buffers,
+                             timeout_s=timeout_s)
 
     def shutdown(self) -> None:
         if self.distributed:
