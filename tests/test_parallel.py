@@ -256,8 +256,8 @@ def _all_to_all_op(device) -> dict:
 
 def _run_cases(rank: int, world: int, cases: list[Case], dtypes: list[torch.dtype], not_divisible: list[tuple[int, int]],
                transport: str = "nccl", share_gpu: bool = False) -> dict:
-    """``share_gpu``: every rank of the gloo group on cuda:0 (tests/peers.share_one_gpu; the
-    P2P transport only; gloo has no all-to-all of CUDA tensors, so no ``all_to_all_op``)."""
+    """``share_gpu``: every rank of the gloo group on cuda:0 (tests/peers.share_one_gpu); gloo
+    moves CUDA tensors through the host, so the nccl transport's dispatcher runs there too."""
     if share_gpu:
         share_one_gpu()
         device = torch.device("cuda", 0)
@@ -266,7 +266,7 @@ def _run_cases(rank: int, world: int, cases: list[Case], dtypes: list[torch.dtyp
     dims_by_ep = {}
     for ep in sorted({c.ep for c in cases} | {ep for ep, _ in not_divisible}):  # same order on every rank
         dims_by_ep[ep] = ParallelDims(world, ep).build_mesh()
-    results = {} if share_gpu else {"all_to_all_op": _all_to_all_op(device)}
+    results = {"all_to_all_op": _all_to_all_op(device)}
     for ep, num_experts in not_divisible:
         results[f"not_divisible_ep{ep}_E{num_experts}"] = _not_divisible(dims_by_ep[ep], num_experts, device)
     for dtype in dtypes:
@@ -471,19 +471,24 @@ def test_p2p_buffer_slots_two_layers_in_flight():
 
 
 @pytest.mark.gpu
-def test_p2p_two_ranks_sharing_one_gpu():
-    """The P2P dispatcher's whole path (the peer-store kernels' flags and waits between two live
-    processes, the autograd wiring, the slots) where only one GPU is lent: both ranks on cuda:0,
-    their buffers shared by CUDA IPC. The two-GPU tests above run the same functions over NVLink."""
+@pytest.mark.parametrize("transport", ["nccl", "p2p"])
+def test_two_ranks_sharing_one_gpu_equal_one_process(transport):
+    """Both dispatchers' whole path on CUDA tensors where only one GPU is lent: two ranks of a
+    gloo group on cuda:0. "nccl": the all-to-all dispatcher (its Triton token-row kernels
+    compiled, the exchanges through gloo); "p2p": the peer-store kernels' flags and waits between
+    two live processes, their buffers shared by CUDA IPC, and the slots. The two-GPU tests above
+    run the same functions over NCCL and NVLink."""
     cases = [c for c in WORLD2]
-    results = run_distributed(_run_cases, 2, cases, [torch.float32, torch.bfloat16], [], "p2p", True,
+    results = run_distributed(_run_cases, 2, cases, [torch.float32, torch.bfloat16], [], transport, True,
                               timeout_s=P2P_TIMEOUT_S)
     for dtype in ("float32", "bfloat16"):
         for case in cases:
             _check_case(results, f"{case.name}:{dtype}")
-    for res in run_distributed(_p2p_slots, 2, True, timeout_s=P2P_TIMEOUT_S):
-        assert res[2] == {"out": True, "dx": True, "dw": True}, res
-        assert "num_buffers" in res[1], res[1]
+    assert results[0]["all_to_all_op"] == dict.fromkeys(results[0]["all_to_all_op"], True)
+    if transport == "p2p":
+        for res in run_distributed(_p2p_slots, 2, True, timeout_s=P2P_TIMEOUT_S):
+            assert res[2] == {"out": True, "dx": True, "dw": True}, res
+            assert "num_buffers" in res[1], res[1]
 
 
 def test_overlap_chunks_validation():
