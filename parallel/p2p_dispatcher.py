@@ -16,19 +16,20 @@ per-expert counts into every rank's count matrix and signals that rank's counts 
 all G ranks have signalled, computes from the (G, E) count matrix where each of this rank's kept
 pairs lands (a receiver's rows are expert-major: one segment per local expert) and this rank's
 experts' row ends, and stores every kept pair's row straight into its destination rank's receive
-buffer (own rows into its own) together with where it came from; then a barrier, so the rows are
-complete when ``dispatch`` returns them.
+buffer (own rows into its own) together with where it came from and its combine weight; then a
+barrier, so the rows are complete when ``dispatch`` returns them, with their weights (``w_R``: the
+experts weight their output rows, as on the other paths).
 
 ``combine``: every rank stores the valid rows of its expert output that came from another rank
 into that rank's return buffer, at the pair's place (the rows from itself stay), each program
 signalling the source's flag; then one local pass waits for the flag and sums each token's K
-rows with the combine weights in fp32.
+(weighted) rows in fp32. It keeps no rows for its backward.
 
-Backward: the dispatch backward sends the rows' gradients home like the combine and sums them
-(unweighted); the combine backward stores ``w · dout`` into the receivers' gradient buffer (one
-per dispatcher, shared by the slots: it is consumed by the experts' backward before the next
-combine backward) and computes ``dw`` in the same pass from the rows the forward received back;
-then a barrier.
+Backward: the combine backward stores ``dout`` into every row of its token in the receivers'
+gradient buffer (one per dispatcher, shared by the slots: it is consumed by the experts' backward
+before the next combine backward), then a barrier; the dispatch backward sends the rows' gradients
+home like the combine, each with its weight's gradient (the experts' ``dw_R``) into the source's
+``ret_w``, sums each token's rows and reads each pair's weight gradient where it arrived.
 
 Ordering: 4 launches per forward (3 Triton kernels and one barrier), 4 per backward. Flags only
 grow; the host keeps, per slot, the value each flag reaches after the signals sent so far (every
@@ -41,8 +42,8 @@ combine backward (backward), which every reader of the previous contents passed 
 and the gradient buffer only after the sum of the previous layer's dispatch backward waited for
 the peers' signals, sent after their experts' backward read it.
 
-Memory per slot: R_cap + P_cap rows of D (plus R_cap int64), and R_cap rows of D for the shared
-gradient buffer; a slot of the 2-GPU bench at Mixtral-like 32k tokens (D 4096, top-2, bf16) is
+Memory per slot: R_cap + P_cap rows of D (plus R_cap int64 and R_cap + P_cap fp32), and R_cap rows
+of D for the shared gradient buffer; a slot of the 2-GPU bench at Mixtral-like 32k tokens (D 4096, top-2, bf16) is
 1.6 GB. The experts' activations are R_cap rows too (the worst case of dropless routing: G× the
 T·K rows a balanced layer receives).
 
@@ -62,7 +63,7 @@ from moe.capacity import RoutingPlan
 from moe.config import check_positive_int
 from parallel import flight
 from parallel.ep_dispatcher import ExpertParallelDispatcher, ExpertParallelMeta
-from parallel.p2p_rows import dispatch_rows, push_back, push_rows, sum_pairs
+from parallel.p2p_rows import dispatch_rows, pair_values, push_back, push_rows, sum_pairs
 
 _ALIGN = 256
 
@@ -102,8 +103,9 @@ class _SymmetricBuffer:
 
 class _Slot:
     """The buffers one dispatch holds until its backward: ``recv`` (R_cap, D) rows received,
-    ``src`` (R_cap,) int64 where each came from, ``ret`` (P_cap, D) this rank's pairs' rows sent
-    back, ``counts`` (G, E) int64, two int64 flags (``counts_flag``, ``back_flag``) that the
+    ``src`` (R_cap,) int64 where each came from, ``w`` (R_cap,) fp32 their combine weights,
+    ``ret`` (P_cap, D) this rank's pairs' rows sent back and ``ret_w`` (P_cap,) fp32 their weight
+    gradients, ``counts`` (G, E) int64, two int64 flags (``counts_flag``, ``back_flag``) that the
     peers' kernels signal and this rank's dispatch ``ticket``. ``generation`` counts the
     dispatches that took the slot."""
 
@@ -111,7 +113,8 @@ class _Slot:
                  timeout_ms: int):
         self.buf = _SymmetricBuffer(group, {
             "recv": ((R_cap, D), dtype), "ret": ((P_cap, D), dtype),
-            "src": ((R_cap,), torch.int64), "counts": ((G, E), torch.int64),
+            "src": ((R_cap,), torch.int64), "w": ((R_cap,), torch.float32), "ret_w": ((P_cap,), torch.float32),
+            "counts": ((G, E), torch.int64),
             "counts_flag": ((1,), torch.int64), "back_flag": ((1,), torch.int64), "ticket": ((1,), torch.int64),
         }, device, timeout_ms)
         self.generation = 0
@@ -154,79 +157,81 @@ class _P2PRoute:
 
 @dataclass(frozen=True)
 class P2PMeta(ExpertParallelMeta):
-    """What ``combine`` needs from ``dispatch``: the route, and the combine weights w_TK (T, K)
-    fp32, which this transport applies in its combine (``dispatch`` returns no ``w_R``)."""
+    """What ``combine`` needs from ``dispatch``: the route."""
 
     route: _P2PRoute
-    w_TK: torch.Tensor
 
 
-def _home_and_sum(route: _P2PRoute, y_RD: torch.Tensor, w_TK: torch.Tensor | None = None,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def _home_and_sum(route: _P2PRoute, y_RD: torch.Tensor, out_dtype: torch.dtype,
+                  g_R: torch.Tensor | None = None) -> torch.Tensor:
     """The way back, shared by the combine and the dispatch backward: the valid rows of y_RD
-    (R_cap, D) contiguous that came from other ranks go to their return buffers, then
-    ``out_TD[t] = Σ_k (w ·) y of the pair`` (T, D) once the peers' rows have arrived."""
+    (R_cap, D) contiguous that came from other ranks go to their return buffers (with ``g_R``
+    (R_cap,) fp32, the rows' weight gradients, to their ``ret_w``), then ``out_TD[t] = Σ_k y of the
+    pair`` (T, D) once the peers' rows have arrived."""
     slot = route.slot
     bufs = slot.buf
     signals = push_back(y_RD, bufs.views["src"], route.n_rows, bufs.ptrs["ret"], bufs.views["ret"].dtype, route.me,
-                        route.P_cap, bufs.ptrs["back_flag"])
+                        route.P_cap, bufs.ptrs["back_flag"], g_R, None if g_R is None else bufs.ptrs["ret_w"])
     slot.back_target += (bufs.ptrs["back_flag"].numel() - 1) * signals
-    return sum_pairs(route.row_TK, route.dest_TK, y_RD, bufs.views["ret"], route.me, w_TK, out_dtype,
+    return sum_pairs(route.row_TK, route.dest_TK, y_RD, bufs.views["ret"], route.me, out_dtype,
                      bufs.views["back_flag"], slot.back_target, bufs.timeout_ms)
 
 
 class _P2PDispatchFn(torch.autograd.Function):
-    """x_TD (T, D), order_P (T·K,), counts_E (E,) -> rows_RD (R_cap, D), a view of the slot's
-    receive buffer; fills the route's row_TK, dest_TK and offsets_J."""
+    """x_TD (T, D), w_TK (T, K) fp32, order_P (T·K,), counts_E (E,) -> rows_RD (R_cap, D) and w_R
+    (R_cap,) fp32, views of the slot's receive and weight buffers; fills the route's row_TK,
+    dest_TK and offsets_J. Backward: the rows' gradients and the weights' gradients (w_R's, from
+    the experts) go home; dx sums each token's rows, dw_TK is each pair's weight gradient."""
 
     @staticmethod
-    def forward(ctx, x_TD, order_P, counts_E, route: _P2PRoute):
+    def forward(ctx, x_TD, w_TK, order_P, counts_E, route: _P2PRoute):
         slot = route.slot
         bufs = slot.buf
         slot.counts_target += bufs.ptrs["counts"].numel()
         *_, programs = dispatch_rows(
-            x_TD, order_P, counts_E, bufs.ptrs["counts"], bufs.ptrs["counts_flag"], bufs.views["ticket"], slot.tickets,
-            bufs.views["counts"], bufs.views["counts_flag"], slot.counts_target, bufs.ptrs["recv"], bufs.ptrs["src"],
-            bufs.views["recv"].dtype, route.me, route.row_TK.shape[1], route.P_cap,
+            x_TD, w_TK, order_P, counts_E, bufs.ptrs["counts"], bufs.ptrs["counts_flag"], bufs.views["ticket"],
+            slot.tickets, bufs.views["counts"], bufs.views["counts_flag"], slot.counts_target, bufs.ptrs["recv"],
+            bufs.ptrs["src"], bufs.ptrs["w"], bufs.views["recv"].dtype, route.me, route.row_TK.shape[1], route.P_cap,
             out=(route.row_TK, route.dest_TK, route.offsets_J), timeout_ms=bufs.timeout_ms)
         slot.tickets += programs
         bufs.barrier()
         ctx.route, ctx.x_dtype = route, x_TD.dtype
-        return bufs.views["recv"].view_as(bufs.views["recv"])
+        w_R = bufs.views["w"].view_as(bufs.views["w"])
+        if not ctx.needs_input_grad[1]:  # the experts then skip the weights' gradient
+            ctx.mark_non_differentiable(w_R)
+        return bufs.views["recv"].view_as(bufs.views["recv"]), w_R
 
     @staticmethod
-    def backward(ctx, grad_RD):
+    def backward(ctx, grad_RD, grad_R):
         route = ctx.route
         route.check()
-        return _home_and_sum(route, grad_RD.contiguous(), out_dtype=ctx.x_dtype), None, None, None
+        want_w = ctx.needs_input_grad[1]
+        g_R = grad_R.contiguous() if want_w else None
+        dx_TD = _home_and_sum(route, grad_RD.contiguous(), ctx.x_dtype, g_R)
+        bufs = route.slot.buf
+        dw_TK = pair_values(route.row_TK, route.dest_TK, g_R, bufs.views["ret_w"], route.me) if want_w else None
+        return dx_TD, dw_TK, None, None, None
 
 
 class _P2PCombineFn(torch.autograd.Function):
-    """y_RD (R_cap, D) in dispatch order, w_TK (T, K) fp32 -> out_TD = Σ_k w[t, k] · y[row of (t, k)]."""
+    """y_RD (R_cap, D) in dispatch order, weighted by the experts -> out_TD = Σ_k y[row of (t, k)].
+    Keeps nothing for its backward but the route: dout goes to every row of its token."""
 
     @staticmethod
-    def forward(ctx, y_RD, w_TK, route: _P2PRoute, out_dtype):
+    def forward(ctx, y_RD, route: _P2PRoute, out_dtype):
         route.check()
-        y_RD = y_RD.contiguous()
-        out_TD = _home_and_sum(route, y_RD, w_TK, out_dtype)
         ctx.route, ctx.y_dtype = route, y_RD.dtype
-        # y_RD is kept on ctx, not saved: a view of the slot, which a later dispatch bumps the
-        # version of; route.check() then raises with the cause (autograd's check would not say it)
-        ctx.y_RD = y_RD if ctx.needs_input_grad[1] else None
-        ctx.save_for_backward(w_TK)
-        return out_TD
+        return _home_and_sum(route, y_RD.contiguous(), out_dtype)
 
     @staticmethod
     def backward(ctx, dout_TD):
         route = ctx.route
         route.check()
-        (w_TK,), y_RD = ctx.saved_tensors, ctx.y_RD
-        bufs, grad = route.slot.buf, route.grad
-        dw_TK = push_rows(dout_TD, route.row_TK, route.dest_TK, grad.ptrs["rows"], grad.views["rows"].dtype, w_TK,
-                          me=route.me, own_RD=y_RD, ret_PD=None if y_RD is None else bufs.views["ret"])
+        grad = route.grad
+        push_rows(dout_TD, route.row_TK, route.dest_TK, grad.ptrs["rows"], grad.views["rows"].dtype, me=route.me)
         grad.barrier()
         dy_RD = grad.views["rows"]
-        return dy_RD if dy_RD.dtype == ctx.y_dtype else dy_RD.to(ctx.y_dtype), dw_TK, None, None
+        return dy_RD if dy_RD.dtype == ctx.y_dtype else dy_RD.to(ctx.y_dtype), None, None
 
 
 class P2PDispatcher(ExpertParallelDispatcher):
@@ -287,17 +292,17 @@ class P2PDispatcher(ExpertParallelDispatcher):
             slots.append(_Slot(group, R_cap, P_cap, D, dtype, G, E, device, self.timeout_ms))
         slot = slots[index]
         slot.generation += 1
-        # a view of the earlier generation's rows kept by autograd now fails its version check
+        # a view of the earlier generation's rows or weights kept by autograd now fails its version check
         increment_version(slot.buf.views["recv"])
+        increment_version(slot.buf.views["w"])
         return slot, grad, index, P_cap
 
     def _dispatch_ep(self, x_TD: torch.Tensor, plan: RoutingPlan, w_TK: torch.Tensor, num_experts: int, prepared,
-                     row_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, None, P2PMeta]:
-        """As :meth:`~moe.dispatch.Dispatcher.dispatch`, but rows_RD has R_cap rows (padding past
-        ``offsets[-1]``) and w_R is None: the combine applies the weights (the rows' weights would
-        have to travel to the experts' rank, and their gradients back, which the peer-store kernels
-        do not do yet). Raises ValueError when T > ``max_tokens``. Nothing to prepare: the counts
-        travel inside the dispatch kernel."""
+                     row_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, P2PMeta]:
+        """As :meth:`~moe.dispatch.Dispatcher.dispatch`, but rows_RD and w_R have R_cap rows
+        (padding past ``offsets[-1]``: finite stale values, which the experts' zero rows cancel).
+        Raises ValueError when T > ``max_tokens``. Nothing to prepare: the counts travel inside the
+        dispatch kernel."""
         me, E = self.ep_rank, num_experts
         T, K = plan.kept_TK.shape
         if T > self.max_tokens:
@@ -307,8 +312,8 @@ class P2PDispatcher(ExpertParallelDispatcher):
         route_2TK = torch.empty((2, T, K), dtype=torch.int64, device=device)
         offsets_J = torch.empty(E // self.ep_size, dtype=torch.int32, device=device)
         route = _P2PRoute(route_2TK[0], route_2TK[1], offsets_J, slot, slot.generation, grad, me, P_cap, index)
-        rows_RD = _P2PDispatchFn.apply(x_TD, plan.order_P, plan.kept_per_expert_E.contiguous(), route)
-        return rows_RD, route.offsets_J, None, P2PMeta(route=route, w_TK=w_TK)
+        rows_RD, w_R = _P2PDispatchFn.apply(x_TD, w_TK, plan.order_P, plan.kept_per_expert_E.contiguous(), route)
+        return rows_RD, route.offsets_J, w_R, P2PMeta(route=route)
 
     def _combine_ep(self, y_RD: torch.Tensor, meta: P2PMeta, out_dtype: torch.dtype) -> torch.Tensor:
         """As :meth:`~moe.dispatch.Dispatcher.combine`; y_RD has the R_cap rows ``dispatch`` returned."""
@@ -316,4 +321,4 @@ class P2PDispatcher(ExpertParallelDispatcher):
         if y_RD.dim() != 2 or y_RD.shape[0] != R_cap:
             raise ValueError(f"P2PDispatcher.combine: y_RD must have the {R_cap} rows dispatch returned, "
                              f"got {tuple(y_RD.shape)}")
-        return _P2PCombineFn.apply(y_RD, meta.w_TK, meta.route, out_dtype)
+        return _P2PCombineFn.apply(y_RD, meta.route, out_dtype)

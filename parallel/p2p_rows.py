@@ -27,16 +27,16 @@ into the dispatch kernel, took it from 8 launches to 4.
 - ``dispatch_rows``: row ``me`` of every rank's (G, E) count matrix = this rank's (E,) counts
   (one program, a signal to each rank); then, once all counts are in, each kept pair's row at
   its destination and this rank's experts' row ends, and every kept pair's row of x stored into its
-  destination's receive buffer with where it came from. One launch where ~30 small torch ops
+  destination's receive buffer with where it came from and its weight. One launch where ~30 small torch ops
   and three kernels were (the routes alone made the 4k dispatch 4× faster than those ops).
-- ``push_rows``: ``buf[dest][row] = w · x[t]`` for every kept pair, and with ``own_RD``/
-  ``ret_PD`` also ``dw[t, k] = <x[t], y of the pair>`` (0 for dropped pairs): the combine's
-  backward. One program per token.
+- ``push_rows``: ``buf[dest][row] = x[t]`` for every kept pair: the combine's backward. One
+  program per token.
 - ``push_back``: the receiver's side of the way home: every valid row r (r < ``n_rows``, a device
-  scalar) that came from another rank is stored at its pair's place of that rank's return buffer;
-  then each program signals every peer's flag.
-- ``sum_pairs``: (after waiting for the flag, when given one) ``out[t] = Σ_k (w ·) y of the
-  pair``, in fp32, where the pair's row is read from ``own_RD[row]`` when this rank holds its
+  scalar) that came from another rank is stored at its pair's place of that rank's return buffer
+  (in the dispatch backward with its weight's gradient); then each program signals every peer's
+  flag.
+- ``sum_pairs``: (after waiting for the flag, when given one) ``out[t] = Σ_k y of the pair``,
+  in fp32, where the pair's row is read from ``own_RD[row]`` when this rank holds its
   expert and from ``ret_PD[t · K + k]`` (where ``push_back`` put it) otherwise. No peer memory
   touched.
 """
@@ -89,8 +89,8 @@ def _wait(flag_ptr, target, timeout_ns):
 # multiple of 16 compiled a new variant (~0.5 s, a 0.08 timing round on 2×H200)
 @triton.jit(do_not_specialize=["first_ticket", "target"])
 def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, ticket_ptr, first_ticket, counts_ptr, flag_ptr,
-                          target, timeout_ns, row_ptr, dest_ptr, offsets_ptr, recv_ptrs, src_ptrs, me, G, L, E, P, K,
-                          P_cap, D, OUT: tl.constexpr, GP: tl.constexpr, LP: tl.constexpr, BLOCK_E: tl.constexpr,
+                          target, timeout_ns, row_ptr, dest_ptr, offsets_ptr, recv_ptrs, src_ptrs, w_ptr, wrecv_ptrs,
+                          me, G, L, E, P, K, P_cap, D, OUT: tl.constexpr, GP: tl.constexpr, LP: tl.constexpr, BLOCK_E: tl.constexpr,
                           BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
     """The program that starts first (it takes ticket ``first_ticket``: every launch takes one
     ticket per program, so it is running, and the others may spin) writes this rank's counts
@@ -145,11 +145,13 @@ def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, ticke
             tl.store(to_rows[:, None] + c + offs[None, :], v.to(OUT), mask=ok)
         to_src = tl.load(src_ptrs + d, mask=kept, other=0).to(tl.pointer_type(tl.int64))
         tl.store(to_src + row, me * P_cap + pair, mask=kept)
+        to_w = tl.load(wrecv_ptrs + d, mask=kept, other=0).to(tl.pointer_type(tl.float32))
+        tl.store(to_w + row, tl.load(w_ptr + pair, mask=kept, other=0.0), mask=kept)
 
 
 @triton.jit
-def _push_back_kernel(y_ptr, src_ptr, n_ptr, ret_ptrs, flag_ptrs, me, G, P_cap, D,
-                      OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _push_back_kernel(y_ptr, src_ptr, n_ptr, ret_ptrs, g_ptr, retw_ptrs, flag_ptrs, me, G, P_cap, D,
+                      OUT: tl.constexpr, HAS_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     offs = tl.arange(0, BLOCK_D)
     n = tl.load(n_ptr).to(tl.int64)
     for tile in range(tl.program_id(0), tl.cdiv(n, BLOCK_R), tl.num_programs(0)):
@@ -162,6 +164,9 @@ def _push_back_kernel(y_ptr, src_ptr, n_ptr, ret_ptrs, flag_ptrs, me, G, P_cap, 
             ok = away[:, None] & (c + offs[None, :] < D)
             v = tl.load(y_ptr + r[:, None] * D + c + offs[None, :], mask=ok, other=0.0)
             tl.store(to_rows[:, None] + c + offs[None, :], v.to(OUT), mask=ok)
+        if HAS_G:
+            to_g = tl.load(retw_ptrs + rank, mask=away, other=0).to(tl.pointer_type(tl.float32))
+            tl.store(to_g + src % P_cap, tl.load(g_ptr + r, mask=away, other=0.0), mask=away)
     for g in range(G):
         if g != me:
             _signal(flag_ptrs, g)
@@ -202,10 +207,10 @@ def _check_flag(name: str, flag: torch.Tensor) -> None:
         raise ValueError(f"{name} must be a 1-element int64 tensor, got {flag.dtype} {tuple(flag.shape)}")
 
 
-def dispatch_rows(x_TD: torch.Tensor, order_P: torch.Tensor, counts_E: torch.Tensor, cnt_ptrs_G: torch.Tensor,
-                  flag_ptrs_G: torch.Tensor, ticket: torch.Tensor, first_ticket: int, counts_GE: torch.Tensor,
-                  flag: torch.Tensor, target: int, recv_ptrs_G: torch.Tensor, src_ptrs_G: torch.Tensor,
-                  recv_dtype: torch.dtype, me: int, K: int, P_cap: int,
+def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor, counts_E: torch.Tensor,
+                  cnt_ptrs_G: torch.Tensor, flag_ptrs_G: torch.Tensor, ticket: torch.Tensor, first_ticket: int,
+                  counts_GE: torch.Tensor, flag: torch.Tensor, target: int, recv_ptrs_G: torch.Tensor,
+                  src_ptrs_G: torch.Tensor, w_ptrs_G: torch.Tensor, recv_dtype: torch.dtype, me: int, K: int, P_cap: int,
                   out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, timeout_ms: int = TIMEOUT_MS):
     """Exchange the counts, then route and move this rank's kept pairs.
 
@@ -221,8 +226,9 @@ def dispatch_rows(x_TD: torch.Tensor, order_P: torch.Tensor, counts_E: torch.Ten
     ones. A destination d stores its rows expert-major: local expert 0's, then 1's, ..., each
     expert's by source rank (one segment per expert for the grouped GEMM: module docstring of
     :mod:`parallel.token_rows` says why); every kept pair's row of x_TD (T, D) goes to row
-    ``row`` of rank ``dest``'s receive buffer (``recv_ptrs_G``, of ``recv_dtype``) and ``me ·
-    P_cap + t·K + k`` to the same row of its (R_cap,) int64 source buffer.
+    ``row`` of rank ``dest``'s receive buffer (``recv_ptrs_G``, of ``recv_dtype``), ``me ·
+    P_cap + t·K + k`` to the same row of its (R_cap,) int64 source buffer and the pair's weight
+    ``w_TK[t, k]`` (fp32) to the same row of its (R_cap,) fp32 weight buffer (``w_ptrs_G``).
 
     Returns ``row_TK``, ``dest_TK`` (T, K) int64 (row -1: dropped), this rank's local experts'
     row ends ``offsets_J`` (L,) int32 (into ``out`` when given), and the programs launched
@@ -240,10 +246,13 @@ def dispatch_rows(x_TD: torch.Tensor, order_P: torch.Tensor, counts_E: torch.Ten
         raise ValueError(f"order_P must be an int64 vector of T·K = {T * K} pairs, got {order_P.dtype} {tuple(order_P.shape)}")
     if P_cap < P:
         raise ValueError(f"P_cap = {P_cap} is below the T·K = {P} pairs")
+    if w_TK is None:
+        raise ValueError("dispatch_rows: w_TK is required (the pairs' weights travel with their rows)")
+    check_pair_weights("dispatch_rows", w_TK, T, K)
     _check_flag("flag", flag)
     _check_flag("ticket", ticket)
     for name, ptrs in (("cnt_ptrs_G", cnt_ptrs_G), ("flag_ptrs_G", flag_ptrs_G), ("recv_ptrs_G", recv_ptrs_G),
-                       ("src_ptrs_G", src_ptrs_G)):
+                       ("src_ptrs_G", src_ptrs_G), ("w_ptrs_G", w_ptrs_G)):
         _check_ptrs(name, ptrs)
     L = E // G
     device = x_TD.device
@@ -256,7 +265,8 @@ def dispatch_rows(x_TD: torch.Tensor, order_P: torch.Tensor, counts_E: torch.Ten
     grid = grid_programs(triton.cdiv(P, _BLOCK_ROWS), _MAX_PROGRAMS)
     _dispatch_rows_kernel[(grid,)](
         x_TD.contiguous(), order_P, counts_E, cnt_ptrs_G, flag_ptrs_G, ticket, first_ticket, counts_GE, flag, target,
-        timeout_ms * 1_000_000, row_TK, dest_TK, offsets_J, recv_ptrs_G, src_ptrs_G, me, G, L, E, P, K, P_cap, D,
+        timeout_ms * 1_000_000, row_TK, dest_TK, offsets_J, recv_ptrs_G, src_ptrs_G, w_TK.contiguous(), w_ptrs_G,
+        me, G, L, E, P, K, P_cap, D,
         OUT=tl_dtype(recv_dtype), GP=triton.next_power_of_2(G), LP=triton.next_power_of_2(L),
         BLOCK_E=triton.next_power_of_2(E), BLOCK_P=_BLOCK_ROWS, BLOCK_D=ROW_BLOCK_D, num_warps=4)
     return row_TK, dest_TK, offsets_J, grid
@@ -281,39 +291,28 @@ def p2p_routes_reference(order_P: torch.Tensor, counts_GE: torch.Tensor, me: int
 
 
 def push_rows(x_TD: torch.Tensor, row_TK: torch.Tensor, dest_TK: torch.Tensor, buf_ptrs_G: torch.Tensor,
-              buf_dtype: torch.dtype, w_TK: torch.Tensor | None = None, *, me: int = 0,
-              own_RD: torch.Tensor | None = None, ret_PD: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Store each kept pair's row of x_TD (T, D) (``w · x[t]`` in fp32 when ``w_TK`` (T, K) fp32
-    is given) into its rank's buffer of ``buf_dtype``. With ``own_RD`` (rows, D) and ``ret_PD``
-    (≥ T·K, D) also return ``dw_TK`` (T, K) fp32 = ``<x[t], y>``, y the pair's row
-    (``own_RD[row]`` where ``dest == me``, else ``ret_PD[t·K + k]``); 0 for dropped pairs."""
+              buf_dtype: torch.dtype, me: int = 0) -> None:
+    """Store each kept pair's row of x_TD (T, D) ``x[t]`` into row ``row`` of rank ``dest``'s
+    buffer of ``buf_dtype`` (the combine's backward: dout to every row of the token)."""
     _check_pairs(row_TK, dest_TK)
     _check_ptrs("buf_ptrs_G", buf_ptrs_G)
     T, D = x_TD.shape
     K = row_TK.shape[1]
     if row_TK.shape[0] != T:
         raise ValueError(f"row_TK has {row_TK.shape[0]} tokens, x_TD {T}")
-    check_pair_weights("push_rows", w_TK, T, K)
-    if (own_RD is None) != (ret_PD is None):
-        raise ValueError("own_RD and ret_PD go together (the pairs' rows for dw)")
-    if own_RD is not None:
-        check_rows("own_RD", own_RD, None, D)
-        check_rows("ret_PD", ret_PD, None, D)
-        if ret_PD.shape[0] < T * K:
-            raise ValueError(f"ret_PD has {ret_PD.shape[0]} rows, fewer than the T·K = {T * K} pairs")
-    dw_TK = torch.empty((T, K), dtype=torch.float32, device=x_TD.device) if own_RD is not None else None
     scatter_rows(x_TD.contiguous(), _to_peer, _locate_pair, row_TK.contiguous(), dest_TK.contiguous(), me, 0,
-                 buf_ptrs_G, buf_dtype, D, K=K, peer_table=True, w_TK=w_TK,
-                 ya_MD=own_RD, yb_MD=ret_PD, dw_TK=dw_TK, zero_dropped=True)
-    return dw_TK
+                 buf_ptrs_G, buf_dtype, D, K=K, peer_table=True)
 
 
 def push_back(y_RD: torch.Tensor, src_R: torch.Tensor, n_rows: torch.Tensor, ret_ptrs_G: torch.Tensor,
-              ret_dtype: torch.dtype, me: int, P_cap: int, flag_ptrs_G: torch.Tensor) -> int:
+              ret_dtype: torch.dtype, me: int, P_cap: int, flag_ptrs_G: torch.Tensor,
+              g_R: torch.Tensor | None = None, ret_g_ptrs_G: torch.Tensor | None = None) -> int:
     """Send the valid rows of y_RD (R, D) home: row r < ``n_rows`` (a 1-element int32/int64 device
     tensor) with ``src_R[r] = s · P_cap + p`` and s ≠ ``me`` is stored at row p of rank s's return
-    buffer (of ``ret_dtype``). Rows from ``me`` stay (``sum_pairs`` reads them in place). Then
-    every program adds 1 to every other rank's int64 flag (``flag_ptrs_G``).
+    buffer (of ``ret_dtype``), and with ``g_R`` (≥ R,) fp32 its value at place p of rank s's
+    (P_cap,) fp32 buffer (``ret_g_ptrs_G``; the dispatch backward's weight gradients). Rows from
+    ``me`` stay (``sum_pairs`` and :func:`pair_values` read them in place). Then every program
+    adds 1 to every other rank's int64 flag (``flag_ptrs_G``).
 
     Returns the signals each other rank receives from this call: the grid, a function of R only,
     so every rank of a dispatcher (same R_cap) sends the same number."""
@@ -325,16 +324,24 @@ def push_back(y_RD: torch.Tensor, src_R: torch.Tensor, n_rows: torch.Tensor, ret
     _check_ptrs("flag_ptrs_G", flag_ptrs_G)
     check_rows("y_RD", y_RD, None, y_RD.shape[1] if y_RD.dim() == 2 else -1)
     R, D = y_RD.shape
+    if (g_R is None) != (ret_g_ptrs_G is None):
+        raise ValueError("g_R and ret_g_ptrs_G go together (the rows' weight gradients and where they go)")
+    if g_R is not None:
+        _check_ptrs("ret_g_ptrs_G", ret_g_ptrs_G)
+        if g_R.dtype != torch.float32 or g_R.dim() != 1 or g_R.shape[0] < R or not g_R.is_contiguous():
+            raise ValueError(f"g_R must be a contiguous fp32 vector of ≥ {R} entries, got {g_R.dtype} {tuple(g_R.shape)}")
     grid = grid_programs(triton.cdiv(R, _BLOCK_ROWS), _MAX_PROGRAMS)
-    _push_back_kernel[(grid,)](y_RD, src_R, n_rows, ret_ptrs_G, flag_ptrs_G, me, flag_ptrs_G.numel(), P_cap, D,
-                               OUT=tl_dtype(ret_dtype), BLOCK_R=_BLOCK_ROWS, BLOCK_D=ROW_BLOCK_D, num_warps=4)
+    _push_back_kernel[(grid,)](y_RD, src_R, n_rows, ret_ptrs_G, g_R if g_R is not None else src_R,
+                               ret_g_ptrs_G if ret_g_ptrs_G is not None else ret_ptrs_G, flag_ptrs_G, me,
+                               flag_ptrs_G.numel(), P_cap, D, OUT=tl_dtype(ret_dtype), HAS_G=g_R is not None,
+                               BLOCK_R=_BLOCK_ROWS, BLOCK_D=ROW_BLOCK_D, num_warps=4)
     return grid
 
 
 def sum_pairs(row_TK: torch.Tensor, dest_TK: torch.Tensor, own_RD: torch.Tensor, ret_PD: torch.Tensor, me: int,
-              w_TK: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-              flag: torch.Tensor | None = None, target: int = 0, timeout_ms: int = TIMEOUT_MS) -> torch.Tensor:
-    """``out_TD[t] = Σ_k (w[t, k] ·) y`` over the kept pairs, y = ``own_RD[row]`` (rows, D) where
+              out_dtype: torch.dtype | None = None, flag: torch.Tensor | None = None, target: int = 0,
+              timeout_ms: int = TIMEOUT_MS) -> torch.Tensor:
+    """``out_TD[t] = Σ_k y`` over the kept pairs, y = ``own_RD[row]`` (rows, D) where
     ``dest == me``, else ``ret_PD[t·K + k]`` (≥ T·K, D); fp32 sums cast to ``out_dtype`` (default
     own_RD's dtype). With ``flag`` (1-element int64) it first waits until the flag reaches
     ``target`` (the peers' ``push_back`` signals)."""
@@ -345,13 +352,12 @@ def sum_pairs(row_TK: torch.Tensor, dest_TK: torch.Tensor, own_RD: torch.Tensor,
     check_rows("ret_PD", ret_PD, None, D)
     if ret_PD.shape[0] < T * K:
         raise ValueError(f"ret_PD has {ret_PD.shape[0]} rows, fewer than the T·K = {T * K} pairs")
-    check_pair_weights("sum_pairs", w_TK, T, K)
     if flag is not None:
         _check_flag("flag", flag)
     # with a flag it runs for T = 0 too: the wait is what orders this rank's later stores into
     # the peers' buffers after the peers' reads of theirs
     return gather_sum(T, D, _locate_pair, row_TK.contiguous(), dest_TK.contiguous(), me, 0, own_RD, ret_PD,
-                      w_TK, out_dtype or own_RD.dtype, K=K,
+                      None, out_dtype or own_RD.dtype, K=K,
                       prologue=None if flag is None else _wait, prologue_args=(flag, target, timeout_ms * 1_000_000),
                       block_t=_BLOCK_ROWS, max_programs=_MAX_PROGRAMS)
 
@@ -364,24 +370,36 @@ def locate_pair_reference(row_TK, dest_TK, me):
     return kept & here, kept & ~here, row_TK, pair_TK
 
 
-def push_rows_reference(x_TD, row_TK, dest_TK, bufs, w_TK=None, *, me=0, own_RD=None, ret_PD=None):
+def push_rows_reference(x_TD, row_TK, dest_TK, bufs, me=0):
     """PyTorch version of :func:`push_rows` over lists of buffers (one per rank)."""
-    dw_TK = None if own_RD is None else torch.empty(row_TK.shape, dtype=torch.float32, device=x_TD.device)
     sent = (torch.where(row_TK >= 0, dest_TK, -1), row_TK)
-    scatter_rows_reference(x_TD, sent, locate_pair_reference(row_TK, dest_TK, me), bufs, w_TK, own_RD, ret_PD, dw_TK,
-                           zero_dropped=True)
-    return dw_TK
+    scatter_rows_reference(x_TD, sent, locate_pair_reference(row_TK, dest_TK, me), bufs)
 
 
-def push_back_reference(y_RD, src_R, n_rows, rets, me, P_cap):
-    """PyTorch version of :func:`push_back` (the rows; no flags) over a list of return buffers."""
+def push_back_reference(y_RD, src_R, n_rows, rets, me, P_cap, g_R=None, ret_gs=None):
+    """PyTorch version of :func:`push_back` (the rows, and the values of ``g_R`` into ``ret_gs``; no
+    flags) over lists of return buffers."""
     for r in range(int(n_rows)):
         s, p = divmod(int(src_R[r]), P_cap)
         if s != me:
             rets[s][p] = y_RD[r].to(rets[s].dtype)
+            if g_R is not None:
+                ret_gs[s][p] = g_R[r]
 
 
-def sum_pairs_reference(row_TK, dest_TK, own_RD, ret_PD, me, w_TK=None, out_dtype=None):
+def pair_values(row_TK: torch.Tensor, dest_TK: torch.Tensor, own_R: torch.Tensor, ret_P: torch.Tensor,
+                me: int) -> torch.Tensor:
+    """(T, K) fp32 value of each pair: ``own_R[row]`` where this rank holds its expert
+    (``dest == me``), else ``ret_P[t·K + k]`` (where :func:`push_back` put it), 0 for a dropped
+    pair (the dispatch backward's weight gradients, from the experts' ``dw_R``). Plain PyTorch:
+    a (T, K) gather, read after ``sum_pairs`` waited for the peers."""
+    T, K = row_TK.shape
+    own_TK = own_R[row_TK.clamp_min(0).view(-1)].view(T, K)
+    value_TK = torch.where(dest_TK == me, own_TK, ret_P[:T * K].view(T, K))
+    return torch.where(row_TK >= 0, value_TK, 0.0)
+
+
+def sum_pairs_reference(row_TK, dest_TK, own_RD, ret_PD, me, out_dtype=None):
     """PyTorch version of :func:`sum_pairs`."""
-    return gather_sum_reference(locate_pair_reference(row_TK, dest_TK, me), own_RD, ret_PD, w_TK,
+    return gather_sum_reference(locate_pair_reference(row_TK, dest_TK, me), own_RD, ret_PD, None,
                                 out_dtype or own_RD.dtype)

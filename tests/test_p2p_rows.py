@@ -16,7 +16,7 @@ import torch
 
 from moe.capacity import plan_routing
 from parallel.p2p_rows import (
-    dispatch_rows, p2p_routes_reference, push_back, push_back_reference, push_rows, sum_pairs,
+    dispatch_rows, p2p_routes_reference, pair_values, push_back, push_back_reference, push_rows, sum_pairs,
 )
 from tests.peers import G, buffer_ptrs
 
@@ -58,35 +58,39 @@ def _plans(case, seed=0):
 def test_dispatcher_data_flow_in_one_process(case):
     """The P2P dispatcher's passes over G local buffers: counts, routes and rows lay every
     receiver's rows out expert-major (by local expert, then source rank, then token), with
-    offsets its experts' row ends and src where each row came from; then experts
-    (y = 2·x + 1 on the valid rows, garbage on the padding), the way home and the weighted sum give
-    Σ_k w · y; and the backward passes (identity experts) give dx = Σ_k w · g and dw = <g, y>."""
+    offsets its experts' row ends, src where each row came from and w each row's combine weight;
+    then experts that weight their rows (y = w · (2·x + 1) on the valid rows, garbage on the
+    padding), the way home and the sum give Σ_k w · (2·x + 1); and the backward passes (experts
+    y = w · x) give dx = Σ_k w · g and dw = <g, x> per kept pair, 0 per dropped one."""
     tokens, E, K, _, _ = CASES[case]
     L, D, P_cap = E // G, 8, max(tokens) * K
     R_cap = G * P_cap
     plans, experts = _plans(case)
     xs = [torch.randn(T, D, device=DEVICE) for T in tokens]
+    ws = [torch.rand(T, K, device=DEVICE) * p.kept_TK for T, p in zip(tokens, plans)]
     # zeros, not garbage: the first pass routes by a partial count matrix (within bounds)
     counts = [torch.zeros((G, E), dtype=torch.int64, device=DEVICE) for _ in range(G)]
     counts_flags, tickets = _flags(), _flags()
     recv = [torch.full((R_cap, D), float("nan"), device=DEVICE) for _ in range(G)]
     src = [torch.full((R_cap,), -1, dtype=torch.int64, device=DEVICE) for _ in range(G)]
+    w_recv = [torch.full((R_cap,), float("nan"), device=DEVICE) for _ in range(G)]
     launched = [0] * G
     for rounds in (1, 2):
         routes = []
         for r in range(G):
             *route, programs = dispatch_rows(
-                xs[r], plans[r].order_P, plans[r].kept_per_expert_E, buffer_ptrs(counts), buffer_ptrs(counts_flags), tickets[r],
-                launched[r], counts[r], counts_flags[r], (rounds - 1) * G, buffer_ptrs(recv), buffer_ptrs(src), torch.float32, r, K,
-                P_cap, timeout_ms=TIMEOUT_MS)
+                xs[r], ws[r], plans[r].order_P, plans[r].kept_per_expert_E, buffer_ptrs(counts), buffer_ptrs(counts_flags),
+                tickets[r], launched[r], counts[r], counts_flags[r], (rounds - 1) * G, buffer_ptrs(recv), buffer_ptrs(src),
+                buffer_ptrs(w_recv), torch.float32, r, K, P_cap, timeout_ms=TIMEOUT_MS)
             routes.append(route)
             launched[r] += programs
         assert [int(f) for f in counts_flags] == [rounds * G] * G
         assert [int(t) for t in tickets] == launched
     for r in range(G):
         assert torch.equal(counts[r], torch.stack([p.kept_per_expert_E for p in plans]))
+    n_rows = []
     for d in range(G):
-        expected, origin, ends = [], [], []
+        expected, origin, weight, ends = [], [], [], []
         for l in range(L):
             for s in range(G):
                 kept = plans[s].kept_TK
@@ -95,14 +99,18 @@ def test_dispatcher_data_flow_in_one_process(case):
                         if experts[s][t, k] == d * L + l and kept[t, k]:
                             expected.append(xs[s][t])
                             origin.append(s * P_cap + t * K + k)
+                            weight.append(float(ws[s][t, k]))
             ends.append(len(expected))
         R = len(expected)
+        n_rows.append(R)
         assert routes[d][2].tolist() == ends
         assert src[d][:R].tolist() == origin
+        assert w_recv[d][:R].tolist() == weight
         if R:
             torch.testing.assert_close(recv[d][:R], torch.stack(expected))
 
-    ys = [2 * b + 1 for b in recv]  # padding rows stay NaN: nothing may read them
+    # padding rows stay NaN: nothing may read them
+    ys = [w[:, None] * (2 * b + 1) for b, w in zip(recv, w_recv)]
     ret = [torch.full((P_cap, D), float("nan"), device=DEVICE) for _ in range(G)]
     back_flags = _flags()
     signals = [push_back(ys[r], src[r], routes[r][2][-1:], buffer_ptrs(ret), torch.float32, r, P_cap, buffer_ptrs(back_flags))
@@ -111,23 +119,25 @@ def test_dispatcher_data_flow_in_one_process(case):
     target = (G - 1) * signals[0]
     gs = [torch.randn(T, D, device=DEVICE) for T in tokens]
     grad_rows = [torch.full((R_cap, D), float("nan"), device=DEVICE) for _ in range(G)]
-    ws = [torch.rand(T, K, device=DEVICE) for T in tokens]
     for r in range(G):
-        w = ws[r]
-        kept = plans[r].kept_TK
-        out = sum_pairs(routes[r][0], routes[r][1], ys[r], ret[r], r, w, flag=back_flags[r], target=target,
+        out = sum_pairs(routes[r][0], routes[r][1], ys[r], ret[r], r, flag=back_flags[r], target=target,
                         timeout_ms=TIMEOUT_MS)
-        torch.testing.assert_close(out, (2 * xs[r] + 1) * (w * kept).sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
-        dw = push_rows(gs[r], routes[r][0], routes[r][1], buffer_ptrs(grad_rows), torch.float32, w, me=r,
-                       own_RD=ys[r], ret_PD=ret[r])
-        torch.testing.assert_close(dw, torch.where(kept, (gs[r] * (2 * xs[r] + 1)).sum(-1, keepdim=True), 0.0),
-                                   rtol=1e-5, atol=1e-4)
-    for r in range(G):  # identity experts' backward: the rows' gradient is what arrived
-        push_back(grad_rows[r], src[r], routes[r][2][-1:], buffer_ptrs(ret), torch.float32, r, P_cap, buffer_ptrs(back_flags))
+        torch.testing.assert_close(out, (2 * xs[r] + 1) * ws[r].sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
+        push_rows(gs[r], routes[r][0], routes[r][1], buffer_ptrs(grad_rows), torch.float32, me=r)
+    # experts y = w · x: d rows = w · dy, dw = <dy, x>, on the valid rows (the padding's NaN stays)
+    d_rows = [w[:, None] * g for g, w in zip(grad_rows, w_recv)]
+    dw_R = [(g * b).sum(-1) for g, b in zip(grad_rows, recv)]
+    ret_g = [torch.full((P_cap,), float("nan"), device=DEVICE) for _ in range(G)]
     for r in range(G):
-        dx = sum_pairs(routes[r][0], routes[r][1], grad_rows[r], ret[r], r, flag=back_flags[r], target=2 * target,
+        push_back(d_rows[r], src[r], routes[r][2][-1:], buffer_ptrs(ret), torch.float32, r, P_cap, buffer_ptrs(back_flags),
+                  dw_R[r], buffer_ptrs(ret_g))
+    for r in range(G):
+        dx = sum_pairs(routes[r][0], routes[r][1], d_rows[r], ret[r], r, flag=back_flags[r], target=2 * target,
                        timeout_ms=TIMEOUT_MS)
-        torch.testing.assert_close(dx, gs[r] * (ws[r] * plans[r].kept_TK).sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dx, gs[r] * ws[r].sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
+        dw = pair_values(routes[r][0], routes[r][1], dw_R[r], ret_g[r], r)
+        torch.testing.assert_close(dw, torch.where(plans[r].kept_TK, (gs[r] * xs[r]).sum(-1, keepdim=True), 0.0),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def _routes(order, counts, me, K):
@@ -138,11 +148,13 @@ def _routes(order, counts, me, K):
     rows = max(int(counts.sum()), 1)
     recv = [torch.zeros(rows, 1, device=DEVICE) for _ in range(G_)]
     src = [torch.zeros(rows, dtype=torch.int64, device=DEVICE) for _ in range(G_)]
+    w = [torch.zeros(rows, device=DEVICE) for _ in range(G_)]
     scratch = [torch.zeros(G_, E, dtype=torch.int64, device=DEVICE) for _ in range(G_)]
     flags = _flags(G_)
-    *route, _ = dispatch_rows(torch.zeros(T, 1, device=DEVICE), order.to(DEVICE), counts[me].to(DEVICE), buffer_ptrs(scratch),
-                              buffer_ptrs(flags), _flags(1)[0], 0, counts.to(DEVICE), flags[me], 1, buffer_ptrs(recv), buffer_ptrs(src),
-                              torch.float32, me, K, T * K, timeout_ms=TIMEOUT_MS)
+    *route, _ = dispatch_rows(torch.zeros(T, 1, device=DEVICE), torch.zeros(T, K, device=DEVICE), order.to(DEVICE),
+                              counts[me].to(DEVICE), buffer_ptrs(scratch), buffer_ptrs(flags), _flags(1)[0], 0, counts.to(DEVICE),
+                              flags[me], 1, buffer_ptrs(recv), buffer_ptrs(src), buffer_ptrs(w), torch.float32, me, K, T * K,
+                              timeout_ms=TIMEOUT_MS)
     return route
 
 
@@ -171,19 +183,26 @@ def test_routes_match_the_reference(G_, E, K):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T, K, D", [(9, 3, 70), (1, 1, 5), (0, 2, 16), (13, 8, 130)])
 def test_push_back_matches_its_reference(T, K, D, dtype):
-    """(push_rows and sum_pairs, the gather-sum family's P2P members: tests/test_gather_sum.py)"""
+    """With and without the rows' weight gradients (g_R). (push_rows and sum_pairs, the
+    gather-sum family's P2P members: tests/test_gather_sum.py)"""
     rows, me, P_cap = T * K + 3, 1, T * K + 2
     y = torch.randn(rows, D, device=DEVICE).to(dtype)
+    g = torch.randn(rows, device=DEVICE)
     src = torch.randperm(G * P_cap, device=DEVICE)[:rows]  # distinct places: the GPU stores in no set order
     n = torch.tensor([rows - 2], dtype=torch.int32, device=DEVICE)
-    rets = [torch.zeros(P_cap, D, device=DEVICE, dtype=dtype) for _ in range(G)]
-    ref_rets = [r.clone() for r in rets]
-    flags = _flags()
-    signals = push_back(y, src, n, buffer_ptrs(rets), dtype, me, P_cap, buffer_ptrs(flags))
-    push_back_reference(y, src, n, ref_rets, me, P_cap)
-    for a, b in zip(rets, ref_rets):
-        assert torch.equal(a, b)
-    assert [int(f) for f in flags] == [0 if g == me else signals for g in range(G)]
+    for with_g in (False, True):
+        rets = [torch.zeros(P_cap, D, device=DEVICE, dtype=dtype) for _ in range(G)]
+        ret_gs = [torch.zeros(P_cap, device=DEVICE) for _ in range(G)]
+        ref_rets, ref_gs = [r.clone() for r in rets], [r.clone() for r in ret_gs]
+        flags = _flags()
+        signals = push_back(y, src, n, buffer_ptrs(rets), dtype, me, P_cap, buffer_ptrs(flags),
+                            *((g, buffer_ptrs(ret_gs)) if with_g else ()))
+        push_back_reference(y, src, n, ref_rets, me, P_cap, *((g, ref_gs) if with_g else ()))
+        for a, b in zip(rets + ret_gs, ref_rets + ref_gs):
+            assert torch.equal(a, b)
+        assert [int(f) for f in flags] == [0 if g_ == me else signals for g_ in range(G)]
+        if with_g and int(n) > 0:  # some weight gradient went to another rank
+            assert any(bool((r != 0).any()) for r in ret_gs)
 
 
 def test_dispatch_sends_its_counts_row_to_every_rank_once():
@@ -196,11 +215,13 @@ def test_dispatch_sends_its_counts_row_to_every_rank_once():
     order = torch.arange(T * K, device=DEVICE)
     recv = [torch.zeros(T * K * G, 3, device=DEVICE) for _ in range(G)]
     src = [torch.zeros(T * K * G, dtype=torch.int64, device=DEVICE) for _ in range(G)]
+    w = [torch.zeros(T * K * G, device=DEVICE) for _ in range(G)]
     launched = 0
     for call in (1, 2):
-        *_, programs = dispatch_rows(torch.zeros(T, 3, device=DEVICE), order, counts, buffer_ptrs(mats), buffer_ptrs(flags), ticket,
-                                     launched, mats[me], flags[me], 0, buffer_ptrs(recv), buffer_ptrs(src), torch.float32, me, K,
-                                     T * K, timeout_ms=TIMEOUT_MS)
+        *_, programs = dispatch_rows(torch.zeros(T, 3, device=DEVICE), torch.zeros(T, K, device=DEVICE), order, counts,
+                                     buffer_ptrs(mats), buffer_ptrs(flags), ticket, launched, mats[me], flags[me], 0,
+                                     buffer_ptrs(recv), buffer_ptrs(src), buffer_ptrs(w), torch.float32, me, K, T * K,
+                                     timeout_ms=TIMEOUT_MS)
         launched += programs
         for m in mats:
             assert torch.equal(m[me], counts) and (m[0] == 0).all() and (m[2] == 0).all()
@@ -214,9 +235,9 @@ def test_bad_arguments_raise():
     flag = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     counts = torch.zeros(G, 6, dtype=torch.int64, device=DEVICE)
     order = torch.arange(8, device=DEVICE)
-    def dispatch(order_=order, counts_E=counts[0], counts_GE=counts, P_cap=8):
-        return dispatch_rows(x, order_, counts_E, ptrs, ptrs, flag, 0, counts_GE, flag, 0, ptrs, ptrs, torch.float32, 0, 2,
-                             P_cap)
+    def dispatch(order_=order, counts_E=counts[0], counts_GE=counts, P_cap=8, w=torch.zeros(4, 2, device=DEVICE)):
+        return dispatch_rows(x, w, order_, counts_E, ptrs, ptrs, flag, 0, counts_GE, flag, 0, ptrs, ptrs, ptrs,
+                             torch.float32, 0, 2, P_cap)
     with pytest.raises(ValueError, match="P_cap"):
         dispatch(P_cap=7)
     with pytest.raises(ValueError, match="order_P"):
@@ -225,6 +246,11 @@ def test_bad_arguments_raise():
         dispatch(counts_GE=counts[:, :5])
     with pytest.raises(ValueError, match="counts_E"):
         dispatch(counts_E=counts[0].int())
+    with pytest.raises(ValueError, match="w_TK"):
+        dispatch(w=torch.zeros(4, 3, device=DEVICE))
+    with pytest.raises(ValueError, match="g_R"):
+        push_back(x, torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(1, dtype=torch.int32), ptrs,
+                  torch.float32, 0, 8, ptrs, torch.zeros(4, device=DEVICE))
     with pytest.raises(ValueError, match="n_rows"):
         push_back(x, torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(2, dtype=torch.int32), ptrs,
                   torch.float32, 0, 8, ptrs)

@@ -424,8 +424,9 @@ def test_p2p_two_gpus_equals_one_process():
 
 
 def _p2p_slots(rank: int, world: int, share_gpu: bool = False) -> dict:
-    """Two dispatch/combine pairs (identity experts) in flight before one backward: with two
-    buffer slots the output and gradients are exact; with one, the backward raises."""
+    """Two dispatch/combine pairs (experts that only weight their rows) in flight before one
+    backward: with two buffer slots the output and gradients are exact; with one, the backward
+    raises."""
     if share_gpu:
         share_one_gpu()
     from parallel.p2p_dispatcher import P2PDispatcher
@@ -444,8 +445,8 @@ def _p2p_slots(rank: int, world: int, share_gpu: bool = False) -> dict:
         x.grad = w.grad = None
         h = x
         for _ in range(2):
-            rows, _, _, meta = p2p.dispatch(h, plan, w)
-            h = p2p.combine(rows, meta)
+            rows, _, w_R, meta = p2p.dispatch(h, plan, w)
+            h = p2p.combine(rows * w_R[:, None], meta)
         try:
             h.backward(g)
         except RuntimeError as e:

@@ -33,7 +33,7 @@ What is counted, per GPU:
   (``model(tokens, targets)``, train/lm_loss.py) keep the gradients they compute in the forward:
   their input's (T, D) and the weight's (V, D), no (T, V) tensor.
 - dispatch: what the exchange holds per MoE layer until its backward (the route's index tensors,
-  the rows the P2P combine keeps, with selective checkpointing the received rows), and with
+  with selective checkpointing the received rows), and with
   ``parallel.dispatcher=p2p`` the symmetric-memory slots (one per MoE block) and gradient buffer;
   these are mapped outside PyTorch's caching allocator, so max_memory_allocated should not count
   them (:attr:`Prediction.outside_allocator`; not verified on a GPU).
@@ -106,7 +106,9 @@ every FSDP buffer at once) and after:
 Since the NCCL dispatcher sends each token to a rank once and its experts weight their rows
 (parallel/dispatcher.py, 2026-11-25), its combine keeps no rows: the predictions of the EP 2 rows
 above are smaller by the T·K rows of D it kept per MoE layer (olmoe_bench: 16 × 8192 · 8 · 2048 ·
-2 B = 4.0 GiB), not yet measured.
+2 B = 4.0 GiB), not yet measured. The P2P dispatcher's likewise since it hands the experts the
+rows' weights (2026-11-25): its combine kept the R_cap = ep·T·K rows it returned (olmoe_bench:
+16 × 2 · 8192 · 8 · 2048 · 2 B = 8.0 GiB), not yet measured.
 
 These were measured with the LM head's fp32 logits materialised (``F.cross_entropy`` of
 ``model(tokens)``, before train/lm_loss.py): the model of that path counted them, the (T, V)
@@ -410,27 +412,25 @@ def block_parts(s: ModelShape, moe: bool, B: int, S: int, lay: Layout, num: Nume
     ]
     if not (s.swiglu and c == 2):
         parts.append(Part("expert hidden h", rows.R * s.F * c, "experts"))
-    if lay.transport in ("local", "nccl"):
-        # the experts weight their output rows (moe.Dispatcher.dispatch's w_R): the SwiGLU node
-        # keeps the row weights (and so does the experts' checkpoint, an input of theirs: "rest");
-        # the other paths scale the output rows in a node that keeps them (what the weighted
-        # combine kept); the combine only sums
+    # the experts weight their output rows (moe.Dispatcher.dispatch's w_R): the SwiGLU node keeps
+    # the row weights (and so does the experts' checkpoint, an input of theirs: "rest"; P2P's are
+    # a view of its symmetric memory, counted in p2p_buffer_bytes); the other paths scale the
+    # output rows in a node that keeps them (what the weighted combine kept); the combine only sums
+    if lay.transport != "p2p":
         parts.append(Part("expert row weights (fp32)", rows.R * 4))
-        if not (s.swiglu and c == 2):
-            parts.append(Part("expert output rows (row scaling)", rows.R * D * c, "experts"))
-        if lay.transport == "local":
-            parts += [Part("dispatch gather index", P * 8, dispatch=True),
-                      Part("combine: row of each pair", P * 8, dispatch=True)]
-        else:
-            # parallel/dispatcher.py: the row tables (K + ep entries a token) and each pair's rank,
-            # and the row table of the tokens received (at most one per token of each other rank)
-            received = (lay.ep - 1) * min(T, -(-rows.R // lay.ep))
-            parts += [Part("route: row tables and each pair's rank", (T * (s.K + lay.ep) + P) * 8, dispatch=True),
-                      Part("row table of the received tokens", received * s.K * 8, dispatch=True)]
-        return parts
-    parts += [Part("combine weights × kept mask", P * 4),
-              Part("combine: expert output rows (on ctx)", rows.R * D * c, dispatch=True),
-              Part("route: row and rank of each pair", 2 * P * 8, dispatch=True)]
+    if not (s.swiglu and c == 2):
+        parts.append(Part("expert output rows (row scaling)", rows.R * D * c, "experts"))
+    if lay.transport == "local":
+        parts += [Part("dispatch gather index", P * 8, dispatch=True),
+                  Part("combine: row of each pair", P * 8, dispatch=True)]
+    elif lay.transport == "nccl":
+        # parallel/dispatcher.py: the row tables (K + ep entries a token) and each pair's rank,
+        # and the row table of the tokens received (at most one per token of each other rank)
+        received = (lay.ep - 1) * min(T, -(-rows.R // lay.ep))
+        parts += [Part("route: row tables and each pair's rank", (T * (s.K + lay.ep) + P) * 8, dispatch=True),
+                  Part("row table of the received tokens", received * s.K * 8, dispatch=True)]
+    else:  # parallel/p2p_dispatcher.py's _P2PRoute
+        parts.append(Part("route: row and rank of each pair", 2 * P * 8, dispatch=True))
     return parts
 
 
@@ -606,12 +606,14 @@ def block_state(s: ModelShape, groups: dict, i: int, B: int, S: int, lay: Layout
 
 def p2p_buffer_bytes(s: ModelShape, T: int, lay: Layout, row_bytes: int) -> int:
     """P2PDispatcher's symmetric memory: one slot per MoE block (received rows, returned rows, their
-    sources, the count matrix, three flags; each region 256-byte aligned) and one gradient buffer,
-    in the rows' dtype: the experts' (``row_bytes``; the dispatch casts the norm output to it)."""
+    sources, the received rows' fp32 weights and the returned weight gradients, the count matrix,
+    three flags; each region 256-byte aligned) and one gradient buffer, in the rows' dtype: the
+    experts' (``row_bytes``; the dispatch casts the norm output to it)."""
     if lay.transport != "p2p":
         return 0
     R_cap, P_cap = lay.ep * T * s.K, T * s.K
-    regions = [R_cap * s.D * row_bytes, P_cap * s.D * row_bytes, R_cap * 8, lay.ep * s.E * 8, 8, 8, 8]
+    regions = [R_cap * s.D * row_bytes, P_cap * s.D * row_bytes, R_cap * 8, R_cap * 4, P_cap * 4, lay.ep * s.E * 8,
+               8, 8, 8]
     slot = sum(_ceil_div(n, 256) * 256 for n in regions)
     return sum(s.moe_blocks) * slot + _ceil_div(R_cap * s.D * row_bytes, 256) * 256
 
