@@ -59,7 +59,8 @@ class Dispatcher(ABC):
         sorted by expert). Rows past ``offsets_J[-1]`` are padding, which the grouped GEMM writes
         as zeros. w_R (R,) fp32: each row's combine weight, which the experts apply to their
         output (``moe.kernels.grouped_mlp``'s ``w_R``; differentiable, its gradient reaches
-        w_TK); None when the dispatcher's ``combine`` applies the weights itself. The backward sums
+        w_TK); None when a dispatcher's ``combine`` applies the weights itself (a third party's:
+        every dispatcher of this library returns w_R). The backward sums
         each token's K row gradients in fp32 into x's dtype.
 
         Why the experts weight: the weights' gradient then comes from the expert MLP's backward,

@@ -57,7 +57,7 @@ def _keep_in_graph(y_RD: torch.Tensor, empty_rows_RD: torch.Tensor | None) -> to
     nothing, so its expert output does not depend on the received rows nor on the weights. Two
     rules make the graph the same on every rank:
     - the dispatch exchange's backward exists iff ``x_TD`` or the combine weights require grad (the
-      same on every rank; the NCCL dispatch carries the weights); when R = 0 the (empty) received
+      same on every rank; both transports' dispatches carry the weights); when R = 0 the (empty) received
       rows are tied to the output with a zero gradient, so the backward reaches that exchange (costs
       nothing: the tensors have 0 rows);
     - the combine exchange's backward exists iff grad mode is on: an output that does not require

@@ -31,13 +31,14 @@ before the next combine backward), then a barrier; the dispatch backward sends t
 home like the combine, each with its weight's gradient (the experts' ``dw_R``) into the source's
 ``ret_w``, sums each token's rows and reads each pair's weight gradient where it arrived.
 
-Ordering: 4 launches per forward (3 Triton kernels and one barrier), 4 per backward. Flags only
+Ordering: 4 launches per forward (3 Triton kernels and one barrier), 4 per backward and six small
+PyTorch ops that read each pair's weight gradient (:func:`~parallel.p2p_rows.pair_values`). Flags only
 grow; the host keeps, per slot, the value each flag reaches after the signals sent so far (every
 rank makes the same calls, so every rank knows it). Writers never overrun readers: every rank's
 counts reach a peer only after that rank finished everything before its dispatch, and the
 rows of a dispatch reach a peer only after that peer's counts (the kernel waits for them), so the
-counts exchange orders each dispatch after the previous call's reads on every rank; the return
-buffer is stored into only after the barrier at the end of the dispatch (forward) or of the
+counts exchange orders each dispatch after the previous call's reads on every rank (the rows'
+weights travel with the rows); the return buffer (and its weight gradients) is stored into only after the barrier at the end of the dispatch (forward) or of the
 combine backward (backward), which every reader of the previous contents passed after reading;
 and the gradient buffer only after the sum of the previous layer's dispatch backward waited for
 the peers' signals, sent after their experts' backward read it.
@@ -205,6 +206,8 @@ class _P2PDispatchFn(torch.autograd.Function):
     def backward(ctx, grad_RD, grad_R):
         route = ctx.route
         route.check()
+        # whether the weights' gradients travel is this rank's choice, but a peer reads them: every
+        # rank's w_TK must need a gradient or none (as every rank runs the same model)
         want_w = ctx.needs_input_grad[1]
         g_R = grad_R.contiguous() if want_w else None
         dx_TD = _home_and_sum(route, grad_RD.contiguous(), ctx.x_dtype, g_R)
@@ -251,8 +254,8 @@ class P2PDispatcher(ExpertParallelDispatcher):
             (a peer that died or made other calls never signals); the trainer passes
             ``parallel.timeout_s``.
 
-    ``dispatch`` returns R_cap = ep · max_tokens · K rows, whatever the routing; rows past
-    ``offsets[-1]`` are padding. Buffers are allocated at the first call for each (D, dtype, K, E).
+    ``dispatch`` returns R_cap = ep · max_tokens · K rows and row weights, whatever the routing; rows
+    past ``offsets[-1]`` are padding. Buffers are allocated at the first call for each (D, dtype, K, E).
     """
 
     def __init__(self, ep_group=None, world_group=None, max_tokens: int = 0, num_buffers: int = 1,
@@ -300,7 +303,9 @@ class P2PDispatcher(ExpertParallelDispatcher):
     def _dispatch_ep(self, x_TD: torch.Tensor, plan: RoutingPlan, w_TK: torch.Tensor, num_experts: int, prepared,
                      row_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, P2PMeta]:
         """As :meth:`~moe.dispatch.Dispatcher.dispatch`, but rows_RD and w_R have R_cap rows
-        (padding past ``offsets[-1]``: finite stale values, which the experts' zero rows cancel).
+        (padding past ``offsets[-1]``: stale values of earlier dispatches, zeros at first; the
+        grouped GEMM zero-fills those rows, so the experts' output and weight gradient there are 0
+        for finite stale weights, and the combine never reads them).
         Raises ValueError when T > ``max_tokens``. Nothing to prepare: the counts travel inside the
         dispatch kernel."""
         me, E = self.ep_rank, num_experts

@@ -38,7 +38,7 @@ into the dispatch kernel, took it from 8 launches to 4.
 - ``sum_pairs``: (after waiting for the flag, when given one) ``out[t] = Σ_k y of the pair``,
   in fp32, where the pair's row is read from ``own_RD[row]`` when this rank holds its
   expert and from ``ret_PD[t · K + k]`` (where ``push_back`` put it) otherwise. No peer memory
-  touched.
+  touched. ``pair_values`` reads each pair's weight gradient the same way (plain PyTorch).
 """
 
 import torch

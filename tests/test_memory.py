@@ -345,6 +345,22 @@ def test_p2p_experts_compute_the_fixed_rows():
     assert rows < memory.p2p_buffer_bytes(s, T, p2p, 2) < rows * 1.01
 
 
+def test_p2p_slot_views_are_not_counted_as_activations():
+    """P2P's experts read their rows and row weights in place in the symmetric slot (counted by
+    p2p_buffer_bytes) and its combine keeps nothing: what the dispatch itself keeps is the route."""
+    cfg = load_config(["--config", "configs/olmoe_bench.yaml"], world_size=2)
+    s, T = ModelShape.of(cfg), cfg.data.batch_size * cfg.data.seq_len
+    nccl, p2p = (memory.block_parts(s, True, cfg.data.batch_size, cfg.data.seq_len,
+                                    Layout(2, 2, "replicate", "none", dispatcher=d), memory.GPU_BF16)
+                 for d in ("nccl", "p2p"))
+    names = {p.name for p in p2p}
+    assert "expert rows (compute dtype)" in {p.name for p in nccl}
+    assert not names & {"expert rows (compute dtype)", "expert row weights (fp32)"}, names
+    assert [(p.name, p.nbytes) for p in p2p if p.dispatch] == [("route: row and rank of each pair", 2 * T * s.K * 8)]
+    z = next(p.nbytes for p in p2p if p.name == "expert pre-activation z")
+    assert z == 2 * T * s.K * 2 * s.F * 2  # R_cap = ep·T·K rows of 2F in bf16
+
+
 def _rows(out: str) -> list[list[str]]:
     return [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
             if line.startswith("| replicate") or line.startswith("| fsdp")]

@@ -406,10 +406,13 @@ def block_parts(s: ModelShape, moe: bool, B: int, S: int, lay: Layout, num: Nume
         # GroupedExperts casts the rows to the compute dtype; the expert MLP saves x and z (the
         # pre-activation); with SwiGLU in 16 bits it is one GroupedSwiGLUMLPFn, which recomputes
         # h in the backward, otherwise the second GEMM keeps its input h
-        Part("expert rows (compute dtype)", rows.R * D * c, "experts"),
         Part("expert pre-activation z", rows.R * U * c, "experts"),
         Part("grouped-GEMM offsets", rows.J * 4, "experts"),
     ]
+    # P2P's rows are a view of its symmetric slot, already in the compute dtype (the cast is a
+    # no-op): counted in p2p_buffer_bytes, as its row weights below
+    if lay.transport != "p2p":
+        parts.insert(len(parts) - 2, Part("expert rows (compute dtype)", rows.R * D * c, "experts"))
     if not (s.swiglu and c == 2):
         parts.append(Part("expert hidden h", rows.R * s.F * c, "experts"))
     # the experts weight their output rows (moe.Dispatcher.dispatch's w_R): the SwiGLU node keeps
