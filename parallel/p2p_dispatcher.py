@@ -29,10 +29,10 @@ Backward: the combine backward stores ``dout`` into every row of its token in th
 gradient buffer (one per dispatcher, shared by the slots: it is consumed by the experts' backward
 before the next combine backward), then a barrier; the dispatch backward sends the rows' gradients
 home like the combine, each with its weight's gradient (the experts' ``dw_R``) into the source's
-``ret_w``, sums each token's rows and reads each pair's weight gradient where it arrived.
+``ret_w``, and one pass sums each token's rows and reads each pair's weight gradient where it
+arrived.
 
-Ordering: 4 launches per forward (3 Triton kernels and one barrier), 4 per backward and six small
-PyTorch ops that read each pair's weight gradient (:func:`~parallel.p2p_rows.pair_values`). Flags only
+Ordering: 4 launches per forward (3 Triton kernels and one barrier), 4 per backward. Flags only
 grow; the host keeps, per slot, the value each flag reaches after the signals sent so far (every
 rank makes the same calls, so every rank knows it). Writers never overrun readers: every rank's
 counts reach a peer only after that rank finished everything before its dispatch, and the
@@ -64,7 +64,7 @@ from moe.capacity import RoutingPlan
 from moe.config import check_positive_int
 from parallel import flight
 from parallel.ep_dispatcher import ExpertParallelDispatcher, ExpertParallelMeta
-from parallel.p2p_rows import dispatch_rows, pair_values, push_back, push_rows, sum_pairs
+from parallel.p2p_rows import dispatch_rows, push_back, push_rows, sum_pairs
 
 _ALIGN = 256
 
@@ -164,18 +164,20 @@ class P2PMeta(ExpertParallelMeta):
 
 
 def _home_and_sum(route: _P2PRoute, y_RD: torch.Tensor, out_dtype: torch.dtype,
-                  g_R: torch.Tensor | None = None) -> torch.Tensor:
+                  g_R: torch.Tensor | None = None):
     """The way back, shared by the combine and the dispatch backward: the valid rows of y_RD
     (R_cap, D) contiguous that came from other ranks go to their return buffers (with ``g_R``
     (R_cap,) fp32, the rows' weight gradients, to their ``ret_w``), then ``out_TD[t] = Σ_k y of the
-    pair`` (T, D) once the peers' rows have arrived."""
+    pair`` (T, D) once the peers' rows have arrived; with ``g_R``, ``(out_TD, dw_TK)``, dw_TK
+    (T, K) fp32 each pair's weight gradient."""
     slot = route.slot
     bufs = slot.buf
     signals = push_back(y_RD, bufs.views["src"], route.n_rows, bufs.ptrs["ret"], bufs.views["ret"].dtype, route.me,
                         route.P_cap, bufs.ptrs["back_flag"], g_R, None if g_R is None else bufs.ptrs["ret_w"])
     slot.back_target += (bufs.ptrs["back_flag"].numel() - 1) * signals
     return sum_pairs(route.row_TK, route.dest_TK, y_RD, bufs.views["ret"], route.me, out_dtype,
-                     bufs.views["back_flag"], slot.back_target, bufs.timeout_ms)
+                     bufs.views["back_flag"], slot.back_target, bufs.timeout_ms,
+                     values=None if g_R is None else (g_R, bufs.views["ret_w"]))
 
 
 class _P2PDispatchFn(torch.autograd.Function):
@@ -208,11 +210,9 @@ class _P2PDispatchFn(torch.autograd.Function):
         route.check()
         # whether the weights' gradients travel is this rank's choice, but a peer reads them: every
         # rank's w_TK must need a gradient or none (as every rank runs the same model)
-        want_w = ctx.needs_input_grad[1]
-        g_R = grad_R.contiguous() if want_w else None
-        dx_TD = _home_and_sum(route, grad_RD.contiguous(), ctx.x_dtype, g_R)
-        bufs = route.slot.buf
-        dw_TK = pair_values(route.row_TK, route.dest_TK, g_R, bufs.views["ret_w"], route.me) if want_w else None
+        if not ctx.needs_input_grad[1]:
+            return _home_and_sum(route, grad_RD.contiguous(), ctx.x_dtype), None, None, None, None
+        dx_TD, dw_TK = _home_and_sum(route, grad_RD.contiguous(), ctx.x_dtype, grad_R.float().contiguous())
         return dx_TD, dw_TK, None, None, None
 
 

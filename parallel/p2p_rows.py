@@ -38,7 +38,8 @@ into the dispatch kernel, took it from 8 launches to 4.
 - ``sum_pairs``: (after waiting for the flag, when given one) ``out[t] = Σ_k y of the pair``,
   in fp32, where the pair's row is read from ``own_RD[row]`` when this rank holds its
   expert and from ``ret_PD[t · K + k]`` (where ``push_back`` put it) otherwise. No peer memory
-  touched. ``pair_values`` reads each pair's weight gradient the same way (plain PyTorch).
+  touched. With ``values`` it also reads each pair's weight gradient the same way (the dispatch
+  backward).
 """
 
 import torch
@@ -311,7 +312,7 @@ def push_back(y_RD: torch.Tensor, src_R: torch.Tensor, n_rows: torch.Tensor, ret
     tensor) with ``src_R[r] = s · P_cap + p`` and s ≠ ``me`` is stored at row p of rank s's return
     buffer (of ``ret_dtype``), and with ``g_R`` (≥ R,) fp32 its value at place p of rank s's
     (P_cap,) fp32 buffer (``ret_g_ptrs_G``; the dispatch backward's weight gradients). Rows from
-    ``me`` stay (``sum_pairs`` and :func:`pair_values` read them in place). Then every program
+    ``me`` stay (``sum_pairs`` reads them, and their values, in place). Then every program
     adds 1 to every other rank's int64 flag (``flag_ptrs_G``).
 
     Returns the signals each other rank receives from this call: the grid, a function of R only,
@@ -340,11 +341,14 @@ def push_back(y_RD: torch.Tensor, src_R: torch.Tensor, n_rows: torch.Tensor, ret
 
 def sum_pairs(row_TK: torch.Tensor, dest_TK: torch.Tensor, own_RD: torch.Tensor, ret_PD: torch.Tensor, me: int,
               out_dtype: torch.dtype | None = None, flag: torch.Tensor | None = None, target: int = 0,
-              timeout_ms: int = TIMEOUT_MS) -> torch.Tensor:
+              timeout_ms: int = TIMEOUT_MS, values: tuple[torch.Tensor, torch.Tensor] | None = None
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``out_TD[t] = Σ_k y`` over the kept pairs, y = ``own_RD[row]`` (rows, D) where
     ``dest == me``, else ``ret_PD[t·K + k]`` (≥ T·K, D); fp32 sums cast to ``out_dtype`` (default
     own_RD's dtype). With ``flag`` (1-element int64) it first waits until the flag reaches
-    ``target`` (the peers' ``push_back`` signals)."""
+    ``target`` (the peers' ``push_back`` signals). With ``values`` = (own_R, ret_P), fp32 vectors
+    beside own_RD's and ret_PD's rows, it also returns each pair's value read the same way,
+    (T, K) fp32, 0 for a dropped pair (:func:`pair_values_reference`): ``(out_TD, values_TK)``."""
     _check_pairs(row_TK, dest_TK)
     T, K = row_TK.shape
     D = own_RD.shape[1] if own_RD.dim() == 2 else -1
@@ -354,12 +358,22 @@ def sum_pairs(row_TK: torch.Tensor, dest_TK: torch.Tensor, own_RD: torch.Tensor,
         raise ValueError(f"ret_PD has {ret_PD.shape[0]} rows, fewer than the T·K = {T * K} pairs")
     if flag is not None:
         _check_flag("flag", flag)
+    values_TK = None
+    if values is not None:
+        own_R, ret_P = values
+        for name, v, n in (("own_R", own_R, own_RD.shape[0]), ("ret_P", ret_P, T * K)):
+            if v.dtype != torch.float32 or v.dim() != 1 or v.shape[0] < n or not v.is_contiguous():
+                raise ValueError(f"sum_pairs: {name} must be a contiguous fp32 vector of ≥ {n} entries, "
+                                 f"got {v.dtype} {tuple(v.shape)}")
+        values_TK = torch.empty((T, K), dtype=torch.float32, device=own_RD.device)
     # with a flag it runs for T = 0 too: the wait is what orders this rank's later stores into
     # the peers' buffers after the peers' reads of theirs
-    return gather_sum(T, D, _locate_pair, row_TK.contiguous(), dest_TK.contiguous(), me, 0, own_RD, ret_PD,
-                      None, out_dtype or own_RD.dtype, K=K,
-                      prologue=None if flag is None else _wait, prologue_args=(flag, target, timeout_ms * 1_000_000),
-                      block_t=_BLOCK_ROWS, max_programs=_MAX_PROGRAMS)
+    out_TD = gather_sum(T, D, _locate_pair, row_TK.contiguous(), dest_TK.contiguous(), me, 0, own_RD, ret_PD,
+                        None, out_dtype or own_RD.dtype, K=K,
+                        prologue=None if flag is None else _wait, prologue_args=(flag, target, timeout_ms * 1_000_000),
+                        block_t=_BLOCK_ROWS, max_programs=_MAX_PROGRAMS,
+                        pair_values=None if values is None else (*values, values_TK))
+    return out_TD if values is None else (out_TD, values_TK)
 
 
 def locate_pair_reference(row_TK, dest_TK, me):
@@ -387,12 +401,11 @@ def push_back_reference(y_RD, src_R, n_rows, rets, me, P_cap, g_R=None, ret_gs=N
                 ret_gs[s][p] = g_R[r]
 
 
-def pair_values(row_TK: torch.Tensor, dest_TK: torch.Tensor, own_R: torch.Tensor, ret_P: torch.Tensor,
-                me: int) -> torch.Tensor:
-    """(T, K) fp32 value of each pair: ``own_R[row]`` where this rank holds its expert
-    (``dest == me``), else ``ret_P[t·K + k]`` (where :func:`push_back` put it), 0 for a dropped
-    pair (the dispatch backward's weight gradients, from the experts' ``dw_R``). Plain PyTorch:
-    a (T, K) gather, read after ``sum_pairs`` waited for the peers."""
+def pair_values_reference(row_TK: torch.Tensor, dest_TK: torch.Tensor, own_R: torch.Tensor, ret_P: torch.Tensor,
+                          me: int) -> torch.Tensor:
+    """PyTorch version of :func:`sum_pairs`' ``values``: (T, K) fp32 value of each pair:
+    ``own_R[row]`` where this rank holds its expert (``dest == me``), else ``ret_P[t·K + k]``
+    (where :func:`push_back` put it), 0 for a dropped pair."""
     T, K = row_TK.shape
     own_TK = own_R[row_TK.clamp_min(0).view(-1)].view(T, K)
     value_TK = torch.where(dest_TK == me, own_TK, ret_P[:T * K].view(T, K))

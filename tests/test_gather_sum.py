@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from moe.kernels.combine import gather_rows, sum_combine, weighted_combine, weighted_combine_reference
-from parallel.p2p_rows import pair_values, push_rows, push_rows_reference, sum_pairs, sum_pairs_reference
+from parallel.p2p_rows import pair_values_reference, push_rows, push_rows_reference, sum_pairs, sum_pairs_reference
 from parallel.token_rows import expert_rows, gather_slots, locate_pairs, scatter_slots, write_headers
 from tests.peers import G, buffer_ptrs
 
@@ -422,11 +422,15 @@ def test_p2p_push_rows_and_sum_pairs_match_their_references(T, K, D, dtype):
         assert out.dtype == ref.dtype
         torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
-    # the dispatch backward's weight gradients: own rows' in place, the others' where push_back put them
+    # the dispatch backward's weight gradients: own rows' in place, the others' where push_back put
+    # them, in the same pass as the sum; the reference against plain loops
     g_own, g_ret = torch.randn(rows, device=DEVICE), torch.randn(P_cap, device=DEVICE)
     expected = [[0.0 if row[t, k] < 0 else float(g_own[row[t, k]] if dest[t, k] == me else g_ret[t * K + k])
                  for k in range(K)] for t in range(T)]
-    assert pair_values(row, dest, g_own, g_ret, me).tolist() == expected
+    assert pair_values_reference(row, dest, g_own, g_ret, me).tolist() == expected
+    out, values = sum_pairs(row, dest, own, ret, me, values=(g_own, g_ret))
+    assert values.tolist() == expected
+    torch.testing.assert_close(out.float(), sum_pairs_reference(row, dest, own, ret, me).float(), rtol=tol, atol=tol)
 
 
 def test_p2p_bad_arguments_raise():
@@ -442,5 +446,8 @@ def test_p2p_bad_arguments_raise():
         push_rows(x, row, dest, ptrs, torch.int32)
     with pytest.raises(ValueError, match="ret_PD"):
         sum_pairs(row, dest, x, torch.zeros(7, 4, device=DEVICE), 0)
+    with pytest.raises(ValueError, match="ret_P must"):
+        sum_pairs(row, dest, x, torch.zeros(8, 4, device=DEVICE), 0, values=(torch.zeros(4, device=DEVICE),
+                                                                              torch.zeros(7, device=DEVICE)))
     with pytest.raises(ValueError, match="flag"):
         sum_pairs(row, dest, x, torch.zeros(8, 4, device=DEVICE), 0, flag=flag.int(), target=1)

@@ -16,7 +16,7 @@ import torch
 
 from moe.capacity import plan_routing
 from parallel.p2p_rows import (
-    dispatch_rows, p2p_routes_reference, pair_values, push_back, push_back_reference, push_rows, sum_pairs,
+    dispatch_rows, p2p_routes_reference, push_back, push_back_reference, push_rows, sum_pairs,
 )
 from tests.peers import G, buffer_ptrs
 
@@ -132,10 +132,9 @@ def test_dispatcher_data_flow_in_one_process(case):
         push_back(d_rows[r], src[r], routes[r][2][-1:], buffer_ptrs(ret), torch.float32, r, P_cap, buffer_ptrs(back_flags),
                   dw_R[r], buffer_ptrs(ret_g))
     for r in range(G):
-        dx = sum_pairs(routes[r][0], routes[r][1], d_rows[r], ret[r], r, flag=back_flags[r], target=2 * target,
-                       timeout_ms=TIMEOUT_MS)
+        dx, dw = sum_pairs(routes[r][0], routes[r][1], d_rows[r], ret[r], r, flag=back_flags[r], target=2 * target,
+                           timeout_ms=TIMEOUT_MS, values=(dw_R[r], ret_g[r]))
         torch.testing.assert_close(dx, gs[r] * ws[r].sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
-        dw = pair_values(routes[r][0], routes[r][1], dw_R[r], ret_g[r], r)
         torch.testing.assert_close(dw, torch.where(plans[r].kept_TK, (gs[r] * xs[r]).sum(-1, keepdim=True), 0.0),
                                    rtol=1e-5, atol=1e-5)
 
