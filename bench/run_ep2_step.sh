@@ -17,8 +17,9 @@
 #                                       # in the fastest layout (P2P, replicate, 8 micro-batches), the
 #                                       # routing of every layer and the MFU; its step profile; the
 #                                       # shipped layout's step profile
-#   PART=6 bash bench/run_ep2_step.sh   # after the NCCL token rows and the expert-major rows of both
-#                                       # transports: the 2-GPU tests, then the step
+#   PART=6 bash bench/run_ep2_step.sh   # after the NCCL token rows, the expert-major rows of both
+#                                       # transports and P2P's row weights (the experts weight, its
+#                                       # combine keeps no rows): the 2-GPU tests, then the step
 #                                       # profiles of NCCL and P2P in the bar's layout (replicate, 8
 #                                       # micro-batches) and of the shipped layout
 #
