@@ -2,8 +2,9 @@
 symmetric memory, not by NCCL, and the host never waits for the GPU.
 
 Legend: T tokens, D model dim, K experts per token (top-k), E experts, G ranks of the expert-parallel
-group, L = E / G experts per rank, R_cap = G · max_tokens · K rows a rank can receive at most,
-P_cap = max_tokens · K pairs a rank can send at most.
+group, L = E / G experts per rank, R_cap rows a rank can receive at most (G · max_tokens · K, or
+the capacity's bound when one is given: :func:`moe.capacity.max_received_rows`), P_cap =
+max_tokens · K pairs a rank can send at most.
 
 The rows a rank receives stay where its peers stored them: ``dispatch`` returns a view of the
 receive buffer with a fixed R_cap rows (the rows past ``offsets[-1]`` are padding, which the
@@ -60,7 +61,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import increment_version
 
-from moe.capacity import RoutingPlan
+from moe.capacity import RoutingPlan, max_received_rows
 from moe.config import check_positive_int
 from parallel import flight
 from parallel.ep_dispatcher import ExpertParallelDispatcher, ExpertParallelMeta
@@ -195,7 +196,8 @@ class _P2PDispatchFn(torch.autograd.Function):
             x_TD, w_TK, order_P, counts_E, bufs.ptrs["counts"], bufs.ptrs["counts_flag"], bufs.views["ticket"],
             slot.tickets, bufs.views["counts"], bufs.views["counts_flag"], slot.counts_target, bufs.ptrs["recv"],
             bufs.ptrs["src"], bufs.ptrs["w"], bufs.views["recv"].dtype, route.me, route.row_TK.shape[1], route.P_cap,
-            out=(route.row_TK, route.dest_TK, route.offsets_J), timeout_ms=bufs.timeout_ms)
+            bufs.views["recv"].shape[0], out=(route.row_TK, route.dest_TK, route.offsets_J),
+            timeout_ms=bufs.timeout_ms)
         slot.tickets += programs
         bufs.barrier()
         ctx.route, ctx.x_dtype = route, x_TD.dtype
@@ -253,22 +255,31 @@ class P2PDispatcher(ExpertParallelDispatcher):
             peers) before the process fails with a CUDA error, having printed what it waited for
             (a peer that died or made other calls never signals); the trainer passes
             ``parallel.timeout_s``.
+        capacity_factor, capacity_groups: the MoE layers' (:class:`moe.MoEConfig`), when they cap
+            what an expert keeps: the buffers, and the rows the experts compute, then hold the
+            capacity's bound on what a rank receives instead of dropless's worst case (ep 8,
+            capacity_factor 1.25: 6.4× fewer rows). A dispatch that would receive more (a layer
+            capped less than declared) fails the process with a CUDA error, having printed why.
 
-    ``dispatch`` returns R_cap = ep · max_tokens · K rows and row weights, whatever the routing; rows
-    past ``offsets[-1]`` are padding. Buffers are allocated at the first call for each (D, dtype, K, E).
+    ``dispatch`` returns R_cap rows and row weights, whatever the routing; rows past
+    ``offsets[-1]`` are padding. Buffers are allocated at the first call for each (D, dtype, K, E).
     """
 
     def __init__(self, ep_group=None, world_group=None, max_tokens: int = 0, num_buffers: int = 1,
-                 timeout_s: float = 120.0):
+                 timeout_s: float = 120.0, capacity_factor: float | None = None, capacity_groups: int = 1):
         super().__init__(ep_group, world_group)
-        for name, value in (("max_tokens", max_tokens), ("num_buffers", num_buffers)):
+        for name, value in (("max_tokens", max_tokens), ("num_buffers", num_buffers),
+                            ("capacity_groups", capacity_groups)):
             check_positive_int(f"P2PDispatcher: {name}", value)
         if not timeout_s > 0:  # NaN included
             raise ValueError(f"P2PDispatcher: timeout_s must be > 0, got {timeout_s}")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"P2PDispatcher: capacity_factor must be > 0 or None, got {capacity_factor}")
         if not torch.cuda.is_available():
             raise RuntimeError("P2PDispatcher needs CUDA GPUs (symmetric memory); use AllToAllDispatcher")
         self.max_tokens = max_tokens
         self.num_buffers = num_buffers
+        self.capacity_factor, self.capacity_groups = capacity_factor, capacity_groups
         self.timeout_ms = math.ceil(timeout_s * 1000)
         # resources reused by every call (not per-call state): the slots and gradient buffer of
         # each buffer shape, and how many dispatches each shape has served (picks the slot)
@@ -276,12 +287,14 @@ class P2PDispatcher(ExpertParallelDispatcher):
         self._calls: dict[tuple, int] = {}
 
     def __repr__(self) -> str:
+        capped = "" if self.capacity_factor is None else f", capacity_factor={self.capacity_factor}"
         return (f"P2PDispatcher(ep_size={self.ep_size}, ep_rank={self.ep_rank}, max_tokens={self.max_tokens}, "
-                f"num_buffers={self.num_buffers})")
+                f"num_buffers={self.num_buffers}{capped})")
 
     def _take_slot(self, D: int, dtype: torch.dtype, K: int, E: int, device: torch.device):
         G = self.ep_size
-        R_cap, P_cap = G * self.max_tokens * K, self.max_tokens * K
+        R_cap = max_received_rows(self.max_tokens, E, K, self.capacity_factor, self.capacity_groups, G)
+        P_cap = self.max_tokens * K
         key = (D, dtype, K, E, device)
         group = self.ep_group if self.ep_group is not None else dist.group.WORLD
         if key not in self._pools:

@@ -51,6 +51,7 @@ from kernel_floor import (
     INTERPRET, ROW_BLOCK_D, check_pair_weights, check_rows, gather_sum, gather_sum_reference, grid_programs,
     scatter_rows, scatter_rows_reference, tl_dtype,
 )
+from moe.config import check_positive_int
 
 # Tiles of the kernels: [_BLOCK_ROWS rows, ROW_BLOCK_D] per step, at most _MAX_PROGRAMS programs
 # striding over the rows. Per-kernel µs on 2×H200 at 16k tokens/rank (dispatch_rows, push_back,
@@ -91,7 +92,7 @@ def _wait(flag_ptr, target, timeout_ns):
 @triton.jit(do_not_specialize=["first_ticket", "target"])
 def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, ticket_ptr, first_ticket, counts_ptr, flag_ptr,
                           target, timeout_ns, row_ptr, dest_ptr, offsets_ptr, recv_ptrs, src_ptrs, w_ptr, wrecv_ptrs,
-                          me, G, L, E, P, K, P_cap, D, OUT: tl.constexpr, GP: tl.constexpr, LP: tl.constexpr, BLOCK_E: tl.constexpr,
+                          me, G, L, E, P, K, P_cap, R_cap, D, OUT: tl.constexpr, GP: tl.constexpr, LP: tl.constexpr, BLOCK_E: tl.constexpr,
                           BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
     """The program that starts first (it takes ticket ``first_ticket``: every launch takes one
     ticket per program, so it is running, and the others may spin) writes this rank's counts
@@ -115,6 +116,13 @@ def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, ticke
     # rows by source rank (moe.kernels.grouped_mm then takes one segment per expert)
     per_expert = tl.sum(C, axis=0)
     first = tl.cumsum(per_expert, axis=1) - per_expert + tl.sum(tl.where(s[:, None, None] < me, C, 0), axis=0)
+    if not _INTERPRET:  # a destination whose buffer cannot hold its rows: stop before any store
+        most = tl.max(tl.sum(per_expert, axis=1), axis=0)
+        if most > R_cap:
+            if tl.program_id(0) == 0:
+                tl.device_print("P2P dispatch: a rank would receive more rows than its buffer holds "
+                                "(capacity_factor below the layers'?); rows, buffer rows", most, R_cap)
+            tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     mine = tl.sum(tl.where(s[:, None, None] == me, C, 0), axis=0)  # what I send to each (destination, expert)
     mine_D = tl.sum(mine, axis=1)  # ... and to each destination
     seg_end = (tl.cumsum(mine_D, axis=0) - mine_D)[:, None] + tl.cumsum(mine, axis=1)  # in my sorted order
@@ -212,6 +220,7 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
                   cnt_ptrs_G: torch.Tensor, flag_ptrs_G: torch.Tensor, ticket: torch.Tensor, first_ticket: int,
                   counts_GE: torch.Tensor, flag: torch.Tensor, target: int, recv_ptrs_G: torch.Tensor,
                   src_ptrs_G: torch.Tensor, w_ptrs_G: torch.Tensor, recv_dtype: torch.dtype, me: int, K: int, P_cap: int,
+                  R_cap: int,
                   out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, timeout_ms: int = TIMEOUT_MS):
     """Exchange the counts, then route and move this rank's kept pairs.
 
@@ -230,6 +239,8 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
     ``row`` of rank ``dest``'s receive buffer (``recv_ptrs_G``, of ``recv_dtype``), ``me ·
     P_cap + t·K + k`` to the same row of its (R_cap,) int64 source buffer and the pair's weight
     ``w_TK[t, k]`` (fp32) to the same row of its (R_cap,) fp32 weight buffer (``w_ptrs_G``).
+    On a GPU, a count matrix that gives some rank more than ``R_cap`` rows prints and traps
+    before any row moves (every rank reads the same matrix, so every rank stops).
 
     Returns ``row_TK``, ``dest_TK`` (T, K) int64 (row -1: dropped), this rank's local experts'
     row ends ``offsets_J`` (L,) int32 (into ``out`` when given), and the programs launched
@@ -247,6 +258,7 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
         raise ValueError(f"order_P must be an int64 vector of T·K = {T * K} pairs, got {order_P.dtype} {tuple(order_P.shape)}")
     if P_cap < P:
         raise ValueError(f"P_cap = {P_cap} is below the T·K = {P} pairs")
+    check_positive_int("dispatch_rows: R_cap", R_cap)
     if w_TK is None:
         raise ValueError("dispatch_rows: w_TK is required (the pairs' weights travel with their rows)")
     check_pair_weights("dispatch_rows", w_TK, T, K)
@@ -267,7 +279,7 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
     _dispatch_rows_kernel[(grid,)](
         x_TD.contiguous(), order_P, counts_E, cnt_ptrs_G, flag_ptrs_G, ticket, first_ticket, counts_GE, flag, target,
         timeout_ms * 1_000_000, row_TK, dest_TK, offsets_J, recv_ptrs_G, src_ptrs_G, w_TK.contiguous(), w_ptrs_G,
-        me, G, L, E, P, K, P_cap, D,
+        me, G, L, E, P, K, P_cap, R_cap, D,
         OUT=tl_dtype(recv_dtype), GP=triton.next_power_of_2(G), LP=triton.next_power_of_2(L),
         BLOCK_E=triton.next_power_of_2(E), BLOCK_P=_BLOCK_ROWS, BLOCK_D=ROW_BLOCK_D, num_warps=4)
     return row_TK, dest_TK, offsets_J, grid

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moe import MoELayer, expert_capacity, load_balancing_loss, moe_aux_loss, moe_stats, plan_routing, router_z_loss
+from moe.capacity import max_received_rows
 from moe.stats import compute_stats
 
 
@@ -151,3 +152,36 @@ def test_expert_bias_changes_selection_only():
     # combine weights are the unbiased scores (renormalised over K=1 -> 1.0)
     assert torch.allclose(route.weights_TK, torch.ones_like(route.weights_TK))
     assert torch.allclose(route.priority_TK, route.scores_TE.gather(1, route.experts_TK))
+
+
+@pytest.mark.parametrize("G, E, K, T, cf, Q", [(2, 8, 2, 32, 1.0, 1), (4, 8, 1, 20, 1.5, 2), (2, 4, 2, 16, None, 1),
+                                               (8, 64, 8, 64, 1.25, 1), (2, 6, 3, 12, 0.5, 3)])
+def test_max_received_rows_bounds_what_a_rank_receives(G, E, K, T, cf, Q):
+    """The P2P buffers' bound against G source ranks' plans: random routing stays under it; routing
+    that sends every pair to rank 0's experts reaches it when every expert there overflows."""
+    bound = max_received_rows(T, E, K, cf, Q, G)
+    L = E // G
+    gen = torch.Generator().manual_seed(G * E + K)
+
+    C = expert_capacity(T // Q, E, K, cf)
+
+    def received(skewed: bool) -> torch.Tensor:
+        rows = torch.zeros(G, dtype=torch.int64)
+        for _ in range(G):
+            if skewed:  # round robin over rank 0's L experts (K <= L in the cases): T·K / L pairs each
+                experts = (torch.arange(T)[:, None] * K + torch.arange(K)) % L
+            else:
+                experts = torch.rand(T, E, generator=gen).topk(K, dim=-1).indices
+            plan = plan_routing(experts, torch.rand(T, K, generator=gen), E, C, "probs", Q)
+            rows += plan.kept_per_expert_E.view(G, L).sum(-1)
+        return rows
+
+    for _ in range(3):
+        assert int(received(False).max()) <= bound
+    skewed = int(received(True)[0])
+    assert skewed <= bound
+    if cf is None:
+        assert skewed == bound == G * T * K
+    elif (T // Q) * K // L >= C:  # every expert of rank 0 overflows in every group of every source
+        assert skewed == bound == E * Q * C
+    assert skewed > 0

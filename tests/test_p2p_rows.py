@@ -81,7 +81,7 @@ def test_dispatcher_data_flow_in_one_process(case):
             *route, programs = dispatch_rows(
                 xs[r], ws[r], plans[r].order_P, plans[r].kept_per_expert_E, buffer_ptrs(counts), buffer_ptrs(counts_flags),
                 tickets[r], launched[r], counts[r], counts_flags[r], (rounds - 1) * G, buffer_ptrs(recv), buffer_ptrs(src),
-                buffer_ptrs(w_recv), torch.float32, r, K, P_cap, timeout_ms=TIMEOUT_MS)
+                buffer_ptrs(w_recv), torch.float32, r, K, P_cap, R_cap, timeout_ms=TIMEOUT_MS)
             routes.append(route)
             launched[r] += programs
         assert [int(f) for f in counts_flags] == [rounds * G] * G
@@ -153,7 +153,7 @@ def _routes(order, counts, me, K):
     *route, _ = dispatch_rows(torch.zeros(T, 1, device=DEVICE), torch.zeros(T, K, device=DEVICE), order.to(DEVICE),
                               counts[me].to(DEVICE), buffer_ptrs(scratch), buffer_ptrs(flags), _flags(1)[0], 0, counts.to(DEVICE),
                               flags[me], 1, buffer_ptrs(recv), buffer_ptrs(src), buffer_ptrs(w), torch.float32, me, K, T * K,
-                              timeout_ms=TIMEOUT_MS)
+                              rows, timeout_ms=TIMEOUT_MS)
     return route
 
 
@@ -220,7 +220,7 @@ def test_dispatch_sends_its_counts_row_to_every_rank_once():
         *_, programs = dispatch_rows(torch.zeros(T, 3, device=DEVICE), torch.zeros(T, K, device=DEVICE), order, counts,
                                      buffer_ptrs(mats), buffer_ptrs(flags), ticket, launched, mats[me], flags[me], 0,
                                      buffer_ptrs(recv), buffer_ptrs(src), buffer_ptrs(w), torch.float32, me, K, T * K,
-                                     timeout_ms=TIMEOUT_MS)
+                                     T * K * G, timeout_ms=TIMEOUT_MS)
         launched += programs
         for m in mats:
             assert torch.equal(m[me], counts) and (m[0] == 0).all() and (m[2] == 0).all()
@@ -234,9 +234,10 @@ def test_bad_arguments_raise():
     flag = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     counts = torch.zeros(G, 6, dtype=torch.int64, device=DEVICE)
     order = torch.arange(8, device=DEVICE)
-    def dispatch(order_=order, counts_E=counts[0], counts_GE=counts, P_cap=8, w=torch.zeros(4, 2, device=DEVICE)):
+    def dispatch(order_=order, counts_E=counts[0], counts_GE=counts, P_cap=8, w=torch.zeros(4, 2, device=DEVICE),
+                 R_cap=10):
         return dispatch_rows(x, w, order_, counts_E, ptrs, ptrs, flag, 0, counts_GE, flag, 0, ptrs, ptrs, ptrs,
-                             torch.float32, 0, 2, P_cap)
+                             torch.float32, 0, 2, P_cap, R_cap)
     with pytest.raises(ValueError, match="P_cap"):
         dispatch(P_cap=7)
     with pytest.raises(ValueError, match="order_P"):
@@ -247,6 +248,8 @@ def test_bad_arguments_raise():
         dispatch(counts_E=counts[0].int())
     with pytest.raises(ValueError, match="w_TK"):
         dispatch(w=torch.zeros(4, 3, device=DEVICE))
+    with pytest.raises(ValueError, match="R_cap"):
+        dispatch(R_cap=0)
     with pytest.raises(ValueError, match="g_R"):
         push_back(x, torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(1, dtype=torch.int32), ptrs,
                   torch.float32, 0, 8, ptrs, torch.zeros(4, device=DEVICE))
@@ -276,3 +279,34 @@ def test_wait_that_is_never_signalled_fails_instead_of_hanging():
     proc = subprocess.run([sys.executable, "-c", _NEVER_SIGNALLED], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode != 0
     assert "P2P wait timed out" in proc.stdout + proc.stderr
+
+
+_OVERFLOW = """
+import torch
+from parallel.p2p_rows import dispatch_rows
+ptr = lambda t: torch.tensor([t.data_ptr()], dtype=torch.int64, device="cuda")
+T, K, E, D, R_cap = 4, 2, 2, 8, 5  # one rank keeps 8 pairs for its own experts: 8 rows, 5 fit
+x, w = torch.randn(T, D, device="cuda"), torch.rand(T, K, device="cuda")
+counts = torch.zeros(1, E, dtype=torch.int64, device="cuda")
+flag, ticket = (torch.zeros(1, dtype=torch.int64, device="cuda") for _ in range(2))
+recv = torch.full((R_cap, D), 7.0, device="cuda")
+src = torch.zeros(R_cap, dtype=torch.int64, device="cuda")
+wr = torch.zeros(R_cap, device="cuda")
+order = torch.arange(T * K, device="cuda")
+mine = torch.tensor([4, 4], dtype=torch.int64, device="cuda")
+dispatch_rows(x, w, order, mine, ptr(counts), ptr(flag), ticket, 0, counts, flag, 1, ptr(recv), ptr(src), ptr(wr),
+              torch.float32, 0, K, T * K, R_cap, timeout_ms=5000)
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_dispatch_into_too_small_buffers_fails_instead_of_writing_past_them():
+    """A rank whose rows would not fit its receive buffer (the layers cap less than the dispatcher
+    was sized for) stops every rank with the kernel's message, before any row moves."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    proc = subprocess.run([sys.executable, "-c", _OVERFLOW], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0
+    assert "would receive more rows than its buffer holds" in proc.stdout + proc.stderr

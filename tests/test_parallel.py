@@ -130,11 +130,14 @@ def _force_routes(model: Tiny, case: Case, num_local: int) -> None:
             w[:num_local] = 1.0 + 0.3 * torch.randn_like(w[:num_local])
 
 
-def _dispatcher(dims: ParallelDims, transport: str, tokens: tuple[int, ...], overlap_chunks: int = 1):
+def _dispatcher(dims: ParallelDims, transport: str, case: Case, tokens: tuple[int, ...]):
     if transport == "p2p":
         from parallel.p2p_dispatcher import P2PDispatcher
-        return P2PDispatcher(dims.ep_group, dims.world_group, max_tokens=max(max(tokens), 1), timeout_s=P2P_TIMEOUT_S)
-    return dims.dispatcher(overlap_chunks)
+        # sized by the case's capacity, as the trainer does: the capped cases run in buffers that
+        # their routing can fill (all_to_one_expert_capacity: every row the bound allows)
+        return P2PDispatcher(dims.ep_group, dims.world_group, max_tokens=max(max(tokens), 1), timeout_s=P2P_TIMEOUT_S,
+                             capacity_factor=case.capacity_factor)
+    return dims.dispatcher(case.overlap_chunks)
 
 
 def _equivalence(case: Case, dims: ParallelDims, device, dtype, transport: str = "nccl") -> dict:
@@ -156,7 +159,7 @@ def _equivalence(case: Case, dims: ParallelDims, device, dtype, transport: str =
     with torch.no_grad():  # the routed path at the scale of the others, so its errors show in every gradient
         for p in ref.moe.experts.parameters():
             p.mul_(EXPERT_SCALE)
-    par = Tiny(case, _dispatcher(dims, transport, tokens, case.overlap_chunks), 1, device, dtype, dim, hidden)
+    par = Tiny(case, _dispatcher(dims, transport, case, tokens), 1, device, dtype, dim, hidden)
     with torch.no_grad():
         ref_params = dict(ref.named_parameters())
         for name, p in par.named_parameters():

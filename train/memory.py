@@ -128,6 +128,7 @@ import math
 import sys
 from dataclasses import dataclass
 
+from moe.capacity import max_received_rows
 from parallel.grad_sync import BUCKET_BYTES
 from train.config import Config, ConfigError, load_config, validate
 from train.lm_loss import chunk_rows
@@ -165,6 +166,7 @@ class ModelShape:
     shared_gate: bool = False  # moe.shared_expert_gate: a (1, D) weight
     lm_bias: bool = False  # model.lm_head_bias: a (V,) parameter
     sigmoid: bool = False  # moe.score_func == "sigmoid": the balancing loss normalises the scores per token
+    capacity_groups: int = 1  # moe.capacity_groups: Q, the groups a rank's tokens are capped in
 
     @classmethod
     def of(cls, cfg: Config, moe_blocks: tuple[bool, ...] | None = None) -> "ModelShape":
@@ -176,7 +178,7 @@ class ModelShape:
             capacity_factor=e.capacity_factor, renormalize=e.renormalize,
             moe_blocks=moe_blocks or tuple(e.is_moe_layer(i) for i in range(m.n_layers)),
             qk_norm=m.qk_norm, qkv_bias=m.qkv_bias, shared_gate=e.shared_expert_gate, lm_bias=m.lm_head_bias,
-            sigmoid=e.score_func == "sigmoid",
+            sigmoid=e.score_func == "sigmoid", capacity_groups=e.capacity_groups,
         )
 
     def up(self, hidden: int) -> int:
@@ -337,9 +339,9 @@ def expert_rows(s: ModelShape, T: int, lay: Layout) -> Rows:
         # LocalDispatcher packs every pair, the dropped ones last (moe/dispatch.py)
         return Rows(P, s.E)
     if lay.transport == "p2p":
-        # P2PDispatcher hands the experts its fixed R_cap = ep·T·K rows (parallel/p2p_dispatcher.py),
-        # one segment per local expert
-        return Rows(lay.ep * P, s.E // lay.ep)
+        # P2PDispatcher hands the experts its fixed R_cap rows (parallel/p2p_dispatcher.py): ep·T·K,
+        # or with a capacity its bound on what a rank receives; one segment per local expert
+        return Rows(p2p_rows(s, T, lay), s.E // lay.ep)
     # balanced routing: every rank sends and receives its T·K pairs, fewer when the capacity
     # C = capacity_factor·T·K / E per expert caps them
     kept = P if s.capacity_factor is None else min(P, math.ceil(s.capacity_factor * P))
@@ -607,6 +609,11 @@ def block_state(s: ModelShape, groups: dict, i: int, B: int, S: int, lay: Layout
                       masters["dense"], ignored, unit, expert_unit, ffn_unit, casts_kept, casts_forward, step_casts)
 
 
+def p2p_rows(s: ModelShape, T: int, lay: Layout) -> int:
+    """R_cap, the rows of each P2P receive buffer: what the trainer's P2PDispatcher allocates."""
+    return max_received_rows(T, s.E, s.K, s.capacity_factor, s.capacity_groups, lay.ep)
+
+
 def p2p_buffer_bytes(s: ModelShape, T: int, lay: Layout, row_bytes: int) -> int:
     """P2PDispatcher's symmetric memory: one slot per MoE block (received rows, returned rows, their
     sources, the received rows' fp32 weights and the returned weight gradients, the count matrix,
@@ -614,7 +621,7 @@ def p2p_buffer_bytes(s: ModelShape, T: int, lay: Layout, row_bytes: int) -> int:
     experts' (``row_bytes``; the dispatch casts the norm output to it)."""
     if lay.transport != "p2p":
         return 0
-    R_cap, P_cap = lay.ep * T * s.K, T * s.K
+    R_cap, P_cap = p2p_rows(s, T, lay), T * s.K
     regions = [R_cap * s.D * row_bytes, P_cap * s.D * row_bytes, R_cap * 8, R_cap * 4, P_cap * 4, lay.ep * s.E * 8,
                8, 8, 8]
     slot = sum(_ceil_div(n, 256) * 256 for n in regions)

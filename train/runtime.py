@@ -46,7 +46,7 @@ class Runtime:
         return t
 
     def dispatcher(self, kind: str = "nccl", max_tokens: int = 0, num_buffers: int = 1, overlap_chunks: int = 1,
-                   timeout_s: float = 600.0):
+                   timeout_s: float = 600.0, capacity_factor: float | None = None, capacity_groups: int = 1):
         """The MoE layers' expert-parallel dispatcher, None for one process.
 
         With ep 1 over several ranks the dispatcher's group has one rank: rows stay local, but the
@@ -56,7 +56,8 @@ class Runtime:
         kind ``"nccl"``: the all-to-all :class:`~parallel.AllToAllDispatcher`. ``"p2p"``: the
         :class:`~parallel.P2PDispatcher`, whose buffers hold ``max_tokens`` tokens per dispatch
         in each of ``num_buffers`` slots (one per MoE layer), whose kernels wait ``timeout_s`` for
-        a peer before they fail (``parallel.timeout_s``, as the collectives). ``overlap_chunks``: the nccl
+        a peer before they fail (``parallel.timeout_s``, as the collectives), and sized by the MoE
+        layers' ``capacity_factor`` and ``capacity_groups`` when they cap. ``overlap_chunks``: the nccl
         dispatcher's pipelining of each layer's tokens (:meth:`parallel.ExpertParallelDispatcher.run_experts`).
         """
         if not self.distributed:
@@ -74,7 +75,7 @@ class Runtime:
             raise RuntimeError(f"parallel.dispatcher=p2p needs every EP group on one node: "
                                f"parallel.ep={self.ep} does not divide the {per_node} processes per node")
         return P2PDispatcher(self.dims.ep_group, self.dims.world_group, max_tokens=max_tokens, num_buffers=num_buffers,
-                             timeout_s=timeout_s)
+                             timeout_s=timeout_s, capacity_factor=capacity_factor, capacity_groups=capacity_groups)
 
     def shutdown(self) -> None:
         if self.distributed:
