@@ -67,7 +67,8 @@ Assumptions (each one where the code uses it, with its reason):
   reference instead, whose saved tensors differ: not modelled.
 - balanced routing: a rank's experts compute on average R = T·K rows (NCCL, dropless), at most
   capacity_factor·T·K with a capacity; the local dispatcher packs all T·K pairs, dropped ones too;
-  the P2P dispatcher hands the experts its fixed ep·T·K rows (its docstring says so).
+  the P2P dispatcher hands the experts its fixed ep·T·K rows, or with a capacity E·Q·C
+  (``moe.capacity.max_received_rows``; its docstring says so).
 - the residual stream: fp32 with fp32 masters (the embedding's fp32 rows plus bf16 sub-layer
   outputs). Under bf16-gathered FSDP every block's unit casts its forward inputs to bf16
   (MixedPrecisionPolicy.cast_forward_inputs); the experts' unit (edp > 1) does not
