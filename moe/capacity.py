@@ -36,13 +36,14 @@ def max_received_rows(num_tokens: int, num_experts: int, top_k: int, capacity_fa
     """The most rows one rank's experts can receive in one expert-parallel dispatch, every rank of
     the ep ranks passing at most ``num_tokens`` tokens: ep·T·K dropless (every pair of every rank
     to this rank's experts). With a capacity each expert keeps at most C pairs per capacity group
-    of each source rank (:func:`plan_routing`), so the L = E / ep experts of a rank receive at
-    most ep · L · Q · C = E · Q · C rows, C the capacity of T / Q tokens; whichever is smaller."""
+    of each source rank (:func:`plan_routing`), and at most T (a token picks an expert once), so
+    the L = E / ep experts of a rank receive at most ep · L · min(Q · C, T) = E · min(Q · C, T)
+    rows, C the capacity of T / Q tokens; whichever is smaller."""
     dropless = ep * num_tokens * top_k
     if capacity_factor is None:
         return dropless
     C = expert_capacity(num_tokens // capacity_groups, num_experts, top_k, capacity_factor)
-    return min(dropless, num_experts * capacity_groups * C)
+    return min(dropless, num_experts * min(capacity_groups * C, num_tokens))
 
 
 @dataclass(frozen=True)

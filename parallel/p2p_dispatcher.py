@@ -46,8 +46,8 @@ the peers' signals, sent after their experts' backward read it.
 
 Memory per slot: R_cap + P_cap rows of D (plus R_cap int64 and R_cap + P_cap fp32), and R_cap rows
 of D for the shared gradient buffer; a slot of the 2-GPU bench at Mixtral-like 32k tokens (D 4096, top-2, bf16) is
-1.6 GB. The experts' activations are R_cap rows too (the worst case of dropless routing: G× the
-T·K rows a balanced layer receives).
+1.6 GB. The experts' activations are R_cap rows too: dropless, the worst case, G× the T·K rows a
+balanced layer receives; with a capacity, its bound, about capacity_factor × those.
 
 Requirements: CUDA, every rank of the expert-parallel group on one node with peer access
 (``torch.distributed._symmetric_memory``), and a token bound ``max_tokens`` per rank known to all
@@ -273,8 +273,10 @@ class P2PDispatcher(ExpertParallelDispatcher):
             check_positive_int(f"P2PDispatcher: {name}", value)
         if not timeout_s > 0:  # NaN included
             raise ValueError(f"P2PDispatcher: timeout_s must be > 0, got {timeout_s}")
-        if capacity_factor is not None and not capacity_factor > 0:
-            raise ValueError(f"P2PDispatcher: capacity_factor must be > 0 or None, got {capacity_factor}")
+        if capacity_factor is not None and not 0 < capacity_factor < math.inf:
+            raise ValueError(f"P2PDispatcher: capacity_factor must be a finite number > 0 or None, got {capacity_factor}")
+        if capacity_factor is not None and max_tokens < capacity_groups:
+            raise ValueError(f"P2PDispatcher: max_tokens={max_tokens} tokens do not fill capacity_groups={capacity_groups}")
         if not torch.cuda.is_available():
             raise RuntimeError("P2PDispatcher needs CUDA GPUs (symmetric memory); use AllToAllDispatcher")
         self.max_tokens = max_tokens
@@ -287,7 +289,8 @@ class P2PDispatcher(ExpertParallelDispatcher):
         self._calls: dict[tuple, int] = {}
 
     def __repr__(self) -> str:
-        capped = "" if self.capacity_factor is None else f", capacity_factor={self.capacity_factor}"
+        capped = ("" if self.capacity_factor is None else
+                  f", capacity_factor={self.capacity_factor}, capacity_groups={self.capacity_groups}")
         return (f"P2PDispatcher(ep_size={self.ep_size}, ep_rank={self.ep_rank}, max_tokens={self.max_tokens}, "
                 f"num_buffers={self.num_buffers}{capped})")
 

@@ -99,8 +99,11 @@ def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, ticke
     into every rank's count matrix and signals it. Then all wait for the G ranks' counts and
     stride over tiles of BLOCK_P sorted positions of ``order``; every program derives the few
     per-rank sums it needs from the (G, E) count matrix, program 0 also writes this rank's
-    experts' row ends."""
-    if tl.atomic_add(ticket_ptr, 1) == first_ticket:
+    experts' row ends. A matrix that gives some rank more than R_cap rows moves nothing (every
+    rank reads the same matrix); on a GPU the first program, which has signalled every rank by
+    then, prints and traps, so every rank stops and none waits for counts that never come."""
+    starter = tl.atomic_add(ticket_ptr, 1) == first_ticket
+    if starter:
         e = tl.arange(0, BLOCK_E)
         mine_E = tl.load(mine_ptr + e, mask=e < E)
         for g in range(G):
@@ -116,23 +119,25 @@ def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, ticke
     # rows by source rank (moe.kernels.grouped_mm then takes one segment per expert)
     per_expert = tl.sum(C, axis=0)
     first = tl.cumsum(per_expert, axis=1) - per_expert + tl.sum(tl.where(s[:, None, None] < me, C, 0), axis=0)
-    if not _INTERPRET:  # a destination whose buffer cannot hold its rows: stop before any store
-        most = tl.max(tl.sum(per_expert, axis=1), axis=0)
-        if most > R_cap:
-            if tl.program_id(0) == 0:
-                tl.device_print("P2P dispatch: a rank would receive more rows than its buffer holds "
-                                "(capacity_factor below the layers'?); rows, buffer rows", most, R_cap)
-            tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    most = tl.max(tl.sum(per_expert, axis=1), axis=0)
+    overflow = most > R_cap  # a destination whose buffer cannot hold its rows
+    if not _INTERPRET:
+        if starter:
+            if overflow:
+                tl.device_print("P2P dispatch: a rank would receive more rows than its buffer holds (the "
+                                "dispatcher's capacity_factor/capacity_groups below the layers'?); rows, buffer rows",
+                                most, R_cap)
+                tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     mine = tl.sum(tl.where(s[:, None, None] == me, C, 0), axis=0)  # what I send to each (destination, expert)
     mine_D = tl.sum(mine, axis=1)  # ... and to each destination
     seg_end = (tl.cumsum(mine_D, axis=0) - mine_D)[:, None] + tl.cumsum(mine, axis=1)  # in my sorted order
     shift = first - (seg_end - mine)  # sorted position -> row at the destination
     seg_end = tl.where((s[:, None] < G) & (l[None, :] < L), seg_end, tl.cast(2**62, tl.int64))
-    n_kept = tl.sum(mine_D, axis=0)
+    n_kept = tl.where(overflow, 0, tl.sum(mine_D, axis=0))  # overflow: no store at all
 
     if tl.program_id(0) == 0:
         mine_rows = tl.sum(tl.where(s[:, None] == me, per_expert, 0), axis=0)  # [local expert] rows I receive
-        tl.store(offsets_ptr + l, tl.cumsum(mine_rows, axis=0).to(tl.int32), mask=l < L)
+        tl.store(offsets_ptr + l, tl.cumsum(mine_rows, axis=0).to(tl.int32), mask=(l < L) & ~overflow)
 
     offs = tl.arange(0, BLOCK_D)
     for tile in range(tl.program_id(0), tl.cdiv(P, BLOCK_P), tl.num_programs(0)):
@@ -239,8 +244,9 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
     ``row`` of rank ``dest``'s receive buffer (``recv_ptrs_G``, of ``recv_dtype``), ``me ·
     P_cap + t·K + k`` to the same row of its (R_cap,) int64 source buffer and the pair's weight
     ``w_TK[t, k]`` (fp32) to the same row of its (R_cap,) fp32 weight buffer (``w_ptrs_G``).
-    On a GPU, a count matrix that gives some rank more than ``R_cap`` rows prints and traps
-    before any row moves (every rank reads the same matrix, so every rank stops).
+    A count matrix that gives some rank more than ``R_cap`` rows moves no row and writes no
+    offsets (every rank reads the same matrix); on a GPU the kernel then prints and traps on every
+    rank (in the interpreter it returns with every pair's row -1).
 
     Returns ``row_TK``, ``dest_TK`` (T, K) int64 (row -1: dropped), this rank's local experts'
     row ends ``offsets_J`` (L,) int32 (into ``out`` when given), and the programs launched

@@ -155,7 +155,8 @@ def test_expert_bias_changes_selection_only():
 
 
 @pytest.mark.parametrize("G, E, K, T, cf, Q", [(2, 8, 2, 32, 1.0, 1), (4, 8, 1, 20, 1.5, 2), (2, 4, 2, 16, None, 1),
-                                               (8, 64, 8, 64, 1.25, 1), (2, 6, 3, 12, 0.5, 3)])
+                                               (8, 64, 8, 64, 1.25, 1), (2, 6, 3, 12, 0.5, 3), (4, 8, 1, 12, 1.0, 3),
+                                               (4, 4, 2, 8, 4.0, 1), (2, 8, 2, 16, 16.0, 2)])
 def test_max_received_rows_bounds_what_a_rank_receives(G, E, K, T, cf, Q):
     """The P2P buffers' bound against G source ranks' plans: random routing stays under it; routing
     that sends every pair to rank 0's experts reaches it when every expert there overflows."""
@@ -168,8 +169,10 @@ def test_max_received_rows_bounds_what_a_rank_receives(G, E, K, T, cf, Q):
     def received(skewed: bool) -> torch.Tensor:
         rows = torch.zeros(G, dtype=torch.int64)
         for _ in range(G):
-            if skewed:  # round robin over rank 0's L experts (K <= L in the cases): T·K / L pairs each
-                experts = (torch.arange(T)[:, None] * K + torch.arange(K)) % L
+            if skewed:  # rank 0's L experts first, round robin (all of them when K > L), the rest after
+                t = torch.arange(T)[:, None]
+                own = (t * K + torch.arange(min(K, L))) % L
+                experts = torch.cat([own, L + (t * K + torch.arange(K - own.shape[1])) % (E - L)], 1)
             else:
                 experts = torch.rand(T, E, generator=gen).topk(K, dim=-1).indices
             plan = plan_routing(experts, torch.rand(T, K, generator=gen), E, C, "probs", Q)
@@ -182,6 +185,8 @@ def test_max_received_rows_bounds_what_a_rank_receives(G, E, K, T, cf, Q):
     assert skewed <= bound
     if cf is None:
         assert skewed == bound == G * T * K
-    elif (T // Q) * K // L >= C:  # every expert of rank 0 overflows in every group of every source
-        assert skewed == bound == E * Q * C
+    else:
+        assert bound == min(G * T * K, E * min(Q * C, T))
+        if K > L or (T // Q) * K // L >= C:  # every expert of rank 0 fills its cap in every group
+            assert skewed == bound
     assert skewed > 0

@@ -258,6 +258,23 @@ def test_bad_arguments_raise():
                   torch.float32, 0, 8, ptrs)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the kernel traps: the subprocess test below")
+def test_dispatch_into_too_small_buffers_moves_nothing():
+    """A count matrix giving a rank more rows than R_cap: no row, source, weight or offset is
+    written anywhere, every pair's route is -1 (in the interpreter; a GPU also traps)."""
+    T, K, E, D, R_cap = 4, 2, 2, 3, 5  # one rank keeps 8 pairs for its own experts: 8 rows, 5 fit
+    counts = torch.zeros(1, E, dtype=torch.int64)
+    flag, ticket = _flags(1)[0], _flags(1)[0]
+    recv, src, w = torch.full((R_cap + 4, D), 7.0), torch.full((R_cap + 4,), -5), torch.full((R_cap + 4,), 7.0)
+    route = dispatch_rows(torch.randn(T, D), torch.rand(T, K), torch.arange(T * K), torch.tensor([4, 4]),
+                          buffer_ptrs([counts]), buffer_ptrs([flag]), ticket, 0, counts, flag, 1, buffer_ptrs([recv]),
+                          buffer_ptrs([src]), buffer_ptrs([w]), torch.float32, 0, K, T * K, R_cap,
+                          out=(torch.zeros(T, K, dtype=torch.int64), torch.zeros(T, K, dtype=torch.int64),
+                               torch.full((E,), -3, dtype=torch.int32)))
+    assert (route[0] == -1).all() and route[2].tolist() == [-3] * E
+    assert (recv == 7.0).all() and (src == -5).all() and (w == 7.0).all()
+
+
 _NEVER_SIGNALLED = """
 import torch
 from parallel.p2p_rows import sum_pairs

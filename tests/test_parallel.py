@@ -133,8 +133,8 @@ def _force_routes(model: Tiny, case: Case, num_local: int) -> None:
 def _dispatcher(dims: ParallelDims, transport: str, case: Case, tokens: tuple[int, ...]):
     if transport == "p2p":
         from parallel.p2p_dispatcher import P2PDispatcher
-        # sized by the case's capacity, as the trainer does: the capped cases run in buffers that
-        # their routing can fill (all_to_one_expert_capacity: every row the bound allows)
+        # sized by the case's capacity, as the trainer does: the capped cases run in buffers smaller
+        # than dropless's (a bound too small traps there)
         return P2PDispatcher(dims.ep_group, dims.world_group, max_tokens=max(max(tokens), 1), timeout_s=P2P_TIMEOUT_S,
                              capacity_factor=case.capacity_factor)
     return dims.dispatcher(case.overlap_chunks)

@@ -482,7 +482,9 @@ def test_p2p_dispatcher_trains_like_nccl_on_two_gpus(tmp_path):
                     "--parallel.ep=2", "--parallel.device=cuda", f"--log.dir={tmp_path}"]
     _torchrun(2, base + ["--parallel.dispatcher=nccl", "--log.run_name=nccl"])
     proc = _torchrun(2, base + ["--parallel.dispatcher=p2p", "--log.run_name=p2p"])
-    assert "P2PDispatcher(ep_size=2, ep_rank=0, max_tokens=128, num_buffers=2)" in proc.stdout
+    # configs/tiny.yaml caps (capacity_factor 1.5): the buffers follow it
+    assert "P2PDispatcher(ep_size=2, ep_rank=0, max_tokens=128, num_buffers=2, capacity_factor=1.5, capacity_groups=1)" \
+        in proc.stdout
     nccl, p2p = _metrics(str(tmp_path / "nccl")), _metrics(str(tmp_path / "p2p"))
     assert sorted(s for s in p2p if "train/loss" in p2p[s]) == [1, 2, 3, 4]
     for s in (1, 2, 3, 4):
