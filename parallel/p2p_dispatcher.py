@@ -39,8 +39,9 @@ rank makes the same calls, so every rank knows it). Writers never overrun reader
 counts reach a peer only after that rank finished everything before its dispatch, and the
 rows of a dispatch reach a peer only after that peer's counts (the kernel waits for them), so the
 counts exchange orders each dispatch after the previous call's reads on every rank (the rows'
-weights travel with the rows); the return buffer (and its weight gradients) is stored into only after the barrier at the end of the dispatch (forward) or of the
-combine backward (backward), which every reader of the previous contents passed after reading;
+weights travel with the rows); the return buffer (and its weight gradients) is stored into only
+after the barrier at the end of the dispatch (forward) or of the combine backward (backward),
+which every reader of the previous contents passed after reading;
 and the gradient buffer only after the sum of the previous layer's dispatch backward waited for
 the peers' signals, sent after their experts' backward read it.
 
@@ -311,9 +312,9 @@ class P2PDispatcher(ExpertParallelDispatcher):
             slots.append(_Slot(group, R_cap, P_cap, D, dtype, G, E, device, self.timeout_ms))
         slot = slots[index]
         slot.generation += 1
-        # a view of the earlier generation's rows or weights kept by autograd now fails its version check
-        increment_version(slot.buf.views["recv"])
-        increment_version(slot.buf.views["w"])
+        # a view of the earlier generation's rows or weights kept by autograd now fails its version
+        # check (every region is a view of the slot's one byte buffer and shares its counter)
+        increment_version(slot.buf.bytes)
         return slot, grad, index, P_cap
 
     def _dispatch_ep(self, x_TD: torch.Tensor, plan: RoutingPlan, w_TK: torch.Tensor, num_experts: int, prepared,

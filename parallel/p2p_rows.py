@@ -92,8 +92,8 @@ def _wait(flag_ptr, target, timeout_ns):
 @triton.jit(do_not_specialize=["first_ticket", "target"])
 def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, ticket_ptr, first_ticket, counts_ptr, flag_ptr,
                           target, timeout_ns, row_ptr, dest_ptr, offsets_ptr, recv_ptrs, src_ptrs, w_ptr, wrecv_ptrs,
-                          me, G, L, E, P, K, P_cap, R_cap, D, OUT: tl.constexpr, GP: tl.constexpr, LP: tl.constexpr, BLOCK_E: tl.constexpr,
-                          BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+                          me, G, L, E, P, K, P_cap, R_cap, D, OUT: tl.constexpr, GP: tl.constexpr, LP: tl.constexpr,
+                          BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
     """The program that starts first (it takes ticket ``first_ticket``: every launch takes one
     ticket per program, so it is running, and the others may spin) writes this rank's counts
     into every rank's count matrix and signals it. Then all wait for the G ranks' counts and
