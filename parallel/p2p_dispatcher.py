@@ -82,21 +82,32 @@ class _SymmetricBuffer:
         for name, (shape, dtype) in sizes.items():
             offsets[name], nbytes[name] = total, dtype.itemsize * math.prod(shape)
             total += -(-nbytes[name] // _ALIGN) * _ALIGN
-        self.bytes, ptrs = self._allocate(group, max(total, _ALIGN), device)
-        self.bytes.zero_()  # padding rows hold finite values from the start
+        self.bytes = self._empty(max(total, _ALIGN), device)
+        # padding rows hold finite values from the start, and the flags start at 0. Zeroed and
+        # synced before the addresses are exchanged: once a peer has them it may store its counts
+        # and signal at once, and a zero_() still queued here would wipe them (2×H200: a slot
+        # allocated lazily at the second dispatch waited forever for its counts flag)
+        self.bytes.zero_()
+        torch.cuda.current_stream(device).synchronize()
+        ptrs = self._exchange(group, self.bytes)
         base_G = torch.tensor(ptrs, dtype=torch.int64, device=device)
         self.views, self.ptrs = {}, {}
         for name, (shape, dtype) in sizes.items():
             self.views[name] = self.bytes[offsets[name]:offsets[name] + nbytes[name]].view(dtype).view(shape)
             self.ptrs[name] = base_G + offsets[name]
 
-    def _allocate(self, group, nbytes: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
-        """(nbytes,) uint8 of this rank's symmetric memory and the G ranks' addresses of it."""
+    def _empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """(nbytes,) uint8 of this rank's symmetric memory."""
         import torch.distributed._symmetric_memory as symm_mem
 
-        buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        return symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def _exchange(self, group, buf: torch.Tensor) -> list[int]:
+        """The G ranks' addresses of ``buf`` (a collective of ``group``)."""
+        import torch.distributed._symmetric_memory as symm_mem
+
         self.handle = symm_mem.rendezvous(buf, group)
-        return buf, list(self.handle.buffer_ptrs)
+        return list(self.handle.buffer_ptrs)
 
     def barrier(self) -> None:
         """Every rank's stores into these buffers so far are complete and visible (device side)."""

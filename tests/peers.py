@@ -28,18 +28,20 @@ def share_one_gpu() -> None:
         """The ranks' buffers shared by CUDA IPC handles (gathered over the gloo group); the
         barrier waits for this rank's device work, then for every rank on the host."""
 
-        def _allocate(self, group, nbytes, device):
+        def _empty(self, nbytes, device):
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+        def _exchange(self, group, buf):
             import torch.distributed as dist
             from torch.multiprocessing.reductions import reduce_tensor
 
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
             rebuild, args = reduce_tensor(buf)
             handles = [None] * dist.get_world_size(group)
             dist.all_gather_object(handles, args, group=group)
             me = dist.get_rank(group)
             self.peers = [buf if g == me else rebuild(*a) for g, a in enumerate(handles)]
             self.group = group
-            return buf, [t.data_ptr() for t in self.peers]
+            return [t.data_ptr() for t in self.peers]
 
         def barrier(self):
             import torch.distributed as dist

@@ -327,3 +327,30 @@ def test_dispatch_into_too_small_buffers_fails_instead_of_writing_past_them():
     proc = subprocess.run([sys.executable, "-c", _OVERFLOW], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode != 0
     assert "would receive more rows than its buffer holds" in proc.stdout + proc.stderr
+
+
+def test_symmetric_buffer_is_zero_on_the_device_before_its_address_is_shared(monkeypatch):
+    """A peer may store its counts and signal this rank's flag as soon as it has the address, so
+    the buffer's zero_() must have run on the device before the exchange (2×H200: a slot
+    allocated at the second dispatch was zeroed after it, wiping a peer's signal: a wait that never
+    ended). The exchange here checks both: the bytes are zero and the stream was synchronised."""
+    import parallel.p2p_dispatcher as p2p
+
+    synced = []
+
+    class Stream:
+        def synchronize(self):
+            synced.append(True)
+
+    class Checked(p2p._SymmetricBuffer):
+        def _empty(self, nbytes, device):
+            return torch.full((nbytes,), 7, dtype=torch.uint8)
+
+        def _exchange(self, group, buf):
+            assert synced and not buf.any(), "the buffer's address left the rank before its zeros were on the device"
+            return [buf.data_ptr()]
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    buf = Checked(None, {"rows": ((3, 4), torch.float32), "flag": ((1,), torch.int64)}, torch.device("cpu"), 1000)
+    assert buf.views["rows"].shape == (3, 4) and int(buf.views["flag"]) == 0
+    assert int(buf.ptrs["flag"][0]) - int(buf.ptrs["rows"][0]) == 256  # regions aligned to 256 bytes
