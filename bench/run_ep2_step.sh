@@ -22,13 +22,17 @@
 #                                       # combine keeps no rows): the 2-GPU tests, then the step
 #                                       # profiles of NCCL and P2P in the bar's layout (replicate, 8
 #                                       # micro-batches) and of the shipped layout
+#   PART=7 bash bench/run_ep2_step.sh   # after the symmetric buffers' zeroing fix: the P2P 2-GPU tests,
+#                                       # P2P in the bar's layout, the shipped layout
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
 # worst layer's load max/mean at the end). $OUT defaults to /tmp/run_ep2.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export OUT=${OUT:-/tmp/run_ep2} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
+# half the cores each for the 2 ranks: a 2026-11-27 machine showed nproc 8, where 8 threads each
+# oversubscribed it (its steps were host-bound)
+export OUT=${OUT:-/tmp/run_ep2} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=$(( $(nproc) > 2 ? $(nproc) / 2 : 1 ))
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TRITON_CACHE_AUTOTUNING=1  # later launches reuse the first one's autotuning
 BUDGET=${BUDGET:-570}
@@ -127,6 +131,16 @@ elif [ "$PART" = 6 ]; then
         --warm 3 --steps 1 --timed 3 $FAST
     prof "olmoe_bench EP 2, P2P, replicate, 8 micro-batches" 90 configs/olmoe_bench.yaml \
         --warm 3 --steps 1 --timed 3 $FAST --parallel.dispatcher=p2p
+    prof "olmoe_bench EP 2, NCCL token rows, fsdp, one micro-batch (as shipped)" 80 configs/olmoe_bench.yaml \
+        --warm 8 --steps 3 --timed 10
+elif [ "$PART" = 7 ]; then
+    # after the symmetric buffers are zeroed before their addresses are shared (PART=6's P2P runs
+    # waited forever on a lazily allocated slot): the P2P 2-GPU tests, then P2P in the bar's
+    # layout and the shipped layout (PART=6 measured NCCL in the bar's layout)
+    MOE_AUTOTUNE=0 timeout 240 python3 -m pytest -q -m multigpu tests/test_parallel.py -k p2p 2>&1 | tail -8 \
+        | tee "$OUT/gpu_tests.log"
+    prof "olmoe_bench EP 2, P2P, replicate, 8 micro-batches" 90 configs/olmoe_bench.yaml \
+        --warm 3 --steps 1 --timed 3 --parallel.data_parallel=replicate --train.grad_accum=8 --parallel.dispatcher=p2p
     prof "olmoe_bench EP 2, NCCL token rows, fsdp, one micro-batch (as shipped)" 80 configs/olmoe_bench.yaml \
         --warm 8 --steps 3 --timed 10
 else

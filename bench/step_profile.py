@@ -294,6 +294,9 @@ def main() -> None:
     ap.add_argument("--timed", type=int, default=0,
                     help="then time this many steps (after one more untimed) without the profiler, which inflates "
                          "a host-bound step: the tokens/s and MFU of the headline come from them")
+    ap.add_argument("--host-table", type=int, default=0, metavar="N",
+                    help="also print rank 0's N CPU ops of most self time in the profiled steps (where a "
+                         "host-bound step's host time goes)")
     args, extra = ap.parse_known_args()
     trainer = bench_trainer(args.config, args.warm + args.steps + args.timed + 2, extra)
     cfg, rt = trainer.cfg, trainer.rt
@@ -366,6 +369,8 @@ def main() -> None:
         ]
         text = "\n".join(lines)
         print(text, flush=True)
+        if args.host_table:
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.host_table), flush=True)
         a2a = next(x for c, _, x in rows if c == ALL_TO_ALL)
         # one line per run for a driver script's closing table
         print(f"SUMMARY | {args.label} | {timed_ms:.1f} | {tokens / (timed_ms / 1e3):,.0f} | {timed_mfu:.1%} | "
