@@ -24,6 +24,7 @@
 #                                       # micro-batches) and of the shipped layout
 #   PART=7 bash bench/run_ep2_step.sh   # after the symmetric buffers' zeroing fix: the P2P 2-GPU tests,
 #                                       # P2P in the bar's layout, the shipped layout
+#   PART=8 bash bench/run_ep2_step.sh   # NCCL against P2P in the bar's layout, alternating, 2 rounds
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -143,6 +144,15 @@ elif [ "$PART" = 7 ]; then
         --warm 3 --steps 1 --timed 3 --parallel.data_parallel=replicate --train.grad_accum=8 --parallel.dispatcher=p2p
     prof "olmoe_bench EP 2, NCCL token rows, fsdp, one micro-batch (as shipped)" 80 configs/olmoe_bench.yaml \
         --warm 8 --steps 3 --timed 10
+elif [ "$PART" = 8 ]; then
+    # NCCL (token rows) against P2P in the bar's layout on one machine, alternating (PART=6 and 7
+    # measured them on two machines whose hosts differed), profiled with the host table
+    FAST="--warm 3 --steps 1 --timed 3 --parallel.data_parallel=replicate --train.grad_accum=8 --host-table 25"
+    for round in 1 2; do
+        prof "olmoe_bench EP 2, NCCL token rows, replicate, 8 micro-batches (round $round)" 70 configs/olmoe_bench.yaml $FAST
+        prof "olmoe_bench EP 2, P2P, replicate, 8 micro-batches (round $round)" 70 configs/olmoe_bench.yaml $FAST \
+            --parallel.dispatcher=p2p
+    done
 else
     timeout "$(left)" python3 bench/memory_check.py --gpus 2 --steps 8 --timeout 200 --out "$OUT/memory_ep2.md" \
         --only olmoe_bench_fsdp olmoe_bench_fsdp_selective olmoe_bench_fsdp_full olmoe_ep1_fsdp olmoe_ep1_fsdp_selective \

@@ -114,6 +114,20 @@ class Dispatcher(ABC):
         """(..., E) per-expert counts summed over the expert-parallel group (no gradient): the
         rows each rank's grouped GEMM really processes, and the global load the user watches."""
 
+    def reduce_aux_and_counts(self, routed_E: torch.Tensor, kept_E: torch.Tensor, prob_sum_E: torch.Tensor,
+                              num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Both reductions a layer's forward makes: routed_E, kept_E (E,) int64 pairs routed to and
+        kept by each expert, prob_sum_E, num_tokens -> (routed_E, prob_sum_E, num_tokens_0d) of
+        :meth:`reduce_aux_inputs` and counts_2E, :meth:`reduce_counts` of the stacked
+        [routed_E, kept_E].
+
+        The two calls here, so a dispatcher need only implement them; one whose two groups hold
+        the same ranks can sum both in one collective
+        (:meth:`parallel.ExpertParallelDispatcher.reduce_aux_and_counts`).
+        """
+        routed, prob_sum, num_tokens_0d = self.reduce_aux_inputs(routed_E, prob_sum_E, num_tokens)
+        return routed, prob_sum, num_tokens_0d, self.reduce_counts(torch.stack([routed_E, kept_E]))
+
 
 @dataclass(frozen=True)
 class LocalDispatchMeta(DispatchMeta):

@@ -160,17 +160,19 @@ class MoELayer(nn.Module):
                 shared_TD = shared_TD * torch.sigmoid(self.shared_expert_gate(x_TD))
             out_TD = out_TD + shared_TD.to(x.dtype)
 
-        routed_E, prob_sum_E, num_tokens = self.dispatcher.reduce_aux_inputs(
-            plan.routed_per_expert_E, self._normalized(route.scores_TE).sum(0), T
+        # the loss's inputs over the world and both counts over the EP group in one call: one
+        # collective a layer where the two groups are the same ranks (every collective is a point
+        # where the ranks wait for each other: see ExpertParallelDispatcher.reduce_aux_and_counts)
+        routed_E, prob_sum_E, num_tokens, counts_2E = self.dispatcher.reduce_aux_and_counts(
+            plan.routed_per_expert_E, plan.kept_per_expert_E, self._normalized(route.scores_TE).sum(0), T
         )
         num_tokens = num_tokens.clamp_min(1)
         lb_loss = load_balancing_loss(routed_E, prob_sum_E, num_tokens, K)
         z_loss = router_z_loss(route.logits_TE)
-        # one collective for both counts; the GEMM tiles an expert's rows from every source rank
-        # as one segment (the dispatchers hand them over expert-major), so its tiles follow from
-        # the summed count (a lower bound under overlap_chunks > 1: each chunk is its own GEMM)
+        # the GEMM tiles an expert's rows from every source rank as one segment (the dispatchers
+        # hand them over expert-major), so its tiles follow from the summed count (a lower bound
+        # under overlap_chunks > 1: each chunk is its own GEMM)
         block_m = self.experts.row_tile_size(self.experts.compute_dtype(x_TD))
-        counts_2E = self.dispatcher.reduce_counts(torch.stack([plan.routed_per_expert_E, plan.kept_per_expert_E]))
         stats = compute_stats(counts_2E[0], counts_2E[1], route.scores_TE, capacity, block_m)
         aux = MoEAux(lb_loss, z_loss, cfg.aux_loss_coef * lb_loss + cfg.z_loss_coef * z_loss, stats)
         return out_TD.view(x.shape), aux

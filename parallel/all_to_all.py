@@ -65,22 +65,25 @@ class AllReduceSumFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group):
+    def forward(ctx, x: torch.Tensor, group, what: str):
         ctx.group = group
+        ctx.what = what
         ctx.layer = flight.RECORDER.layer
-        flight.record("all_reduce of the load-balancing inputs", group)
+        flight.record(what, group)
         out = x.clone()
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        flight.record("all_reduce of the load-balancing inputs (backward)", ctx.group, ctx.layer)
+        flight.record(f"{ctx.what} (backward)", ctx.group, ctx.layer)
         grad = grad.clone()
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
-        return grad, None
+        return grad, None, None
 
 
-def all_reduce_sum(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Differentiable ``all_reduce(SUM)`` (out of place); see :class:`AllReduceSumFn`."""
-    return AllReduceSumFn.apply(x, group)
+def all_reduce_sum(x: torch.Tensor, group=None, what: str = "all_reduce_sum") -> torch.Tensor:
+    """Differentiable ``all_reduce(SUM)`` (out of place); see :class:`AllReduceSumFn`. ``what``
+    names it in the flight recorder (:mod:`parallel.flight`), which reports the collective a
+    hung rank waits in."""
+    return AllReduceSumFn.apply(x, group, what)

@@ -97,6 +97,9 @@ class ExpertParallelDispatcher(Dispatcher):
         self.overlap_chunks = overlap_chunks
         self._ep_size = dist.get_world_size(ep_group)
         self._ep_rank = dist.get_rank(ep_group)
+        # the EP group is part of the world group: equal sizes mean the same ranks, over which
+        # reduce_aux_and_counts sums the loss's inputs and the counts in one collective
+        self._one_reduction = self._ep_size > 1 and self._ep_size == dist.get_world_size(world_group)
         self._local = LocalDispatcher()
         self._overlap_streams = SideStreams()
 
@@ -214,19 +217,11 @@ class ExpertParallelDispatcher(Dispatcher):
 
         routed_E (E,) int64, prob_sum_E (E,) fp32 (differentiable: the backward sums the
         gradients over the world, see :class:`~parallel.all_to_all.AllReduceSumFn`), num_tokens
-        T. Packed in fp64 (exact for counts below 2^53). The global token count stays a (0-d)
-        device tensor, so the loss needs no host sync.
+        T. The global token count stays a (0-d) device tensor, so the loss needs no host sync.
         """
-        num_experts = routed_E.numel()
-        packed = torch.cat([
-            prob_sum_E.to(torch.float64),
-            routed_E.detach().to(torch.float64),
-            prob_sum_E.new_full((1,), num_tokens, dtype=torch.float64),
-        ])
-        total = all_reduce_sum(packed, self.world_group)
-        prob_sum = total[:num_experts].to(prob_sum_E.dtype)
-        routed = total[num_experts:2 * num_experts].detach().round().to(routed_E.dtype)
-        return routed, prob_sum, total[-1].detach().to(prob_sum_E.dtype)
+        prob_sum, routed_1E, num_tokens_0d = self._sum_over_world(
+            prob_sum_E, routed_E[None], num_tokens, "all_reduce of the load-balancing inputs")
+        return routed_1E[0], prob_sum, num_tokens_0d
 
     def reduce_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """(..., E) per-expert counts summed over the expert-parallel group (no gradient)."""
@@ -236,6 +231,46 @@ class ExpertParallelDispatcher(Dispatcher):
         flight.record("all_reduce of the expert counts", self.ep_group)
         dist.all_reduce(total, group=self.ep_group)
         return total
+
+    def reduce_aux_and_counts(self, routed_E: torch.Tensor, kept_E: torch.Tensor, prob_sum_E: torch.Tensor,
+                              num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`moe.Dispatcher.reduce_aux_and_counts` in one all-reduce when the world group and
+        the expert-parallel group hold the same ranks (expert-data-parallel degree 1, the common
+        one-node layout): the counts' sum over the EP group is then their sum over the world, so
+        they travel with the loss's inputs. Otherwise the two calls (with one EP rank, only the
+        loss's inputs make a collective).
+
+        Why: every collective is a point where the ranks wait for each other, and a layer's
+        forward made two. On 2×H200 (EP 2, OLMoE-shaped, 16 MoE layers, 8 micro-batches a step)
+        their all-reduce kernels took 115 ms (the counts, int64) and 79 ms (the loss's inputs,
+        fp64) a step, mostly waiting for the slower rank (bench/results/step_profile.md, the
+        P2P A/B run of 5172b30; not yet re-measured with the one all-reduce).
+        """
+        if not self._one_reduction:
+            return super().reduce_aux_and_counts(routed_E, kept_E, prob_sum_E, num_tokens)
+        prob_sum, counts_2E, num_tokens_0d = self._sum_over_world(
+            prob_sum_E, torch.stack([routed_E, kept_E]), num_tokens,
+            "all_reduce of the load-balancing inputs and the expert counts")
+        return counts_2E[0], prob_sum, num_tokens_0d, counts_2E
+
+    def _sum_over_world(self, prob_sum_E: torch.Tensor, counts_CE: torch.Tensor, num_tokens: int,
+                        what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """prob_sum_E (E,) (differentiable), counts_CE (C, E) integer counts, num_tokens T, each
+        summed over the world in one all-reduce (named ``what`` in the flight recorder) ->
+        (prob_sum_E, counts_CE (no gradient, counts' dtype), num_tokens_0d in prob_sum_E's dtype).
+
+        Packed in fp64: exact for counts below 2^53, and one dtype for the probabilities and the
+        counts, so they need one collective.
+        """
+        num_experts = prob_sum_E.numel()
+        packed = torch.cat([
+            prob_sum_E.to(torch.float64),
+            counts_CE.detach().to(torch.float64).reshape(-1),
+            prob_sum_E.new_full((1,), num_tokens, dtype=torch.float64),
+        ])
+        total = all_reduce_sum(packed, self.world_group, what)
+        counts = total[num_experts:-1].detach().round().to(counts_CE.dtype).view(counts_CE.shape)
+        return total[:num_experts].to(prob_sum_E.dtype), counts, total[-1].detach().to(prob_sum_E.dtype)
 
 
 def _current_stream(device: torch.device) -> "torch.cuda.Stream | None":

@@ -2,9 +2,9 @@
 
 Legend: E experts.
 
-Inside the layer, :meth:`AllToAllDispatcher.reduce_counts` sums the per-expert counts over the
-expert-parallel group only (the rows that group's GEMMs process). With DP × EP (edp > 1) each EP
-group sees only its share of the batch, so:
+Inside the layer, :meth:`ExpertParallelDispatcher.reduce_aux_and_counts` sums the per-expert
+counts over the expert-parallel group only (the rows that group's GEMMs process). With DP × EP
+(edp > 1) each EP group sees only its share of the batch, so:
 
 - the user's global view (tokens per expert, dropped fraction of the whole batch) needs a sum
   over the world (done here in one all-reduce for all layers);

@@ -1,6 +1,7 @@
 """Your own model under expert parallelism: seeded initialisation independent of the EP size,
-``parallel.check_replicas_agree``, ``init_distributed(seed=...)``, and ``examples/ep_own_model.py``
-run under torchrun with 2 gloo processes against one process on the same global batch."""
+a dispatcher of your own with only the abstract methods, ``parallel.check_replicas_agree``,
+``init_distributed(seed=...)``, and ``examples/ep_own_model.py`` run under torchrun with 2 gloo
+processes against one process on the same global batch."""
 
 import json
 import os
@@ -14,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from moe import MoELayer
-from moe.dispatch import Dispatcher
+from moe.dispatch import Dispatcher, LocalDispatcher
 from parallel import ParallelDims, check_replicas_agree, init_distributed
 from tests.distributed import run_distributed
 
@@ -42,6 +43,51 @@ class _FakeEP(Dispatcher):
 
     def reduce_counts(self, counts):
         raise NotImplementedError
+
+
+class _OwnDispatcher(Dispatcher):
+    """A user's dispatcher with only the abstract methods: all experts here (as LocalDispatcher),
+    its reductions recorded; its counts summed as if over three ranks that saw the same batch."""
+
+    ep_size, ep_rank = 1, 0
+
+    def __init__(self):
+        self._local = LocalDispatcher()
+        self.calls = []
+
+    def dispatch(self, x_TD, plan, w_TK, row_dtype=None):
+        return self._local.dispatch(x_TD, plan, w_TK, row_dtype)
+
+    def combine(self, y_RD, meta, out_dtype=None):
+        return self._local.combine(y_RD, meta, out_dtype)
+
+    def reduce_aux_inputs(self, routed_E, prob_sum_E, num_tokens):
+        self.calls.append(("reduce_aux_inputs", routed_E, num_tokens))
+        return self._local.reduce_aux_inputs(routed_E, prob_sum_E, num_tokens)
+
+    def reduce_counts(self, counts):
+        self.calls.append(("reduce_counts", counts))
+        return 3 * counts
+
+
+def test_a_dispatcher_with_only_the_abstract_methods_gets_both_reductions():
+    """MoELayer calls Dispatcher.reduce_aux_and_counts, whose default makes the two abstract calls:
+    the loss from reduce_aux_inputs' result, the stats from reduce_counts' of [routed, kept]."""
+    x = torch.randn(2, 9, 16, generator=torch.Generator().manual_seed(1))
+    layers = []
+    for dispatcher in (_OwnDispatcher(), None):
+        torch.manual_seed(4)
+        layers.append(MoELayer(16, 12, 8, 2, capacity_factor=1.0, dispatcher=dispatcher))
+    (out, aux), (ref_out, ref_aux) = (layer.forward_with_aux(x) for layer in layers)
+    routed_E, kept_E = ref_aux.stats.routed_per_expert, ref_aux.stats.tokens_per_expert
+    assert not torch.equal(routed_E, kept_E)  # the capacity dropped pairs: a swap of the two shows
+    calls = layers[0].dispatcher.calls
+    assert [c[0] for c in calls] == ["reduce_aux_inputs", "reduce_counts"]
+    assert torch.equal(calls[0][1], routed_E) and calls[0][2] == 18
+    assert torch.equal(calls[1][1], torch.stack([routed_E, kept_E]))
+    assert torch.equal(aux.stats.routed_per_expert, 3 * routed_E)
+    assert torch.equal(aux.stats.tokens_per_expert, 3 * kept_E)
+    assert torch.equal(out, ref_out) and torch.equal(aux.load_balancing_loss, ref_aux.load_balancing_loss)
 
 
 def _model(dispatcher, dtype=torch.float32) -> nn.Sequential:

@@ -4,13 +4,16 @@ N spawned ranks (gloo on CPU; NCCL on 2 GPUs in the ``gpu`` test) run a tiny mod
 ``head(x + MoELayer(x))`` with the experts split over the EP group, sync the gradients, and compare
 with one process holding all experts on the concatenated batch (same weights, capacity per rank
 reproduced by ``capacity_groups=N``): the layer output, the load-balancing loss, the mean loss,
-every parameter's gradient, the global stats and the expert-bias update.
+every parameter's gradient, the global stats and the expert-bias update. And a layer's two
+reductions (the loss's inputs over the world, the counts over the EP group): one all-reduce when
+the two groups are the same ranks, with the same bits as two.
 
 Each world size is spawned once (module fixture) and runs every case; a case reports its errors
 as data, so one failing case does not hide the others.
 """
 
 import dataclasses
+import functools
 import traceback
 
 import pytest
@@ -19,9 +22,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from moe import MoELayer, update_expert_biases
+from moe.dispatch import Dispatcher
+from moe.stats import MoEStats
 from parallel import (
     ParallelDims, all_reduce_sum, all_to_all, global_moe_stats, sync_gradients, update_expert_biases_global,
 )
+from parallel import flight
 from tests.distributed import run_distributed
 from tests.peers import share_one_gpu
 
@@ -257,6 +263,86 @@ def _all_to_all_op(device) -> dict:
     }
 
 
+def _reduction_inputs(rank: int, num_experts: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(routed_E, kept_E, prob_sum_E, T) of rank ``rank``: each differs by rank (a sum over the
+    wrong ranks shows), kept differs from routed (a swap shows), counts past 2^40 (exact only in
+    fp64, not in the fp32 of the probabilities)."""
+    routed_E = torch.arange(num_experts, device=device) * (rank + 1) + 2**40 + 3 * rank
+    kept_E = routed_E // 2 + rank
+    prob_sum_E = torch.linspace(0.1, 0.9, num_experts, device=device) * (rank + 1)
+    return routed_E, kept_E, prob_sum_E, 5 + rank
+
+
+def _counting_all_reduces(fn):
+    """fn()'s result, the dtypes of the ``dist.all_reduce`` calls it made and the collectives it
+    recorded in the flight recorder."""
+    calls, real, seq = [], dist.all_reduce, flight.RECORDER.seq
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(str(tensor.dtype).removeprefix("torch."))
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        result = fn()
+    finally:
+        dist.all_reduce = real
+    return result, calls, [e.op for e in flight.RECORDER.entries if e.seq > seq]
+
+
+def _layer_reductions(dims: ParallelDims, device) -> dict:
+    """The dispatcher's reduce_aux_and_counts against its two calls (reduce_aux_inputs,
+    reduce_counts) on the same inputs and against sums of every rank's inputs; then a layer's
+    forward and backward with it and with the base Dispatcher's two calls: the all-reduces each
+    forward issues, and whether the output, losses, stats and router gradient are the same bits."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    num_experts = 4
+    disp = dims.dispatcher()
+    routed_E, kept_E, prob_sum_E, T = _reduction_inputs(rank, num_experts, device)
+    prob_fused, prob_two = prob_sum_E.clone().requires_grad_(), prob_sum_E.clone().requires_grad_()
+    fused, calls, ops = _counting_all_reduces(lambda: disp.reduce_aux_and_counts(routed_E, kept_E, prob_fused, T))
+    two = (*disp.reduce_aux_inputs(routed_E, prob_two, T), disp.reduce_counts(torch.stack([routed_E, kept_E])))
+    cotangent_E = torch.arange(1.0, num_experts + 1, device=device)
+    (fused[1] * cotangent_E).sum().backward()
+    (two[1] * cotangent_E).sum().backward()
+    inputs = [_reduction_inputs(r, num_experts, device) for r in range(world)]
+    ep_counts_2E = sum(torch.stack(inputs[r][:2]) for r in dist.get_process_group_ranks(dims.ep_group))
+    out = {
+        "all_reduces": calls,
+        "ops": ops,
+        "same_as_two_calls": all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(fused, two)),
+        "same_gradient": torch.equal(prob_fused.grad, prob_two.grad),
+        "routed_is_world_sum": torch.equal(fused[0], sum(i[0] for i in inputs)),
+        "tokens_are_world_sum": fused[2].item() == sum(i[3] for i in inputs),
+        "counts_are_ep_sums": fused[3].dtype == torch.int64 and torch.equal(fused[3], ep_counts_2E),
+        "counts_are_world_sums": torch.equal(fused[3], sum(torch.stack(i[:2]) for i in inputs)),
+    }
+
+    torch.manual_seed(5)
+    dim, hidden = (GPU_DIM, GPU_HIDDEN) if device.type == "cuda" else (DIM, HIDDEN)
+    layer = MoELayer(dim, hidden, num_experts, 2, capacity_factor=1.0, dispatcher=disp, device=device)
+    x = torch.randn(12, dim, generator=torch.Generator().manual_seed(rank)).to(device)
+    runs = []
+    for path in ("layer", "two_calls"):
+        if path == "two_calls":
+            disp.reduce_aux_and_counts = functools.partial(Dispatcher.reduce_aux_and_counts, disp)
+        layer.zero_grad(set_to_none=True)
+        (y, aux), calls, _ = _counting_all_reduces(lambda: layer.forward_with_aux(x))
+        (y.square().sum() + aux.loss).backward()
+        runs.append((calls, y, aux, layer.router.weight.grad))
+    (calls, y, aux, grad), (two_calls, y_two, aux_two, grad_two) = runs
+    same = {"output": torch.equal(y, y_two), "router_grad": torch.equal(grad, grad_two)}
+    for name in ("load_balancing_loss", "z_loss", "loss"):
+        same[name] = torch.equal(getattr(aux, name), getattr(aux_two, name))
+    for f in dataclasses.fields(MoEStats):
+        a, b = getattr(aux.stats, f.name), getattr(aux_two.stats, f.name)
+        same[f"stats.{f.name}"] = torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    out["layer_all_reduces"] = [calls, two_calls]
+    out["layer_differs_in"] = [k for k, ok in same.items() if not ok]
+    out["layer_dropped_pairs"] = int(aux.stats.dropped_pairs)
+    return out
+
+
 def _run_cases(rank: int, world: int, cases: list[Case], dtypes: list[torch.dtype], not_divisible: list[tuple[int, int]],
                transport: str = "nccl", share_gpu: bool = False) -> dict:
     """``share_gpu``: every rank of the gloo group on cuda:0 (tests/peers.share_one_gpu); gloo
@@ -270,6 +356,11 @@ def _run_cases(rank: int, world: int, cases: list[Case], dtypes: list[torch.dtyp
     for ep in sorted({c.ep for c in cases} | {ep for ep, _ in not_divisible}):  # same order on every rank
         dims_by_ep[ep] = ParallelDims(world, ep).build_mesh()
     results = {"all_to_all_op": _all_to_all_op(device)}
+    for ep, dims in dims_by_ep.items():
+        try:
+            results[f"reductions_ep{ep}"] = _layer_reductions(dims, device)
+        except Exception:
+            results[f"reductions_ep{ep}"] = {"exception": traceback.format_exc()}
     for ep, num_experts in not_divisible:
         results[f"not_divisible_ep{ep}_E{num_experts}"] = _not_divisible(dims_by_ep[ep], num_experts, device)
     for dtype in dtypes:
@@ -330,6 +421,42 @@ def test_experts_not_multiple_of_ep_raises_before_communication(world2, world4):
 def test_all_to_all_uneven_zero_splits_and_backward(world2, world4):
     for results in world2 + world4:
         assert results["all_to_all_op"] == dict.fromkeys(results["all_to_all_op"], True), results["all_to_all_op"]
+
+
+FUSED_OPS = ["all_reduce of the load-balancing inputs and the expert counts"]
+
+
+def _reductions(all_ranks: list[dict], ep: int) -> list[dict]:
+    found = [results[f"reductions_ep{ep}"] for results in all_ranks]
+    for rank, res in enumerate(found):
+        assert "exception" not in res, f"rank {rank}:\n{res['exception']}"
+        assert res["same_as_two_calls"] and res["same_gradient"], (rank, res)
+        assert res["routed_is_world_sum"] and res["tokens_are_world_sum"] and res["counts_are_ep_sums"], (rank, res)
+        assert res["layer_differs_in"] == [], (rank, res)
+        assert res["layer_dropped_pairs"] > 0, (rank, res)  # kept ≠ routed: a swap of the two counts shows
+    return found
+
+
+def test_ep_equal_to_the_world_reduces_a_layer_in_one_all_reduce(world2, world4):
+    """World 2 with EP 2, world 4 with EP 4: a layer's forward makes one fp64 all-reduce instead
+    of the fp64 and int64 pair, with the same bits as the two."""
+    for all_ranks, ep in ((world2, 2), (world4, 4)):
+        for res in _reductions(all_ranks, ep):
+            assert res["all_reduces"] == ["float64"] and res["ops"] == FUSED_OPS, res
+            assert res["layer_all_reduces"] == [["float64"], ["float64", "int64"]], res
+
+
+def test_ep_smaller_than_the_world_sums_the_counts_over_the_ep_group(world4):
+    """World 4 with EP 2 (edp 2): the loss's inputs over the world, the counts over the EP group
+    (two collectives); EP 1: the counts stay the rank's own (one collective, the loss's)."""
+    for res in _reductions(world4, 2):
+        assert res["all_reduces"] == ["float64", "int64"], res
+        assert res["ops"] == ["all_reduce of the load-balancing inputs", "all_reduce of the expert counts"], res
+        assert res["layer_all_reduces"] == [["float64", "int64"]] * 2, res
+        assert not res["counts_are_world_sums"], res
+    for res in _reductions(world4, 1):
+        assert res["all_reduces"] == ["float64"] and res["layer_all_reduces"] == [["float64"]] * 2, res
+        assert res["ops"] == ["all_reduce of the load-balancing inputs"], res
 
 
 def _half_rows(rank: int, world: int) -> dict:
