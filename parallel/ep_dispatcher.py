@@ -97,9 +97,9 @@ class ExpertParallelDispatcher(Dispatcher):
         self.overlap_chunks = overlap_chunks
         self._ep_size = dist.get_world_size(ep_group)
         self._ep_rank = dist.get_rank(ep_group)
-        # the EP group is part of the world group: equal sizes mean the same ranks, over which
-        # reduce_aux_and_counts sums the loss's inputs and the counts in one collective
-        self._one_reduction = self._ep_size > 1 and self._ep_size == dist.get_world_size(world_group)
+        # the same ranks in both groups (one node's ParallelDims: edp 1): reduce_aux_and_counts
+        # then sums the loss's inputs and the counts in one collective
+        self._one_reduction = self._ep_size > 1 and _ranks(ep_group) == _ranks(world_group)
         self._local = LocalDispatcher()
         self._overlap_streams = SideStreams()
 
@@ -238,7 +238,8 @@ class ExpertParallelDispatcher(Dispatcher):
         the expert-parallel group hold the same ranks (expert-data-parallel degree 1, the common
         one-node layout): the counts' sum over the EP group is then their sum over the world, so
         they travel with the loss's inputs. Otherwise the two calls (with one EP rank, only the
-        loss's inputs make a collective).
+        loss's inputs make a collective). The one collective bypasses :meth:`reduce_aux_inputs` and
+        :meth:`reduce_counts`: a subclass that changes either changes this too.
 
         Why: every collective is a point where the ranks wait for each other, and a layer's
         forward made two. On 2×H200 (EP 2, OLMoE-shaped, 16 MoE layers, 8 micro-batches a step)
@@ -271,6 +272,11 @@ class ExpertParallelDispatcher(Dispatcher):
         total = all_reduce_sum(packed, self.world_group, what)
         counts = total[num_experts:-1].detach().round().to(counts_CE.dtype).view(counts_CE.shape)
         return total[:num_experts].to(prob_sum_E.dtype), counts, total[-1].detach().to(prob_sum_E.dtype)
+
+
+def _ranks(group) -> set[int]:
+    """The global ranks of ``group`` (None: the default group)."""
+    return set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
 
 
 def _current_stream(device: torch.device) -> "torch.cuda.Stream | None":

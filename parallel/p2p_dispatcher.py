@@ -83,13 +83,19 @@ class _SymmetricBuffer:
             offsets[name], nbytes[name] = total, dtype.itemsize * math.prod(shape)
             total += -(-nbytes[name] // _ALIGN) * _ALIGN
         self.bytes = self._empty(max(total, _ALIGN), device)
-        # padding rows hold finite values from the start, and the flags start at 0. Zeroed and
-        # synced before the addresses are exchanged: once a peer has them it may store its counts
-        # and signal at once, and a zero_() still queued here would wipe them (2×H200: a slot
-        # allocated lazily at the second dispatch waited forever for its counts flag)
+        # padding rows hold finite values from the start, and the flags start at 0. A peer may
+        # store its counts and signal as soon as it has passed its allocation, so the zeros must
+        # be on the device before any peer gets past it: a zero_() still queued here wiped a
+        # peer's signal on 2×H200 (a slot allocated lazily at the second dispatch waited forever
+        # for its counts flag). The exchange alone does not order that: the symmetric-memory pool
+        # hands out parts of segments that were exchanged before, and then rendezvous answers
+        # from its cache without a collective. So a device barrier after the zeros on this stream
+        # (every peer's later stores are queued after its own barrier, which waits for this one),
+        # and the host waits for it, so work on any stream comes after.
         self.bytes.zero_()
-        torch.cuda.current_stream(device).synchronize()
         ptrs = self._exchange(group, self.bytes)
+        self.barrier()
+        torch.cuda.current_stream(device).synchronize()
         base_G = torch.tensor(ptrs, dtype=torch.int64, device=device)
         self.views, self.ptrs = {}, {}
         for name, (shape, dtype) in sizes.items():
@@ -103,7 +109,7 @@ class _SymmetricBuffer:
         return symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
 
     def _exchange(self, group, buf: torch.Tensor) -> list[int]:
-        """The G ranks' addresses of ``buf`` (a collective of ``group``)."""
+        """The G ranks' addresses of ``buf``, and the handle :meth:`barrier` uses."""
         import torch.distributed._symmetric_memory as symm_mem
 
         self.handle = symm_mem.rendezvous(buf, group)

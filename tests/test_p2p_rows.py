@@ -329,28 +329,38 @@ def test_dispatch_into_too_small_buffers_fails_instead_of_writing_past_them():
     assert "would receive more rows than its buffer holds" in proc.stdout + proc.stderr
 
 
-def test_symmetric_buffer_is_zero_on_the_device_before_its_address_is_shared(monkeypatch):
-    """A peer may store its counts and signal this rank's flag as soon as it has the address, so
-    the buffer's zero_() must have run on the device before the exchange (2×H200: a slot
-    allocated at the second dispatch was zeroed after it, wiping a peer's signal: a wait that never
-    ended). The exchange here checks both: the bytes are zero and the stream was synchronised."""
+def test_symmetric_buffer_is_zero_on_every_rank_before_a_peer_can_store(monkeypatch):
+    """A peer may store its counts and signal this rank's flag as soon as it is past its
+    allocation, so this rank's zero_() must be on the device before: queued first, then a device
+    barrier of the group on the same stream (a peer's later stores wait for it), then the host
+    waits. The exchange is no such point (the pool reuses exchanged segments, and rendezvous then
+    answers from its cache). 2×H200: a slot allocated at the second dispatch, zeroed after its
+    exchange, waited forever for its counts flag."""
     import parallel.p2p_dispatcher as p2p
 
-    synced = []
+    events = []
 
     class Stream:
         def synchronize(self):
-            synced.append(True)
+            events.append("sync")
 
     class Checked(p2p._SymmetricBuffer):
         def _empty(self, nbytes, device):
             return torch.full((nbytes,), 7, dtype=torch.uint8)
 
         def _exchange(self, group, buf):
-            assert synced and not buf.any(), "the buffer's address left the rank before its zeros were on the device"
+            events.append("exchange")
             return [buf.data_ptr()]
 
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+        def barrier(self):
+            events.append("barrier with zeros" if not self.bytes.any() else "barrier before the zeros")
+
+    def current_stream(device=None):
+        assert device == torch.device("cpu"), f"the stream of another device: {device}"
+        return Stream()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
     buf = Checked(None, {"rows": ((3, 4), torch.float32), "flag": ((1,), torch.int64)}, torch.device("cpu"), 1000)
+    assert events == ["exchange", "barrier with zeros", "sync"]
     assert buf.views["rows"].shape == (3, 4) and int(buf.views["flag"]) == 0
     assert int(buf.ptrs["flag"][0]) - int(buf.ptrs["rows"][0]) == 256  # regions aligned to 256 bytes

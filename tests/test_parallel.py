@@ -343,6 +343,19 @@ def _layer_reductions(dims: ParallelDims, device) -> dict:
     return out
 
 
+def _one_reduction_across_groups(rank: int) -> list[bool]:
+    """Whether a dispatcher sums a layer in one collective, for (EP group, world group) pairs of 2
+    ranks each out of 4: the same ranks (yes), and groups of equal size but other ranks (no: the
+    counts would be summed over the wrong ranks)."""
+    from parallel import AllToAllDispatcher
+
+    pairs = [[0, 1], [2, 3]], [[0, 2], [1, 3]]  # every rank makes every group, in one order
+    groups = [[dist.new_group(ranks) for ranks in pair] for pair in pairs]
+    ep = groups[0][rank // 2]
+    same, other = ep, groups[1][rank % 2]
+    return [AllToAllDispatcher(ep, world)._one_reduction for world in (same, other)]
+
+
 def _run_cases(rank: int, world: int, cases: list[Case], dtypes: list[torch.dtype], not_divisible: list[tuple[int, int]],
                transport: str = "nccl", share_gpu: bool = False) -> dict:
     """``share_gpu``: every rank of the gloo group on cuda:0 (tests/peers.share_one_gpu); gloo
@@ -361,6 +374,8 @@ def _run_cases(rank: int, world: int, cases: list[Case], dtypes: list[torch.dtyp
             results[f"reductions_ep{ep}"] = _layer_reductions(dims, device)
         except Exception:
             results[f"reductions_ep{ep}"] = {"exception": traceback.format_exc()}
+    if world == 4:
+        results["one_reduction_across_groups"] = _one_reduction_across_groups(rank)
     for ep, num_experts in not_divisible:
         results[f"not_divisible_ep{ep}_E{num_experts}"] = _not_divisible(dims_by_ep[ep], num_experts, device)
     for dtype in dtypes:
@@ -457,6 +472,8 @@ def test_ep_smaller_than_the_world_sums_the_counts_over_the_ep_group(world4):
     for res in _reductions(world4, 1):
         assert res["all_reduces"] == ["float64"] and res["layer_all_reduces"] == [["float64"]] * 2, res
         assert res["ops"] == ["all_reduce of the load-balancing inputs"], res
+    # groups of equal size hold the same ranks only in ParallelDims' layout: the ranks decide
+    assert [res["one_reduction_across_groups"] for res in world4] == [[True, False]] * 4
 
 
 def _half_rows(rank: int, world: int) -> dict:
