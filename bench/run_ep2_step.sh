@@ -25,6 +25,9 @@
 #   PART=7 bash bench/run_ep2_step.sh   # after the symmetric buffers' zeroing fix: the P2P 2-GPU tests,
 #                                       # P2P in the bar's layout, the shipped layout
 #   PART=8 bash bench/run_ep2_step.sh   # NCCL against P2P in the bar's layout, alternating, 2 rounds
+#   PART=9 bash bench/run_ep2_step.sh   # the NCCL dispatcher's padded exchange (no host sync): its 2-GPU
+#                                       # tests, then NCCL exact, NCCL padded and P2P in the bar's layout,
+#                                       # alternating (needs H200s: the layout holds ~84-97 GB a GPU)
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -150,6 +153,17 @@ elif [ "$PART" = 8 ]; then
     FAST="--warm 3 --steps 1 --timed 3 --parallel.data_parallel=replicate --train.grad_accum=8 --host-table 25"
     for round in 1 2; do
         prof "olmoe_bench EP 2, NCCL token rows, replicate, 8 micro-batches (round $round)" 70 configs/olmoe_bench.yaml $FAST
+        prof "olmoe_bench EP 2, P2P, replicate, 8 micro-batches (round $round)" 70 configs/olmoe_bench.yaml $FAST \
+            --parallel.dispatcher=p2p
+    done
+elif [ "$PART" = 9 ]; then
+    MOE_AUTOTUNE=0 timeout 240 python3 -m pytest -q -m multigpu tests/test_parallel.py tests/test_train.py -k \
+        "nccl_two_gpus or padded_nccl" 2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
+    FAST="--warm 3 --steps 1 --timed 3 --parallel.data_parallel=replicate --train.grad_accum=8 --host-table 25"
+    for round in 1 2; do
+        prof "olmoe_bench EP 2, NCCL exact sizes, replicate, 8 micro-batches (round $round)" 70 configs/olmoe_bench.yaml $FAST
+        prof "olmoe_bench EP 2, NCCL padded, replicate, 8 micro-batches (round $round)" 70 configs/olmoe_bench.yaml $FAST \
+            --parallel.nccl_sizes=padded
         prof "olmoe_bench EP 2, P2P, replicate, 8 micro-batches (round $round)" 70 configs/olmoe_bench.yaml $FAST \
             --parallel.dispatcher=p2p
     done

@@ -136,7 +136,10 @@ class ParallelDims:
     def ep_rank(self) -> int:
         return self.rank % self.ep
 
-    def dispatcher(self, overlap_chunks: int = 1):
+    def dispatcher(self, overlap_chunks: int = 1, max_tokens: int | None = None, capacity_factor: float | None = None,
+                   capacity_groups: int = 1):
         """An :class:`AllToAllDispatcher` over this rank's EP group (aux inputs over the world),
-        pipelining each layer's tokens in ``overlap_chunks`` chunks."""
-        return AllToAllDispatcher(self.ep_group, self.world_group, overlap_chunks=overlap_chunks)
+        pipelining each layer's tokens in ``overlap_chunks`` chunks; with ``max_tokens``, the
+        padded exchange (no host sync), sized by the layers' capacity when they cap."""
+        return AllToAllDispatcher(self.ep_group, self.world_group, overlap_chunks=overlap_chunks, max_tokens=max_tokens,
+                                  capacity_factor=capacity_factor, capacity_groups=capacity_groups)

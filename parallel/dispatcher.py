@@ -91,15 +91,29 @@ class _Counts:
     place_TK: (T, K) int64 each pair's place among the pairs its destination receives from this rank
     (the headers' places; read by the dispatch forward only); recv_counts: (G, L + 1) int64 on the
     device, per source rank: the pairs it sends to each local expert (L columns), then its unique
-    rows (last column); host_counts: (2, G, L + 1) the sent (per destination) and received counts on
-    the host, valid once ``copied`` (None: a CPU run, already valid) has completed.
+    rows (last column). Exact sizes: host_counts (2, G, L + 1), the sent (per destination) and
+    received counts on the host, valid once ``copied`` (None: a CPU run, already valid) has
+    completed. Padded: ``padded`` = (B, me), blocks of B rows per rank, and ``fixed``, the sizes.
     """
 
     route: _Route
     place_TK: torch.Tensor
     recv_counts: torch.Tensor
-    host_counts: torch.Tensor
-    copied: "torch.cuda.Event | None"
+    host_counts: "torch.Tensor | None" = None
+    copied: "torch.cuda.Event | None" = None
+    padded: "tuple[int, int] | None" = None
+    fixed: "tuple[list[int], list[int], int] | None" = None
+
+    def sizes(self) -> tuple[list[int], list[int], int]:
+        """Rows sent to and received from each rank, and R, the rows of the experts' input: the
+        padded exchange's fixed sizes, or the exact ones from the host counts (waiting for their
+        copy: the host sync of the exact sizes)."""
+        if self.fixed is not None:
+            return self.fixed
+        if self.copied is not None:
+            self.copied.synchronize()
+        send_unique, recv_unique = self.host_counts[..., -1].tolist()
+        return send_unique, recv_unique, int(self.host_counts[1, :, :-1].sum())
 
 
 @dataclass(frozen=True)
@@ -107,14 +121,15 @@ class AllToAllMeta(ExpertParallelMeta):
     """What ``combine`` needs from ``dispatch``.
 
     route: where this rank's pairs went; row_MK: (M, K) int64 row table of the received unique
-    rows (:mod:`parallel.token_rows`); send_unique, recv_unique: unique rows sent to / received
-    from each group rank (0 for this one); num_rows: R, the rows of the experts' input.
+    rows (:mod:`parallel.token_rows`; -1 rows: the padded exchange's padding); send_splits,
+    recv_splits: rows sent to / received from each group rank (0 for this one); num_rows: R, the
+    rows of the experts' input.
     """
 
     route: _Route
     row_MK: torch.Tensor
-    send_unique: list[int]
-    recv_unique: list[int]
+    send_splits: list[int]
+    recv_splits: list[int]
     num_rows: int
 
 
@@ -174,13 +189,6 @@ def _header_index(route: _Route, sink: int) -> tuple[torch.Tensor, torch.Tensor]
     return row_TK, torch.arange(K, device=row_TK.device).expand(T, K)
 
 
-def _splits(host_counts: torch.Tensor) -> tuple[list[int], list[int], int]:
-    """From the host counts: unique rows sent to and received from each rank, and R, the rows of
-    this rank's experts' input (the pairs it receives, its own included)."""
-    send_unique, recv_unique = host_counts[..., -1].tolist()
-    return send_unique, recv_unique, int(host_counts[1, :, :-1].sum())
-
-
 class _DispatchFn(torch.autograd.Function):
     """x_TD (T, D), w_TK (T, K) fp32 -> rows_RD (R, D) in row_dtype (the experts' input, own pairs
     and received ones, expert-major), w_R (R,) fp32 their combine weights, and the received rows'
@@ -197,25 +205,26 @@ class _DispatchFn(torch.autograd.Function):
         K, G = route.dest_TK.shape[1], route.unique_G.numel()
         head, width = _unique_row_layout(K, D, row_dtype)
         x_TD = x_TD.contiguous()
-        # unique rows and headers, packed while the counts travel: M is not on the host yet, and a
-        # token has at most min(K, G - 1) of them
-        send_buf = x_TD.new_empty((T * min(K, G - 1), width), dtype=row_dtype)
+        # unique rows and headers, packed while the counts travel: with exact sizes M is not on the
+        # host yet, and a token has at most min(K, G - 1) of them
+        rows = sum(counts.fixed[0]) if counts.fixed is not None else T * min(K, G - 1)
+        send_buf = x_TD.new_empty((rows, width), dtype=row_dtype)
         scatter_slots(x_TD, route.sent_TG, send_buf[:, head:head + D])
         write_headers(counts.place_TK, route.dest_TK, w_TK.contiguous(), route.sent_TG, *_headers(send_buf, head, K))
-        if counts.copied is not None:
-            counts.copied.synchronize()
-        send_unique, recv_unique, R = _splits(counts.host_counts)
+        send_splits, recv_splits, R = counts.sizes()
         rows_RD = x_TD.new_empty((R, D), dtype=row_dtype)
-        recv_buf = x_TD.new_empty((sum(recv_unique), width), dtype=row_dtype)
-        _exchange_beside(route, recv_buf, send_buf[:sum(send_unique)], recv_unique, send_unique,
+        recv_buf = x_TD.new_empty((sum(recv_splits), width), dtype=row_dtype)
+        _exchange_beside(route, recv_buf, send_buf[:sum(send_splits)], recv_splits, send_splits,
                          lambda: scatter_slots(x_TD, route.own_TK, rows_RD), "dispatch rows")
         place_MK, weight_MK = _headers(recv_buf, head, K)
-        row_MK = expert_rows(place_MK, counts.recv_counts)
+        row_MK = expert_rows(place_MK, counts.recv_counts, blocks=counts.padded)
         scatter_slots(recv_buf[:, head:head + D], row_MK, rows_RD)
-        w_R = w_TK.new_empty(R + 1)  # the last entry: a sink for slots that name no row
+        # the last entry: a sink for slots that name no row; zeros: padded, the rows past the
+        # received ones are the experts' padding, whose SwiGLU pass multiplies by these weights
+        w_R = w_TK.new_zeros(R + 1)
         w_R.index_put_((torch.where(route.own_TK >= 0, route.own_TK, R),), w_TK)
         w_R.index_put_((torch.where(row_MK >= 0, row_MK, R),), weight_MK)
-        ctx.route, ctx.row_MK, ctx.splits, ctx.layout = route, row_MK, (send_unique, recv_unique), (head, width)
+        ctx.route, ctx.row_MK, ctx.splits, ctx.layout = route, row_MK, (send_splits, recv_splits), (head, width)
         ctx.x_dtype = x_TD.dtype
         w_R = w_R[:R]
         # weights that need no gradient: no w_R gradient for the experts to compute and send home
@@ -224,16 +233,16 @@ class _DispatchFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_RD, dw_R, _):
-        route, row_MK, (send_unique, recv_unique), (head, width) = ctx.route, ctx.row_MK, ctx.splits, ctx.layout
+        route, row_MK, (send_splits, recv_splits), (head, width) = ctx.route, ctx.row_MK, ctx.splits, ctx.layout
         (R, D), K = grad_RD.shape, row_MK.shape[1]
         grad_RD = grad_RD.contiguous()
-        back_buf = grad_RD.new_empty((sum(recv_unique), width))
+        back_buf = grad_RD.new_empty((sum(recv_splits), width))
         gather_slots(grad_RD, row_MK, out_TD=back_buf[:, head:head + D])
         if ctx.needs_input_grad[1]:
             dw_R = torch.cat([dw_R.float(), dw_R.new_zeros(1, dtype=torch.float32)])  # the sink: slots with no row
             _headers(back_buf, head, K)[1].copy_(dw_R[torch.where(row_MK >= 0, row_MK, R)])
-        home_buf = grad_RD.new_empty((sum(send_unique), width))
-        _exchange(home_buf, back_buf, send_unique, recv_unique, route, "dispatch rows (backward)")
+        home_buf = grad_RD.new_empty((sum(send_splits), width))
+        _exchange(home_buf, back_buf, send_splits, recv_splits, route, "dispatch rows (backward)")
         grad_TD = gather_slots(grad_RD, route.own_TK, home_buf[:, head:head + D], route.sent_TG, ctx.x_dtype)
         if not ctx.needs_input_grad[1]:
             return grad_TD, None, None, None
@@ -258,8 +267,8 @@ class _CombineFn(torch.autograd.Function):
         route = meta.route
         y_RD = y_RD.contiguous()
         sums_MD = gather_slots(y_RD, meta.row_MK)
-        home_MD = y_RD.new_empty((sum(meta.send_unique), y_RD.shape[1]))
-        _exchange(home_MD, sums_MD, meta.send_unique, meta.recv_unique, route, "combine rows")
+        home_MD = y_RD.new_empty((sum(meta.send_splits), y_RD.shape[1]))
+        _exchange(home_MD, sums_MD, meta.send_splits, meta.recv_splits, route, "combine rows")
         ctx.meta, ctx.y_dtype = meta, y_RD.dtype
         return gather_slots(y_RD, route.own_TK, home_MD, route.sent_TG, out_dtype)
 
@@ -268,11 +277,11 @@ class _CombineFn(torch.autograd.Function):
         meta = ctx.meta
         route, D = meta.route, dout_TD.shape[1]
         dout_TD = dout_TD.contiguous()
-        send_MD = dout_TD.new_empty((sum(meta.send_unique), D), dtype=ctx.y_dtype)
+        send_MD = dout_TD.new_empty((sum(meta.send_splits), D), dtype=ctx.y_dtype)
         scatter_slots(dout_TD, route.sent_TG, send_MD)
         dy_RD = dout_TD.new_empty((meta.num_rows, D), dtype=ctx.y_dtype)
-        recv_MD = dout_TD.new_empty((sum(meta.recv_unique), D), dtype=ctx.y_dtype)
-        _exchange_beside(route, recv_MD, send_MD, meta.recv_unique, meta.send_unique,
+        recv_MD = dout_TD.new_empty((sum(meta.recv_splits), D), dtype=ctx.y_dtype)
+        _exchange_beside(route, recv_MD, send_MD, meta.recv_splits, meta.send_splits,
                          lambda: scatter_slots(dout_TD, route.own_TK, dy_RD), "combine rows (backward)")
         scatter_slots(recv_MD, meta.row_MK, dy_RD)
         return dy_RD, None, None
@@ -283,17 +292,48 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
     by NCCL all-to-all (see the module docstring).
 
     Args:
-        ep_group, world_group: as for :class:`~parallel.ep_dispatcher.ExpertParallelDispatcher`.
+        ep_group, world_group, overlap_chunks: as for
+            :class:`~parallel.ep_dispatcher.ExpertParallelDispatcher`.
         time_comm: time the all-to-alls into ``self.comm_timer`` (a :class:`~parallel.CommTimer`;
             None when off). Setting ``comm_timer`` later turns timing on or off.
+        max_tokens: None (default): exact sizes, read on the host (one host sync a layer). An
+            int, the most tokens a rank passes to one MoE layer: the *padded* exchange, with no
+            host sync (see below).
+        capacity_factor, capacity_groups: padded only, the MoE layers' when they cap: they bound
+            the experts' rows as for :class:`~parallel.P2PDispatcher`.
+
+    Padded exchange: every rank sends every other rank a block of B rows (B = max_tokens, or
+    its share ``ceil(max_tokens / overlap_chunks)`` per chunk), its unique rows first and padding
+    after, so the splits are known on the host without the counts, and the experts' input has
+    R_cap rows, the most this rank can receive (``ep · B · top_k`` dropless, less under a
+    capacity), of which the rows past ``offsets[-1]`` are padding (the grouped GEMM skips them
+    and returns zeros there). What it costs: the padding's bytes on the link (at top-8 of 64
+    experts on 2 ranks a token misses the other rank with probability 0.5^8, so about 0.4 %
+    of a block) and the experts' activations at R_cap rows instead of R (twice the rows of a
+    balanced layer at ep 2, dropless). What it saves: the host's wait for the counts in every
+    layer, which drains the GPU's queue and leaves it idle while the host launches the next
+    kernels. A layer capped below the capacity it declared here (it could receive more than
+    R_cap) fails the process with a device-side assert rather than write past the buffer.
 
     Keeps no state between ``dispatch`` and ``combine`` (the timer only accumulates durations).
     """
 
-    def __init__(self, ep_group=None, world_group=None, time_comm: bool = False, overlap_chunks: int = 1):
+    def __init__(self, ep_group=None, world_group=None, time_comm: bool = False, overlap_chunks: int = 1,
+                 max_tokens: int | None = None, capacity_factor: float | None = None, capacity_groups: int = 1):
         super().__init__(ep_group, world_group, overlap_chunks)
         self.comm_timer = CommTimer() if time_comm else None
         self._side_streams = SideStreams()
+        self.max_tokens, self.block_rows = None, 0
+        if max_tokens is not None:
+            self._set_token_bound(max_tokens, capacity_factor, capacity_groups)
+            self.block_rows = -(-max_tokens // overlap_chunks)
+        elif capacity_factor is not None or capacity_groups != 1:
+            raise ValueError("AllToAllDispatcher: capacity_factor and capacity_groups size the padded exchange: "
+                             "give max_tokens too (or neither)")
+
+    def __repr__(self) -> str:
+        padded = "" if self.max_tokens is None else f", padded, {self._token_bound_repr()}"
+        return f"AllToAllDispatcher(ep_size={self.ep_size}, ep_rank={self.ep_rank}{padded})"
 
     def _route(self, plan: RoutingPlan) -> tuple[_Route, torch.Tensor]:
         """The route (each pair's destination rank, the row tables: module docstring) and
@@ -304,7 +344,16 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         ends_G = plan.kept_per_expert_E.view(G, -1).sum(-1).cumsum(0)
         pos_TK = _send_positions(plan.order_P).view(T, K)  # kept pairs by expert, hence by rank
         dest_TK, place_TK, own_TK, has_GT = locate_pairs(pos_TK, ends_G, me)
-        send_row_GT = has_GT.flatten().cumsum(0).view(G, T) - 1  # by destination rank, then token
+        if self.block_rows:  # rank g's block is the g-th of the others'
+            if T > self.block_rows:
+                raise ValueError(f"AllToAllDispatcher: {T} tokens on rank {me} exceed the padded exchange's "
+                                 f"{self.block_rows} a dispatch (max_tokens={self.max_tokens}, overlap_chunks="
+                                 f"{self.overlap_chunks})")
+            block_G = torch.arange(G, device=device)
+            block_G = (block_G - (block_G > me).long()) * self.block_rows
+            send_row_GT = has_GT.cumsum(1) - 1 + block_G[:, None]
+        else:
+            send_row_GT = has_GT.flatten().cumsum(0).view(G, T) - 1  # by destination rank, then token
         route = _Route(own_TK=own_TK, sent_TG=torch.where(has_GT > 0, send_row_GT, -1).t().contiguous(),
                        dest_TK=dest_TK, unique_G=has_GT.sum(1), me=me, group=self.ep_group, timer=self.comm_timer,
                        stream=self._side_streams.get(device), layer=flight.RECORDER.layer)
@@ -312,15 +361,21 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
 
     def _prepare(self, plans: list[RoutingPlan]) -> list[_Counts]:
         """The routes of N dispatches, and their counts in one small all-to-all (per destination
-        rank: its L experts' pair counts and the unique rows, N·G·(L + 1) int64 per rank), on their
-        way to the host in one copy: the one host sync of a layer's dispatches, taken by the first
-        of them (in :class:`_DispatchFn`)."""
+        rank: its L experts' pair counts and the unique rows, N·G·(L + 1) int64 per rank). Exact
+        sizes: on their way to the host in one copy, the one host sync of a layer's dispatches,
+        taken by the first of them (in :class:`_DispatchFn`). Padded: they stay on the device."""
         G = self.ep_size
         routes = [self._route(plan) for plan in plans]
         send_counts = torch.stack([torch.cat([plan.kept_per_expert_E.view(G, -1), route.unique_G[:, None]], 1)
                                    for plan, (route, _) in zip(plans, routes)], 1)
         recv_counts_all = torch.empty_like(send_counts)  # by source rank
         _timed_all_to_all(recv_counts_all, send_counts, None, None, self.ep_group, self.comm_timer, "dispatch counts")
+        if self.block_rows:
+            K, E = plans[0].kept_TK.shape[1], plans[0].kept_per_expert_E.numel()
+            splits = [0 if g == self.ep_rank else self.block_rows for g in range(G)]
+            fixed = (splits, splits, self._received_rows_bound(E, K, self.block_rows))
+            return [_Counts(route, place_TK, recv_counts_all[:, n].contiguous(), padded=(self.block_rows, self.ep_rank),
+                            fixed=fixed) for n, (route, place_TK) in enumerate(routes)]
         host_counts_all = torch.stack([send_counts, recv_counts_all]).to("cpu", non_blocking=True)
         copied = torch.cuda.Event() if send_counts.is_cuda else None
         if copied is not None:
@@ -337,9 +392,13 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         offsets_J = prepared.recv_counts[:, :-1].sum(0).cumsum(0, dtype=torch.int32)
         route = replace(prepared.route, own_TK=expert_rows(prepared.route.own_TK, prepared.recv_counts, self.ep_rank))
         prepared = replace(prepared, route=route)
+        if prepared.fixed is not None and self.capacity_factor is not None:
+            # past R_cap the received rows' copies would write out of the buffer; dropless never gets there
+            torch._assert_async(offsets_J[-1] <= prepared.fixed[2],
+                                "AllToAllDispatcher: a layer received more rows than its declared capacity allows")
         rows_RD, w_R, row_MK = _DispatchFn.apply(x_TD, w_TK, prepared, row_dtype)
-        send_unique, recv_unique, R = _splits(prepared.host_counts)  # on the host since the dispatch
-        meta = AllToAllMeta(route=route, row_MK=row_MK, send_unique=send_unique, recv_unique=recv_unique, num_rows=R)
+        send_splits, recv_splits, R = prepared.sizes()  # on the host since the dispatch
+        meta = AllToAllMeta(route=route, row_MK=row_MK, send_splits=send_splits, recv_splits=recv_splits, num_rows=R)
         return rows_RD, offsets_J, w_R, meta
 
     def _combine_ep(self, y_RD: torch.Tensor, meta: AllToAllMeta, out_dtype: torch.dtype) -> torch.Tensor:

@@ -11,13 +11,14 @@ NCCL all-to-all; :class:`~parallel.P2PDispatcher`: NVLink peer stores) implement
 """
 
 import contextlib
+import math
 from abc import abstractmethod
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from moe.capacity import RoutingPlan, split_plan
+from moe.capacity import RoutingPlan, max_received_rows, split_plan
 from moe.config import check_positive_int
 from moe.dispatch import Dispatcher, DispatchMeta, LocalDispatcher, LocalDispatchMeta, check_combine_weights
 from parallel import flight
@@ -102,6 +103,34 @@ class ExpertParallelDispatcher(Dispatcher):
         self._one_reduction = self._ep_size > 1 and _ranks(ep_group) == _ranks(world_group)
         self._local = LocalDispatcher()
         self._overlap_streams = SideStreams()
+
+    def _set_token_bound(self, max_tokens: int, capacity_factor: float | None, capacity_groups: int) -> None:
+        """Validate and keep the bound on the tokens a rank passes to one dispatch, and the MoE
+        layers' capacity (when they cap), which size the buffers of a transport whose host never
+        learns what it receives (:meth:`_received_rows_bound`)."""
+        name = type(self).__name__
+        check_positive_int(f"{name}: max_tokens", max_tokens)
+        check_positive_int(f"{name}: capacity_groups", capacity_groups)
+        if capacity_factor is not None and not 0 < capacity_factor < math.inf:
+            raise ValueError(f"{name}: capacity_factor must be a finite number > 0 or None, got {capacity_factor}")
+        if capacity_factor is not None and max_tokens < capacity_groups:
+            raise ValueError(f"{name}: max_tokens={max_tokens} tokens do not fill capacity_groups={capacity_groups}")
+        self.max_tokens = max_tokens
+        self.capacity_factor, self.capacity_groups = capacity_factor, capacity_groups
+
+    def _received_rows_bound(self, num_experts: int, top_k: int, tokens: int | None = None) -> int:
+        """The most rows this rank's experts receive in one dispatch of at most ``tokens`` tokens a
+        rank (default ``max_tokens``; a chunk of a layer's tokens passes fewer): the dropless
+        bound, or the capacity's over the layer's ``max_tokens`` where smaller
+        (:func:`moe.capacity.max_received_rows`)."""
+        dropless = self.ep_size * (self.max_tokens if tokens is None else tokens) * top_k
+        return min(dropless, max_received_rows(self.max_tokens, num_experts, top_k, self.capacity_factor,
+                                               self.capacity_groups, self.ep_size))
+
+    def _token_bound_repr(self) -> str:
+        capped = ("" if self.capacity_factor is None else
+                  f", capacity_factor={self.capacity_factor}, capacity_groups={self.capacity_groups}")
+        return f"max_tokens={self.max_tokens}{capped}"
 
     @property
     def ep_size(self) -> int:

@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import increment_version
 
-from moe.capacity import RoutingPlan, max_received_rows
+from moe.capacity import RoutingPlan
 from moe.config import check_positive_int
 from parallel import flight
 from parallel.ep_dispatcher import ExpertParallelDispatcher, ExpertParallelMeta
@@ -286,20 +286,13 @@ class P2PDispatcher(ExpertParallelDispatcher):
     def __init__(self, ep_group=None, world_group=None, max_tokens: int = 0, num_buffers: int = 1,
                  timeout_s: float = 120.0, capacity_factor: float | None = None, capacity_groups: int = 1):
         super().__init__(ep_group, world_group)
-        for name, value in (("max_tokens", max_tokens), ("num_buffers", num_buffers),
-                            ("capacity_groups", capacity_groups)):
-            check_positive_int(f"P2PDispatcher: {name}", value)
+        self._set_token_bound(max_tokens, capacity_factor, capacity_groups)
+        check_positive_int("P2PDispatcher: num_buffers", num_buffers)
         if not timeout_s > 0:  # NaN included
             raise ValueError(f"P2PDispatcher: timeout_s must be > 0, got {timeout_s}")
-        if capacity_factor is not None and not 0 < capacity_factor < math.inf:
-            raise ValueError(f"P2PDispatcher: capacity_factor must be a finite number > 0 or None, got {capacity_factor}")
-        if capacity_factor is not None and max_tokens < capacity_groups:
-            raise ValueError(f"P2PDispatcher: max_tokens={max_tokens} tokens do not fill capacity_groups={capacity_groups}")
         if not torch.cuda.is_available():
             raise RuntimeError("P2PDispatcher needs CUDA GPUs (symmetric memory); use AllToAllDispatcher")
-        self.max_tokens = max_tokens
         self.num_buffers = num_buffers
-        self.capacity_factor, self.capacity_groups = capacity_factor, capacity_groups
         self.timeout_ms = math.ceil(timeout_s * 1000)
         # resources reused by every call (not per-call state): the slots and gradient buffer of
         # each buffer shape, and how many dispatches each shape has served (picks the slot)
@@ -307,14 +300,12 @@ class P2PDispatcher(ExpertParallelDispatcher):
         self._calls: dict[tuple, int] = {}
 
     def __repr__(self) -> str:
-        capped = ("" if self.capacity_factor is None else
-                  f", capacity_factor={self.capacity_factor}, capacity_groups={self.capacity_groups}")
-        return (f"P2PDispatcher(ep_size={self.ep_size}, ep_rank={self.ep_rank}, max_tokens={self.max_tokens}, "
-                f"num_buffers={self.num_buffers}{capped})")
+        return (f"P2PDispatcher(ep_size={self.ep_size}, ep_rank={self.ep_rank}, num_buffers={self.num_buffers}, "
+                f"{self._token_bound_repr()})")
 
     def _take_slot(self, D: int, dtype: torch.dtype, K: int, E: int, device: torch.device):
         G = self.ep_size
-        R_cap = max_received_rows(self.max_tokens, E, K, self.capacity_factor, self.capacity_groups, G)
+        R_cap = self._received_rows_bound(E, K)
         P_cap = self.max_tokens * K
         key = (D, dtype, K, E, device)
         group = self.ep_group if self.ep_group is not None else dist.group.WORLD

@@ -264,10 +264,11 @@ def locate_pairs(pos_TK: torch.Tensor, ends_G: torch.Tensor, me: int, backend: s
 
 
 @triton.jit
-def _expert_rows_kernel(place_ptr, counts_ptr, rows_ptr, T, stride_place, source, G, L,
+def _expert_rows_kernel(place_ptr, counts_ptr, rows_ptr, T, stride_place, source, block, me, G, L,
                         K: tl.constexpr, GP: tl.constexpr, LP: tl.constexpr, BLOCK_T: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     live = t < T
+    valid = live
     g = tl.arange(0, GP)
     el = tl.arange(0, LP)
     ok = (g[:, None] < G) & (el[None, :] < L)
@@ -279,6 +280,10 @@ def _expert_rows_kernel(place_ptr, counts_ptr, rows_ptr, T, stride_place, source
     end = tl.where(ok, end, tl.cast(2**62, tl.int64))
     if source >= 0:
         src = tl.full((BLOCK_T,), source, tl.int64)
+    elif block > 0:  # one block of rows per other rank; its first (unique rows) are valid
+        b = t // block
+        src = b + (b >= me).to(tl.int64)
+        valid = live & (t - b * block < tl.load(counts_ptr + src * (L + 1) + L, mask=live, other=0))
     else:  # the received rows come by source rank, counts_ptr's last column of each
         unique_end = tl.cumsum(tl.load(counts_ptr + g * (L + 1) + L, mask=g < G, other=0), 0)
         src = tl.sum(((unique_end[None, :] <= t[:, None]) & (g[None, :] < G)).to(tl.int64), axis=1)
@@ -286,31 +291,37 @@ def _expert_rows_kernel(place_ptr, counts_ptr, rows_ptr, T, stride_place, source
     end_t = tl.sum(tl.where(mine, end[None, :, :], 0), axis=1)  # [token, local expert] of its source
     shift_t = tl.sum(tl.where(mine, shift[None, :, :], 0), axis=1)
     for k in tl.static_range(K):
-        place = tl.load(place_ptr + t * stride_place + k, mask=live, other=-1).to(tl.int64)
+        place = tl.load(place_ptr + t * stride_place + k, mask=valid, other=-1).to(tl.int64)
         expert = tl.sum((end_t <= place[:, None]).to(tl.int64), axis=1)
         step = tl.sum(tl.where(el[None, :] == expert[:, None], shift_t, 0), axis=1)
         tl.store(rows_ptr + t * K + k, tl.where(place >= 0, place + step, -1), mask=live)
 
 
-def expert_rows_reference(place_TK: torch.Tensor, recv_counts: torch.Tensor, source: int | None) -> torch.Tensor:
+def expert_rows_reference(place_TK: torch.Tensor, recv_counts: torch.Tensor, source: int | None,
+                          blocks: tuple[int, int] | None = None) -> torch.Tensor:
     """PyTorch version of :func:`expert_rows`."""
     T, L = place_TK.shape[0], recv_counts.shape[1] - 1
     c_GL = recv_counts[:, :L]
     per_expert = c_GL.sum(0)
     end_GL = c_GL.cumsum(1)
     shift_GL = (per_expert.cumsum(0) - per_expert)[None, :] + c_GL.cumsum(0) - c_GL - (end_GL - c_GL)
-    if source is None:
+    place = place_TK.to(torch.int64)
+    if source is not None:
+        src_T = torch.full((T,), source, dtype=torch.int64, device=place_TK.device)
+    elif blocks is not None:
+        block, me = blocks
+        t = torch.arange(T, device=place_TK.device)
+        src_T = t // block + (t // block >= me).long()
+        place = torch.where((t % block < recv_counts[src_T, L])[:, None], place, -1)
+    else:
         src_T = torch.repeat_interleave(torch.arange(recv_counts.shape[0], device=place_TK.device),
                                         recv_counts[:, L], output_size=T)
-    else:
-        src_T = torch.full((T,), source, dtype=torch.int64, device=place_TK.device)
-    place = place_TK.to(torch.int64)
     expert = (end_GL[src_T][:, None, :] <= place[:, :, None]).sum(-1).clamp(max=max(L - 1, 0))
     return torch.where(place >= 0, place + shift_GL[src_T[:, None], expert], -1)
 
 
 def expert_rows(place_TK: torch.Tensor, recv_counts: torch.Tensor, source: int | None = None,
-                backend: str = "auto") -> torch.Tensor:
+                blocks: tuple[int, int] | None = None, backend: str = "auto") -> torch.Tensor:
     """Rows of the expert-major experts' input for pairs numbered by their source's places.
 
     The input holds local expert 0's rows, then expert 1's, ...; within an expert, the pairs from
@@ -322,7 +333,11 @@ def expert_rows(place_TK: torch.Tensor, recv_counts: torch.Tensor, source: int |
     received headers' view); recv_counts: (G, L + 1) int64, contiguous: per source rank its pairs
     for each local expert, then (last column) its unique rows; source: the rank every row of
     place_TK came from (this rank's own pairs), or None: rows come by source rank, as many from
-    each as its unique rows (a receive buffer). Returns (T, K) int64 rows, -1 where the place is.
+    each as its unique rows (a receive buffer); blocks: with source None, ``(B, me)``: the rows
+    come in G - 1 blocks of B rows, one per rank but ``me`` in rank order, of which the first
+    (its unique rows) are valid and the rest padding (the padded exchange: T = (G - 1)·B; a
+    padding row's places are not read and its rows are -1). Returns (T, K) int64 rows, -1 where
+    the place is.
     """
     if place_TK.dim() != 2 or place_TK.dtype not in (torch.int32, torch.int64) or \
             (place_TK.shape[1] > 1 and place_TK.stride(1) != 1):
@@ -335,14 +350,19 @@ def expert_rows(place_TK: torch.Tensor, recv_counts: torch.Tensor, source: int |
     G, L = recv_counts.shape[0], recv_counts.shape[1] - 1
     if source is not None and not 0 <= source < G:
         raise ValueError(f"expert_rows: source {source} is not a rank of {G}")
+    if blocks is not None and (source is not None or blocks[0] < 1 or not 0 <= blocks[1] < G
+                               or place_TK.shape[0] != (G - 1) * blocks[0]):
+        raise ValueError(f"expert_rows: blocks (B, me) = {blocks} needs source None, B >= 1, me a rank of {G} and "
+                         f"(G - 1)·B rows, got {place_TK.shape[0]} rows")
     if use_reference(backend, not place_TK.is_cuda):
-        return expert_rows_reference(place_TK, recv_counts, source)
+        return expert_rows_reference(place_TK, recv_counts, source, blocks)
     T, K = place_TK.shape
     rows_TK = torch.empty((T, K), dtype=torch.int64, device=place_TK.device)
     if T and K:
         GP, LP = triton.next_power_of_2(G), triton.next_power_of_2(L)
         BLOCK_T = max(16, 4096 // (GP * LP))  # the [token, source, expert] selection: ~4096 elements
         _expert_rows_kernel[(triton.cdiv(T, BLOCK_T),)](
-            place_TK, recv_counts, rows_TK, T, place_TK.stride(0), -1 if source is None else source, G, L,
+            place_TK, recv_counts, rows_TK, T, place_TK.stride(0), -1 if source is None else source,
+            *(blocks or (0, 0)), G, L,
             K=K, GP=GP, LP=LP, BLOCK_T=BLOCK_T, num_warps=4)
     return rows_TK

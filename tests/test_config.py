@@ -280,11 +280,18 @@ def test_torchrun_prints_a_config_error_once_and_every_rank_exits_2(tmp_path):
     (["--data.source=text", "--data.path=/x.txt", "--data.token_dtype=uint32"], ("data.token_dtype", "data.source=text")),
     (["--data.source=tokens", "--data.path=/x.bin", "--data.max_bytes=1000"], ("data.max_bytes", "data.source=tokens")),
     (["--log.time_comm=true"], ("log.time_comm=true", "parallel.ep=1")),
+    (["--parallel.nccl_sizes=padded"], ("parallel.nccl_sizes=padded", "parallel.ep=1")),
 ])
 def test_an_ignored_option_names_both_keys(args, keys):
     with pytest.raises(ConfigError) as err:
         load_config(args, world_size=1)
     assert all(k in str(err.value) for k in keys), str(err.value)
+
+
+def test_padded_nccl_sizes_are_the_nccl_dispatchers():
+    with pytest.raises(ConfigError, match="parallel.nccl_sizes=padded is ignored with parallel.dispatcher=p2p"):
+        load_config(["--parallel.ep=2", "--parallel.dispatcher=p2p", "--parallel.nccl_sizes=padded"], world_size=2)
+    assert load_config(["--parallel.ep=2", "--parallel.nccl_sizes=padded"], world_size=2).parallel.nccl_sizes == "padded"
 
 
 def test_only_options_the_user_set_count_as_ignored(tmp_path):

@@ -349,6 +349,24 @@ def test_expert_rows_make_the_input_expert_major(G, L, K):
         assert torch.equal(own, expert_rows(rows_G[me].to(DEVICE), counts, me, backend="reference"))
         start = sum(r.shape[0] for r in rows_G[:me])
         assert torch.equal(own, got[start:start + rows_G[me].shape[0]])
+    if G == 1:
+        return
+    # the padded exchange's buffer: one block of B rows per other rank, its unique rows first, then
+    # padding whose headers hold garbage (places past every segment, negative, huge)
+    B = max(r.shape[0] for r in rows_G) + 2
+    for me in range(G):
+        blocks, expect = [], []
+        for g in range(G):
+            if g != me:
+                n = rows_G[g].shape[0]
+                garbage = torch.randint(-2**30, 2**30, (B - n, K), generator=gen, dtype=torch.int32)
+                blocks.append(torch.cat([rows_G[g], garbage]))
+                start = sum(r.shape[0] for r in rows_G[:g])
+                expect.append(torch.cat([got[start:start + n].cpu(), torch.full((B - n, K), -1)]))
+        padded = torch.cat(blocks).to(DEVICE)
+        from_blocks = expert_rows(padded, counts, blocks=(B, me), backend="triton")
+        assert torch.equal(from_blocks, expert_rows(padded, counts, blocks=(B, me), backend="reference"))
+        assert torch.equal(from_blocks.cpu(), torch.cat(expect))
 
 
 def test_token_rows_bad_arguments_name_the_field():
@@ -379,6 +397,8 @@ def test_token_rows_bad_arguments_name_the_field():
         expert_rows(table, counts.int())
     with pytest.raises(ValueError, match="source 2"):
         expert_rows(table, counts, 2)
+    with pytest.raises(ValueError, match="blocks"):
+        expert_rows(table, counts, blocks=(3, 0))  # 4 rows are not (G - 1) blocks of 3
 
 
 # ---------------------------------------------------------------------------------------------

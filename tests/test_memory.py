@@ -398,3 +398,26 @@ def test_layouts_report_marks_what_fits():
     fits = [r[-1] for r in _rows(report)]
     assert len(fits) == 6 * len(memory.LAYOUTS) and set(fits) == {"yes", "no"}
 
+
+
+def test_padded_nccl_exchange_hands_the_experts_p2ps_rows():
+    # parallel/dispatcher.py's padded exchange: the experts' input has R_cap rows, ep·T·K dropless
+    # (twice a balanced layer's T·K at ep 2), the capacity's bound when it caps; and the received
+    # tokens' row table a block of T rows from each other rank
+    T = 4 * 2048
+    for capped in ([], ["--moe.capacity_factor=1.25"]):
+        cfg = load_config(["--config", "configs/olmoe_bench.yaml", *capped], world_size=2)
+        s = ModelShape.of(cfg)
+        exact, padded, p2p = (Layout(2, 2, "replicate", "none", dispatcher=d, nccl_sizes=n)
+                              for d, n in (("nccl", "exact"), ("nccl", "padded"), ("p2p", "exact")))
+        assert memory.expert_rows(s, T, padded) == memory.expert_rows(s, T, p2p)
+        assert memory.expert_rows(s, T, padded).R == memory.max_received_rows(
+            T, s.E, s.K, s.capacity_factor, s.capacity_groups, 2)
+        if not capped:
+            assert memory.expert_rows(s, T, padded).R == 2 * memory.expert_rows(s, T, exact).R
+    num = memory.gpu_numerics("2.11.0")
+    B, S = 4, 2048
+    table = {lay.nccl_sizes: {p.name: p.nbytes for p in memory.block_parts(s, True, B, S, lay, num)}
+             for lay in (exact, padded)}
+    assert table["padded"]["row table of the received tokens"] == T * s.K * 8
+    assert table["padded"]["expert rows (compute dtype)"] > table["exact"]["expert rows (compute dtype)"]

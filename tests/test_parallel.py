@@ -56,6 +56,7 @@ class Case:
     expert_bias: bool = False
     z_loss_coef: float = 1e-3
     overlap_chunks: int = 1  # the dispatcher pipelines each layer's tokens in this many chunks
+    padded: bool = False  # the nccl dispatcher's padded exchange (blocks of max_tokens rows, no host sync)
 
 
 EXPERT_SCALE = 10.0  # the experts' init gives outputs ~1e-3 of the residual's at these sizes
@@ -79,6 +80,12 @@ WORLD2 = [
     Case("overlap_3_chunks_capacity", ep=2, num_experts=6, top_k=3, capacity_factor=0.75, overlap_chunks=3),
     Case("overlap_fewer_tokens_than_chunks", ep=2, tokens=(2, 0), overlap_chunks=3, z_loss_coef=0.0),
     Case("overlap_rank1_receives_nothing", ep=2, route="first_rank", overlap_chunks=2),
+    Case("padded_dropless", ep=2, tokens=(13, 9), z_loss_coef=0.0, padded=True),
+    Case("padded_capacity_position_gelu", ep=2, num_experts=6, top_k=3, capacity_factor=0.75,
+         drop_policy="position", activation="gelu", padded=True),
+    Case("padded_all_to_one_expert", ep=2, top_k=1, route="one_expert", padded=True),
+    Case("padded_rank1_receives_nothing", ep=2, route="first_rank", padded=True),
+    Case("padded_zero_token_rank_3_chunks", ep=2, tokens=(10, 0), overlap_chunks=3, z_loss_coef=0.0, padded=True),
 ]
 WORLD4 = [
     Case("ep2_dp2_dropless", ep=2),
@@ -95,6 +102,10 @@ WORLD4 = [
     Case("ep4_zero_token_ranks_2_chunks", ep=4, num_experts=8, tokens=(9, 0, 5, 0), overlap_chunks=2,
          z_loss_coef=0.0),
     Case("ep4_top5_more_pairs_than_ranks", ep=4, num_experts=8, top_k=5, capacity_factor=1.0, drop_policy="position"),
+    Case("padded_ep4_capacity_2_chunks", ep=4, num_experts=8, top_k=3, capacity_factor=1.0, overlap_chunks=2,
+         padded=True),
+    Case("padded_ep4_uneven_tokens", ep=4, num_experts=8, tokens=(9, 0, 5, 7), z_loss_coef=0.0, padded=True),
+    Case("padded_ep2_dp2_expert_bias", ep=2, expert_bias=True, capacity_factor=1.0, padded=True),
 ]
 
 
@@ -143,6 +154,8 @@ def _dispatcher(dims: ParallelDims, transport: str, case: Case, tokens: tuple[in
         # than dropless's (a bound too small traps there)
         return P2PDispatcher(dims.ep_group, dims.world_group, max_tokens=max(max(tokens), 1), timeout_s=P2P_TIMEOUT_S,
                              capacity_factor=case.capacity_factor)
+    if case.padded:  # capacity_groups as the layers': the one-process reference's groups are the ranks
+        return dims.dispatcher(case.overlap_chunks, max(max(tokens), 1), case.capacity_factor)
     return dims.dispatcher(case.overlap_chunks)
 
 

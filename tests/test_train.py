@@ -326,6 +326,8 @@ def test_runtime_dispatcher_choice(monkeypatch):
     one = Runtime(0, 0, 1, 1, torch.device("cpu"), None)
     assert one.dispatcher("p2p", max_tokens=8, num_buffers=2) is None  # one process: the local path
     fake_dims = object()  # never reached: the checks come before any group is touched
+    with pytest.raises(ValueError, match="parallel.nccl_sizes: unknown 'bogus'"):
+        Runtime(0, 0, 2, 2, torch.device("cpu"), fake_dims).dispatcher("nccl", max_tokens=8, nccl_sizes="bogus")
     with pytest.raises(RuntimeError, match="parallel.dispatcher=p2p needs CUDA"):
         Runtime(0, 0, 2, 2, torch.device("cpu"), fake_dims).dispatcher("p2p", max_tokens=8, num_buffers=2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # 2 nodes of 3 processes: rank 2's EP group spans both
@@ -411,13 +413,18 @@ def test_config_error_fails_before_the_process_group(tmp_path):
 @pytest.mark.parametrize("options", [
     [],
     # the routing-health options of configs/olmoe_bench.yaml: the LM-head bias is a root parameter
-    # FSDP shards and DCP reslices; the centred router and the expert bias act per rank
+    # FSDP shards and DCP reslices; the centred router and the expert bias act per rank; and the
+    # NCCL dispatcher's padded exchange (the bar's layout of issue #20), against the exact one of EP 1
     ["--model.tie_embeddings=false", "--model.embed_init_std=1.0", "--model.lm_head_bias=true",
-     "--moe.router_centre=causal", "--moe.expert_bias=true"],
-], ids=["plain", "routing_options"])
+     "--moe.router_centre=causal", "--moe.expert_bias=true", "--parallel.nccl_sizes=padded"],
+], ids=["plain", "routing_options_padded"])
 def test_two_process_ep2_and_resume_exact_and_into_ep1_replicated(tmp_path, options):
     base = SMALL + options + ["--train.steps=6", "--parallel.ep=2", f"--log.dir={tmp_path}"]
-    _torchrun(2, base + ["--log.run_name=full"])
+    proc = _torchrun(2, base + ["--log.run_name=full"])
+    padded = "--parallel.nccl_sizes=padded" in options
+    # configs/tiny.yaml caps (capacity_factor 1.5): the padded exchange's rows follow it
+    assert ("AllToAllDispatcher(ep_size=2, ep_rank=0, padded, max_tokens=128, capacity_factor=1.5, "
+            "capacity_groups=1)" in proc.stdout) == padded, proc.stdout[-2000:]
     _torchrun(2, base + ["--log.run_name=part", "--checkpoint.stop_after=3"])
     step3 = tmp_path / "part" / "checkpoints" / "step_00000003"
     assert (step3 / ".metadata").is_file()  # a DCP checkpoint
@@ -428,8 +435,9 @@ def test_two_process_ep2_and_resume_exact_and_into_ep1_replicated(tmp_path, opti
     # resume the same checkpoint into EP=1, replicated (DCP reslices experts and moments) ...
     os.makedirs(tmp_path / "ep1")
     os.symlink(tmp_path / "part" / "checkpoints", tmp_path / "ep1" / "checkpoints")
-    _torchrun(2, base[:-2] + ["--parallel.ep=1", "--parallel.data_parallel=replicate", f"--log.dir={tmp_path}",
-                              "--log.run_name=ep1"])
+    ep1_base = [a for a in base[:-2] if a != "--parallel.nccl_sizes=padded"]  # ignored at EP 1: an error
+    _torchrun(2, ep1_base + ["--parallel.ep=1", "--parallel.data_parallel=replicate", f"--log.dir={tmp_path}",
+                             "--log.run_name=ep1"])
     # ... and continue EP=2 exactly
     _torchrun(2, base + ["--log.run_name=part"])
     full, part, ep1 = (_losses(str(tmp_path / n)) for n in ("full", "part", "ep1"))
@@ -474,24 +482,26 @@ def test_two_nodes_of_two_processes(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-def test_p2p_dispatcher_trains_like_nccl_on_two_gpus(tmp_path):
-    # fp32 so that the two transports differ only in summation order; grad_accum 2 and the
+def test_p2p_dispatcher_and_padded_nccl_train_like_nccl_on_two_gpus(tmp_path):
+    # fp32 so that the transports differ only in summation order; grad_accum 2 and the
     # validation passes take the buffer slots round-robin across forwards with and without grad
     # (2 heads: the GPU attention kernel takes head dims 32/64/128, SMALL's 4 heads of 16 run only on CPU)
     base = SMALL + ["--model.n_heads=2", "--train.steps=4", "--train.grad_accum=2", "--train.precision=fp32",
                     "--parallel.ep=2", "--parallel.device=cuda", f"--log.dir={tmp_path}"]
     _torchrun(2, base + ["--parallel.dispatcher=nccl", "--log.run_name=nccl"])
+    _torchrun(2, base + ["--parallel.nccl_sizes=padded", "--log.run_name=padded"])
     proc = _torchrun(2, base + ["--parallel.dispatcher=p2p", "--log.run_name=p2p"])
     # configs/tiny.yaml caps (capacity_factor 1.5): the buffers follow it
-    assert "P2PDispatcher(ep_size=2, ep_rank=0, max_tokens=128, num_buffers=2, capacity_factor=1.5, capacity_groups=1)" \
+    assert "P2PDispatcher(ep_size=2, ep_rank=0, num_buffers=2, max_tokens=128, capacity_factor=1.5, capacity_groups=1)" \
         in proc.stdout
-    nccl, p2p = _metrics(str(tmp_path / "nccl")), _metrics(str(tmp_path / "p2p"))
-    assert sorted(s for s in p2p if "train/loss" in p2p[s]) == [1, 2, 3, 4]
-    for s in (1, 2, 3, 4):
-        assert math.isfinite(p2p[s]["train/loss"])
-        assert p2p[s]["train/loss"] == pytest.approx(nccl[s]["train/loss"], rel=1e-3)
-    for s in (0, 4):
-        assert p2p[s]["val/loss"] == pytest.approx(nccl[s]["val/loss"], rel=1e-3)
+    nccl = _metrics(str(tmp_path / "nccl"))
+    for other in (_metrics(str(tmp_path / "p2p")), _metrics(str(tmp_path / "padded"))):
+        assert sorted(s for s in other if "train/loss" in other[s]) == [1, 2, 3, 4]
+        for s in (1, 2, 3, 4):
+            assert math.isfinite(other[s]["train/loss"])
+            assert other[s]["train/loss"] == pytest.approx(nccl[s]["train/loss"], rel=1e-3)
+        for s in (0, 4):
+            assert other[s]["val/loss"] == pytest.approx(nccl[s]["val/loss"], rel=1e-3)
 
 
 def test_nan_loss_stops_the_run_with_a_clear_error(tmp_path, monkeypatch):

@@ -91,6 +91,11 @@ class ParallelConfig:
         "nccl", "how MoE rows cross the EP group (ep > 1 only): nccl (all-to-all; any devices, any nodes) | "
                 "p2p (NVLink stores into symmetric memory; CUDA, every EP group on one node; no host sync per layer: "
                 "1.24-1.27x nccl's tokens/s on 2xH200, OLMoE-shaped, for ~25 GiB more per GPU)")
+    nccl_sizes: Literal["exact", "padded"] = option(
+        "exact", "dispatcher nccl: exact (each exchange sized by the counts, which the host waits for once per MoE "
+                 "layer) | padded (every rank sends every other one a block of batch_size * seq_len token rows, no "
+                 "host wait; the experts' buffers then hold the most rows a rank can receive: ep * top_k rows a "
+                 "token dropless, the capacity's bound when moe.capacity_factor caps)")
     overlap_chunks: int = option(
         1, "the nccl dispatcher cuts each MoE layer's tokens into this many chunks and pipelines them on a second "
            "CUDA stream: one chunk's all-to-all runs while another chunk's experts compute, forward and backward "
@@ -566,6 +571,10 @@ def check_ignored(cfg: Config) -> None:
          "with one expert-parallel rank there are no all-to-alls to time (set parallel.ep > 1)"),
         ("parallel.overlap_chunks", cfg.parallel.ep == 1, "parallel.ep",
          "with one expert-parallel rank there is no exchange to overlap (set parallel.ep > 1)"),
+        ("parallel.nccl_sizes", cfg.parallel.ep == 1, "parallel.ep",
+         "with one expert-parallel rank there is no exchange to size (set parallel.ep > 1)"),
+        ("parallel.nccl_sizes", cfg.parallel.dispatcher == "p2p", "parallel.dispatcher",
+         "the p2p dispatcher's buffers are always padded (it never waits on the host)"),
         *((key, cfg.train.init_from is not None, "train.init_from", "every weight is read from the model directory")
           for key in ("model.init_std", "model.embed_init_std")),
     ]

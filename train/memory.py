@@ -222,6 +222,7 @@ class Layout:
     data_parallel: str
     checkpointing: str
     dispatcher: str = "nccl"
+    nccl_sizes: str = "exact"  # parallel.nccl_sizes
     reshard_after_forward: bool = True
     param_bytes: int = 2  # fsdp: the dtype parameters are gathered in (parallel.param_dtype)
     reduce_bytes: int = 4  # fsdp: the dtype gradients are reduce-scattered in
@@ -244,6 +245,11 @@ class Layout:
     def transport(self) -> str:
         """How MoE rows move: ``local`` (ep 1), ``nccl`` or ``p2p``."""
         return "local" if self.ep == 1 else self.dispatcher
+
+    @property
+    def padded(self) -> bool:
+        """The NCCL dispatcher's padded exchange: its experts take R_cap rows, as P2P's."""
+        return self.transport == "nccl" and self.nccl_sizes == "padded"
 
     @property
     def bf16_params(self) -> bool:
@@ -339,10 +345,11 @@ def expert_rows(s: ModelShape, T: int, lay: Layout) -> Rows:
     if lay.transport == "local":
         # LocalDispatcher packs every pair, the dropped ones last (moe/dispatch.py)
         return Rows(P, s.E)
-    if lay.transport == "p2p":
-        # P2PDispatcher hands the experts its fixed R_cap rows (parallel/p2p_dispatcher.py): ep·T·K,
-        # or with a capacity its bound on what a rank receives; one segment per local expert
-        return Rows(p2p_rows(s, T, lay), s.E // lay.ep)
+    if lay.transport == "p2p" or lay.padded:
+        # P2PDispatcher and the padded NCCL exchange hand the experts a fixed R_cap rows
+        # (parallel/p2p_dispatcher.py, parallel/dispatcher.py): ep·T·K, or with a capacity its
+        # bound on what a rank receives; one segment per local expert
+        return Rows(received_rows_cap(s, T, lay), s.E // lay.ep)
     # balanced routing: every rank sends and receives its T·K pairs, fewer when the capacity
     # C = capacity_factor·T·K / E per expert caps them
     kept = P if s.capacity_factor is None else min(P, math.ceil(s.capacity_factor * P))
@@ -431,8 +438,9 @@ def block_parts(s: ModelShape, moe: bool, B: int, S: int, lay: Layout, num: Nume
                   Part("combine: row of each pair", P * 8, dispatch=True)]
     elif lay.transport == "nccl":
         # parallel/dispatcher.py: the row tables (K + ep entries a token) and each pair's rank,
-        # and the row table of the tokens received (at most one per token of each other rank)
-        received = (lay.ep - 1) * min(T, -(-rows.R // lay.ep))
+        # and the row table of the tokens received (at most one per token of each other rank;
+        # padded: a block of T rows from each)
+        received = (lay.ep - 1) * (T if lay.padded else min(T, -(-rows.R // lay.ep)))
         parts += [Part("route: row tables and each pair's rank", (T * (s.K + lay.ep) + P) * 8, dispatch=True),
                   Part("row table of the received tokens", received * s.K * 8, dispatch=True)]
     else:  # parallel/p2p_dispatcher.py's _P2PRoute
@@ -610,8 +618,9 @@ def block_state(s: ModelShape, groups: dict, i: int, B: int, S: int, lay: Layout
                       masters["dense"], ignored, unit, expert_unit, ffn_unit, casts_kept, casts_forward, step_casts)
 
 
-def p2p_rows(s: ModelShape, T: int, lay: Layout) -> int:
-    """R_cap, the rows of each P2P receive buffer: what the trainer's P2PDispatcher allocates."""
+def received_rows_cap(s: ModelShape, T: int, lay: Layout) -> int:
+    """R_cap, the rows of each P2P receive buffer (what the trainer's P2PDispatcher allocates) and
+    of the padded NCCL exchange's experts' input."""
     return max_received_rows(T, s.E, s.K, s.capacity_factor, s.capacity_groups, lay.ep)
 
 
@@ -622,7 +631,7 @@ def p2p_buffer_bytes(s: ModelShape, T: int, lay: Layout, row_bytes: int) -> int:
     experts' (``row_bytes``; the dispatch casts the norm output to it)."""
     if lay.transport != "p2p":
         return 0
-    R_cap, P_cap = p2p_rows(s, T, lay), T * s.K
+    R_cap, P_cap = received_rows_cap(s, T, lay), T * s.K
     regions = [R_cap * s.D * row_bytes, P_cap * s.D * row_bytes, R_cap * 8, R_cap * 4, P_cap * 4, lay.ep * s.E * 8,
                8, 8, 8]
     slot = sum(_ceil_div(n, 256) * 256 for n in regions)
@@ -666,7 +675,7 @@ def layout_of(cfg: Config, world: int, data_parallel: str, checkpointing: str) -
     if cfg.train.precision == "fp32":
         raise ConfigError("train.precision=fp32: the memory model covers bf16 training on a GPU (fp32 runs the grouped "
                           "GEMM's PyTorch reference, which saves other tensors)")
-    return Layout(world, p.ep, data_parallel, checkpointing, dispatcher=p.dispatcher,
+    return Layout(world, p.ep, data_parallel, checkpointing, dispatcher=p.dispatcher, nccl_sizes=p.nccl_sizes,
                   reshard_after_forward=p.reshard_after_forward, param_bytes=4 if p.param_dtype == "fp32" else 2,
                   reduce_bytes=2 if p.reduce_dtype == "bf16" else 4)
 

@@ -46,7 +46,8 @@ class Runtime:
         return t
 
     def dispatcher(self, kind: str = "nccl", max_tokens: int = 0, num_buffers: int = 1, overlap_chunks: int = 1,
-                   timeout_s: float = 600.0, capacity_factor: float | None = None, capacity_groups: int = 1):
+                   timeout_s: float = 600.0, capacity_factor: float | None = None, capacity_groups: int = 1,
+                   nccl_sizes: str = "exact"):
         """The MoE layers' expert-parallel dispatcher, None for one process.
 
         With ep 1 over several ranks the dispatcher's group has one rank: rows stay local, but the
@@ -59,11 +60,17 @@ class Runtime:
         a peer before they fail (``parallel.timeout_s``, as the collectives), and sized by the MoE
         layers' ``capacity_factor`` and ``capacity_groups`` when they cap. ``overlap_chunks``: the nccl
         dispatcher's pipelining of each layer's tokens (:meth:`parallel.ExpertParallelDispatcher.run_experts`).
+        ``nccl_sizes``: the nccl dispatcher's ``"exact"`` sizes (one host sync a layer) or
+        ``"padded"`` blocks of ``max_tokens`` tokens (none; sized by the capacity as P2P's buffers).
         """
         if not self.distributed:
             return None
-        if kind == "nccl" or self.ep == 1:
+        if nccl_sizes not in ("exact", "padded"):
+            raise ValueError(f"parallel.nccl_sizes: unknown {nccl_sizes!r} (exact | padded)")
+        if self.ep == 1 or (kind == "nccl" and nccl_sizes == "exact"):
             return self.dims.dispatcher(overlap_chunks)
+        if kind == "nccl":
+            return self.dims.dispatcher(overlap_chunks, max_tokens, capacity_factor, capacity_groups)
         if kind != "p2p":
             raise ValueError(f"parallel.dispatcher: unknown kind {kind!r} (nccl | p2p)")
         if self.device.type != "cuda":
