@@ -28,6 +28,11 @@
 #   PART=9 bash bench/run_ep2_step.sh   # the NCCL dispatcher's padded exchange (no host sync): its 2-GPU
 #                                       # tests, then NCCL exact, NCCL padded and P2P in the bar's layout,
 #                                       # alternating (needs H200s: the layout holds ~84-97 GB a GPU)
+#   PART=10 bash bench/run_ep2_step.sh  # after the lazily derived MoE stats: the bar's 100-step training run
+#                                       # (P2P, replicate, 8 micro-batches), then P2P's step profile beside
+#                                       # the tree in .base (git archive of the commit before) when present
+#   PART=11 bash bench/run_ep2_step.sh  # PART=10's A/B again in the other order (.base first), then NCCL
+#                                       # with exact sizes in the same layout
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -167,6 +172,24 @@ elif [ "$PART" = 9 ]; then
         prof "olmoe_bench EP 2, P2P, replicate, 8 micro-batches (round $round)" 70 configs/olmoe_bench.yaml $FAST \
             --parallel.dispatcher=p2p
     done
+elif [ "$PART" = 10 ]; then
+    FAST="--parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    routing healthy_fast 260 --train.steps=100 $FAST
+    P="--warm 3 --steps 1 --timed 3 --host-table 25 $FAST"
+    prof "olmoe_bench EP 2, P2P, replicate, 8 micro-batches (this tree)" 70 configs/olmoe_bench.yaml $P
+    if [ -d .base ]; then
+        (cd .base && prof "olmoe_bench EP 2, P2P, replicate, 8 micro-batches (.base: $(cat REV 2>/dev/null))" 70 \
+            configs/olmoe_bench.yaml $P)
+    fi
+elif [ "$PART" = 11 ]; then
+    P="--warm 3 --steps 1 --timed 3 --host-table 25 --parallel.data_parallel=replicate --train.grad_accum=8"
+    if [ -d .base ]; then
+        (cd .base && prof "olmoe_bench EP 2, P2P, replicate, 8 micro-batches (.base: $(cat REV 2>/dev/null), round 2)" 70 \
+            configs/olmoe_bench.yaml $P --parallel.dispatcher=p2p)
+    fi
+    prof "olmoe_bench EP 2, P2P, replicate, 8 micro-batches (this tree, round 2)" 70 configs/olmoe_bench.yaml $P \
+        --parallel.dispatcher=p2p
+    prof "olmoe_bench EP 2, NCCL exact sizes, replicate, 8 micro-batches (this tree)" 70 configs/olmoe_bench.yaml $P
 else
     timeout "$(left)" python3 bench/memory_check.py --gpus 2 --steps 8 --timeout 200 --out "$OUT/memory_ep2.md" \
         --only olmoe_bench_fsdp olmoe_bench_fsdp_selective olmoe_bench_fsdp_full olmoe_ep1_fsdp olmoe_ep1_fsdp_selective \

@@ -3,7 +3,8 @@
 Legend: E experts.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -14,13 +15,19 @@ class MoEStats:
 
     routed_per_expert: (E,) pairs routed to each expert before the cap.
     tokens_per_expert: (E,) pairs each expert kept (and computed).
+    capacity: C per expert and rank, or None (dropless).
+    block_m: the grouped GEMM's row tile.
+
+    Derived on first read (each a few small kernels; a layer's forward launches none of them, so
+    the micro-batches of a step whose stats nobody reads pay nothing: at 16 layers and 8
+    micro-batches a step they were ~25 launches a layer forward, ~3,200 a step, on hosts that the
+    2×H200 profiles showed launch-bound, bench/results/step_profile.md):
+
     dropped_pairs: () pairs dropped by the capacity; they contribute zero, the residual carries them.
     dropped_fraction: () dropped / routed.
-    capacity: C per expert and rank, or None (dropless).
     max_load, mean_load: () kept pairs of the busiest expert and of the mean one; the busiest is
         the straggler every rank waits for. load_imbalance = max / mean.
     router_entropy: () mean over tokens of the entropy of the normalised router scores (nats).
-    block_m: the grouped GEMM's row tile.
     tiles_per_expert: (E,) row tiles run per expert: ``ceil(kept / block_m)`` (an expert's rows
         are one segment, from every source rank together under expert parallelism).
     padded_slots_per_expert: (E,) ``tiles · block_m − kept``: rows of work the GEMM wastes.
@@ -29,17 +36,61 @@ class MoEStats:
 
     routed_per_expert: torch.Tensor
     tokens_per_expert: torch.Tensor
-    dropped_pairs: torch.Tensor
-    dropped_fraction: torch.Tensor
     capacity: int | None
-    max_load: torch.Tensor
-    mean_load: torch.Tensor
-    load_imbalance: torch.Tensor
-    router_entropy: torch.Tensor
     block_m: int
-    tiles_per_expert: torch.Tensor
-    padded_slots_per_expert: torch.Tensor
-    tile_utilization: torch.Tensor
+    scores_TE: torch.Tensor | None = field(default=None, repr=False)  # detached; read by router_entropy
+    given_tiles_E: torch.Tensor | None = field(default=None, repr=False)  # else from the kept counts
+    given_entropy: torch.Tensor | None = field(default=None, repr=False)  # else from scores_TE
+
+    # every stat, counts and derived, in one order (what the tests compare, what world sums rebuild)
+    NAMES = ("routed_per_expert", "tokens_per_expert", "dropped_pairs", "dropped_fraction", "capacity", "max_load",
+             "mean_load", "load_imbalance", "router_entropy", "block_m", "tiles_per_expert",
+             "padded_slots_per_expert", "tile_utilization")
+
+    @cached_property
+    def dropped_pairs(self) -> torch.Tensor:
+        return self.routed_per_expert.sum() - self.tokens_per_expert.sum()
+
+    @cached_property
+    def dropped_fraction(self) -> torch.Tensor:
+        return self.dropped_pairs.float() / self.routed_per_expert.sum().clamp_min(1).float()
+
+    @cached_property
+    def max_load(self) -> torch.Tensor:
+        return self.tokens_per_expert.float().max()
+
+    @cached_property
+    def mean_load(self) -> torch.Tensor:
+        return self.tokens_per_expert.float().mean()
+
+    @cached_property
+    def load_imbalance(self) -> torch.Tensor:
+        return self.max_load / self.mean_load.clamp_min(1e-20)
+
+    @cached_property
+    def router_entropy(self) -> torch.Tensor:
+        if self.given_entropy is not None:
+            return self.given_entropy
+        with torch.no_grad():
+            probs_TE = self.scores_TE / self.scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)
+            entropy_T = -(probs_TE * probs_TE.clamp_min(1e-20).log()).sum(-1)
+            return entropy_T.mean() if entropy_T.numel() else entropy_T.sum()
+
+    @cached_property
+    def tiles_per_expert(self) -> torch.Tensor:
+        if self.given_tiles_E is not None:
+            return self.given_tiles_E
+        return (self.tokens_per_expert + self.block_m - 1) // self.block_m
+
+    @cached_property
+    def padded_slots_per_expert(self) -> torch.Tensor:
+        return self.tiles_per_expert * self.block_m - self.tokens_per_expert
+
+    @cached_property
+    def tile_utilization(self) -> torch.Tensor:
+        tile_rows = (self.tiles_per_expert.sum() * self.block_m).float()
+        kept = self.tokens_per_expert.sum().float()
+        return torch.where(tile_rows > 0, kept / tile_rows.clamp_min(1), torch.ones_like(tile_rows))
 
     def scalars(self) -> dict[str, float]:
         """The scalar stats as Python floats, for logging (one host sync)."""
@@ -53,43 +104,21 @@ class MoEStats:
 def compute_stats(
     routed_E: torch.Tensor,
     kept_E: torch.Tensor,
-    scores_TE: torch.Tensor,
+    scores_TE: torch.Tensor | None,
     capacity: int | None,
     block_m: int,
     tiles_E: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> MoEStats:
-    """Stats from per-expert counts (already summed over the ranks the user wants to see).
+    """Stats from per-expert counts (already summed over the ranks the user wants to see), the
+    derived ones computed when first read.
 
     ``tiles_E``: (E,) row tiles the grouped GEMM ran per expert, default ``ceil(kept / block_m)``
     (an expert's rows are one segment, with expert parallelism too: the dispatchers hand them over
-    expert-major); the world sums of :mod:`parallel.stats` pass the sum over replicas."""
-    routed_E = routed_E.detach()
-    kept_E = kept_E.detach()
-    routed = routed_E.sum()
-    kept = kept_E.sum()
-    dropped = routed - kept
-    kept_f = kept_E.float()
-    mean_load = kept_f.mean()
-    max_load = kept_f.max()
-    with torch.no_grad():
-        probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)
-        entropy_T = -(probs_TE * probs_TE.clamp_min(1e-20).log()).sum(-1)
-        entropy = entropy_T.mean() if entropy_T.numel() else entropy_T.sum()
-    tiles_E = (kept_E + block_m - 1) // block_m if tiles_E is None else tiles_E.detach()
-    padded_E = tiles_E * block_m - kept_E
-    tile_rows = (tiles_E.sum() * block_m).float()
+    expert-major); ``entropy``: the router entropy, default from ``scores_TE`` (T, E); the world
+    sums of :mod:`parallel.stats` pass both."""
     return MoEStats(
-        routed_per_expert=routed_E,
-        tokens_per_expert=kept_E,
-        dropped_pairs=dropped,
-        dropped_fraction=dropped.float() / routed.clamp_min(1).float(),
-        capacity=capacity,
-        max_load=max_load,
-        mean_load=mean_load,
-        load_imbalance=max_load / mean_load.clamp_min(1e-20),
-        router_entropy=entropy,
-        block_m=block_m,
-        tiles_per_expert=tiles_E,
-        padded_slots_per_expert=padded_E,
-        tile_utilization=torch.where(tile_rows > 0, kept.float() / tile_rows.clamp_min(1), torch.ones_like(tile_rows)),
+        routed_per_expert=routed_E.detach(), tokens_per_expert=kept_E.detach(), capacity=capacity, block_m=block_m,
+        scores_TE=None if scores_TE is None else scores_TE.detach(),
+        given_tiles_E=None if tiles_E is None else tiles_E.detach(), given_entropy=entropy,
     )

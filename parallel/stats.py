@@ -12,8 +12,6 @@ counts over the expert-parallel group only (the rows that group's GEMMs process)
   rank, and EP groups applying different updates would let the replicas drift apart.
 """
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -61,9 +59,8 @@ def global_moe_stats(model: nn.Module, dims) -> dict[str, MoEStats]:
     layers = moe_layers(model)
     for name, (routed_E, kept_E, tiles_E, entropy) in _world_counts(model, dims).items():
         s = layers[name].last_aux.stats
-        no_scores = torch.empty(0, routed_E.numel(), device=routed_E.device)
-        world = compute_stats(routed_E, kept_E, no_scores, s.capacity, s.block_m, tiles_E)
-        out[name] = dataclasses.replace(world, router_entropy=entropy.to(s.router_entropy.dtype))
+        out[name] = compute_stats(routed_E, kept_E, None, s.capacity, s.block_m, tiles_E,
+                                  entropy.to(s.router_entropy.dtype))
     return out
 
 

@@ -1,5 +1,6 @@
 """Hand-checked capacity, drop policies, losses and stats."""
 
+import dataclasses
 import math
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 from moe import MoELayer, expert_capacity, load_balancing_loss, moe_aux_loss, moe_stats, plan_routing, router_z_loss
 from moe.capacity import max_received_rows
-from moe.stats import compute_stats
+from moe.stats import MoEStats, compute_stats
 
 
 @pytest.mark.parametrize(
@@ -128,6 +129,18 @@ def test_stats_tile_utilization_hand_case():
     assert stats.max_load.item() == 5 and stats.mean_load.item() == pytest.approx(3.0)
     assert stats.router_entropy.item() == pytest.approx(math.log(3), rel=1e-5)
     assert set(stats.scalars()) >= {"dropped_fraction", "tile_utilization", "load_imbalance", "capacity"}
+
+
+def test_a_layer_forward_derives_no_stats_until_they_are_read():
+    # the derived stats cost ~25 small kernels a layer forward; a forward launches none of them
+    layer = MoELayer(8, 12, 4, 2, capacity_factor=1.0)
+    _, aux = layer.forward_with_aux(torch.randn(10, 8))
+    derived = [n for n in MoEStats.NAMES if n not in {f.name for f in dataclasses.fields(MoEStats)}]
+    assert len(derived) == 9 and not set(derived) & set(vars(aux.stats))
+    kept = aux.stats.tokens_per_expert.float()
+    assert aux.stats.load_imbalance.item() == pytest.approx((kept.max() / kept.mean()).item())
+    assert aux.stats.dropped_pairs.item() == (aux.stats.routed_per_expert.sum() - kept.sum()).item() > 0
+    assert "load_imbalance" in vars(aux.stats)  # computed once, then kept
 
 
 def test_model_helpers_sum_over_layers():

@@ -347,9 +347,9 @@ def _layer_reductions(dims: ParallelDims, device) -> dict:
     same = {"output": torch.equal(y, y_two), "router_grad": torch.equal(grad, grad_two)}
     for name in ("load_balancing_loss", "z_loss", "loss"):
         same[name] = torch.equal(getattr(aux, name), getattr(aux_two, name))
-    for f in dataclasses.fields(MoEStats):
-        a, b = getattr(aux.stats, f.name), getattr(aux_two.stats, f.name)
-        same[f"stats.{f.name}"] = torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    for name in MoEStats.NAMES:
+        a, b = getattr(aux.stats, name), getattr(aux_two.stats, name)
+        same[f"stats.{name}"] = torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
     out["layer_all_reduces"] = [calls, two_calls]
     out["layer_differs_in"] = [k for k, ok in same.items() if not ok]
     out["layer_dropped_pairs"] = int(aux.stats.dropped_pairs)
