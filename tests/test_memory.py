@@ -421,3 +421,15 @@ def test_padded_nccl_exchange_hands_the_experts_p2ps_rows():
              for lay in (exact, padded)}
     assert table["padded"]["row table of the received tokens"] == T * s.K * 8
     assert table["padded"]["expert rows (compute dtype)"] > table["exact"]["expert rows (compute dtype)"]
+
+
+def test_nccl_bar_layout_predictions_match_the_measured_peaks():
+    # bench/results/memory.md (2026-11-28): 2xH200, olmoe_bench, replicate, 8 micro-batches, torch
+    # 2.11; the allocator's peak on rank 0 with the NCCL dispatcher's exact and padded exchanges
+    num = memory.gpu_numerics("2.11.0")
+    for sizes, measured_gb in (("exact", 83.9), ("padded", 92.4)):
+        cfg = load_config(["--config", "configs/olmoe_bench.yaml", "--train.grad_accum=8",
+                           f"--parallel.nccl_sizes={sizes}"], world_size=2)
+        (pred,), _ = memory.predictions(cfg, 2, "replicate", "none", num=num)
+        assert pred.outside_allocator == 0
+        assert pred.peak.total / 1e9 == pytest.approx(measured_gb, rel=0.01), sizes
