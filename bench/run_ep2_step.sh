@@ -200,7 +200,7 @@ else
             tests/test_faults.py tests/test_scaling.py 2>&1 | tail -8 | tee "$OUT/gpu_tests_3.log"
     fi
 fi
-echo "| run | step ms (no profiler) | tokens/s | MFU | peak GB | exposed all-to-all % | worst load max/mean |"
-echo "|---|---|---|---|---|---|---|"
+echo "| run | step ms (no profiler) | tokens/s | MFU | peak GB | exposed all-to-all % (rank 0) | exposed exchange % (busiest rank) | worst load max/mean |"
+echo "|---|---|---|---|---|---|---|---|"
 sed 's/^SUMMARY //' "$OUT/summary.txt" 2>/dev/null
 echo "[part $PART done after $SECONDS s]"

@@ -22,7 +22,11 @@ several streams they may overlap, so the column can sum past the step). ``expose
 of the category's kernel time during which no kernel of another category runs; for the
 all-to-all that is the communication nobody hides. ``idle``: step time with no kernel running
 (host work, launch gaps, waits). Rank 0's trace; the step time is the mean over the profiled
-steps of the slowest rank's time. The profiler inflates a host-bound step (the NCCL EP 2 step:
+steps of the slowest rank's time. Every rank's own summary gives the per-rank table: a rank
+waiting for a slower peer shows that wait inside its exchange kernels (P2P's spin, NCCL's
+kernels), so the exchange's own exposed cost is read on the rank with the most other work (the
+one the others wait for); the closing SUMMARY line gives both rank 0's all-to-all and that rank's
+exchange. The profiler inflates a host-bound step (the NCCL EP 2 step:
 420 profiled against 327 ms), so ``--timed N`` then times N steps without it, and the headline
 tokens/s and MFU come from those.
 """
@@ -59,6 +63,8 @@ CATEGORIES = (
     "norms", "LM head + loss", "elementwise, other", "gradient sync", "optimizer + clip",
 )
 ALL_TO_ALL = "all-to-all"
+EXCHANGE = (ALL_TO_ALL, "dispatch/combine")  # the P2P transport's peer stores run inside dispatch/combine kernels
+IDLE = "idle (no kernel running)"
 
 
 class Ranges:
@@ -263,7 +269,7 @@ def summarise(kernels, step_ms: float, steps: int) -> list[tuple[str, float, flo
     lo = min(s for s, _, _, _ in kernels)
     hi = max(e for _, e, _, _ in kernels)
     covered = sum(e - s for s, e in _union([(s, e) for s, e, _, _ in kernels])) / 1e3 / steps
-    rows.append(("idle (no kernel running)", max(step_ms - covered, 0.0), max(step_ms - covered, 0.0)))
+    rows.append((IDLE, max(step_ms - covered, 0.0), max(step_ms - covered, 0.0)))
     rows.append(("(trace span per step)", (hi - lo) / 1e3 / steps, float("nan")))
     return rows
 
@@ -281,6 +287,30 @@ def routing_at_end(trainer) -> list[float]:
     unused = dict.fromkeys(trainer.moe_layers, 0.0)  # the aux-loss columns, not read here
     metrics, _, _ = train.trainer.moe_metrics(trainer.model, trainer.rt, unused, unused)
     return [metrics[f"moe/layer{i}/load_imbalance"] for i in range(len(trainer.moe_layers))]
+
+
+def _exchange_ms(rows) -> float:
+    """Exposed ms a step of the exchange's categories (all-to-all, dispatch/combine)."""
+    return sum(x for c, _, x in rows if c in EXCHANGE)
+
+
+def _compute_ms(rows) -> float:
+    """Exposed ms a step of everything but the exchange and idle: the rank's own work."""
+    return sum(x for c, _, x in rows if c not in EXCHANGE and c != IDLE)
+
+
+def per_rank_table(rank_rows, step_ms: float) -> list[str]:
+    """Markdown lines: per rank, its own work, its exposed exchange and its idle time (ms a step and
+    % of the step). The rank with the most work is the one the others wait for: its exchange is
+    the exchange's own cost, the others' add their wait for it."""
+    busiest = max(range(len(rank_rows)), key=lambda r: _compute_ms(rank_rows[r]))
+    lines = ["Per rank (exposed ms a step; the busiest rank, marked *, is the one the others wait for):", "",
+             "| rank | own work | exchange (all-to-all + dispatch/combine) | idle |", "|---|---|---|---|"]
+    for r, rows in enumerate(rank_rows):
+        idle = next(x for c, _, x in rows if c == IDLE)
+        cells = [f"{v:.1f} ({100 * v / step_ms:.1f} %)" for v in (_compute_ms(rows), _exchange_ms(rows), idle)]
+        lines.append(f"| {r}{' *' if r == busiest else ''} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def main() -> None:
@@ -323,15 +353,21 @@ def main() -> None:
     timed_ms = timed_steps(trainer, args.timed) if args.timed else step_ms
     routing = routing_at_end(trainer)
     peak_gb = torch.cuda.max_memory_allocated() / 1e9
+    # every rank summarises its own trace: a rank that waits for a slower peer shows the wait
+    # inside its exchange kernels, the slower one (the critical path) shows the exchange itself
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    kernels, syncs = classify(events)
+    rows = summarise(kernels, step_ms, args.steps)
+    rank_rows = [rows]
+    if rt.distributed:
+        rank_rows = [None] * rt.world_size
+        dist.all_gather_object(rank_rows, rows)
     if rt.rank == 0:
-        prof.export_chrome_trace(trace)
-        with open(trace) as f:
-            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
         if args.keep_trace:
             with gzip.open(args.keep_trace, "wt") as f:
                 json.dump({"traceEvents": events}, f)
-        kernels, syncs = classify(events)
-        rows = summarise(kernels, step_ms, args.steps)
         tokens = trainer.tokens_per_step
         mfu = tokens / (step_ms / 1e3) * trainer.flops_per_token / (rt.world_size * trainer.peak)
         timed_mfu = mfu * step_ms / timed_ms
@@ -354,6 +390,7 @@ def main() -> None:
             "|---|---|---|---|---|",
             *[f"| {c} | {b:.1f} | {100 * b / step_ms:.1f} | {x:.1f} | {100 * x / step_ms:.1f} |" for c, b, x in rows],
             "",
+            *per_rank_table(rank_rows, step_ms),
             "Top kernels (rank 0, ms/step):",
             "",
             "| kernel | category | ms/step |",
@@ -372,9 +409,11 @@ def main() -> None:
         if args.host_table:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.host_table), flush=True)
         a2a = next(x for c, _, x in rows if c == ALL_TO_ALL)
+        busiest = max(rank_rows, key=lambda r: _compute_ms(r))
         # one line per run for a driver script's closing table
         print(f"SUMMARY | {args.label} | {timed_ms:.1f} | {tokens / (timed_ms / 1e3):,.0f} | {timed_mfu:.1%} | "
-              f"{peak_gb:.1f} | {100 * a2a / step_ms:.1f} | {max(routing, default=float('nan')):.1f} |", flush=True)
+              f"{peak_gb:.1f} | {100 * a2a / step_ms:.1f} | {100 * _exchange_ms(busiest) / step_ms:.1f} | "
+              f"{max(routing, default=float('nan')):.1f} |", flush=True)
         if args.out:
             with open(args.out, "a") as f:
                 f.write(text + "\n")
