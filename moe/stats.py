@@ -17,17 +17,17 @@ class MoEStats:
     tokens_per_expert: (E,) pairs each expert kept (and computed).
     capacity: C per expert and rank, or None (dropless).
     block_m: the grouped GEMM's row tile.
+    router_entropy: () mean over tokens of the entropy of the normalised router scores (nats).
 
     Derived on first read (each a few small kernels; a layer's forward launches none of them, so
     the micro-batches of a step whose stats nobody reads pay nothing: at 16 layers and 8
-    micro-batches a step they were ~25 launches a layer forward, ~3,200 a step, on hosts that the
-    2×H200 profiles showed launch-bound, bench/results/step_profile.md):
+    micro-batches a step they were ~17 launches a layer forward, ~2,200 a step, on hosts that the
+    2×H200 profiles showed launch-bound, bench/results/step_profile.md; no step gain measured):
 
     dropped_pairs: () pairs dropped by the capacity; they contribute zero, the residual carries them.
     dropped_fraction: () dropped / routed.
     max_load, mean_load: () kept pairs of the busiest expert and of the mean one; the busiest is
         the straggler every rank waits for. load_imbalance = max / mean.
-    router_entropy: () mean over tokens of the entropy of the normalised router scores (nats).
     tiles_per_expert: (E,) row tiles run per expert: ``ceil(kept / block_m)`` (an expert's rows
         are one segment, from every source rank together under expert parallelism).
     padded_slots_per_expert: (E,) ``tiles · block_m − kept``: rows of work the GEMM wastes.
@@ -38,9 +38,8 @@ class MoEStats:
     tokens_per_expert: torch.Tensor
     capacity: int | None
     block_m: int
-    scores_TE: torch.Tensor | None = field(default=None, repr=False)  # detached; read by router_entropy
+    router_entropy: torch.Tensor  # computed in the forward: the scores it reads are (T, E), not kept
     given_tiles_E: torch.Tensor | None = field(default=None, repr=False)  # else from the kept counts
-    given_entropy: torch.Tensor | None = field(default=None, repr=False)  # else from scores_TE
 
     # every stat, counts and derived, in one order (what the tests compare, what world sums rebuild)
     NAMES = ("routed_per_expert", "tokens_per_expert", "dropped_pairs", "dropped_fraction", "capacity", "max_load",
@@ -66,15 +65,6 @@ class MoEStats:
     @cached_property
     def load_imbalance(self) -> torch.Tensor:
         return self.max_load / self.mean_load.clamp_min(1e-20)
-
-    @cached_property
-    def router_entropy(self) -> torch.Tensor:
-        if self.given_entropy is not None:
-            return self.given_entropy
-        with torch.no_grad():
-            probs_TE = self.scores_TE / self.scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)
-            entropy_T = -(probs_TE * probs_TE.clamp_min(1e-20).log()).sum(-1)
-            return entropy_T.mean() if entropy_T.numel() else entropy_T.sum()
 
     @cached_property
     def tiles_per_expert(self) -> torch.Tensor:
@@ -115,10 +105,15 @@ def compute_stats(
 
     ``tiles_E``: (E,) row tiles the grouped GEMM ran per expert, default ``ceil(kept / block_m)``
     (an expert's rows are one segment, with expert parallelism too: the dispatchers hand them over
-    expert-major); ``entropy``: the router entropy, default from ``scores_TE`` (T, E); the world
-    sums of :mod:`parallel.stats` pass both."""
+    expert-major); ``entropy``: the router entropy, default from ``scores_TE`` (T, E), computed
+    here (a derived stat that kept the scores would keep T·E floats a layer until its next
+    forward); the world sums of :mod:`parallel.stats` pass both."""
+    if entropy is None:
+        with torch.no_grad():
+            probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)
+            entropy_T = -(probs_TE * probs_TE.clamp_min(1e-20).log()).sum(-1)
+            entropy = entropy_T.mean() if entropy_T.numel() else entropy_T.sum()
     return MoEStats(
         routed_per_expert=routed_E.detach(), tokens_per_expert=kept_E.detach(), capacity=capacity, block_m=block_m,
-        scores_TE=None if scores_TE is None else scores_TE.detach(),
-        given_tiles_E=None if tiles_E is None else tiles_E.detach(), given_entropy=entropy,
+        router_entropy=entropy, given_tiles_E=None if tiles_E is None else tiles_E.detach(),
     )

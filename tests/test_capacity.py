@@ -136,7 +136,7 @@ def test_a_layer_forward_derives_no_stats_until_they_are_read():
     layer = MoELayer(8, 12, 4, 2, capacity_factor=1.0)
     _, aux = layer.forward_with_aux(torch.randn(10, 8))
     derived = [n for n in MoEStats.NAMES if n not in {f.name for f in dataclasses.fields(MoEStats)}]
-    assert len(derived) == 9 and not set(derived) & set(vars(aux.stats))
+    assert len(derived) == 8 and not set(derived) & set(vars(aux.stats))
     kept = aux.stats.tokens_per_expert.float()
     assert aux.stats.load_imbalance.item() == pytest.approx((kept.max() / kept.mean()).item())
     assert aux.stats.dropped_pairs.item() == (aux.stats.routed_per_expert.sum() - kept.sum()).item() > 0
