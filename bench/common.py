@@ -76,13 +76,17 @@ def timed_steps(trainer, steps: int) -> float:
     rank's, without the profiler."""
     import torch.distributed as dist
 
+    from train.trainer import planned_gc
+
     trainer.train_step()
     if trainer.rt.distributed:
         dist.barrier()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(steps):
-        trainer.train_step()
+    with planned_gc(trainer.cfg.train.gc_every):  # the garbage collection as the training loop does it
+        for _ in range(steps):
+            trainer.train_step()
+            trainer.collect_garbage()
     torch.cuda.synchronize()
     ms = torch.tensor((time.perf_counter() - t0) / steps * 1e3, device=trainer.rt.device)
     if trainer.rt.distributed:

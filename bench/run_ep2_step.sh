@@ -33,6 +33,9 @@
 #                                       # the tree in .base (git archive of the commit before) when present
 #   PART=11 bash bench/run_ep2_step.sh  # PART=10's A/B again in the other order (.base first), then NCCL
 #                                       # with exact sizes in the same layout
+#   PART=12 bash bench/run_ep2_step.sh  # the planned garbage collection (train.gc_every 50, the default)
+#                                       # against Python's automatic one (0), P2P in the bar's layout,
+#                                       # alternating, 2 rounds, with the per-rank table (the ranks' skew)
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -190,6 +193,13 @@ elif [ "$PART" = 11 ]; then
     prof "olmoe_bench EP 2, P2P, replicate, 8 micro-batches (this tree, round 2)" 70 configs/olmoe_bench.yaml $P \
         --parallel.dispatcher=p2p
     prof "olmoe_bench EP 2, NCCL exact sizes, replicate, 8 micro-batches (this tree)" 70 configs/olmoe_bench.yaml $P
+elif [ "$PART" = 12 ]; then
+    P="--warm 3 --steps 1 --timed 6 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    for round in 1 2; do
+        prof "olmoe_bench EP 2, P2P, replicate, 8 micro-batches, gc_every 50 (round $round)" 70 configs/olmoe_bench.yaml $P
+        prof "olmoe_bench EP 2, P2P, replicate, 8 micro-batches, gc_every 0 (round $round)" 70 configs/olmoe_bench.yaml $P \
+            --train.gc_every=0
+    done
 else
     timeout "$(left)" python3 bench/memory_check.py --gpus 2 --steps 8 --timeout 200 --out "$OUT/memory_ep2.md" \
         --only olmoe_bench_fsdp olmoe_bench_fsdp_selective olmoe_bench_fsdp_full olmoe_ep1_fsdp olmoe_ep1_fsdp_selective \

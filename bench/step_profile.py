@@ -57,6 +57,7 @@ from attention import Attention  # noqa: E402
 from common import bench_trainer, timed_steps  # noqa: E402
 from moe import DenseMLP, GroupedExperts, MoELayer, Router  # noqa: E402
 from train.flops import param_counts  # noqa: E402
+from train.trainer import planned_gc  # noqa: E402
 
 CATEGORIES = (
     "attention", "expert GEMMs", "all-to-all", "dispatch/combine", "router + routing plan", "dense MLP",
@@ -331,21 +332,24 @@ def main() -> None:
     trainer = bench_trainer(args.config, args.warm + args.steps + args.timed + 2, extra)
     cfg, rt = trainer.cfg, trainer.rt
     instrument(trainer)
-    for _ in range(args.warm):
-        trainer.train_step()
-    torch.cuda.synchronize()
     trace = os.path.join(tempfile.mkdtemp(), f"trace{rt.rank}.json")
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     times = []
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(args.steps):
-            if rt.distributed:
-                dist.barrier()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
+    with planned_gc(cfg.train.gc_every):  # the garbage collection as the training loop does it
+        for _ in range(args.warm):
             trainer.train_step()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+            trainer.collect_garbage()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(args.steps):
+                if rt.distributed:
+                    dist.barrier()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                trainer.train_step()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+                trainer.collect_garbage()
     step_s = torch.tensor(times, device=rt.device)
     if rt.distributed:
         dist.all_reduce(step_s, op=dist.ReduceOp.MAX)

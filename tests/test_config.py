@@ -108,6 +108,8 @@ def test_yaml_errors_name_the_key(tmp_path, text, needle):
         (["--parallel.dispatcher=gloo"], "parallel.dispatcher"),
         (["--parallel.dispatcher=p2p", "--parallel.device=cpu"], "parallel.dispatcher"),
         (["--parallel.dispatcher=p2p", "--log.time_comm=true"], "log.time_comm"),  # the timer sees NCCL calls only
+        (["--train.gc_every=-1"], "train.gc_every"),
+        (["--parallel.nccl_sizes=auto"], "parallel.nccl_sizes"),
     ],
 )
 def test_cli_errors_name_the_key(args, needle):

@@ -349,6 +349,29 @@ def test_single_process_resume_is_exact(tmp_path):
     assert part == full  # exact, every step
 
 
+def test_training_collects_garbage_at_planned_steps_only(tmp_path, monkeypatch):
+    # train.gc_every 2 over 5 steps: automatic collection off while training, a young-generation
+    # collection after steps 2 and 4 (after one full one at the start), back on at the end
+    import gc
+
+    import train.trainer
+
+    collections, enabled = [], []
+    real_collect, real_step = gc.collect, train.trainer.Trainer.train_step
+    monkeypatch.setattr(gc, "collect", lambda *a: collections.append(a) or real_collect(*a))
+
+    def step(self):
+        enabled.append(gc.isenabled())
+        return real_step(self)
+
+    monkeypatch.setattr(train.trainer.Trainer, "train_step", step)
+    _run_inprocess(SMALL + ["--train.steps=5", "--train.gc_every=2", f"--log.dir={tmp_path}"])
+    assert collections[-3:] == [(), (1,), (1,)] and enabled == [False] * 5 and gc.isenabled()
+    collections.clear(), enabled.clear()
+    _run_inprocess(SMALL + ["--train.steps=2", "--train.gc_every=0", f"--log.dir={tmp_path}", "--log.run_name=auto"])
+    assert (1,) not in collections and enabled == [True] * 2
+
+
 def test_validation_loss_falls(tmp_path):
     hist = _run_inprocess(SMALL + ["--train.steps=40", "--train.eval_every=40", f"--log.dir={tmp_path}", "--optim.warmup_steps=5"])
     v = hist["val_loss"]

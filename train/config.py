@@ -183,6 +183,11 @@ class TrainConfig:
                 "step's update is dropped, its batch and schedule position are consumed; the run stops once more "
                 "than max_skipped_steps steps were skipped)")
     max_skipped_steps: int = option(10, "on_nonfinite=skip: the most skipped steps before the run stops")
+    gc_every: int = option(
+        50, "Python's cyclic garbage collector is off while training and collects its young generations every this "
+            "many steps, on every rank at the same point of the step (an automatic collection pauses one rank at a "
+            "moment of its own, and the others wait for it at the next collective: torchtitan's gc_freq, Megatron-LM's "
+            "--manual-gc); 0: Python's automatic collection")
     memory_check: bool = option(
         True, "on a GPU, refuse to start when train/memory.py predicts a peak above the GPU's memory (bf16 "
               "training); false: start anyway")
@@ -515,7 +520,7 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError("optim.warmup_steps and optim.grad_clip must be >= 0")
     if cfg.parallel.timeout_s <= 0:
         raise ConfigError(f"parallel.timeout_s: must be > 0, got {cfg.parallel.timeout_s}")
-    for key in ("train.eval_every", "train.max_skipped_steps", "log.heatmap_every", "checkpoint.every", "checkpoint.keep", "checkpoint.stop_after"):
+    for key in ("train.eval_every", "train.max_skipped_steps", "train.gc_every", "log.heatmap_every", "checkpoint.every", "checkpoint.keep", "checkpoint.stop_after"):
         sec, k = key.split(".")
         if getattr(getattr(cfg, sec), k) < 0:
             raise ConfigError(f"{key}: must be >= 0")

@@ -11,6 +11,7 @@ biases, schedule), :meth:`Trainer.log_step` (train metrics, :meth:`Trainer.valid
 
 import contextlib
 import faulthandler
+import gc
 import json
 import math
 import os
@@ -40,6 +41,24 @@ from train.parallelize import parallelize, reduce_gradients, set_gradient_sync, 
 from train.rundir import check_run_dir, ckpt_dir_of, clear_run_dir, run_dir_of
 from train.runtime import Runtime, init_runtime
 from train.tokenizer import load_tokens
+
+
+@contextlib.contextmanager
+def planned_gc(every: int):
+    """Inside, Python's automatic cyclic garbage collection is off (``every`` > 0; the caller
+    collects every ``every`` steps at one point of the step, the same on every rank): a collection
+    that starts by itself pauses one rank at a moment of its own, and every other rank then waits
+    for it in the next collective. One full collection first, so the model's construction leaves
+    no garbage behind; the automatic collector comes back on leaving. ``every`` 0: nothing changes."""
+    if not every or not gc.isenabled():
+        yield
+        return
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def autocast_context(cfg: Config, device: torch.device):
@@ -242,15 +261,23 @@ class Trainer:
         if self.step == 0:
             self.log.log(0, {"val/loss": self.validate()})
         self._start_window()
-        while self.step < self.stop_at:
-            scalars = self.train_step()
-            self.log_step(scalars)
-            every = self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0
-            final = self.step == self.stop_at and (self.cfg.checkpoint.save_final or self.stop_at < self.cfg.train.steps)
-            if every or final:
-                self.save_checkpoint()
+        with planned_gc(self.cfg.train.gc_every):
+            while self.step < self.stop_at:
+                scalars = self.train_step()
+                self.log_step(scalars)
+                every = self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0
+                final = self.step == self.stop_at and (self.cfg.checkpoint.save_final or self.stop_at < self.cfg.train.steps)
+                if every or final:
+                    self.save_checkpoint()
+                self.collect_garbage()
         self.check_finite()
         return self.history
+
+    def collect_garbage(self) -> None:
+        """Under :func:`planned_gc`, after a step: the young generations collected every
+        ``train.gc_every`` steps (cycles that outlived two collections wait for the end)."""
+        if self.cfg.train.gc_every and self.step % self.cfg.train.gc_every == 0:
+            gc.collect(1)
 
     def train_step(self) -> StepScalars:
         """One optimizer step over ``train.grad_accum`` micro-batches; advances ``step``."""
