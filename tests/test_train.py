@@ -372,6 +372,31 @@ def test_training_collects_garbage_at_planned_steps_only(tmp_path, monkeypatch):
     assert (1,) not in collections and enabled == [True] * 2
 
 
+def test_a_training_step_leaves_no_tensors_in_reference_cycles(tmp_path, monkeypatch):
+    # with the automatic collector off (train.gc_every), a tensor in a reference cycle would stay
+    # allocated until the next planned collection: each step's cyclic garbage holds none
+    import gc
+
+    import train.trainer
+
+    found, real_step = [], train.trainer.Trainer.train_step
+
+    def step(self):
+        out = real_step(self)
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            gc.collect()
+            found.append([type(o).__name__ for o in gc.garbage if isinstance(o, torch.Tensor)])
+        finally:
+            gc.garbage.clear()
+            gc.set_debug(0)
+        return out
+
+    monkeypatch.setattr(train.trainer.Trainer, "train_step", step)
+    _run_inprocess(SMALL + ["--train.steps=3", "--train.grad_accum=2", f"--log.dir={tmp_path}"])
+    assert found == [[], [], []]
+
+
 def test_validation_loss_falls(tmp_path):
     hist = _run_inprocess(SMALL + ["--train.steps=40", "--train.eval_every=40", f"--log.dir={tmp_path}", "--optim.warmup_steps=5"])
     v = hist["val_loss"]
