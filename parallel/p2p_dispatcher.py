@@ -21,19 +21,23 @@ buffer (own rows into its own) together with where it came from and its combine 
 barrier, so the rows are complete when ``dispatch`` returns them, with their weights (``w_R``: the
 experts weight their output rows, as on the other paths).
 
-``combine``: every rank stores the valid rows of its expert output that came from another rank
-into that rank's return buffer, at the pair's place (the rows from itself stay), each program
-signalling the source's flag; then one local pass waits for the flag and sums each token's K
-(weighted) rows in fp32. It keeps no rows for its backward.
+``combine``: every rank sums, in fp32, the valid rows of its expert output that came from one
+(source, token) (:func:`~parallel.p2p_rows.return_table`) and stores that one row into the
+source's return buffer (its own sources' into its own), each program signalling every peer's
+flag: a token's rows cross the link once however many of its K pairs a rank holds (at top-8 of
+64 on 2 ranks about 4 of them: 4× fewer bytes than a row per pair, which took ~0.4 ms a call on
+2×H200 at 8k tokens, bench/results/step_profile.md); then one local pass waits for the flag and
+sums each token's G rows in fp32. It keeps no rows for its backward.
 
 Backward: the combine backward stores ``dout`` into every row of its token in the receivers'
 gradient buffer (one per dispatcher, shared by the slots: it is consumed by the experts' backward
 before the next combine backward), then a barrier; the dispatch backward sends the rows' gradients
-home like the combine, each with its weight's gradient (the experts' ``dw_R``) into the source's
-``ret_w``, and one pass sums each token's rows and reads each pair's weight gradient where it
-arrived.
+home like the combine, each pair's weight gradient (the experts' ``dw_R``) on its own into the
+source's ``ret_w``, and one pass sums each token's rows; each pair's weight gradient is then read
+where it arrived.
 
-Ordering: 4 launches per forward (3 Triton kernels and one barrier), 4 per backward. Flags only
+Ordering: 5 launches per forward (4 Triton kernels and one barrier) and a table of 3 small torch
+ops, 6 and the table per backward. Flags only
 grow; the host keeps, per slot, the value each flag reaches after the signals sent so far (every
 rank makes the same calls, so every rank knows it). Writers never overrun readers: every rank's
 counts reach a peer only after that rank finished everything before its dispatch, and the
@@ -45,9 +49,8 @@ which every reader of the previous contents passed after reading;
 and the gradient buffer only after the sum of the previous layer's dispatch backward waited for
 the peers' signals, sent after their experts' backward read it.
 
-Memory per slot: R_cap + P_cap rows of D (plus R_cap int64 and R_cap + P_cap fp32), and R_cap rows
-of D for the shared gradient buffer; a slot of the 2-GPU bench at Mixtral-like 32k tokens (D 4096, top-2, bf16) is
-1.6 GB. The experts' activations are R_cap rows too: dropless, the worst case, G× the T·K rows a
+Memory per slot: R_cap + G·max_tokens rows of D (plus R_cap int64 and R_cap + P_cap fp32), and
+R_cap rows of D for the shared gradient buffer. The experts' activations are R_cap rows too: dropless, the worst case, G× the T·K rows a
 balanced layer receives; with a capacity, its bound, about capacity_factor × those.
 
 Requirements: CUDA, every rank of the expert-parallel group on one node with peer access
@@ -66,7 +69,8 @@ from moe.capacity import RoutingPlan
 from moe.config import check_positive_int
 from parallel import flight
 from parallel.ep_dispatcher import ExpertParallelDispatcher, ExpertParallelMeta
-from parallel.p2p_rows import dispatch_rows, push_back, push_rows, sum_pairs
+from parallel.p2p_rows import dispatch_rows, pair_values, push_back, push_rows, return_table, sum_returned
+from parallel.token_rows import gather_slots
 
 _ALIGN = 256
 
@@ -124,15 +128,16 @@ class _SymmetricBuffer:
 class _Slot:
     """The buffers one dispatch holds until its backward: ``recv`` (R_cap, D) rows received,
     ``src`` (R_cap,) int64 where each came from, ``w`` (R_cap,) fp32 their combine weights,
-    ``ret`` (P_cap, D) this rank's pairs' rows sent back and ``ret_w`` (P_cap,) fp32 their weight
+    ``ret`` (G·T_cap, D) this rank's tokens' rows sent back, one per rank (rank g's sum of token t's
+    pairs at row g·T_cap + t, T_cap = max_tokens), and ``ret_w`` (P_cap,) fp32 its pairs' weight
     gradients, ``counts`` (G, E) int64, two int64 flags (``counts_flag``, ``back_flag``) that the
     peers' kernels signal and this rank's dispatch ``ticket``. ``generation`` counts the
     dispatches that took the slot."""
 
     def __init__(self, group, R_cap: int, P_cap: int, D: int, dtype: torch.dtype, G: int, E: int, device,
-                 timeout_ms: int):
+                 timeout_ms: int, T_cap: int):
         self.buf = _SymmetricBuffer(group, {
-            "recv": ((R_cap, D), dtype), "ret": ((P_cap, D), dtype),
+            "recv": ((R_cap, D), dtype), "ret": ((G * T_cap, D), dtype),
             "src": ((R_cap,), torch.int64), "w": ((R_cap,), torch.float32), "ret_w": ((P_cap,), torch.float32),
             "counts": ((G, E), torch.int64),
             "counts_flag": ((1,), torch.int64), "back_flag": ((1,), torch.int64), "ticket": ((1,), torch.int64),
@@ -143,6 +148,26 @@ class _Slot:
         self.counts_target = 0
         self.back_target = 0
         self.tickets = 0
+
+
+@dataclass(frozen=True)
+class _Home:
+    """What the way back of every dispatch of one buffer shape reads, made once: ``src_M``
+    (G·T_cap,) int64 where the sum of (source s, token t), row m = s·T_cap + t of the receiver's
+    sums, goes (row ``me·T_cap + t`` of rank s's return buffer, as ``s · G·T_cap + row``);
+    ``n_M`` (1,) their number on the device; ``rows_TG`` (T_cap, G) int64 the rows of token t's
+    G sums in this rank's return buffer (g·T_cap + t)."""
+
+    src_M: torch.Tensor
+    n_M: torch.Tensor
+    rows_TG: torch.Tensor
+
+    @staticmethod
+    def make(G: int, T_cap: int, me: int, device) -> "_Home":
+        m = torch.arange(G * T_cap, device=device)
+        src_M = (m // T_cap) * (G * T_cap) + me * T_cap + m % T_cap
+        rows_TG = torch.arange(G, device=device)[None, :] * T_cap + torch.arange(T_cap, device=device)[:, None]
+        return _Home(src_M, torch.tensor([G * T_cap], device=device), rows_TG.contiguous())
 
 
 @dataclass(frozen=True)
@@ -161,6 +186,7 @@ class _P2PRoute:
     me: int
     P_cap: int
     index: int
+    home: _Home
 
     @property
     def n_rows(self) -> torch.Tensor:
@@ -184,19 +210,31 @@ class P2PMeta(ExpertParallelMeta):
 
 def _home_and_sum(route: _P2PRoute, y_RD: torch.Tensor, out_dtype: torch.dtype,
                   g_R: torch.Tensor | None = None):
-    """The way back, shared by the combine and the dispatch backward: the valid rows of y_RD
-    (R_cap, D) contiguous that came from other ranks go to their return buffers (with ``g_R``
-    (R_cap,) fp32, the rows' weight gradients, to their ``ret_w``), then ``out_TD[t] = Σ_k y of the
-    pair`` (T, D) once the peers' rows have arrived; with ``g_R``, ``(out_TD, dw_TK)``, dw_TK
-    (T, K) fp32 each pair's weight gradient."""
-    slot = route.slot
+    """The way back, shared by the combine and the dispatch backward. The receiver first sums each
+    (source, token)'s valid rows of y_RD (R_cap, D) contiguous in fp32 (:func:`return_table`: one
+    rounding to the rows' dtype per token and rank, as the NCCL dispatcher's), then stores one
+    row per (source, token) into the source's return buffer, its own sources' into its own (so a
+    token's rows cross the link once however many of its pairs a rank holds: about 4× fewer bytes
+    at top-8 of 64 on 2 ranks than a row per pair); with ``g_R`` (R_cap,) fp32, the rows' weight
+    gradients, each goes to its pair's place of the source's ``ret_w``. Then ``out_TD[t] = Σ_g``
+    of token t's G rows (T, D) once the peers' rows have arrived; with ``g_R``, ``(out_TD,
+    dw_TK)``, dw_TK (T, K) fp32 each pair's weight gradient."""
+    slot, home = route.slot, route.home
     bufs = slot.buf
-    signals = push_back(y_RD, bufs.views["src"], route.n_rows, bufs.ptrs["ret"], bufs.views["ret"].dtype, route.me,
-                        route.P_cap, bufs.ptrs["back_flag"], g_R, None if g_R is None else bufs.ptrs["ret_w"])
-    slot.back_target += (bufs.ptrs["back_flag"].numel() - 1) * signals
-    return sum_pairs(route.row_TK, route.dest_TK, y_RD, bufs.views["ret"], route.me, out_dtype,
-                     bufs.views["back_flag"], slot.back_target, bufs.timeout_ms,
-                     values=None if g_R is None else (g_R, bufs.views["ret_w"]))
+    (T, K), G = route.row_TK.shape, bufs.ptrs["ret"].numel()
+    T_cap, ret_dtype = route.P_cap // K, bufs.views["ret"].dtype
+    sums_MD = gather_slots(y_RD, return_table(bufs.views["src"], route.n_rows, G, T_cap, K), out_dtype=ret_dtype)
+    signals = push_back(sums_MD, home.src_M, home.n_M, bufs.ptrs["ret"], ret_dtype, route.me, G * T_cap,
+                        bufs.ptrs["back_flag"], own_too=True)
+    if g_R is not None:
+        signals += push_back(None, bufs.views["src"], route.n_rows, bufs.ptrs["ret"], ret_dtype, route.me, route.P_cap,
+                             bufs.ptrs["back_flag"], g_R, bufs.ptrs["ret_w"], num_rows=y_RD.shape[0])
+    slot.back_target += (G - 1) * signals
+    out_TD = sum_returned(bufs.views["ret"], home.rows_TG[:T], out_dtype, bufs.views["back_flag"], slot.back_target,
+                          bufs.timeout_ms)
+    if g_R is None:
+        return out_TD
+    return out_TD, pair_values(route.row_TK, route.dest_TK, g_R, bufs.views["ret_w"], route.me)
 
 
 class _P2PDispatchFn(torch.autograd.Function):
@@ -296,7 +334,7 @@ class P2PDispatcher(ExpertParallelDispatcher):
         self.timeout_ms = math.ceil(timeout_s * 1000)
         # resources reused by every call (not per-call state): the slots and gradient buffer of
         # each buffer shape, and how many dispatches each shape has served (picks the slot)
-        self._pools: dict[tuple, tuple[list[_Slot], _SymmetricBuffer]] = {}
+        self._pools: dict[tuple, tuple[list[_Slot], _SymmetricBuffer, _Home]] = {}
         self._calls: dict[tuple, int] = {}
 
     def __repr__(self) -> str:
@@ -311,19 +349,19 @@ class P2PDispatcher(ExpertParallelDispatcher):
         group = self.ep_group if self.ep_group is not None else dist.group.WORLD
         if key not in self._pools:
             grad = _SymmetricBuffer(group, {"rows": ((R_cap, D), dtype)}, device, self.timeout_ms)
-            self._pools[key] = ([], grad)
-        slots, grad = self._pools[key]
+            self._pools[key] = ([], grad, _Home.make(G, self.max_tokens, self.ep_rank, device))
+        slots, grad, home = self._pools[key]
         calls = self._calls.get(key, 0)
         self._calls[key] = calls + 1
         index = calls % self.num_buffers
         if index == len(slots):
-            slots.append(_Slot(group, R_cap, P_cap, D, dtype, G, E, device, self.timeout_ms))
+            slots.append(_Slot(group, R_cap, P_cap, D, dtype, G, E, device, self.timeout_ms, self.max_tokens))
         slot = slots[index]
         slot.generation += 1
         # a view of the earlier generation's rows or weights kept by autograd now fails its version
         # check (every region is a view of the slot's one byte buffer and shares its counter)
         increment_version(slot.buf.bytes)
-        return slot, grad, index, P_cap
+        return slot, grad, index, P_cap, home
 
     def _dispatch_ep(self, x_TD: torch.Tensor, plan: RoutingPlan, w_TK: torch.Tensor, num_experts: int, prepared,
                      row_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, P2PMeta]:
@@ -338,10 +376,10 @@ class P2PDispatcher(ExpertParallelDispatcher):
         if T > self.max_tokens:
             raise ValueError(f"P2PDispatcher: {T} tokens on rank {me} exceed max_tokens={self.max_tokens}")
         device = x_TD.device
-        slot, grad, index, P_cap = self._take_slot(x_TD.shape[1], row_dtype, K, E, device)
+        slot, grad, index, P_cap, home = self._take_slot(x_TD.shape[1], row_dtype, K, E, device)
         route_2TK = torch.empty((2, T, K), dtype=torch.int64, device=device)
         offsets_J = torch.empty(E // self.ep_size, dtype=torch.int32, device=device)
-        route = _P2PRoute(route_2TK[0], route_2TK[1], offsets_J, slot, slot.generation, grad, me, P_cap, index)
+        route = _P2PRoute(route_2TK[0], route_2TK[1], offsets_J, slot, slot.generation, grad, me, P_cap, index, home)
         rows_RD, w_R = _P2PDispatchFn.apply(x_TD, w_TK, plan.order_P, plan.kept_per_expert_E.contiguous(), route)
         return rows_RD, route.offsets_J, w_R, P2PMeta(route=route)
 

@@ -31,15 +31,14 @@ into the dispatch kernel, took it from 8 launches to 4.
   and three kernels were (the routes alone made the 4k dispatch 4× faster than those ops).
 - ``push_rows``: ``buf[dest][row] = x[t]`` for every kept pair: the combine's backward. One
   program per token.
+- ``return_table``: on the receiver, each (source, token)'s rows of its receive buffer, for the
+  sum that goes home as one row (PyTorch, one scatter).
 - ``push_back``: the receiver's side of the way home: every valid row r (r < ``n_rows``, a device
-  scalar) that came from another rank is stored at its pair's place of that rank's return buffer
-  (in the dispatch backward with its weight's gradient); then each program signals every peer's
-  flag.
-- ``sum_pairs``: (after waiting for the flag, when given one) ``out[t] = Σ_k y of the pair``,
-  in fp32, where the pair's row is read from ``own_RD[row]`` when this rank holds its
-  expert and from ``ret_PD[t · K + k]`` (where ``push_back`` put it) otherwise. No peer memory
-  touched. With ``values`` it also reads each pair's weight gradient the same way (the dispatch
-  backward).
+  scalar) that came from another rank (or any rank, ``own_too``) is stored at its place of that
+  rank's return buffer (the dispatcher's: a (source, token)'s summed rows; in the dispatch
+  backward also each pair's weight gradient, alone); then each program signals every peer's flag.
+- ``sum_returned``: (after waiting for the flag) ``out[t] = Σ_g`` of token t's G returned rows,
+  in fp32. No peer memory touched.
 """
 
 import torch
@@ -55,7 +54,8 @@ from moe.config import check_positive_int
 
 # Tiles of the kernels: [_BLOCK_ROWS rows, ROW_BLOCK_D] per step, at most _MAX_PROGRAMS programs
 # striding over the rows. Per-kernel µs on 2×H200 at 16k tokens/rank (dispatch_rows, push_back,
-# sum_pairs), Mixtral-like / fine-grained: [1, 1024] × 4096 programs 414/407/110 and
+# and sum_pairs, which summed each token's pair rows before the way home summed them first),
+# Mixtral-like / fine-grained: [1, 1024] × 4096 programs 414/407/110 and
 # 811/804/170; [4, 512] × 2048 432/415/133 and 849/833/212; [8, 256] × 2048 452/421/133 and
 # 804/825/214; [4, 1024] × 1056 458/427/154 and 875/878/257.
 _BLOCK_ROWS = 2 if INTERPRET else 1
@@ -165,14 +165,15 @@ def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, ticke
 
 @triton.jit
 def _push_back_kernel(y_ptr, src_ptr, n_ptr, ret_ptrs, g_ptr, retw_ptrs, flag_ptrs, me, G, P_cap, D,
-                      OUT: tl.constexpr, HAS_G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                      OUT: tl.constexpr, HAS_G: tl.constexpr, OWN_TOO: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
     offs = tl.arange(0, BLOCK_D)
     n = tl.load(n_ptr).to(tl.int64)
     for tile in range(tl.program_id(0), tl.cdiv(n, BLOCK_R), tl.num_programs(0)):
         r = tile * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
         src = tl.load(src_ptr + r, mask=r < n, other=0)
         rank = src // P_cap
-        away = (r < n) & (rank != me)
+        away = (r < n) & ((rank != me) | OWN_TOO)
         to_rows = tl.load(ret_ptrs + rank, mask=away, other=0).to(tl.pointer_type(OUT)) + (src % P_cap) * D
         for c in range(0, D, BLOCK_D):
             ok = away[:, None] & (c + offs[None, :] < D)
@@ -323,26 +324,34 @@ def push_rows(x_TD: torch.Tensor, row_TK: torch.Tensor, dest_TK: torch.Tensor, b
                  buf_ptrs_G, buf_dtype, D, K=K, peer_table=True)
 
 
-def push_back(y_RD: torch.Tensor, src_R: torch.Tensor, n_rows: torch.Tensor, ret_ptrs_G: torch.Tensor,
+def push_back(y_RD: torch.Tensor | None, src_R: torch.Tensor, n_rows: torch.Tensor, ret_ptrs_G: torch.Tensor,
               ret_dtype: torch.dtype, me: int, P_cap: int, flag_ptrs_G: torch.Tensor,
-              g_R: torch.Tensor | None = None, ret_g_ptrs_G: torch.Tensor | None = None) -> int:
+              g_R: torch.Tensor | None = None, ret_g_ptrs_G: torch.Tensor | None = None, own_too: bool = False,
+              num_rows: int | None = None) -> int:
     """Send the valid rows of y_RD (R, D) home: row r < ``n_rows`` (a 1-element int32/int64 device
     tensor) with ``src_R[r] = s · P_cap + p`` and s ≠ ``me`` is stored at row p of rank s's return
     buffer (of ``ret_dtype``), and with ``g_R`` (≥ R,) fp32 its value at place p of rank s's
     (P_cap,) fp32 buffer (``ret_g_ptrs_G``; the dispatch backward's weight gradients). Rows from
-    ``me`` stay (``sum_pairs`` reads them, and their values, in place). Then every program
-    adds 1 to every other rank's int64 flag (``flag_ptrs_G``).
+    ``me`` stay (their reader reads them, and their values, in place), unless ``own_too``: then
+    they are stored into this rank's own return buffer like the others. ``y_RD`` None: only the
+    values of ``g_R`` travel, for ``num_rows`` = R rows. Then every program adds 1 to every other
+    rank's int64 flag (``flag_ptrs_G``).
 
     Returns the signals each other rank receives from this call: the grid, a function of R only,
     so every rank of a dispatcher (same R_cap) sends the same number."""
-    if src_R.dtype != torch.int64 or src_R.dim() != 1 or src_R.shape[0] < y_RD.shape[0]:
-        raise ValueError(f"src_R must be int64 with ≥ {y_RD.shape[0]} entries, got {src_R.dtype} {tuple(src_R.shape)}")
+    if y_RD is None and (g_R is None or num_rows is None):
+        raise ValueError("push_back: without rows (y_RD None) it sends g_R's values, for num_rows rows")
+    R = y_RD.shape[0] if y_RD is not None else num_rows
+    if src_R.dtype != torch.int64 or src_R.dim() != 1 or src_R.shape[0] < R:
+        raise ValueError(f"src_R must be int64 with ≥ {R} entries, got {src_R.dtype} {tuple(src_R.shape)}")
     if n_rows.numel() != 1 or n_rows.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"n_rows must be a 1-element int32/int64 tensor, got {n_rows.dtype} {tuple(n_rows.shape)}")
     _check_ptrs("ret_ptrs_G", ret_ptrs_G)
     _check_ptrs("flag_ptrs_G", flag_ptrs_G)
-    check_rows("y_RD", y_RD, None, y_RD.shape[1] if y_RD.dim() == 2 else -1)
-    R, D = y_RD.shape
+    D = 0
+    if y_RD is not None:
+        check_rows("y_RD", y_RD, None, y_RD.shape[1] if y_RD.dim() == 2 else -1)
+        D = y_RD.shape[1]
     if (g_R is None) != (ret_g_ptrs_G is None):
         raise ValueError("g_R and ret_g_ptrs_G go together (the rows' weight gradients and where they go)")
     if g_R is not None:
@@ -350,48 +359,42 @@ def push_back(y_RD: torch.Tensor, src_R: torch.Tensor, n_rows: torch.Tensor, ret
         if g_R.dtype != torch.float32 or g_R.dim() != 1 or g_R.shape[0] < R or not g_R.is_contiguous():
             raise ValueError(f"g_R must be a contiguous fp32 vector of ≥ {R} entries, got {g_R.dtype} {tuple(g_R.shape)}")
     grid = grid_programs(triton.cdiv(R, _BLOCK_ROWS), _MAX_PROGRAMS)
-    _push_back_kernel[(grid,)](y_RD, src_R, n_rows, ret_ptrs_G, g_R if g_R is not None else src_R,
+    _push_back_kernel[(grid,)](y_RD if y_RD is not None else g_R, src_R, n_rows, ret_ptrs_G,
+                               g_R if g_R is not None else src_R,
                                ret_g_ptrs_G if ret_g_ptrs_G is not None else ret_ptrs_G, flag_ptrs_G, me,
                                flag_ptrs_G.numel(), P_cap, D, OUT=tl_dtype(ret_dtype), HAS_G=g_R is not None,
-                               BLOCK_R=_BLOCK_ROWS, BLOCK_D=ROW_BLOCK_D, num_warps=4)
+                               OWN_TOO=own_too, BLOCK_R=_BLOCK_ROWS, BLOCK_D=ROW_BLOCK_D, num_warps=4)
     return grid
 
 
-def sum_pairs(row_TK: torch.Tensor, dest_TK: torch.Tensor, own_RD: torch.Tensor, ret_PD: torch.Tensor, me: int,
-              out_dtype: torch.dtype | None = None, flag: torch.Tensor | None = None, target: int = 0,
-              timeout_ms: int = TIMEOUT_MS, values: tuple[torch.Tensor, torch.Tensor] | None = None
-              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``out_TD[t] = Σ_k y`` over the kept pairs, y = ``own_RD[row]`` (rows, D) where
-    ``dest == me``, else ``ret_PD[t·K + k]`` (≥ T·K, D); fp32 sums cast to ``out_dtype`` (default
-    own_RD's dtype). With ``flag`` (1-element int64) it first waits until the flag reaches
-    ``target`` (the peers' ``push_back`` signals). With ``values`` = (own_R, ret_P), fp32 vectors
-    beside own_RD's and ret_PD's rows, it also returns each pair's value read the same way,
-    (T, K) fp32, 0 for a dropped pair (:func:`pair_values_reference`): ``(out_TD, values_TK)``."""
-    _check_pairs(row_TK, dest_TK)
-    T, K = row_TK.shape
-    D = own_RD.shape[1] if own_RD.dim() == 2 else -1
-    check_rows("own_RD", own_RD, None, D)
-    check_rows("ret_PD", ret_PD, None, D)
-    if ret_PD.shape[0] < T * K:
-        raise ValueError(f"ret_PD has {ret_PD.shape[0]} rows, fewer than the T·K = {T * K} pairs")
-    if flag is not None:
-        _check_flag("flag", flag)
-    values_TK = None
-    if values is not None:
-        own_R, ret_P = values
-        for name, v, n in (("own_R", own_R, own_RD.shape[0]), ("ret_P", ret_P, T * K)):
-            if v.dtype != torch.float32 or v.dim() != 1 or v.shape[0] < n or not v.is_contiguous():
-                raise ValueError(f"sum_pairs: {name} must be a contiguous fp32 vector of ≥ {n} entries, "
-                                 f"got {v.dtype} {tuple(v.shape)}")
-        values_TK = torch.empty((T, K), dtype=torch.float32, device=own_RD.device)
-    # with a flag it runs for T = 0 too: the wait is what orders this rank's later stores into
-    # the peers' buffers after the peers' reads of theirs
-    out_TD = gather_sum(T, D, _locate_pair, row_TK.contiguous(), dest_TK.contiguous(), me, 0, own_RD, ret_PD,
-                        None, out_dtype or own_RD.dtype, K=K,
-                        prologue=None if flag is None else _wait, prologue_args=(flag, target, timeout_ms * 1_000_000),
-                        block_t=_BLOCK_ROWS, max_programs=_MAX_PROGRAMS,
-                        pair_values=None if values is None else (*values, values_TK))
-    return out_TD if values is None else (out_TD, values_TK)
+@triton.jit
+def _locate_returned(pair, live, rows_ptr, _unused, _me, _n):
+    """Slot g of token t (pair = t·G + g) is row ``rows[t·G + g]`` of the return buffer (-1: none)."""
+    row = tl.load(rows_ptr + pair, mask=live, other=-1)
+    there = live & (row >= 0)
+    return there, there & False, row, row
+
+
+def sum_returned(ret_MD: torch.Tensor, rows_TG: torch.Tensor, out_dtype: torch.dtype, flag: torch.Tensor,
+                 target: int, timeout_ms: int = TIMEOUT_MS) -> torch.Tensor:
+    """After waiting until ``flag`` (1-element int64) reaches ``target`` (the ranks' pushes of
+    their sums): ``out_TD[t] = Σ_g ret_MD[rows_TG[t, g]]`` in fp32, cast to ``out_dtype``; rows -1
+    add nothing. ret_MD (M, D) row-major; rows_TG (T, G) int64 contiguous. Runs (the wait) for
+    T = 0 too: it orders this rank's later stores into the peers' buffers after their reads."""
+    _check_flag("flag", flag)
+    if rows_TG.dim() != 2 or rows_TG.dtype != torch.int64 or not rows_TG.is_contiguous():
+        raise ValueError(f"rows_TG must be a contiguous (T, G) int64 tensor, got {rows_TG.dtype} {tuple(rows_TG.shape)}")
+    check_rows("ret_MD", ret_MD, None, ret_MD.shape[1] if ret_MD.dim() == 2 else -1)
+    (T, G), D = rows_TG.shape, ret_MD.shape[1]
+    return gather_sum(T, D, _locate_returned, rows_TG, None, 0, 0, ret_MD, None, None, out_dtype, K=G,
+                      prologue=_wait, prologue_args=(flag, target, timeout_ms * 1_000_000), block_t=_BLOCK_ROWS,
+                      max_programs=_MAX_PROGRAMS)
+
+
+def sum_returned_reference(ret_MD: torch.Tensor, rows_TG: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """PyTorch version of :func:`sum_returned` (no wait)."""
+    there = rows_TG >= 0
+    return gather_sum_reference((there, there & False, rows_TG, rows_TG), ret_MD, None, None, out_dtype)
 
 
 def locate_pair_reference(row_TK, dest_TK, me):
@@ -408,29 +411,37 @@ def push_rows_reference(x_TD, row_TK, dest_TK, bufs, me=0):
     scatter_rows_reference(x_TD, sent, locate_pair_reference(row_TK, dest_TK, me), bufs)
 
 
-def push_back_reference(y_RD, src_R, n_rows, rets, me, P_cap, g_R=None, ret_gs=None):
-    """PyTorch version of :func:`push_back` (the rows, and the values of ``g_R`` into ``ret_gs``; no
-    flags) over lists of return buffers."""
+def push_back_reference(y_RD, src_R, n_rows, rets, me, P_cap, g_R=None, ret_gs=None, own_too=False):
+    """PyTorch version of :func:`push_back` (the rows unless ``y_RD`` is None, and the values of
+    ``g_R`` into ``ret_gs``; no flags) over lists of return buffers."""
     for r in range(int(n_rows)):
         s, p = divmod(int(src_R[r]), P_cap)
-        if s != me:
-            rets[s][p] = y_RD[r].to(rets[s].dtype)
+        if s != me or own_too:
+            if y_RD is not None:
+                rets[s][p] = y_RD[r].to(rets[s].dtype)
             if g_R is not None:
                 ret_gs[s][p] = g_R[r]
 
 
-def pair_values_reference(row_TK: torch.Tensor, dest_TK: torch.Tensor, own_R: torch.Tensor, ret_P: torch.Tensor,
+def return_table(src_R: torch.Tensor, n_rows: torch.Tensor, G: int, T_cap: int, K: int) -> torch.Tensor:
+    """(G·T_cap, K) int64: for each (source s, token t), row ``s·T_cap + t``, the rows r < ``n_rows``
+    of a receive buffer that came from its pairs (``src_R[r] = s·T_cap·K + t·K + k``, at column
+    k), -1 where there is none: the table that sums a token's pairs on the receiver before they
+    go home as one row (:func:`~parallel.token_rows.gather_slots`)."""
+    P = G * T_cap * K
+    r = torch.arange(src_R.shape[0], device=src_R.device)
+    table = torch.full((P + 1,), -1, dtype=torch.int64, device=src_R.device)  # the last: a sink for padding rows
+    table.scatter_(0, torch.where(r < n_rows.reshape(()), src_R, P), r)
+    return table[:P].view(G * T_cap, K)
+
+
+def pair_values(row_TK: torch.Tensor, dest_TK: torch.Tensor, own_R: torch.Tensor, ret_P: torch.Tensor,
                           me: int) -> torch.Tensor:
-    """PyTorch version of :func:`sum_pairs`' ``values``: (T, K) fp32 value of each pair:
+    """(T, K) fp32 value of each pair (the dispatch backward's weight gradients, read after
+    :func:`sum_returned`'s wait):
     ``own_R[row]`` where this rank holds its expert (``dest == me``), else ``ret_P[t·K + k]``
     (where :func:`push_back` put it), 0 for a dropped pair."""
     T, K = row_TK.shape
     own_TK = own_R[row_TK.clamp_min(0).view(-1)].view(T, K)
     value_TK = torch.where(dest_TK == me, own_TK, ret_P[:T * K].view(T, K))
     return torch.where(row_TK >= 0, value_TK, 0.0)
-
-
-def sum_pairs_reference(row_TK, dest_TK, own_RD, ret_PD, me, out_dtype=None):
-    """PyTorch version of :func:`sum_pairs`."""
-    return gather_sum_reference(locate_pair_reference(row_TK, dest_TK, me), own_RD, ret_PD, None,
-                                out_dtype or own_RD.dtype)

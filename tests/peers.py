@@ -64,4 +64,4 @@ def share_one_gpu() -> None:
 
     torch.cuda.set_device(0)
     p2p._SymmetricBuffer = SharedGpuBuffer
-    p2p.dispatch_rows, p2p.sum_pairs = after_peers(p2p.dispatch_rows), after_peers(p2p.sum_pairs)
+    p2p.dispatch_rows, p2p.sum_returned = after_peers(p2p.dispatch_rows), after_peers(p2p.sum_returned)

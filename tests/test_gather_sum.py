@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from moe.kernels.combine import gather_rows, sum_combine, weighted_combine, weighted_combine_reference
-from parallel.p2p_rows import pair_values_reference, push_rows, push_rows_reference, sum_pairs, sum_pairs_reference
+from parallel.p2p_rows import pair_values, push_rows, push_rows_reference, sum_returned, sum_returned_reference
 from parallel.token_rows import expert_rows, gather_slots, locate_pairs, scatter_slots, write_headers
 from tests.peers import G, buffer_ptrs
 
@@ -420,7 +420,7 @@ def _random_pairs(T, K, rows, dropped=0.25, seed=0):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T, K, D", [(9, 3, 70), (1, 1, 5), (0, 2, 16), (13, 8, 130)])
-def test_p2p_push_rows_and_sum_pairs_match_their_references(T, K, D, dtype):
+def test_p2p_push_rows_matches_its_reference(T, K, D, dtype):
     rows, me, P_cap = T * K + 3, 1, T * K + 2
     row, dest = _random_pairs(T, K, rows)
     x = torch.randn(T, D, device=DEVICE).to(dtype)
@@ -436,21 +436,34 @@ def test_p2p_push_rows_and_sum_pairs_match_their_references(T, K, D, dtype):
         torch.testing.assert_close(b.float(), r.float(), rtol=tol, atol=tol)
     assert T == 0 or any(bool((b != 0).any()) for b in bufs)
 
-    for out_dtype in (None, torch.float32):
-        out = sum_pairs(row, dest, own, ret, me, out_dtype)
-        ref = sum_pairs_reference(row, dest, own, ret, me, out_dtype)
-        assert out.dtype == ref.dtype
-        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
-
     # the dispatch backward's weight gradients: own rows' in place, the others' where push_back put
-    # them, in the same pass as the sum; the reference against plain loops
+    # them; against plain loops
     g_own, g_ret = torch.randn(rows, device=DEVICE), torch.randn(P_cap, device=DEVICE)
     expected = [[0.0 if row[t, k] < 0 else float(g_own[row[t, k]] if dest[t, k] == me else g_ret[t * K + k])
                  for k in range(K)] for t in range(T)]
-    assert pair_values_reference(row, dest, g_own, g_ret, me).tolist() == expected
-    out, values = sum_pairs(row, dest, own, ret, me, values=(g_own, g_ret))
-    assert values.tolist() == expected
-    torch.testing.assert_close(out.float(), sum_pairs_reference(row, dest, own, ret, me).float(), rtol=tol, atol=tol)
+    assert pair_values(row, dest, g_own, g_ret, me).tolist() == expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T, D", [(9, 70), (1, 5), (0, 16), (13, 130)])
+def test_p2p_sum_returned_matches_its_reference(T, D, dtype):
+    """Each token's rows of G return blocks, some absent (-1), summed in fp32; the flag already at
+    its target (a wait that is satisfied)."""
+    gen = torch.Generator().manual_seed(T + D)
+    ret = torch.randn(G * (T + 2), D, generator=gen).to(DEVICE, dtype)
+    rows_TG = torch.arange(G)[None, :] * (T + 2) + torch.arange(T)[:, None]
+    rows_TG = torch.where(torch.rand(T, G, generator=gen) < 0.3, -1, rows_TG).contiguous().to(DEVICE)
+    flag = torch.full((1,), 3, dtype=torch.int64, device=DEVICE)
+    tol = P2P_TOL[dtype]
+    for out_dtype in (dtype, torch.float32):
+        out = sum_returned(ret, rows_TG, out_dtype, flag, 3)
+        ref = sum_returned_reference(ret, rows_TG, out_dtype)
+        assert out.dtype == ref.dtype == out_dtype
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+        loops = [sum((ret[r].float() for r in rows_TG[t].tolist() if r >= 0), torch.zeros(D, device=DEVICE))
+                 for t in range(T)]
+        if T:
+            torch.testing.assert_close(out.float(), torch.stack(loops), rtol=tol, atol=tol)
 
 
 def test_p2p_bad_arguments_raise():
@@ -464,10 +477,7 @@ def test_p2p_bad_arguments_raise():
         push_rows(x[:3], row, dest, ptrs, torch.float32)
     with pytest.raises(ValueError, match="buffer dtype"):
         push_rows(x, row, dest, ptrs, torch.int32)
-    with pytest.raises(ValueError, match="ret_PD"):
-        sum_pairs(row, dest, x, torch.zeros(7, 4, device=DEVICE), 0)
-    with pytest.raises(ValueError, match="ret_P must"):
-        sum_pairs(row, dest, x, torch.zeros(8, 4, device=DEVICE), 0, values=(torch.zeros(4, device=DEVICE),
-                                                                              torch.zeros(7, device=DEVICE)))
+    with pytest.raises(ValueError, match="rows_TG"):
+        sum_returned(x, row.int(), torch.float32, flag, 0)
     with pytest.raises(ValueError, match="flag"):
-        sum_pairs(row, dest, x, torch.zeros(8, 4, device=DEVICE), 0, flag=flag.int(), target=1)
+        sum_returned(x, row, torch.float32, flag.int(), 1)

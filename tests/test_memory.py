@@ -341,14 +341,15 @@ def test_p2p_experts_compute_the_fixed_rows():
     assert memory.expert_rows(s, T, nccl).R == T * s.K
     assert memory.expert_rows(s, T, p2p).R == 2 * T * s.K  # R_cap = ep·T·K, whatever the routing
     assert memory.p2p_buffer_bytes(s, T, nccl, 2) == 0
-    # 16 slots of (received + returned) bf16 rows and one gradient buffer, plus small regions
-    rows = 16 * (2 + 1) * T * s.K * s.D * 2 + 2 * T * s.K * s.D * 2
+    # 16 slots of received bf16 rows (ep·T·K) and returned ones (one per rank and token: ep·T), and
+    # one gradient buffer, plus small regions
+    rows = 16 * (2 * T * s.K + 2 * T) * s.D * 2 + 2 * T * s.K * s.D * 2
     assert rows < memory.p2p_buffer_bytes(s, T, p2p, 2) < rows * 1.01
     # with a capacity, the buffers hold its bound on what a rank receives: E · C rows
     capped = dataclasses.replace(s, capacity_factor=1.25)
     C = math.ceil(1.25 * T * s.K / s.E)
     assert memory.expert_rows(capped, T, p2p).R == s.E * C < 2 * T * s.K
-    rows = 16 * (s.E * C + T * s.K) * s.D * 2 + s.E * C * s.D * 2
+    rows = 16 * (s.E * C + 2 * T) * s.D * 2 + s.E * C * s.D * 2
     assert rows < memory.p2p_buffer_bytes(capped, T, p2p, 2) < rows * 1.01
 
 

@@ -16,8 +16,10 @@ import torch
 
 from moe.capacity import plan_routing
 from parallel.p2p_rows import (
-    dispatch_rows, p2p_routes_reference, push_back, push_back_reference, push_rows, sum_pairs,
+    dispatch_rows, p2p_routes_reference, pair_values, push_back, push_back_reference, push_rows, return_table,
+    sum_returned, sum_returned_reference,
 )
+from parallel.token_rows import gather_slots
 from tests.peers import G, buffer_ptrs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -109,31 +111,47 @@ def test_dispatcher_data_flow_in_one_process(case):
         if R:
             torch.testing.assert_close(recv[d][:R], torch.stack(expected))
 
-    # padding rows stay NaN: nothing may read them
+    # padding rows stay NaN: nothing may read them. The way back: each receiver sums a (source,
+    # token)'s rows and stores one row into the source's return buffer (its own sources' into its
+    # own), the weights' gradients per pair; the source sums its G rows of each token
+    T_cap = max(tokens)
+    m = torch.arange(G * T_cap, device=DEVICE)
+    rows_TG = (torch.arange(G, device=DEVICE)[None, :] * T_cap + torch.arange(T_cap, device=DEVICE)[:, None]).contiguous()
+    n_M = torch.tensor([G * T_cap], device=DEVICE)
+
+    def home(r, y_RD, g_R=None):
+        sums = gather_slots(y_RD, return_table(src[r], routes[r][2][-1:], G, T_cap, K), out_dtype=torch.float32)
+        src_M = (m // T_cap) * (G * T_cap) + r * T_cap + m % T_cap
+        sent = push_back(sums, src_M, n_M, buffer_ptrs(ret), torch.float32, r, G * T_cap, buffer_ptrs(back_flags),
+                         own_too=True)
+        if g_R is not None:
+            sent += push_back(None, src[r], routes[r][2][-1:], buffer_ptrs(ret), torch.float32, r, P_cap,
+                              buffer_ptrs(back_flags), g_R, buffer_ptrs(ret_g), num_rows=R_cap)
+        return sent
+
     ys = [w[:, None] * (2 * b + 1) for b, w in zip(recv, w_recv)]
-    ret = [torch.full((P_cap, D), float("nan"), device=DEVICE) for _ in range(G)]
+    ret = [torch.full((G * T_cap, D), float("nan"), device=DEVICE) for _ in range(G)]
+    ret_g = [torch.full((P_cap,), float("nan"), device=DEVICE) for _ in range(G)]
     back_flags = _flags()
-    signals = [push_back(ys[r], src[r], routes[r][2][-1:], buffer_ptrs(ret), torch.float32, r, P_cap, buffer_ptrs(back_flags))
-               for r in range(G)]
+    signals = [home(r, ys[r]) for r in range(G)]
     assert len(set(signals)) == 1 and [int(f) for f in back_flags] == [(G - 1) * signals[0]] * G
     target = (G - 1) * signals[0]
     gs = [torch.randn(T, D, device=DEVICE) for T in tokens]
     grad_rows = [torch.full((R_cap, D), float("nan"), device=DEVICE) for _ in range(G)]
     for r in range(G):
-        out = sum_pairs(routes[r][0], routes[r][1], ys[r], ret[r], r, flag=back_flags[r], target=target,
-                        timeout_ms=TIMEOUT_MS)
+        out = sum_returned(ret[r], rows_TG[:tokens[r]], torch.float32, back_flags[r], target, TIMEOUT_MS)
         torch.testing.assert_close(out, (2 * xs[r] + 1) * ws[r].sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, sum_returned_reference(ret[r], rows_TG[:tokens[r]], torch.float32))
         push_rows(gs[r], routes[r][0], routes[r][1], buffer_ptrs(grad_rows), torch.float32, me=r)
     # experts y = w · x: d rows = w · dy, dw = <dy, x>, on the valid rows (the padding's NaN stays)
     d_rows = [w[:, None] * g for g, w in zip(grad_rows, w_recv)]
     dw_R = [(g * b).sum(-1) for g, b in zip(grad_rows, recv)]
-    ret_g = [torch.full((P_cap,), float("nan"), device=DEVICE) for _ in range(G)]
+    back = [home(r, d_rows[r], dw_R[r]) for r in range(G)]
+    assert len(set(back)) == 1
     for r in range(G):
-        push_back(d_rows[r], src[r], routes[r][2][-1:], buffer_ptrs(ret), torch.float32, r, P_cap, buffer_ptrs(back_flags),
-                  dw_R[r], buffer_ptrs(ret_g))
-    for r in range(G):
-        dx, dw = sum_pairs(routes[r][0], routes[r][1], d_rows[r], ret[r], r, flag=back_flags[r], target=2 * target,
-                           timeout_ms=TIMEOUT_MS, values=(dw_R[r], ret_g[r]))
+        dx = sum_returned(ret[r], rows_TG[:tokens[r]], torch.float32, back_flags[r], target + (G - 1) * back[0],
+                          TIMEOUT_MS)
+        dw = pair_values(routes[r][0], routes[r][1], dw_R[r], ret_g[r], r)
         torch.testing.assert_close(dx, gs[r] * ws[r].sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(dw, torch.where(plans[r].kept_TK, (gs[r] * xs[r]).sum(-1, keepdim=True), 0.0),
                                    rtol=1e-5, atol=1e-5)
@@ -182,26 +200,35 @@ def test_routes_match_the_reference(G_, E, K):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T, K, D", [(9, 3, 70), (1, 1, 5), (0, 2, 16), (13, 8, 130)])
 def test_push_back_matches_its_reference(T, K, D, dtype):
-    """With and without the rows' weight gradients (g_R). (push_rows and sum_pairs, the
+    """With and without the rows' weight gradients (g_R). (push_rows and sum_returned, the
     gather-sum family's P2P members: tests/test_gather_sum.py)"""
     rows, me, P_cap = T * K + 3, 1, T * K + 2
     y = torch.randn(rows, D, device=DEVICE).to(dtype)
     g = torch.randn(rows, device=DEVICE)
     src = torch.randperm(G * P_cap, device=DEVICE)[:rows]  # distinct places: the GPU stores in no set order
     n = torch.tensor([rows - 2], dtype=torch.int32, device=DEVICE)
-    for with_g in (False, True):
+    # rows and weights, rows only, weights only (y None); own rows kept or stored home too
+    for with_y, with_g, own_too in ((True, False, False), (True, True, False), (True, False, True),
+                                    (False, True, False)):
         rets = [torch.zeros(P_cap, D, device=DEVICE, dtype=dtype) for _ in range(G)]
         ret_gs = [torch.zeros(P_cap, device=DEVICE) for _ in range(G)]
         ref_rets, ref_gs = [r.clone() for r in rets], [r.clone() for r in ret_gs]
         flags = _flags()
-        signals = push_back(y, src, n, buffer_ptrs(rets), dtype, me, P_cap, buffer_ptrs(flags),
-                            *((g, buffer_ptrs(ret_gs)) if with_g else ()))
-        push_back_reference(y, src, n, ref_rets, me, P_cap, *((g, ref_gs) if with_g else ()))
+        signals = push_back(y if with_y else None, src, n, buffer_ptrs(rets), dtype, me, P_cap, buffer_ptrs(flags),
+                            *((g, buffer_ptrs(ret_gs)) if with_g else ()), own_too=own_too, num_rows=rows)
+        push_back_reference(y if with_y else None, src, n, ref_rets, me, P_cap, *((g, ref_gs) if with_g else ()),
+                            own_too=own_too)
         for a, b in zip(rets + ret_gs, ref_rets + ref_gs):
             assert torch.equal(a, b)
         assert [int(f) for f in flags] == [0 if g_ == me else signals for g_ in range(G)]
         if with_g and int(n) > 0:  # some weight gradient went to another rank
             assert any(bool((r != 0).any()) for r in ret_gs)
+        # own rows: stored into this rank's own buffer only with own_too; nothing without rows
+        mine = [int(src[r]) % P_cap for r in range(int(n)) if int(src[r]) // P_cap == me]
+        if mine and D:
+            assert bool((rets[me][mine] != 0).any()) == (own_too and with_y)
+        if not with_y:
+            assert all(not bool(r.any()) for r in rets)
 
 
 def test_dispatch_sends_its_counts_row_to_every_rank_once():
@@ -228,7 +255,7 @@ def test_dispatch_sends_its_counts_row_to_every_rank_once():
 
 
 def test_bad_arguments_raise():
-    """(push_rows' and sum_pairs' checks: tests/test_gather_sum.py)"""
+    """(push_rows' and sum_returned's checks: tests/test_gather_sum.py)"""
     ptrs = buffer_ptrs([torch.zeros(10, 4, device=DEVICE)] * G)
     x = torch.randn(4, 4, device=DEVICE)
     flag = torch.zeros(1, dtype=torch.int64, device=DEVICE)
@@ -277,11 +304,11 @@ def test_dispatch_into_too_small_buffers_moves_nothing():
 
 _NEVER_SIGNALLED = """
 import torch
-from parallel.p2p_rows import sum_pairs
-row = torch.zeros(2, 1, dtype=torch.int64, device="cuda")
+from parallel.p2p_rows import sum_returned
+rows = torch.zeros(2, 1, dtype=torch.int64, device="cuda")
 y = torch.ones(2, 4, device="cuda")
 flag = torch.zeros(1, dtype=torch.int64, device="cuda")
-sum_pairs(row, row, y, y, 0, flag=flag, target=1, timeout_ms=500)
+sum_returned(y, rows, torch.float32, flag, 1, timeout_ms=500)
 torch.cuda.synchronize()
 """
 

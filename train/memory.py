@@ -632,8 +632,9 @@ def p2p_buffer_bytes(s: ModelShape, T: int, lay: Layout, row_bytes: int) -> int:
     if lay.transport != "p2p":
         return 0
     R_cap, P_cap = received_rows_cap(s, T, lay), T * s.K
-    regions = [R_cap * s.D * row_bytes, P_cap * s.D * row_bytes, R_cap * 8, R_cap * 4, P_cap * 4, lay.ep * s.E * 8,
-               8, 8, 8]
+    # the return buffer holds one row per (rank, token): the receivers sum a token's pairs first
+    regions = [R_cap * s.D * row_bytes, lay.ep * T * s.D * row_bytes, R_cap * 8, R_cap * 4, P_cap * 4,
+               lay.ep * s.E * 8, 8, 8, 8]
     slot = sum(_ceil_div(n, 256) * 256 for n in regions)
     return sum(s.moe_blocks) * slot + _ceil_div(R_cap * s.D * row_bytes, 256) * 256
 
