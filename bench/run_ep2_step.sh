@@ -36,6 +36,9 @@
 #   PART=12 bash bench/run_ep2_step.sh  # the planned garbage collection (train.gc_every 50, the default)
 #                                       # against Python's automatic one (0), P2P in the bar's layout,
 #                                       # alternating, 2 rounds, with the per-rank table (the ranks' skew)
+#   PART=13 bash bench/run_ep2_step.sh  # the P2P token rows: the 2-GPU P2P tests, then P2P in the bar's
+#                                       # layout against the tree in .base (git archive 2a730b5: a row per
+#                                       # pair both ways), alternating, 2 rounds, with the per-rank table
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -199,6 +202,17 @@ elif [ "$PART" = 12 ]; then
         prof "olmoe_bench EP 2, P2P, replicate, 8 micro-batches, gc_every 50 (round $round)" 70 configs/olmoe_bench.yaml $P
         prof "olmoe_bench EP 2, P2P, replicate, 8 micro-batches, gc_every 0 (round $round)" 70 configs/olmoe_bench.yaml $P \
             --train.gc_every=0
+    done
+elif [ "$PART" = 13 ]; then
+    MOE_AUTOTUNE=0 timeout 200 python3 -m pytest -q -m multigpu tests/test_parallel.py tests/test_train.py -k p2p 2>&1 \
+        | tail -8 | tee "$OUT/gpu_tests.log"
+    P="--warm 3 --steps 1 --timed 3 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    for round in 1 2; do
+        if [ -d .base ]; then
+            (cd .base && prof "olmoe_bench EP 2, P2P, replicate, 8 micro-batches (.base: $(cat REV 2>/dev/null), round $round)" \
+                70 configs/olmoe_bench.yaml $P)
+        fi
+        prof "olmoe_bench EP 2, P2P token rows, replicate, 8 micro-batches (round $round)" 70 configs/olmoe_bench.yaml $P
     done
 else
     timeout "$(left)" python3 bench/memory_check.py --gpus 2 --steps 8 --timeout 200 --out "$OUT/memory_ep2.md" \
