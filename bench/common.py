@@ -78,16 +78,16 @@ def timed_steps(trainer, steps: int) -> float:
 
     from train.trainer import planned_gc
 
-    trainer.train_step()
-    if trainer.rt.distributed:
-        dist.barrier()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
     with planned_gc(trainer.cfg.train.gc_every):  # the garbage collection as the training loop does it
+        trainer.train_step()  # (its first full collection, on entry, is not timed)
+        if trainer.rt.distributed:
+            dist.barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         for _ in range(steps):
             trainer.train_step()
             trainer.collect_garbage()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
     ms = torch.tensor((time.perf_counter() - t0) / steps * 1e3, device=trainer.rt.device)
     if trainer.rt.distributed:
         dist.all_reduce(ms, op=dist.ReduceOp.MAX)

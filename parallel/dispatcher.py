@@ -331,6 +331,17 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
             raise ValueError("AllToAllDispatcher: capacity_factor and capacity_groups size the padded exchange: "
                              "give max_tokens too (or neither)")
 
+    def run_experts(self, experts, x_TD: torch.Tensor, plan: RoutingPlan, experts_TK: torch.Tensor,
+                    w_TK: torch.Tensor, out_dtype: torch.dtype | None = None,
+                    row_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """:meth:`~parallel.ExpertParallelDispatcher.run_experts`; padded, a layer's T is checked
+        against ``max_tokens`` first (its chunks are checked against their blocks, which a layer
+        of more than max_tokens tokens could pass)."""
+        if self.max_tokens is not None and x_TD.shape[0] > self.max_tokens:
+            raise ValueError(f"AllToAllDispatcher: {x_TD.shape[0]} tokens on rank {self.ep_rank} exceed the padded "
+                             f"exchange's max_tokens={self.max_tokens}")
+        return super().run_experts(experts, x_TD, plan, experts_TK, w_TK, out_dtype, row_dtype)
+
     def __repr__(self) -> str:
         padded = "" if self.max_tokens is None else f", padded, {self._token_bound_repr()}"
         return f"AllToAllDispatcher(ep_size={self.ep_size}, ep_rank={self.ep_rank}{padded})"

@@ -294,6 +294,9 @@ def test_padded_nccl_sizes_are_the_nccl_dispatchers():
     with pytest.raises(ConfigError, match="parallel.nccl_sizes=padded is ignored with parallel.dispatcher=p2p"):
         load_config(["--parallel.ep=2", "--parallel.dispatcher=p2p", "--parallel.nccl_sizes=padded"], world_size=2)
     assert load_config(["--parallel.ep=2", "--parallel.nccl_sizes=padded"], world_size=2).parallel.nccl_sizes == "padded"
+    with pytest.raises(ConfigError, match="parallel.overlap_chunks=2 and moe.capacity_factor=1.25"):
+        load_config(["--parallel.ep=2", "--parallel.nccl_sizes=padded", "--parallel.overlap_chunks=2",
+                     "--moe.capacity_factor=1.25"], world_size=2)
 
 
 def test_only_options_the_user_set_count_as_ignored(tmp_path):

@@ -522,6 +522,13 @@ def _half_rows(rank: int, world: int) -> dict:
             ref.backward(dout)
             out[f"{dtype} D={D}"] = [_rel_err(y, ref), _rel_err(x.grad, xr.grad),
                                      _rel_err(w.grad, wr.grad * plan.kept_TK)]
+    # padded, a layer of more tokens than max_tokens is refused before any collective, also when
+    # its chunks would fit their blocks (11 tokens in 3 chunks of <= 4, max_tokens 10)
+    try:
+        AllToAllDispatcher(overlap_chunks=3, max_tokens=T - 1).run_experts(experts, x0, plan, experts_TK, w0)
+        out["too_many_tokens"] = [1.0]
+    except ValueError as e:
+        out["too_many_tokens"] = [0.0 if "exceed the padded exchange's max_tokens=10" in str(e) else 1.0]
     return out
 
 

@@ -350,8 +350,8 @@ def test_single_process_resume_is_exact(tmp_path):
 
 
 def test_training_collects_garbage_at_planned_steps_only(tmp_path, monkeypatch):
-    # train.gc_every 2 over 5 steps: automatic collection off while training, a young-generation
-    # collection after steps 2 and 4 (after one full one at the start), back on at the end
+    # train.gc_every 2 over 5 steps: automatic collection off while training, a full collection
+    # after steps 2 and 4 (after one at the start), back on at the end
     import gc
 
     import train.trainer
@@ -366,10 +366,10 @@ def test_training_collects_garbage_at_planned_steps_only(tmp_path, monkeypatch):
 
     monkeypatch.setattr(train.trainer.Trainer, "train_step", step)
     _run_inprocess(SMALL + ["--train.steps=5", "--train.gc_every=2", f"--log.dir={tmp_path}"])
-    assert collections[-3:] == [(), (1,), (1,)] and enabled == [False] * 5 and gc.isenabled()
+    assert collections[-3:] == [(), (2,), (2,)] and enabled == [False] * 5 and gc.isenabled()
     collections.clear(), enabled.clear()
     _run_inprocess(SMALL + ["--train.steps=2", "--train.gc_every=0", f"--log.dir={tmp_path}", "--log.run_name=auto"])
-    assert (1,) not in collections and enabled == [True] * 2
+    assert (2,) not in collections and enabled == [True] * 2
 
 
 def test_a_training_step_leaves_no_tensors_in_reference_cycles(tmp_path, monkeypatch):

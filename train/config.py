@@ -184,7 +184,7 @@ class TrainConfig:
                 "than max_skipped_steps steps were skipped)")
     max_skipped_steps: int = option(10, "on_nonfinite=skip: the most skipped steps before the run stops")
     gc_every: int = option(
-        50, "Python's cyclic garbage collector is off while training and collects its young generations every this "
+        50, "Python's cyclic garbage collector is off while training and collects fully every this "
             "many steps, on every rank at the same point of the step (an automatic collection pauses one rank at a "
             "moment of its own, and the others wait for it at the next collective: torchtitan's gc_freq, Megatron-LM's "
             "--manual-gc); 0: Python's automatic collection")
@@ -502,6 +502,11 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         # slots of the blocks not yet recomputed still hold their rows
         raise ConfigError("train.activation_checkpointing=full recomputes the dispatch: not with parallel.dispatcher=p2p "
                           "(use selective, or the nccl dispatcher)")
+    if cfg.parallel.nccl_sizes == "padded" and cfg.parallel.overlap_chunks > 1 and cfg.moe.capacity_factor is not None:
+        # every chunk's buffers would hold the whole layer's capacity bound, all chunks at once
+        raise ConfigError(f"parallel.nccl_sizes=padded with parallel.overlap_chunks={cfg.parallel.overlap_chunks} and "
+                          f"moe.capacity_factor={cfg.moe.capacity_factor}: each chunk would hold the layer's whole "
+                          "capacity bound of rows (use one chunk, exact sizes, or no capacity)")
     if cfg.parallel.dispatcher == "p2p" and cfg.parallel.overlap_chunks > 1:
         # its combine backwards share one gradient buffer: two chunks' in flight would overwrite it
         raise ConfigError(f"parallel.overlap_chunks={cfg.parallel.overlap_chunks} pipelines the nccl dispatcher only, "

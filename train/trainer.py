@@ -274,10 +274,11 @@ class Trainer:
         return self.history
 
     def collect_garbage(self) -> None:
-        """Under :func:`planned_gc`, after a step: the young generations collected every
-        ``train.gc_every`` steps (cycles that outlived two collections wait for the end)."""
+        """Under :func:`planned_gc`, after a step: a full collection every ``train.gc_every``
+        steps (a young-generation one, torchtitan's, never frees a cycle that was still alive at
+        an earlier collection: it is in the old generation by then, which only a full one reads)."""
         if self.cfg.train.gc_every and self.step % self.cfg.train.gc_every == 0:
-            gc.collect(1)
+            gc.collect(2)
 
     def train_step(self) -> StepScalars:
         """One optimizer step over ``train.grad_accum`` micro-batches; advances ``step``."""
