@@ -213,7 +213,8 @@ def _home_and_sum(route: _P2PRoute, y_RD: torch.Tensor, out_dtype: torch.dtype,
     """The way back, shared by the combine and the dispatch backward. The receiver first sums each
     (source, token)'s valid rows of y_RD (R_cap, D) contiguous in fp32 (:func:`return_table`: one
     rounding to the rows' dtype per token and rank, as the NCCL dispatcher's), then stores one
-    row per (source, token) into the source's return buffer, its own sources' into its own (so a
+    row per (source, token) that has rows here into the source's return buffer, its own sources'
+    into its own (so a
     token's rows cross the link once however many of its pairs a rank holds: about 4× fewer bytes
     at top-8 of 64 on 2 ranks than a row per pair); with ``g_R`` (R_cap,) fp32, the rows' weight
     gradients, each goes to its pair's place of the source's ``ret_w``. Then ``out_TD[t] = Σ_g``
@@ -223,14 +224,21 @@ def _home_and_sum(route: _P2PRoute, y_RD: torch.Tensor, out_dtype: torch.dtype,
     bufs = slot.buf
     (T, K), G = route.row_TK.shape, bufs.ptrs["ret"].numel()
     T_cap, ret_dtype = route.P_cap // K, bufs.views["ret"].dtype
-    sums_MD = gather_slots(y_RD, return_table(bufs.views["src"], route.n_rows, G, T_cap, K), out_dtype=ret_dtype)
-    signals = push_back(sums_MD, home.src_M, home.n_M, bufs.ptrs["ret"], ret_dtype, route.me, G * T_cap,
+    table_MK = return_table(bufs.views["src"], route.n_rows, G, T_cap, K)
+    sums_MD = gather_slots(y_RD, table_MK, out_dtype=ret_dtype)
+    # only the (source, token)s with rows here travel: at top-2 of 8 ranks most have none
+    src_M = torch.where((table_MK >= 0).any(1), home.src_M, -1)
+    signals = push_back(sums_MD, src_M, home.n_M, bufs.ptrs["ret"], ret_dtype, route.me, G * T_cap,
                         bufs.ptrs["back_flag"], own_too=True)
     if g_R is not None:
         signals += push_back(None, bufs.views["src"], route.n_rows, bufs.ptrs["ret"], ret_dtype, route.me, route.P_cap,
                              bufs.ptrs["back_flag"], g_R, bufs.ptrs["ret_w"], num_rows=y_RD.shape[0])
     slot.back_target += (G - 1) * signals
-    out_TD = sum_returned(bufs.views["ret"], home.rows_TG[:T], out_dtype, bufs.views["back_flag"], slot.back_target,
+    # the rows of token t from the ranks that hold a kept pair of it (the others sent none)
+    has_TG = torch.zeros((T, G + 1), dtype=torch.bool, device=y_RD.device)
+    has_TG.scatter_(1, torch.where(route.row_TK >= 0, route.dest_TK, G), True)
+    rows_TG = torch.where(has_TG[:, :G], home.rows_TG[:T], -1)
+    out_TD = sum_returned(bufs.views["ret"], rows_TG, out_dtype, bufs.views["back_flag"], slot.back_target,
                           bufs.timeout_ms)
     if g_R is None:
         return out_TD

@@ -173,7 +173,7 @@ def _push_back_kernel(y_ptr, src_ptr, n_ptr, ret_ptrs, g_ptr, retw_ptrs, flag_pt
         r = tile * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
         src = tl.load(src_ptr + r, mask=r < n, other=0)
         rank = src // P_cap
-        away = (r < n) & ((rank != me) | OWN_TOO)
+        away = (r < n) & (src >= 0) & ((rank != me) | OWN_TOO)
         to_rows = tl.load(ret_ptrs + rank, mask=away, other=0).to(tl.pointer_type(OUT)) + (src % P_cap) * D
         for c in range(0, D, BLOCK_D):
             ok = away[:, None] & (c + offs[None, :] < D)
@@ -329,7 +329,7 @@ def push_back(y_RD: torch.Tensor | None, src_R: torch.Tensor, n_rows: torch.Tens
               g_R: torch.Tensor | None = None, ret_g_ptrs_G: torch.Tensor | None = None, own_too: bool = False,
               num_rows: int | None = None) -> int:
     """Send the valid rows of y_RD (R, D) home: row r < ``n_rows`` (a 1-element int32/int64 device
-    tensor) with ``src_R[r] = s · P_cap + p`` and s ≠ ``me`` is stored at row p of rank s's return
+    tensor) with ``src_R[r] = s · P_cap + p`` (-1: stays) and s ≠ ``me`` is stored at row p of rank s's return
     buffer (of ``ret_dtype``), and with ``g_R`` (≥ R,) fp32 its value at place p of rank s's
     (P_cap,) fp32 buffer (``ret_g_ptrs_G``; the dispatch backward's weight gradients). Rows from
     ``me`` stay (their reader reads them, and their values, in place), unless ``own_too``: then
@@ -415,6 +415,8 @@ def push_back_reference(y_RD, src_R, n_rows, rets, me, P_cap, g_R=None, ret_gs=N
     """PyTorch version of :func:`push_back` (the rows unless ``y_RD`` is None, and the values of
     ``g_R`` into ``ret_gs``; no flags) over lists of return buffers."""
     for r in range(int(n_rows)):
+        if int(src_R[r]) < 0:
+            continue
         s, p = divmod(int(src_R[r]), P_cap)
         if s != me or own_too:
             if y_RD is not None:

@@ -119,9 +119,10 @@ def test_dispatcher_data_flow_in_one_process(case):
     rows_TG = (torch.arange(G, device=DEVICE)[None, :] * T_cap + torch.arange(T_cap, device=DEVICE)[:, None]).contiguous()
     n_M = torch.tensor([G * T_cap], device=DEVICE)
 
-    def home(r, y_RD, g_R=None):
-        sums = gather_slots(y_RD, return_table(src[r], routes[r][2][-1:], G, T_cap, K), out_dtype=torch.float32)
-        src_M = (m // T_cap) * (G * T_cap) + r * T_cap + m % T_cap
+    def home(r, y_RD, g_R=None):  # what the dispatcher's _home_and_sum sends
+        table = return_table(src[r], routes[r][2][-1:], G, T_cap, K)
+        sums = gather_slots(y_RD, table, out_dtype=torch.float32)
+        src_M = torch.where((table >= 0).any(1), (m // T_cap) * (G * T_cap) + r * T_cap + m % T_cap, -1)
         sent = push_back(sums, src_M, n_M, buffer_ptrs(ret), torch.float32, r, G * T_cap, buffer_ptrs(back_flags),
                          own_too=True)
         if g_R is not None:
@@ -138,10 +139,16 @@ def test_dispatcher_data_flow_in_one_process(case):
     target = (G - 1) * signals[0]
     gs = [torch.randn(T, D, device=DEVICE) for T in tokens]
     grad_rows = [torch.full((R_cap, D), float("nan"), device=DEVICE) for _ in range(G)]
+    def returned(r):  # the rows of token t from the ranks holding a kept pair of it (unsent rows stay NaN)
+        T = tokens[r]
+        has = torch.zeros((T, G + 1), dtype=torch.bool, device=DEVICE)
+        has.scatter_(1, torch.where(routes[r][0] >= 0, routes[r][1], G), True)
+        return torch.where(has[:, :G], rows_TG[:T], -1)
+
     for r in range(G):
-        out = sum_returned(ret[r], rows_TG[:tokens[r]], torch.float32, back_flags[r], target, TIMEOUT_MS)
+        out = sum_returned(ret[r], returned(r), torch.float32, back_flags[r], target, TIMEOUT_MS)
         torch.testing.assert_close(out, (2 * xs[r] + 1) * ws[r].sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(out, sum_returned_reference(ret[r], rows_TG[:tokens[r]], torch.float32))
+        torch.testing.assert_close(out, sum_returned_reference(ret[r], returned(r), torch.float32))
         push_rows(gs[r], routes[r][0], routes[r][1], buffer_ptrs(grad_rows), torch.float32, me=r)
     # experts y = w · x: d rows = w · dy, dw = <dy, x>, on the valid rows (the padding's NaN stays)
     d_rows = [w[:, None] * g for g, w in zip(grad_rows, w_recv)]
@@ -149,8 +156,7 @@ def test_dispatcher_data_flow_in_one_process(case):
     back = [home(r, d_rows[r], dw_R[r]) for r in range(G)]
     assert len(set(back)) == 1
     for r in range(G):
-        dx = sum_returned(ret[r], rows_TG[:tokens[r]], torch.float32, back_flags[r], target + (G - 1) * back[0],
-                          TIMEOUT_MS)
+        dx = sum_returned(ret[r], returned(r), torch.float32, back_flags[r], target + (G - 1) * back[0], TIMEOUT_MS)
         dw = pair_values(routes[r][0], routes[r][1], dw_R[r], ret_g[r], r)
         torch.testing.assert_close(dx, gs[r] * ws[r].sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(dw, torch.where(plans[r].kept_TK, (gs[r] * xs[r]).sum(-1, keepdim=True), 0.0),
@@ -206,6 +212,7 @@ def test_push_back_matches_its_reference(T, K, D, dtype):
     y = torch.randn(rows, D, device=DEVICE).to(dtype)
     g = torch.randn(rows, device=DEVICE)
     src = torch.randperm(G * P_cap, device=DEVICE)[:rows]  # distinct places: the GPU stores in no set order
+    src[1] = -1  # a row that stays
     n = torch.tensor([rows - 2], dtype=torch.int32, device=DEVICE)
     # rows and weights, rows only, weights only (y None); own rows kept or stored home too
     for with_y, with_g, own_too in ((True, False, False), (True, True, False), (True, False, True),
