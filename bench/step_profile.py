@@ -300,11 +300,16 @@ def _compute_ms(rows) -> float:
     return sum(x for c, _, x in rows if c not in EXCHANGE and c != IDLE)
 
 
+def _busiest(rank_rows) -> int:
+    """The rank with the most own work: the one the others wait for, whose exchange is the
+    exchange's own cost (the others' add their wait for it)."""
+    return max(range(len(rank_rows)), key=lambda r: _compute_ms(rank_rows[r]))
+
+
 def per_rank_table(rank_rows, step_ms: float) -> list[str]:
     """Markdown lines: per rank, its own work, its exposed exchange and its idle time (ms a step and
-    % of the step). The rank with the most work is the one the others wait for: its exchange is
-    the exchange's own cost, the others' add their wait for it."""
-    busiest = max(range(len(rank_rows)), key=lambda r: _compute_ms(rank_rows[r]))
+    % of the step), the busiest rank (:func:`_busiest`) marked."""
+    busiest = _busiest(rank_rows)
     lines = ["Per rank (exposed ms a step; the busiest rank, marked *, is the one the others wait for):", "",
              "| rank | own work | exchange (all-to-all + dispatch/combine) | idle |", "|---|---|---|---|"]
     for r, rows in enumerate(rank_rows):
@@ -413,7 +418,7 @@ def main() -> None:
         if args.host_table:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.host_table), flush=True)
         a2a = next(x for c, _, x in rows if c == ALL_TO_ALL)
-        busiest = max(rank_rows, key=lambda r: _compute_ms(r))
+        busiest = rank_rows[_busiest(rank_rows)]
         # one line per run for a driver script's closing table
         print(f"SUMMARY | {args.label} | {timed_ms:.1f} | {tokens / (timed_ms / 1e3):,.0f} | {timed_mfu:.1%} | "
               f"{peak_gb:.1f} | {100 * a2a / step_ms:.1f} | {100 * _exchange_ms(busiest) / step_ms:.1f} | "

@@ -50,8 +50,9 @@ and the gradient buffer only after the sum of the previous layer's dispatch back
 the peers' signals, sent after their experts' backward read it.
 
 Memory per slot: R_cap + G·max_tokens rows of D (plus R_cap int64 and R_cap + P_cap fp32), and
-R_cap rows of D for the shared gradient buffer. The experts' activations are R_cap rows too: dropless, the worst case, G× the T·K rows a
-balanced layer receives; with a capacity, its bound, about capacity_factor × those.
+R_cap rows of D for the shared gradient buffer. The experts' activations are R_cap rows too:
+dropless, the worst case, G× the T·K rows a balanced layer receives; with a capacity, its bound,
+about capacity_factor × those.
 
 Requirements: CUDA, every rank of the expert-parallel group on one node with peer access
 (``torch.distributed._symmetric_memory``), and a token bound ``max_tokens`` per rank known to all
@@ -60,6 +61,7 @@ ranks (the buffers are allocated collectively, the same size everywhere).
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -188,6 +190,16 @@ class _P2PRoute:
     index: int
     home: _Home
 
+    @cached_property
+    def returned_TG(self) -> torch.Tensor:
+        """(T, G) int64 the rows of token t's returned sums in this rank's return buffer, from the
+        ranks that hold a kept pair of it (-1 for the others: they send none); read after the
+        dispatch filled the route, once for the combine and its dispatch backward."""
+        (T, K), G = self.row_TK.shape, self.home.rows_TG.shape[1]
+        has_TG = torch.zeros((T, G + 1), dtype=torch.bool, device=self.row_TK.device)
+        has_TG.scatter_(1, torch.where(self.row_TK >= 0, self.dest_TK, G), True)
+        return torch.where(has_TG[:, :G], self.home.rows_TG[:T], -1)
+
     @property
     def n_rows(self) -> torch.Tensor:
         """(1,) int32 device count of the valid rows received."""
@@ -214,15 +226,15 @@ def _home_and_sum(route: _P2PRoute, y_RD: torch.Tensor, out_dtype: torch.dtype,
     (source, token)'s valid rows of y_RD (R_cap, D) contiguous in fp32 (:func:`return_table`: one
     rounding to the rows' dtype per token and rank, as the NCCL dispatcher's), then stores one
     row per (source, token) that has rows here into the source's return buffer, its own sources'
-    into its own (so a
-    token's rows cross the link once however many of its pairs a rank holds: about 4× fewer bytes
-    at top-8 of 64 on 2 ranks than a row per pair); with ``g_R`` (R_cap,) fp32, the rows' weight
+    into its own (so a token's rows cross the link once however many of its pairs a rank holds:
+    about 4× fewer bytes at top-8 of 64 on 2 ranks than a row per pair); with ``g_R`` (R_cap,)
+    fp32, the rows' weight
     gradients, each goes to its pair's place of the source's ``ret_w``. Then ``out_TD[t] = Σ_g``
     of token t's G rows (T, D) once the peers' rows have arrived; with ``g_R``, ``(out_TD,
     dw_TK)``, dw_TK (T, K) fp32 each pair's weight gradient."""
     slot, home = route.slot, route.home
     bufs = slot.buf
-    (T, K), G = route.row_TK.shape, bufs.ptrs["ret"].numel()
+    K, G = route.row_TK.shape[1], bufs.ptrs["ret"].numel()
     T_cap, ret_dtype = route.P_cap // K, bufs.views["ret"].dtype
     table_MK = return_table(bufs.views["src"], route.n_rows, G, T_cap, K)
     sums_MD = gather_slots(y_RD, table_MK, out_dtype=ret_dtype)
@@ -234,12 +246,8 @@ def _home_and_sum(route: _P2PRoute, y_RD: torch.Tensor, out_dtype: torch.dtype,
         signals += push_back(None, bufs.views["src"], route.n_rows, bufs.ptrs["ret"], ret_dtype, route.me, route.P_cap,
                              bufs.ptrs["back_flag"], g_R, bufs.ptrs["ret_w"], num_rows=y_RD.shape[0])
     slot.back_target += (G - 1) * signals
-    # the rows of token t from the ranks that hold a kept pair of it (the others sent none)
-    has_TG = torch.zeros((T, G + 1), dtype=torch.bool, device=y_RD.device)
-    has_TG.scatter_(1, torch.where(route.row_TK >= 0, route.dest_TK, G), True)
-    rows_TG = torch.where(has_TG[:, :G], home.rows_TG[:T], -1)
-    out_TD = sum_returned(bufs.views["ret"], rows_TG, out_dtype, bufs.views["back_flag"], slot.back_target,
-                          bufs.timeout_ms)
+    out_TD = sum_returned(bufs.views["ret"], route.returned_TG, out_dtype, bufs.views["back_flag"],
+                          slot.back_target, bufs.timeout_ms)
     if g_R is None:
         return out_TD
     return out_TD, pair_values(route.row_TK, route.dest_TK, g_R, bufs.views["ret_w"], route.me)

@@ -438,7 +438,7 @@ def return_table(src_R: torch.Tensor, n_rows: torch.Tensor, G: int, T_cap: int, 
 
 
 def pair_values(row_TK: torch.Tensor, dest_TK: torch.Tensor, own_R: torch.Tensor, ret_P: torch.Tensor,
-                          me: int) -> torch.Tensor:
+                me: int) -> torch.Tensor:
     """(T, K) fp32 value of each pair (the dispatch backward's weight gradients, read after
     :func:`sum_returned`'s wait):
     ``own_R[row]`` where this rank holds its expert (``dest == me``), else ``ret_P[t·K + k]``
