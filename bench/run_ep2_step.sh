@@ -39,6 +39,10 @@
 #   PART=13 bash bench/run_ep2_step.sh  # the P2P token rows: the 2-GPU P2P tests, then P2P in the bar's
 #                                       # layout against the tree in .base (git archive 2a730b5: a row per
 #                                       # pair both ways), alternating, 2 rounds, with the per-rank table
+#   PART=14 bash bench/run_ep2_step.sh  # PART=13 with the branch p2p-token-dispatch in .branch (git archive:
+#                                       # the way out in token rows too): both trees' P2P 2-GPU tests (the
+#                                       # branch's kernel tests too), then .base, this tree and .branch in the
+#                                       # bar's layout, round 1 in that order, round 2 reversed (ROUNDS="1 2")
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -213,6 +217,31 @@ elif [ "$PART" = 13 ]; then
                 70 configs/olmoe_bench.yaml $P)
         fi
         prof "olmoe_bench EP 2, P2P token rows, replicate, 8 micro-batches (round $round)" 70 configs/olmoe_bench.yaml $P
+    done
+elif [ "$PART" = 14 ]; then
+    p2p_tests() {  # the P2P tests on 2 GPUs of the tree in the working directory; exit status of pytest
+        MOE_AUTOTUNE=0 timeout 240 python3 -m pytest -q -x -m multigpu tests/test_parallel.py tests/test_train.py -k p2p "$@" 2>&1 \
+            | tail -6 | tee -a "$OUT/gpu_tests.log"
+        return "${PIPESTATUS[0]}"
+    }
+    BRANCH_OK=0
+    if [ -z "${ROUNDS:-}" ]; then
+        echo "== this tree ==" | tee -a "$OUT/gpu_tests.log"; p2p_tests
+        if [ -d .branch ]; then
+            echo "== .branch: $(cat .branch/REV) ==" | tee -a "$OUT/gpu_tests.log"
+            (cd .branch && MOE_AUTOTUNE=0 timeout 150 python3 -m pytest -q -x tests/test_p2p_rows.py 2>&1 | tail -4 \
+                | tee -a "$OUT/gpu_tests.log" && exit "${PIPESTATUS[0]}") && (cd .branch && p2p_tests) && BRANCH_OK=1
+        fi
+    else
+        BRANCH_OK=1  # a later call on the same trees: their tests passed in the first
+    fi
+    P="--warm 3 --steps 1 --timed 3 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    base() { [ -d .base ] && (cd .base && prof "P2P, a row per pair both ways (.base: $(cat REV), round $1)" 70 configs/olmoe_bench.yaml $P); }
+    here() { prof "P2P, token rows back (this tree, round $1)" 70 configs/olmoe_bench.yaml $P; }
+    branch() { [ "$BRANCH_OK" = 1 ] && (cd .branch && prof "P2P, token rows both ways (.branch: $(cat REV), round $1)" 70 configs/olmoe_bench.yaml $P); }
+    for round in ${ROUNDS:-1}; do
+        if [ $((round % 2)) = 1 ]; then base "$round"; here "$round"; branch "$round"
+        else branch "$round"; here "$round"; base "$round"; fi
     done
 else
     timeout "$(left)" python3 bench/memory_check.py --gpus 2 --steps 8 --timeout 200 --out "$OUT/memory_ep2.md" \
