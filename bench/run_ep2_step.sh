@@ -42,7 +42,8 @@
 #   PART=14 bash bench/run_ep2_step.sh  # PART=13 with the branch p2p-token-dispatch in .branch (git archive:
 #                                       # the way out in token rows too): both trees' P2P 2-GPU tests (the
 #                                       # branch's kernel tests too), then .base, this tree and .branch in the
-#                                       # bar's layout, round 1 in that order, round 2 reversed (ROUNDS="1 2")
+#                                       # bar's layout, round 1 in that order, round 2 reversed (ROUNDS, default
+#                                       # "1 2"; TESTS=branch: the branch's tests only, none: no tests)
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -225,21 +226,22 @@ elif [ "$PART" = 14 ]; then
         return "${PIPESTATUS[0]}"
     }
     BRANCH_OK=0
-    if [ -z "${ROUNDS:-}" ]; then
-        echo "== this tree ==" | tee -a "$OUT/gpu_tests.log"; p2p_tests
+    if [ "${TESTS:-both}" != none ]; then
+        if [ "${TESTS:-both}" = both ]; then echo "== this tree ==" | tee -a "$OUT/gpu_tests.log"; p2p_tests; fi
         if [ -d .branch ]; then
             echo "== .branch: $(cat .branch/REV) ==" | tee -a "$OUT/gpu_tests.log"
             (cd .branch && MOE_AUTOTUNE=0 timeout 150 python3 -m pytest -q -x tests/test_p2p_rows.py 2>&1 | tail -4 \
                 | tee -a "$OUT/gpu_tests.log" && exit "${PIPESTATUS[0]}") && (cd .branch && p2p_tests) && BRANCH_OK=1
         fi
     else
-        BRANCH_OK=1  # a later call on the same trees: their tests passed in the first
+        BRANCH_OK=1  # TESTS=none: a later call on the same trees, whose tests passed in an earlier one
     fi
+    for d in .base .branch; do [ -d $d ] && cp bench/step_profile.py $d/bench/; done  # one profile script for all trees
     P="--warm 3 --steps 1 --timed 3 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
     base() { [ -d .base ] && (cd .base && prof "P2P, a row per pair both ways (.base: $(cat REV), round $1)" 70 configs/olmoe_bench.yaml $P); }
     here() { prof "P2P, token rows back (this tree, round $1)" 70 configs/olmoe_bench.yaml $P; }
     branch() { [ "$BRANCH_OK" = 1 ] && (cd .branch && prof "P2P, token rows both ways (.branch: $(cat REV), round $1)" 70 configs/olmoe_bench.yaml $P); }
-    for round in ${ROUNDS:-1}; do
+    for round in ${ROUNDS:-1 2}; do
         if [ $((round % 2)) = 1 ]; then base "$round"; here "$round"; branch "$round"
         else branch "$round"; here "$round"; base "$round"; fi
     done
@@ -253,7 +255,7 @@ else
             tests/test_faults.py tests/test_scaling.py 2>&1 | tail -8 | tee "$OUT/gpu_tests_3.log"
     fi
 fi
-echo "| run | step ms (no profiler) | tokens/s | MFU | peak GB | exposed all-to-all % (rank 0) | exposed exchange % (busiest rank) | worst load max/mean |"
-echo "|---|---|---|---|---|---|---|---|"
+echo "| run | step ms (no profiler) | tokens/s | MFU | peak GB | exposed all-to-all % (rank 0) | exposed exchange % (busiest rank) | same, GPU-only profile | worst load max/mean |"
+echo "|---|---|---|---|---|---|---|---|---|"
 sed 's/^SUMMARY //' "$OUT/summary.txt" 2>/dev/null
 echo "[part $PART done after $SECONDS s]"

@@ -28,7 +28,12 @@ kernels), so the exchange's own exposed cost is read on the rank with the most o
 one the others wait for); the closing SUMMARY line gives both rank 0's all-to-all and that rank's
 exchange. The profiler inflates a host-bound step (the NCCL EP 2 step:
 420 profiled against 327 ms), so ``--timed N`` then times N steps without it, and the headline
-tokens/s and MFU come from those.
+tokens/s and MFU come from those. Its CPU-side recording also lengthens the ranks' host work
+unevenly, and the rank that falls behind shows up as the other's wait in the exchange: so the
+same number of steps is profiled again with the GPU's activity alone (no ranges there: a kernel
+counts as the exchange's by its name, if most of its time in the full profile was), and the
+per-rank table of that low-overhead profile gives the exposed exchange of the SUMMARY's last
+column but one.
 """
 
 import argparse
@@ -297,7 +302,7 @@ def _exchange_ms(rows) -> float:
 
 def _compute_ms(rows) -> float:
     """Exposed ms a step of everything but the exchange and idle: the rank's own work."""
-    return sum(x for c, _, x in rows if c not in EXCHANGE and c != IDLE)
+    return sum(x for c, _, x in rows if c in CATEGORIES and c not in EXCHANGE)
 
 
 def _busiest(rank_rows) -> int:
@@ -319,6 +324,71 @@ def per_rank_table(rank_rows, step_ms: float) -> list[str]:
     return lines + [""]
 
 
+CPU_AND_CUDA = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+
+
+def profiled_steps(trainer, steps: int, activities) -> tuple[float, list[dict], torch.profiler.profile]:
+    """Profile ``steps`` training steps, each started together on every rank: (the slowest rank's
+    mean step ms, this rank's trace as complete events, the profiler)."""
+    rt = trainer.rt
+    torch.cuda.synchronize()
+    times = []
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            if rt.distributed:
+                dist.barrier()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            trainer.train_step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            trainer.collect_garbage()
+    step_s = torch.tensor(times, device=rt.device)
+    if rt.distributed:
+        dist.all_reduce(step_s, op=dist.ReduceOp.MAX)
+    trace = os.path.join(tempfile.mkdtemp(), f"trace{rt.rank}.json")
+    prof.export_chrome_trace(trace)
+    with open(trace) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    return float(step_s.mean()) * 1e3, events, prof
+
+
+def exchange_kernels(kernels) -> set[str]:
+    """The kernel names that spend most of their time in the exchange's categories in the full
+    profile: how a GPU-only trace, which has no ranges, tells the exchange's kernels apart."""
+    total, exch = collections.Counter(), collections.Counter()
+    for s, e, c, name in kernels:
+        total[name] += e - s
+        if c in EXCHANGE:
+            exch[name] += e - s
+    return {n for n in total if exch[n] > total[n] / 2}
+
+
+def light_split(events: list[dict], exchange: set[str], step_ms: float, steps: int) -> tuple[float, float, float, float]:
+    """From a GPU-only trace: (step ms, own work, exposed exchange, idle) in ms a step, the
+    kernels named in ``exchange`` against all others."""
+    kernels = [(k["ts"], k["ts"] + k["dur"], k["name"]) for k in events
+               if k.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
+    mine = [(s, e) for s, e, n in kernels if n in exchange]
+    others = [(s, e) for s, e, n in kernels if n not in exchange]
+    exposed = _minus(mine, others) / 1e3 / steps
+    own = sum(e - s for s, e in _union(others)) / 1e3 / steps
+    covered = sum(e - s for s, e in _union([(s, e) for s, e, _ in kernels])) / 1e3 / steps
+    return step_ms, own, exposed, max(step_ms - covered, 0.0)
+
+
+def light_table(rank_light) -> list[str]:
+    """Markdown lines of :func:`light_split` per rank, the rank with the most own work marked."""
+    busiest = max(range(len(rank_light)), key=lambda r: rank_light[r][1])
+    lines = ["GPU activity alone (the profiler's low-overhead mode; exposed ms a step and % of that "
+             f"profile's step, {rank_light[0][0]:.1f} ms; the rank with the most own work marked *):", "",
+             "| rank | own work | exposed exchange | idle |", "|---|---|---|---|"]
+    for r, (step_ms, *vals) in enumerate(rank_light):
+        cells = [f"{v:.1f} ({100 * v / step_ms:.1f} %)" for v in vals]
+        lines.append(f"| {r}{' *' if r == busiest else ''} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True)
@@ -334,45 +404,31 @@ def main() -> None:
                     help="also print rank 0's N CPU ops of most self time in the profiled steps (where a "
                          "host-bound step's host time goes)")
     args, extra = ap.parse_known_args()
-    trainer = bench_trainer(args.config, args.warm + args.steps + args.timed + 2, extra)
+    trainer = bench_trainer(args.config, args.warm + 2 * args.steps + args.timed + 2, extra)
     cfg, rt = trainer.cfg, trainer.rt
     instrument(trainer)
-    trace = os.path.join(tempfile.mkdtemp(), f"trace{rt.rank}.json")
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    times = []
     with planned_gc(cfg.train.gc_every):  # the garbage collection as the training loop does it
         for _ in range(args.warm):
             trainer.train_step()
             trainer.collect_garbage()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(args.steps):
-                if rt.distributed:
-                    dist.barrier()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                trainer.train_step()
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-                trainer.collect_garbage()
-    step_s = torch.tensor(times, device=rt.device)
-    if rt.distributed:
-        dist.all_reduce(step_s, op=dist.ReduceOp.MAX)
-    step_ms = float(step_s.mean()) * 1e3
+        step_ms, events, prof = profiled_steps(trainer, args.steps, CPU_AND_CUDA)
+        # the same steps with the GPU's activity alone: little host overhead (the full profile
+        # lengthens a step by hundreds of ms, unevenly across ranks, and a rank that falls behind
+        # shows up as the other's wait in its exchange kernels)
+        light_ms, light_events, _ = profiled_steps(trainer, args.steps, [torch.profiler.ProfilerActivity.CUDA])
     timed_ms = timed_steps(trainer, args.timed) if args.timed else step_ms
     routing = routing_at_end(trainer)
     peak_gb = torch.cuda.max_memory_allocated() / 1e9
     # every rank summarises its own trace: a rank that waits for a slower peer shows the wait
     # inside its exchange kernels, the slower one (the critical path) shows the exchange itself
-    prof.export_chrome_trace(trace)
-    with open(trace) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
     kernels, syncs = classify(events)
     rows = summarise(kernels, step_ms, args.steps)
-    rank_rows = [rows]
+    light = light_split(light_events, exchange_kernels(kernels), light_ms, args.steps)
+    rank_rows, rank_light = [rows], [light]
     if rt.distributed:
-        rank_rows = [None] * rt.world_size
+        rank_rows, rank_light = [None] * rt.world_size, [None] * rt.world_size
         dist.all_gather_object(rank_rows, rows)
+        dist.all_gather_object(rank_light, light)
     if rt.rank == 0:
         if args.keep_trace:
             with gzip.open(args.keep_trace, "wt") as f:
@@ -400,6 +456,7 @@ def main() -> None:
             *[f"| {c} | {b:.1f} | {100 * b / step_ms:.1f} | {x:.1f} | {100 * x / step_ms:.1f} |" for c, b, x in rows],
             "",
             *per_rank_table(rank_rows, step_ms),
+            *light_table(rank_light),
             "Top kernels (rank 0, ms/step):",
             "",
             "| kernel | category | ms/step |",
@@ -419,10 +476,11 @@ def main() -> None:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.host_table), flush=True)
         a2a = next(x for c, _, x in rows if c == ALL_TO_ALL)
         busiest = rank_rows[_busiest(rank_rows)]
+        lstep, _, lexch, _ = max(rank_light, key=lambda v: v[1])
         # one line per run for a driver script's closing table
         print(f"SUMMARY | {args.label} | {timed_ms:.1f} | {tokens / (timed_ms / 1e3):,.0f} | {timed_mfu:.1%} | "
               f"{peak_gb:.1f} | {100 * a2a / step_ms:.1f} | {100 * _exchange_ms(busiest) / step_ms:.1f} | "
-              f"{max(routing, default=float('nan')):.1f} |", flush=True)
+              f"{100 * lexch / lstep:.1f} | {max(routing, default=float('nan')):.1f} |", flush=True)
         if args.out:
             with open(args.out, "a") as f:
                 f.write(text + "\n")
