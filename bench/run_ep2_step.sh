@@ -44,6 +44,9 @@
 #                                       # branch's kernel tests too), then .base, this tree and .branch in the
 #                                       # bar's layout, round 1 in that order, round 2 reversed (ROUNDS, default
 #                                       # "1 2"; TESTS=branch: the branch's tests only, none: no tests)
+#   PART=15 bash bench/run_ep2_step.sh  # the exchange's wait for a later rank against its own time: this
+#                                       # tree (twice), .branch (twice) and this tree with force_balance
+#                                       # (benchmark mode: the ranks' expert work equal), P2P, bar's layout
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -245,6 +248,16 @@ elif [ "$PART" = 14 ]; then
         if [ $((round % 2)) = 1 ]; then base "$round"; here "$round"; branch "$round"
         else branch "$round"; here "$round"; base "$round"; fi
     done
+elif [ "$PART" = 15 ]; then
+    [ -d .branch ] && cp bench/step_profile.py .branch/bench/
+    P="--warm 3 --steps 1 --timed 3 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    for round in 1 2; do
+        prof "P2P, token rows back (this tree, round $round)" 60 configs/olmoe_bench.yaml $P
+        [ -d .branch ] && (cd .branch && prof "P2P, token rows both ways (.branch: $(cat REV), round $round)" 60 \
+            configs/olmoe_bench.yaml $P)
+        [ "$round" = 1 ] && prof "P2P, token rows back (this tree), force_balance (benchmark mode)" 60 \
+            configs/olmoe_bench.yaml $P --moe.force_balance=true
+    done
 else
     timeout "$(left)" python3 bench/memory_check.py --gpus 2 --steps 8 --timeout 200 --out "$OUT/memory_ep2.md" \
         --only olmoe_bench_fsdp olmoe_bench_fsdp_selective olmoe_bench_fsdp_full olmoe_ep1_fsdp olmoe_ep1_fsdp_selective \
@@ -255,7 +268,7 @@ else
             tests/test_faults.py tests/test_scaling.py 2>&1 | tail -8 | tee "$OUT/gpu_tests_3.log"
     fi
 fi
-echo "| run | step ms (no profiler) | tokens/s | MFU | peak GB | exposed all-to-all % (rank 0) | exposed exchange % (busiest rank) | same, GPU-only profile | worst load max/mean |"
-echo "|---|---|---|---|---|---|---|---|---|"
+echo "| run | step ms (no profiler) | tokens/s | MFU | peak GB | exposed all-to-all % (rank 0) | exposed exchange % (busiest rank) | same, GPU-only profile | that less its wait for a later rank | worst load max/mean |"
+echo "|---|---|---|---|---|---|---|---|---|---|"
 sed 's/^SUMMARY //' "$OUT/summary.txt" 2>/dev/null
 echo "[part $PART done after $SECONDS s]"

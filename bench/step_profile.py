@@ -327,9 +327,10 @@ def per_rank_table(rank_rows, step_ms: float) -> list[str]:
 CPU_AND_CUDA = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
 
 
-def profiled_steps(trainer, steps: int, activities) -> tuple[float, list[dict], torch.profiler.profile]:
+def profiled_steps(trainer, steps: int, activities) -> tuple[float, float, list[dict], torch.profiler.profile]:
     """Profile ``steps`` training steps, each started together on every rank: (the slowest rank's
-    mean step ms, this rank's trace as complete events, the profiler)."""
+    mean step ms, this rank's own summed step ms, this rank's trace as complete events, the
+    profiler)."""
     rt = trainer.rt
     torch.cuda.synchronize()
     times = []
@@ -350,7 +351,7 @@ def profiled_steps(trainer, steps: int, activities) -> tuple[float, list[dict], 
     prof.export_chrome_trace(trace)
     with open(trace) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    return float(step_s.mean()) * 1e3, events, prof
+    return float(step_s.mean()) * 1e3, sum(times) * 1e3, events, prof
 
 
 def exchange_kernels(kernels) -> set[str]:
@@ -364,11 +365,20 @@ def exchange_kernels(kernels) -> set[str]:
     return {n for n in total if exch[n] > total[n] / 2}
 
 
-def light_split(events: list[dict], exchange: set[str], step_ms: float, steps: int) -> tuple[float, float, float, float]:
-    """From a GPU-only trace: (step ms, own work, exposed exchange, idle) in ms a step, the
-    kernels named in ``exchange`` against all others."""
+def light_kernels(events: list[dict], own_ms: float) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, name) of a GPU-only trace's kernels, memsets and memcpys in the last
+    ``own_ms`` before its last kernel's end: the profiled steps (each ends with a synchronize).
+    A trace can hold more (on 2026-11-28 one rank's held 2.0x a step's kernels: work of the
+    profile before it, delivered late)."""
     kernels = [(k["ts"], k["ts"] + k["dur"], k["name"]) for k in events
                if k.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
+    end = max(e for _, e, _ in kernels)
+    return [k for k in kernels if k[0] >= end - own_ms * 1e3]
+
+
+def light_split(kernels, exchange: set[str], step_ms: float, steps: int) -> tuple[float, float, float, float]:
+    """From :func:`light_kernels`: (step ms, own work, exposed exchange, idle) in ms a step, the
+    kernels named in ``exchange`` against all others."""
     mine = [(s, e) for s, e, n in kernels if n in exchange]
     others = [(s, e) for s, e, n in kernels if n not in exchange]
     exposed = _minus(mine, others) / 1e3 / steps
@@ -377,14 +387,53 @@ def light_split(events: list[dict], exchange: set[str], step_ms: float, steps: i
     return step_ms, own, exposed, max(step_ms - covered, 0.0)
 
 
-def light_table(rank_light) -> list[str]:
-    """Markdown lines of :func:`light_split` per rank, the rank with the most own work marked."""
+def exchange_launches(kernels, exchange: set[str]) -> dict[str, list[tuple[float, float]]]:
+    """Per exchange kernel name, its launches' (start µs, end µs) in order."""
+    out = collections.defaultdict(list)
+    for s, e, n in sorted(kernels):
+        if n in exchange:
+            out[n].append((s, e))
+    return dict(out)
+
+
+def wait_split(rank_launches, steps: int) -> tuple[list[float], float]:
+    """Split each rank's exchange kernel time into waiting for a later rank and the rest.
+
+    Every rank launches the exchange's kernels in the same order, so the i-th launch of a name
+    is the same exchange on every rank (the lists are aligned at their ends: the clipped start
+    of a trace may hold fewer). A launch that starts before the latest rank's waits (spins) until
+    that rank starts: wait = min(latest start - own start, own duration); the rest moves and
+    sums rows. The GPUs' timestamps are the host's clock (one host), so starts compare across
+    ranks. Returns (each rank's wait ms a step, the median end-time spread µs of the matched
+    launches: small if the clocks agree, since a kernel that waits for a peer ends soon after
+    it)."""
+    waits = [0.0] * len(rank_launches)
+    spreads = []
+    for name in set.intersection(*(set(r) for r in rank_launches)):
+        n = min(len(r[name]) for r in rank_launches)
+        tails = [r[name][-n:] for r in rank_launches]
+        for i in range(n):
+            latest = max(t[i][0] for t in tails)
+            for r, t in enumerate(tails):
+                s, e = t[i]
+                waits[r] += min(max(latest - s, 0.0), e - s)
+            ends = [t[i][1] for t in tails]
+            spreads.append(max(ends) - min(ends))
+    spreads.sort()
+    return [w / 1e3 / steps for w in waits], spreads[len(spreads) // 2] if spreads else float("nan")
+
+
+def light_table(rank_light, waits: list[float], spread_us: float) -> list[str]:
+    """Markdown lines of :func:`light_split` per rank with :func:`wait_split`'s wait, the rank
+    with the most own work marked."""
     busiest = max(range(len(rank_light)), key=lambda r: rank_light[r][1])
-    lines = ["GPU activity alone (the profiler's low-overhead mode; exposed ms a step and % of that "
-             f"profile's step, {rank_light[0][0]:.1f} ms; the rank with the most own work marked *):", "",
-             "| rank | own work | exposed exchange | idle |", "|---|---|---|---|"]
-    for r, (step_ms, *vals) in enumerate(rank_light):
-        cells = [f"{v:.1f} ({100 * v / step_ms:.1f} %)" for v in vals]
+    lines = ["GPU activity alone (the profiler's low-overhead mode; ms a step and % of that profile's step, "
+             f"{rank_light[0][0]:.1f} ms; the rank with the most own work marked *; the exchange kernels' wait "
+             f"for a later rank from the launches' starts, median end spread of matched launches {spread_us:.0f} µs):",
+             "", "| rank | own work (busy) | exposed exchange | of which waiting for a later rank | idle |",
+             "|---|---|---|---|---|"]
+    for r, (step_ms, own, exch, idle) in enumerate(rank_light):
+        cells = [f"{v:.1f} ({100 * v / step_ms:.1f} %)" for v in (own, exch, waits[r], idle)]
         lines.append(f"| {r}{' *' if r == busiest else ''} | " + " | ".join(cells) + " |")
     return lines + [""]
 
@@ -411,11 +460,11 @@ def main() -> None:
         for _ in range(args.warm):
             trainer.train_step()
             trainer.collect_garbage()
-        step_ms, events, prof = profiled_steps(trainer, args.steps, CPU_AND_CUDA)
+        step_ms, _, events, prof = profiled_steps(trainer, args.steps, CPU_AND_CUDA)
         # the same steps with the GPU's activity alone: little host overhead (the full profile
         # lengthens a step by hundreds of ms, unevenly across ranks, and a rank that falls behind
         # shows up as the other's wait in its exchange kernels)
-        light_ms, light_events, _ = profiled_steps(trainer, args.steps, [torch.profiler.ProfilerActivity.CUDA])
+        light_ms, light_own_ms, light_events, _ = profiled_steps(trainer, args.steps, [torch.profiler.ProfilerActivity.CUDA])
     timed_ms = timed_steps(trainer, args.timed) if args.timed else step_ms
     routing = routing_at_end(trainer)
     peak_gb = torch.cuda.max_memory_allocated() / 1e9
@@ -423,12 +472,15 @@ def main() -> None:
     # inside its exchange kernels, the slower one (the critical path) shows the exchange itself
     kernels, syncs = classify(events)
     rows = summarise(kernels, step_ms, args.steps)
-    light = light_split(light_events, exchange_kernels(kernels), light_ms, args.steps)
-    rank_rows, rank_light = [rows], [light]
+    exchange = exchange_kernels(kernels)
+    light = light_kernels(light_events, light_own_ms)
+    mine = (rows, light_split(light, exchange, light_ms, args.steps), exchange_launches(light, exchange))
+    gathered = [mine]
     if rt.distributed:
-        rank_rows, rank_light = [None] * rt.world_size, [None] * rt.world_size
-        dist.all_gather_object(rank_rows, rows)
-        dist.all_gather_object(rank_light, light)
+        gathered = [None] * rt.world_size
+        dist.all_gather_object(gathered, mine)
+    rank_rows, rank_light, rank_launches = (list(x) for x in zip(*gathered))
+    waits, spread_us = wait_split(rank_launches, args.steps)
     if rt.rank == 0:
         if args.keep_trace:
             with gzip.open(args.keep_trace, "wt") as f:
@@ -456,7 +508,7 @@ def main() -> None:
             *[f"| {c} | {b:.1f} | {100 * b / step_ms:.1f} | {x:.1f} | {100 * x / step_ms:.1f} |" for c, b, x in rows],
             "",
             *per_rank_table(rank_rows, step_ms),
-            *light_table(rank_light),
+            *light_table(rank_light, waits, spread_us),
             "Top kernels (rank 0, ms/step):",
             "",
             "| kernel | category | ms/step |",
@@ -476,11 +528,12 @@ def main() -> None:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.host_table), flush=True)
         a2a = next(x for c, _, x in rows if c == ALL_TO_ALL)
         busiest = rank_rows[_busiest(rank_rows)]
-        lstep, _, lexch, _ = max(rank_light, key=lambda v: v[1])
+        lbusy = max(range(len(rank_light)), key=lambda r: rank_light[r][1])
+        lstep, _, lexch, _ = rank_light[lbusy]
         # one line per run for a driver script's closing table
         print(f"SUMMARY | {args.label} | {timed_ms:.1f} | {tokens / (timed_ms / 1e3):,.0f} | {timed_mfu:.1%} | "
               f"{peak_gb:.1f} | {100 * a2a / step_ms:.1f} | {100 * _exchange_ms(busiest) / step_ms:.1f} | "
-              f"{100 * lexch / lstep:.1f} | {max(routing, default=float('nan')):.1f} |", flush=True)
+              f"{100 * lexch / lstep:.1f} | {100 * (lexch - waits[lbusy]) / lstep:.1f} | {max(routing, default=float('nan')):.1f} |", flush=True)
         if args.out:
             with open(args.out, "a") as f:
                 f.write(text + "\n")
