@@ -47,6 +47,8 @@
 #   PART=15 bash bench/run_ep2_step.sh  # the exchange's wait for a later rank against its own time: this
 #                                       # tree (twice), .branch (twice) and this tree with force_balance
 #                                       # (benchmark mode: the ranks' expert work equal), P2P, bar's layout
+#   PART=16 bash bench/run_ep2_step.sh  # each rank's host bound to its GPU's NUMA node (torchrun
+#                                       # --numa-binding=node) against no binding, alternating, 2 rounds
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -71,7 +73,7 @@ prof() {
     shift 3
     if [ "$(left)" -lt "$need" ]; then echo "[skipped: $label, $(left) s left]"; return; fi
     local log="$OUT/$(echo "$label" | tr -c 'a-zA-Z0-9\n' _).log"
-    timeout "$(left)" python3 -m torch.distributed.run --standalone --nproc_per_node=2 bench/step_profile.py \
+    timeout "$(left)" python3 -m torch.distributed.run --standalone --nproc_per_node=2 ${TORCHRUN_ARGS:-} bench/step_profile.py \
         --config "$config" --label "$label" --out "$OUT/step_profile_ep2.md" "$@" > "$log" 2>&1
     echo "[$label: exit $? after $((SECONDS - start)) s]"
     grep -h "^SUMMARY" "$log" >> "$OUT/summary.txt" || tail -5 "$log"
@@ -257,6 +259,12 @@ elif [ "$PART" = 15 ]; then
             configs/olmoe_bench.yaml $P)
         [ "$round" = 1 ] && prof "P2P, token rows back (this tree), force_balance (benchmark mode)" 60 \
             configs/olmoe_bench.yaml $P --moe.force_balance=true
+    done
+elif [ "$PART" = 16 ]; then
+    P="--warm 3 --steps 1 --timed 3 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    for round in 1 2; do
+        prof "P2P, no binding (round $round)" 55 configs/olmoe_bench.yaml $P
+        TORCHRUN_ARGS=--numa-binding=node prof "P2P, --numa-binding=node (round $round)" 55 configs/olmoe_bench.yaml $P
     done
 else
     timeout "$(left)" python3 bench/memory_check.py --gpus 2 --steps 8 --timeout 200 --out "$OUT/memory_ep2.md" \
