@@ -155,12 +155,12 @@ def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, ticke
         t = pair // K
         # the token's row crosses to rank d once: the first of its kept pairs there to take the
         # (token, rank) ticket stores it, at row me·T_cap + t of d's token buffer
-        first = kept & (tl.atomic_add(lead_ptr + t * G + d, 1, mask=kept) == 0)
+        leads = kept & (tl.atomic_add(lead_ptr + t * G + d, 1, mask=kept) == 0)
         tok_row = me * T_cap + t
-        tl.store(tokrow_ptr + pair, tl.where(first, tok_row, -1), mask=inside)
-        to_rows = tl.load(recv_ptrs + d, mask=first, other=0).to(tl.pointer_type(OUT)) + tok_row * D
+        tl.store(tokrow_ptr + pair, tl.where(leads, tok_row, -1), mask=inside)
+        to_rows = tl.load(recv_ptrs + d, mask=leads, other=0).to(tl.pointer_type(OUT)) + tok_row * D
         for c in range(0, D, BLOCK_D):
-            ok = first[:, None] & (c + offs[None, :] < D)
+            ok = leads[:, None] & (c + offs[None, :] < D)
             v = tl.load(x_ptr + t[:, None] * D + c + offs[None, :], mask=ok, other=0.0)
             tl.store(to_rows[:, None] + c + offs[None, :], v.to(OUT), mask=ok)
         to_tok = tl.load(tokof_ptrs + d, mask=kept, other=0).to(tl.pointer_type(tl.int64))
