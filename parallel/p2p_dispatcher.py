@@ -6,9 +6,11 @@ group, L = E / G experts per rank, R_cap rows a rank can receive at most (G · m
 the capacity's bound when one is given: :func:`moe.capacity.max_received_rows`), P_cap =
 max_tokens · K pairs a rank can send at most.
 
-The rows a rank receives stay where its peers stored them: ``dispatch`` returns a view of the
-receive buffer with a fixed R_cap rows (the rows past ``offsets[-1]`` are padding, which the
-grouped GEMM skips and zero-fills), so the host never needs R. Each dispatch holds one *slot* of
+A token's row crosses to a rank once, however many of its K pairs go there (at top-8 of 64 on 2
+ranks about 4: a row per pair moved ~4× the bytes), each way and in each backward; the receiver
+copies it into its pair rows. ``dispatch`` returns a fixed R_cap rows (the rows past
+``offsets[-1]`` are padding, which the grouped GEMM skips and zero-fills), so the host never needs
+R. Each dispatch holds one *slot* of
 buffers until its backward, taken round-robin from ``num_buffers`` slots; the same call order on
 every rank means every rank takes the same slot.
 
@@ -16,9 +18,11 @@ every rank means every rank takes the same slot.
 per-expert counts into every rank's count matrix and signals that rank's counts flag, waits until
 all G ranks have signalled, computes from the (G, E) count matrix where each of this rank's kept
 pairs lands (a receiver's rows are expert-major: one segment per local expert) and this rank's
-experts' row ends, and stores every kept pair's row straight into its destination rank's receive
-buffer (own rows into its own) together with where it came from and its combine weight; then a
-barrier, so the rows are complete when ``dispatch`` returns them, with their weights (``w_R``: the
+experts' row ends, stores each token's row once into the token buffer of every rank that keeps a
+pair of it (own rows into its own; the first of the token's pairs there to take its (token, rank)
+ticket stores it), and each kept pair's token row, where it came from and its combine weight at the
+pair's row of its destination; then a barrier, and each rank copies its token rows into its pair
+rows (:func:`~parallel.p2p_rows.expand_rows`), the experts' input, with their weights (``w_R``: the
 experts weight their output rows, as on the other paths).
 
 ``combine``: every rank sums, in fp32, the valid rows of its expert output that came from one
@@ -29,15 +33,15 @@ flag: a token's rows cross the link once however many of its K pairs a rank hold
 2×H200 at 8k tokens, bench/results/step_profile.md); then one local pass waits for the flag and
 sums each token's G rows in fp32. It keeps no rows for its backward.
 
-Backward: the combine backward stores ``dout`` into every row of its token in the receivers'
-gradient buffer (one per dispatcher, shared by the slots: it is consumed by the experts' backward
-before the next combine backward), then a barrier; the dispatch backward sends the rows' gradients
+Backward: the combine backward stores ``dout`` once per (token, rank) into the receivers' token
+gradient buffer (one per dispatcher, shared by the slots: each rank copies it into its pair rows
+right after the barrier that follows), then a barrier and that copy; the dispatch backward sends the rows' gradients
 home like the combine, each pair's weight gradient (the experts' ``dw_R``) on its own into the
 source's ``ret_w``, and one pass sums each token's rows; each pair's weight gradient is then read
 where it arrived.
 
-Ordering: 5 launches per forward (4 Triton kernels and one barrier) and a table of 3 small torch
-ops, 6 and the table per backward. Flags only
+Ordering: 7 launches per forward (the tickets' memset, 5 Triton kernels, one barrier) and a table
+of 3 small torch ops, 7 and the table per backward. Flags only
 grow; the host keeps, per slot, the value each flag reaches after the signals sent so far (every
 rank makes the same calls, so every rank knows it). Writers never overrun readers: every rank's
 counts reach a peer only after that rank finished everything before its dispatch, and the
@@ -71,7 +75,9 @@ from moe.capacity import RoutingPlan
 from moe.config import check_positive_int
 from parallel import flight
 from parallel.ep_dispatcher import ExpertParallelDispatcher, ExpertParallelMeta
-from parallel.p2p_rows import dispatch_rows, pair_values, push_back, push_rows, return_table, sum_returned
+from parallel.p2p_rows import (
+    dispatch_rows, expand_rows, pair_values, push_back, push_rows, return_table, sum_returned,
+)
 from parallel.token_rows import gather_slots
 
 _ALIGN = 256
@@ -128,8 +134,9 @@ class _SymmetricBuffer:
 
 
 class _Slot:
-    """The buffers one dispatch holds until its backward: ``recv`` (R_cap, D) rows received,
-    ``src`` (R_cap,) int64 where each came from, ``w`` (R_cap,) fp32 their combine weights,
+    """The buffers one dispatch holds until its backward: ``recv`` (G·T_cap, D) token rows received
+    (source s's token t at row s·T_cap + t, T_cap = max_tokens), per received pair row (R_cap):
+    ``tok`` int64 its token row, ``src`` int64 where it came from, ``w`` fp32 its combine weight;
     ``ret`` (G·T_cap, D) this rank's tokens' rows sent back, one per rank (rank g's sum of token t's
     pairs at row g·T_cap + t, T_cap = max_tokens), and ``ret_w`` (P_cap,) fp32 its pairs' weight
     gradients, ``counts`` (G, E) int64, two int64 flags (``counts_flag``, ``back_flag``) that the
@@ -139,7 +146,7 @@ class _Slot:
     def __init__(self, group, R_cap: int, P_cap: int, D: int, dtype: torch.dtype, G: int, E: int, device,
                  timeout_ms: int, T_cap: int):
         self.buf = _SymmetricBuffer(group, {
-            "recv": ((R_cap, D), dtype), "ret": ((G * T_cap, D), dtype),
+            "recv": ((G * T_cap, D), dtype), "ret": ((G * T_cap, D), dtype), "tok": ((R_cap,), torch.int64),
             "src": ((R_cap,), torch.int64), "w": ((R_cap,), torch.float32), "ret_w": ((P_cap,), torch.float32),
             "counts": ((G, E), torch.int64),
             "counts_flag": ((1,), torch.int64), "back_flag": ((1,), torch.int64), "ticket": ((1,), torch.int64),
@@ -158,26 +165,31 @@ class _Home:
     (G·T_cap,) int64 where the sum of (source s, token t), row m = s·T_cap + t of the receiver's
     sums, goes (row ``me·T_cap + t`` of rank s's return buffer, as ``s · G·T_cap + row``);
     ``n_M`` (1,) their number on the device; ``rows_TG`` (T_cap, G) int64 the rows of token t's
-    G sums in this rank's return buffer (g·T_cap + t)."""
+    G sums in this rank's return buffer (g·T_cap + t); ``lead_TG`` (T_cap·G,) int32 the dispatch
+    kernel's (token, rank) tickets, zeroed by each dispatch."""
 
     src_M: torch.Tensor
     n_M: torch.Tensor
     rows_TG: torch.Tensor
+    lead_TG: torch.Tensor
 
     @staticmethod
     def make(G: int, T_cap: int, me: int, device) -> "_Home":
         m = torch.arange(G * T_cap, device=device)
         src_M = (m // T_cap) * (G * T_cap) + me * T_cap + m % T_cap
         rows_TG = torch.arange(G, device=device)[None, :] * T_cap + torch.arange(T_cap, device=device)[:, None]
-        return _Home(src_M, torch.tensor([G * T_cap], device=device), rows_TG.contiguous())
+        lead_TG = torch.zeros(T_cap * G, dtype=torch.int32, device=device)
+        return _Home(src_M, torch.tensor([G * T_cap], device=device), rows_TG.contiguous(), lead_TG)
 
 
 @dataclass(frozen=True)
 class _P2PRoute:
-    """One dispatch: ``row_TK`` (T, K) int64 row of each pair in rank ``dest_TK[t, k]``'s receive
-    buffer (-1: dropped); ``offsets_J`` (L,) int32 this rank's experts' row ends (all three filled on
-    the device by the dispatch); the slot and the generation that wrote it; the dispatcher's
-    gradient buffer."""
+    """One dispatch: ``row_TK`` (T, K) int64 row of each pair among rank ``dest_TK[t, k]``'s pair
+    rows (-1: dropped); ``offsets_J`` (L,) int32 this rank's experts' row ends; ``tokrow_TK`` (T,
+    K) int64 the token row the pair stored at its destination (-1 where another pair of the token
+    did, or dropped: where the combine backward sends ``dout``) (all four filled on the device by
+    the dispatch); the slot and the generation that wrote it; the dispatcher's gradient buffer;
+    the way back's tables."""
 
     row_TK: torch.Tensor
     dest_TK: torch.Tensor
@@ -189,6 +201,7 @@ class _P2PRoute:
     P_cap: int
     index: int
     home: _Home
+    tokrow_TK: torch.Tensor
 
     @cached_property
     def returned_TG(self) -> torch.Tensor:
@@ -268,15 +281,15 @@ class _P2PDispatchFn(torch.autograd.Function):
             x_TD, w_TK, order_P, counts_E, bufs.ptrs["counts"], bufs.ptrs["counts_flag"], bufs.views["ticket"],
             slot.tickets, bufs.views["counts"], bufs.views["counts_flag"], slot.counts_target, bufs.ptrs["recv"],
             bufs.ptrs["src"], bufs.ptrs["w"], bufs.views["recv"].dtype, route.me, route.row_TK.shape[1], route.P_cap,
-            bufs.views["recv"].shape[0], out=(route.row_TK, route.dest_TK, route.offsets_J),
-            timeout_ms=bufs.timeout_ms)
+            bufs.views["tok"].shape[0], bufs.ptrs["tok"], route.home.lead_TG,
+            out=(route.row_TK, route.dest_TK, route.offsets_J, route.tokrow_TK), timeout_ms=bufs.timeout_ms)
         slot.tickets += programs
         bufs.barrier()
         ctx.route, ctx.x_dtype = route, x_TD.dtype
         w_R = bufs.views["w"].view_as(bufs.views["w"])
         if not ctx.needs_input_grad[1]:  # the experts then skip the weights' gradient
             ctx.mark_non_differentiable(w_R)
-        return bufs.views["recv"].view_as(bufs.views["recv"]), w_R
+        return expand_rows(bufs.views["recv"], bufs.views["tok"], route.n_rows), w_R
 
     @staticmethod
     def backward(ctx, grad_RD, grad_R):
@@ -305,9 +318,11 @@ class _P2PCombineFn(torch.autograd.Function):
         route = ctx.route
         route.check()
         grad = route.grad
-        push_rows(dout_TD, route.row_TK, route.dest_TK, grad.ptrs["rows"], grad.views["rows"].dtype, me=route.me)
+        # dout once per (token, rank), where the dispatch stored the token's row; then each rank
+        # copies it into its pair rows
+        push_rows(dout_TD, route.tokrow_TK, route.dest_TK, grad.ptrs["rows"], grad.views["rows"].dtype, me=route.me)
         grad.barrier()
-        dy_RD = grad.views["rows"]
+        dy_RD = expand_rows(grad.views["rows"], route.slot.buf.views["tok"], route.n_rows)
         return dy_RD if dy_RD.dtype == ctx.y_dtype else dy_RD.to(ctx.y_dtype), None, None
 
 
@@ -364,7 +379,7 @@ class P2PDispatcher(ExpertParallelDispatcher):
         key = (D, dtype, K, E, device)
         group = self.ep_group if self.ep_group is not None else dist.group.WORLD
         if key not in self._pools:
-            grad = _SymmetricBuffer(group, {"rows": ((R_cap, D), dtype)}, device, self.timeout_ms)
+            grad = _SymmetricBuffer(group, {"rows": ((G * self.max_tokens, D), dtype)}, device, self.timeout_ms)
             self._pools[key] = ([], grad, _Home.make(G, self.max_tokens, self.ep_rank, device))
         slots, grad, home = self._pools[key]
         calls = self._calls.get(key, 0)
@@ -393,15 +408,16 @@ class P2PDispatcher(ExpertParallelDispatcher):
             raise ValueError(f"P2PDispatcher: {T} tokens on rank {me} exceed max_tokens={self.max_tokens}")
         device = x_TD.device
         slot, grad, index, P_cap, home = self._take_slot(x_TD.shape[1], row_dtype, K, E, device)
-        route_2TK = torch.empty((2, T, K), dtype=torch.int64, device=device)
+        route_3TK = torch.empty((3, T, K), dtype=torch.int64, device=device)
         offsets_J = torch.empty(E // self.ep_size, dtype=torch.int32, device=device)
-        route = _P2PRoute(route_2TK[0], route_2TK[1], offsets_J, slot, slot.generation, grad, me, P_cap, index, home)
+        route = _P2PRoute(route_3TK[0], route_3TK[1], offsets_J, slot, slot.generation, grad, me, P_cap, index, home,
+                          route_3TK[2])
         rows_RD, w_R = _P2PDispatchFn.apply(x_TD, w_TK, plan.order_P, plan.kept_per_expert_E.contiguous(), route)
         return rows_RD, route.offsets_J, w_R, P2PMeta(route=route)
 
     def _combine_ep(self, y_RD: torch.Tensor, meta: P2PMeta, out_dtype: torch.dtype) -> torch.Tensor:
         """As :meth:`~moe.dispatch.Dispatcher.combine`; y_RD has the R_cap rows ``dispatch`` returned."""
-        R_cap = meta.route.slot.buf.views["recv"].shape[0]
+        R_cap = meta.route.slot.buf.views["tok"].shape[0]
         if y_RD.dim() != 2 or y_RD.shape[0] != R_cap:
             raise ValueError(f"P2PDispatcher.combine: y_RD must have the {R_cap} rows dispatch returned, "
                              f"got {tuple(y_RD.shape)}")

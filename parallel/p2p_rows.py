@@ -92,6 +92,7 @@ def _wait(flag_ptr, target, timeout_ns):
 @triton.jit(do_not_specialize=["first_ticket", "target"])
 def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, ticket_ptr, first_ticket, counts_ptr, flag_ptr,
                           target, timeout_ns, row_ptr, dest_ptr, offsets_ptr, recv_ptrs, src_ptrs, w_ptr, wrecv_ptrs,
+                          lead_ptr, tokrow_ptr, tokof_ptrs, T_cap,
                           me, G, L, E, P, K, P_cap, R_cap, D, OUT: tl.constexpr, GP: tl.constexpr, LP: tl.constexpr,
                           BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
     """The program that starts first (it takes ticket ``first_ticket``: every launch takes one
@@ -152,11 +153,18 @@ def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, ticke
         tl.store(row_ptr + pair, tl.where(kept, row, -1), mask=inside)
         tl.store(dest_ptr + pair, tl.where(kept, d, 0), mask=inside)
         t = pair // K
-        to_rows = tl.load(recv_ptrs + d, mask=kept, other=0).to(tl.pointer_type(OUT)) + row * D
+        # the token's row crosses to rank d once: the first of its kept pairs there to take the
+        # (token, rank) ticket stores it, at row me·T_cap + t of d's token buffer
+        leads = kept & (tl.atomic_add(lead_ptr + t * G + d, 1, mask=kept) == 0)
+        tok_row = me * T_cap + t
+        tl.store(tokrow_ptr + pair, tl.where(leads, tok_row, -1), mask=inside)
+        to_rows = tl.load(recv_ptrs + d, mask=leads, other=0).to(tl.pointer_type(OUT)) + tok_row * D
         for c in range(0, D, BLOCK_D):
-            ok = kept[:, None] & (c + offs[None, :] < D)
+            ok = leads[:, None] & (c + offs[None, :] < D)
             v = tl.load(x_ptr + t[:, None] * D + c + offs[None, :], mask=ok, other=0.0)
             tl.store(to_rows[:, None] + c + offs[None, :], v.to(OUT), mask=ok)
+        to_tok = tl.load(tokof_ptrs + d, mask=kept, other=0).to(tl.pointer_type(tl.int64))
+        tl.store(to_tok + row, tok_row, mask=kept)
         to_src = tl.load(src_ptrs + d, mask=kept, other=0).to(tl.pointer_type(tl.int64))
         tl.store(to_src + row, me * P_cap + pair, mask=kept)
         to_w = tl.load(wrecv_ptrs + d, mask=kept, other=0).to(tl.pointer_type(tl.float32))
@@ -226,8 +234,9 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
                   cnt_ptrs_G: torch.Tensor, flag_ptrs_G: torch.Tensor, ticket: torch.Tensor, first_ticket: int,
                   counts_GE: torch.Tensor, flag: torch.Tensor, target: int, recv_ptrs_G: torch.Tensor,
                   src_ptrs_G: torch.Tensor, w_ptrs_G: torch.Tensor, recv_dtype: torch.dtype, me: int, K: int, P_cap: int,
-                  R_cap: int,
-                  out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, timeout_ms: int = TIMEOUT_MS):
+                  R_cap: int, tok_ptrs_G: torch.Tensor, lead_TG: torch.Tensor,
+                  out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                  timeout_ms: int = TIMEOUT_MS):
     """Exchange the counts, then route and move this rank's kept pairs.
 
     Counts: ``counts_E`` (E,) int64, what this rank keeps for each expert, becomes row ``me`` of
@@ -241,17 +250,23 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
     Rows: ``order_P`` (P = T·K,) int64 holds the kept pairs sorted by expert, then the dropped
     ones. A destination d stores its rows expert-major: local expert 0's, then 1's, ..., each
     expert's by source rank (one segment per expert for the grouped GEMM: module docstring of
-    :mod:`parallel.token_rows` says why); every kept pair's row of x_TD (T, D) goes to row
-    ``row`` of rank ``dest``'s receive buffer (``recv_ptrs_G``, of ``recv_dtype``), ``me ·
-    P_cap + t·K + k`` to the same row of its (R_cap,) int64 source buffer and the pair's weight
-    ``w_TK[t, k]`` (fp32) to the same row of its (R_cap,) fp32 weight buffer (``w_ptrs_G``).
+    :mod:`parallel.token_rows` says why). Token t's row of x_TD (T, D) goes once to each rank d
+    that keeps a pair of it, at row ``me·T_cap + t`` of d's token buffer (``recv_ptrs_G``, (G·T_cap,
+    D) of ``recv_dtype``, T_cap = P_cap / K), stored by the first of those pairs to take the
+    (token, rank) ticket in ``lead_TG`` ((T_cap·G,) int32, zeroed here); every kept pair's row
+    ``row`` at its destination gets that token row in rank ``dest``'s (R_cap,) int64 token-row
+    buffer (``tok_ptrs_G``), ``me · P_cap + t·K + k`` in its (R_cap,) int64 source buffer and the
+    pair's weight ``w_TK[t, k]`` (fp32) in its (R_cap,) fp32 weight buffer (``w_ptrs_G``); the
+    receiver copies its token rows into its pair rows (:func:`expand_rows`).
     A count matrix that gives some rank more than ``R_cap`` rows moves no row and writes no
     offsets (every rank reads the same matrix); on a GPU the kernel then prints and traps on every
     rank (in the interpreter it returns with every pair's row -1).
 
     Returns ``row_TK``, ``dest_TK`` (T, K) int64 (row -1: dropped), this rank's local experts'
-    row ends ``offsets_J`` (L,) int32 (into ``out`` when given), and the programs launched
-    (``ticket`` grew by that)."""
+    row ends ``offsets_J`` (L,) int32, ``tokrow_TK`` (T, K) int64 the token row a pair stored
+    (-1 for the pairs that stored none: a token's other pairs on the same rank, dropped pairs;
+    where the combine backward sends ``dout``) (into ``out`` when given), and the programs
+    launched (``ticket`` grew by that)."""
     if counts_GE.dtype != torch.int64 or counts_GE.dim() != 2 or counts_GE.shape[1] % counts_GE.shape[0]:
         raise ValueError(f"counts_GE must be int64 (G, E) with G dividing E, got {counts_GE.dtype} {tuple(counts_GE.shape)}")
     G, E = counts_GE.shape
@@ -272,24 +287,68 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
     _check_flag("flag", flag)
     _check_flag("ticket", ticket)
     for name, ptrs in (("cnt_ptrs_G", cnt_ptrs_G), ("flag_ptrs_G", flag_ptrs_G), ("recv_ptrs_G", recv_ptrs_G),
-                       ("src_ptrs_G", src_ptrs_G), ("w_ptrs_G", w_ptrs_G)):
+                       ("src_ptrs_G", src_ptrs_G), ("w_ptrs_G", w_ptrs_G), ("tok_ptrs_G", tok_ptrs_G)):
         _check_ptrs(name, ptrs)
+    T_cap = P_cap // K
+    if lead_TG.dtype != torch.int32 or lead_TG.numel() < T_cap * G or not lead_TG.is_contiguous():
+        raise ValueError(f"lead_TG must be a contiguous int32 tensor of ≥ T_cap·G = {T_cap * G} entries, got "
+                         f"{lead_TG.dtype} {tuple(lead_TG.shape)}")
     L = E // G
     device = x_TD.device
     if out is None:
         out = (torch.empty((T, K), dtype=torch.int64, device=device), torch.empty((T, K), dtype=torch.int64, device=device),
-               torch.empty(L, dtype=torch.int32, device=device))
-    row_TK, dest_TK, offsets_J = out
-    if row_TK.shape != (T, K) or dest_TK.shape != (T, K) or offsets_J.shape != (L,):
-        raise ValueError(f"out must be (T, K) = ({T}, {K}), ({T}, {K}) and ({L},) tensors")
+               torch.empty(L, dtype=torch.int32, device=device), torch.empty((T, K), dtype=torch.int64, device=device))
+    row_TK, dest_TK, offsets_J, tokrow_TK = out
+    if row_TK.shape != (T, K) or dest_TK.shape != (T, K) or offsets_J.shape != (L,) or tokrow_TK.shape != (T, K):
+        raise ValueError(f"out must be (T, K) = ({T}, {K}), ({T}, {K}), ({L},) and ({T}, {K}) tensors")
+    lead_TG.zero_()
     grid = grid_programs(triton.cdiv(P, _BLOCK_ROWS), _MAX_PROGRAMS)
     _dispatch_rows_kernel[(grid,)](
         x_TD.contiguous(), order_P, counts_E, cnt_ptrs_G, flag_ptrs_G, ticket, first_ticket, counts_GE, flag, target,
         timeout_ms * 1_000_000, row_TK, dest_TK, offsets_J, recv_ptrs_G, src_ptrs_G, w_TK.contiguous(), w_ptrs_G,
+        lead_TG, tokrow_TK, tok_ptrs_G, T_cap,
         me, G, L, E, P, K, P_cap, R_cap, D,
         OUT=tl_dtype(recv_dtype), GP=triton.next_power_of_2(G), LP=triton.next_power_of_2(L),
         BLOCK_E=triton.next_power_of_2(E), BLOCK_P=_BLOCK_ROWS, BLOCK_D=ROW_BLOCK_D, num_warps=4)
-    return row_TK, dest_TK, offsets_J, grid
+    return row_TK, dest_TK, offsets_J, tokrow_TK, grid
+
+
+@triton.jit
+def _expand_rows_kernel(tok_ptr, of_ptr, n_ptr, out_ptr, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs = tl.arange(0, BLOCK_D)
+    n = tl.load(n_ptr).to(tl.int64)
+    for tile in range(tl.program_id(0), tl.cdiv(n, BLOCK_R), tl.num_programs(0)):
+        r = tile * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+        live = r < n
+        src = tl.load(of_ptr + r, mask=live, other=0)
+        for c in range(0, D, BLOCK_D):
+            ok = live[:, None] & (c + offs[None, :] < D)
+            v = tl.load(tok_ptr + src[:, None] * D + c + offs[None, :], mask=ok, other=0.0)
+            tl.store(out_ptr + r[:, None] * D + c + offs[None, :], v, mask=ok)
+
+
+def expand_rows(tok_MD: torch.Tensor, of_R: torch.Tensor, n_rows: torch.Tensor) -> torch.Tensor:
+    """``out[r] = tok_MD[of_R[r]]`` for the rows r < ``n_rows`` (1-element device int tensor): a
+    receiver's token rows copied into its pair rows (R, D), R = of_R's length; the rows past
+    ``n_rows`` are left as allocated (the experts skip them). Local memory only."""
+    check_rows("tok_MD", tok_MD, None, tok_MD.shape[1] if tok_MD.dim() == 2 else -1)
+    if of_R.dtype != torch.int64 or of_R.dim() != 1 or n_rows.numel() != 1:
+        raise ValueError(f"of_R must be an int64 vector and n_rows 1-element, got {of_R.dtype} {tuple(of_R.shape)} "
+                         f"and {tuple(n_rows.shape)}")
+    out = tok_MD.new_empty((of_R.shape[0], tok_MD.shape[1]))
+    if of_R.shape[0]:
+        grid = grid_programs(triton.cdiv(of_R.shape[0], _BLOCK_ROWS), _MAX_PROGRAMS)
+        _expand_rows_kernel[(grid,)](tok_MD, of_R, n_rows, out, tok_MD.shape[1], BLOCK_R=_BLOCK_ROWS,
+                                     BLOCK_D=ROW_BLOCK_D, num_warps=4)
+    return out
+
+
+def expand_rows_reference(tok_MD: torch.Tensor, of_R: torch.Tensor, n_rows: torch.Tensor) -> torch.Tensor:
+    """PyTorch version of :func:`expand_rows` (the rows past ``n_rows`` zero here)."""
+    n = int(n_rows.reshape(()))
+    out = tok_MD.new_zeros((of_R.shape[0], tok_MD.shape[1]))
+    out[:n] = tok_MD[of_R[:n]]
+    return out
 
 
 def p2p_routes_reference(order_P: torch.Tensor, counts_GE: torch.Tensor, me: int, K: int):

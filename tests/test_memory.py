@@ -341,30 +341,33 @@ def test_p2p_experts_compute_the_fixed_rows():
     assert memory.expert_rows(s, T, nccl).R == T * s.K
     assert memory.expert_rows(s, T, p2p).R == 2 * T * s.K  # R_cap = ep·T·K, whatever the routing
     assert memory.p2p_buffer_bytes(s, T, nccl, 2) == 0
-    # 16 slots of received bf16 rows (ep·T·K) and returned ones (one per rank and token: ep·T), and
-    # one gradient buffer, plus small regions
-    rows = 16 * (2 * T * s.K + 2 * T) * s.D * 2 + 2 * T * s.K * s.D * 2
+    # 16 slots of received and returned bf16 token rows (one per rank and token: ep·T each), and
+    # one gradient buffer of token rows, plus the pairs' token rows, sources and weights (R_cap of
+    # 8 + 8 + 4 bytes) and small regions
+    rows = 16 * (2 * 2 * T * s.D * 2 + 2 * T * s.K * 20) + 2 * T * s.D * 2
     assert rows < memory.p2p_buffer_bytes(s, T, p2p, 2) < rows * 1.01
     # with a capacity, the buffers hold its bound on what a rank receives: E · C rows
     capped = dataclasses.replace(s, capacity_factor=1.25)
     C = math.ceil(1.25 * T * s.K / s.E)
     assert memory.expert_rows(capped, T, p2p).R == s.E * C < 2 * T * s.K
-    rows = 16 * (s.E * C + 2 * T) * s.D * 2 + s.E * C * s.D * 2
+    rows = 16 * (2 * 2 * T * s.D * 2 + s.E * C * 20) + 2 * T * s.D * 2
     assert rows < memory.p2p_buffer_bytes(capped, T, p2p, 2) < rows * 1.01
 
 
 def test_p2p_slot_views_are_not_counted_as_activations():
-    """P2P's experts read their rows and row weights in place in the symmetric slot (counted by
-    p2p_buffer_bytes) and its combine keeps nothing: what the dispatch itself keeps is the route."""
+    """P2P's experts read their row weights in place in the symmetric slot (counted by
+    p2p_buffer_bytes), their rows as copied out of its token buffer (counted as the others'), and
+    its combine keeps nothing: what the dispatch itself keeps is the route."""
     cfg = load_config(["--config", "configs/olmoe_bench.yaml"], world_size=2)
     s, T = ModelShape.of(cfg), cfg.data.batch_size * cfg.data.seq_len
     nccl, p2p = (memory.block_parts(s, True, cfg.data.batch_size, cfg.data.seq_len,
                                     Layout(2, 2, "replicate", "none", dispatcher=d), memory.GPU_BF16)
                  for d in ("nccl", "p2p"))
     names = {p.name for p in p2p}
-    assert "expert rows (compute dtype)" in {p.name for p in nccl}
-    assert not names & {"expert rows (compute dtype)", "expert row weights (fp32)"}, names
-    assert [(p.name, p.nbytes) for p in p2p if p.dispatch] == [("route: row and rank of each pair", 2 * T * s.K * 8)]
+    assert "expert rows (compute dtype)" in {p.name for p in nccl} & names
+    assert "expert row weights (fp32)" not in names, names
+    assert [(p.name, p.nbytes) for p in p2p if p.dispatch] == [("route: row, rank and token row of each pair",
+                                                                3 * T * s.K * 8)]
     z = next(p.nbytes for p in p2p if p.name == "expert pre-activation z")
     assert z == 2 * T * s.K * 2 * s.F * 2  # R_cap = ep·T·K rows of 2F in bf16
 

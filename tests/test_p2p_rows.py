@@ -16,7 +16,7 @@ import torch
 
 from moe.capacity import plan_routing
 from parallel.p2p_rows import (
-    dispatch_rows, p2p_routes_reference, pair_values, push_back, push_back_reference, push_rows, return_table,
+    dispatch_rows, expand_rows, expand_rows_reference, p2p_routes_reference, pair_values, push_back, push_back_reference, push_rows, return_table,
     sum_returned, sum_returned_reference,
 )
 from parallel.token_rows import gather_slots
@@ -73,17 +73,21 @@ def test_dispatcher_data_flow_in_one_process(case):
     # zeros, not garbage: the first pass routes by a partial count matrix (within bounds)
     counts = [torch.zeros((G, E), dtype=torch.int64, device=DEVICE) for _ in range(G)]
     counts_flags, tickets = _flags(), _flags()
-    recv = [torch.full((R_cap, D), float("nan"), device=DEVICE) for _ in range(G)]
+    T_cap = max(tokens)
+    toks = [torch.full((G * T_cap, D), float("nan"), device=DEVICE) for _ in range(G)]  # token rows
+    tok_of = [torch.full((R_cap,), -1, dtype=torch.int64, device=DEVICE) for _ in range(G)]
     src = [torch.full((R_cap,), -1, dtype=torch.int64, device=DEVICE) for _ in range(G)]
     w_recv = [torch.full((R_cap,), float("nan"), device=DEVICE) for _ in range(G)]
+    leads = [torch.full((T_cap * G,), 7, dtype=torch.int32, device=DEVICE) for _ in range(G)]  # zeroed by the call
     launched = [0] * G
     for rounds in (1, 2):
         routes = []
         for r in range(G):
             *route, programs = dispatch_rows(
                 xs[r], ws[r], plans[r].order_P, plans[r].kept_per_expert_E, buffer_ptrs(counts), buffer_ptrs(counts_flags),
-                tickets[r], launched[r], counts[r], counts_flags[r], (rounds - 1) * G, buffer_ptrs(recv), buffer_ptrs(src),
-                buffer_ptrs(w_recv), torch.float32, r, K, P_cap, R_cap, timeout_ms=TIMEOUT_MS)
+                tickets[r], launched[r], counts[r], counts_flags[r], (rounds - 1) * G, buffer_ptrs(toks), buffer_ptrs(src),
+                buffer_ptrs(w_recv), torch.float32, r, K, P_cap, R_cap, buffer_ptrs(tok_of), leads[r],
+                timeout_ms=TIMEOUT_MS)
             routes.append(route)
             launched[r] += programs
         assert [int(f) for f in counts_flags] == [rounds * G] * G
@@ -108,13 +112,29 @@ def test_dispatcher_data_flow_in_one_process(case):
         assert routes[d][2].tolist() == ends
         assert src[d][:R].tolist() == origin
         assert w_recv[d][:R].tolist() == weight
+        assert tok_of[d][:R].tolist() == [o // P_cap * T_cap + o % P_cap // K for o in origin]
         if R:
-            torch.testing.assert_close(recv[d][:R], torch.stack(expected))
+            torch.testing.assert_close(expand_rows(toks[d], tok_of[d], routes[d][2][-1:])[:R], torch.stack(expected))
+    # each token's row crossed to each rank once: one pair of each (token, rank) stored it
+    for r in range(G):
+        kept, tokrow, dest = plans[r].kept_TK, routes[r][3], routes[r][1]
+        for t in range(tokens[r]):
+            for d in range(G):
+                ks = [k for k in range(K) if kept[t, k] and int(dest[t, k]) == d]
+                stored = [k for k in ks if int(tokrow[t, k]) >= 0]
+                assert len(stored) == min(len(ks), 1) and all(int(tokrow[t, k]) == r * T_cap + t for k in stored)
+        assert (tokrow[~kept] == -1).all()
+    # the experts' pair rows, copied from the token rows; padding rows NaN: nothing may read them
+    recv = []
+    for d in range(G):
+        rows = expand_rows(toks[d], tok_of[d], routes[d][2][-1:])
+        rows[n_rows[d]:] = float("nan")
+        torch.testing.assert_close(rows[:n_rows[d]], expand_rows_reference(toks[d], tok_of[d], routes[d][2][-1:])[:n_rows[d]])
+        recv.append(rows)
 
-    # padding rows stay NaN: nothing may read them. The way back: each receiver sums a (source,
-    # token)'s rows and stores one row into the source's return buffer (its own sources' into its
-    # own), the weights' gradients per pair; the source sums its G rows of each token
-    T_cap = max(tokens)
+    # The way back: each receiver sums a (source, token)'s rows and stores one row into the
+    # source's return buffer (its own sources' into its own), the weights' gradients per pair;
+    # the source sums its G rows of each token
     m = torch.arange(G * T_cap, device=DEVICE)
     rows_TG = (torch.arange(G, device=DEVICE)[None, :] * T_cap + torch.arange(T_cap, device=DEVICE)[:, None]).contiguous()
     n_M = torch.tensor([G * T_cap], device=DEVICE)
@@ -138,7 +158,8 @@ def test_dispatcher_data_flow_in_one_process(case):
     assert len(set(signals)) == 1 and [int(f) for f in back_flags] == [(G - 1) * signals[0]] * G
     target = (G - 1) * signals[0]
     gs = [torch.randn(T, D, device=DEVICE) for T in tokens]
-    grad_rows = [torch.full((R_cap, D), float("nan"), device=DEVICE) for _ in range(G)]
+    grad_toks = [torch.full((G * T_cap, D), float("nan"), device=DEVICE) for _ in range(G)]
+
     def returned(r):  # the rows of token t from the ranks holding a kept pair of it (unsent rows stay NaN)
         T = tokens[r]
         has = torch.zeros((T, G + 1), dtype=torch.bool, device=DEVICE)
@@ -149,7 +170,10 @@ def test_dispatcher_data_flow_in_one_process(case):
         out = sum_returned(ret[r], returned(r), torch.float32, back_flags[r], target, TIMEOUT_MS)
         torch.testing.assert_close(out, (2 * xs[r] + 1) * ws[r].sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out, sum_returned_reference(ret[r], returned(r), torch.float32))
-        push_rows(gs[r], routes[r][0], routes[r][1], buffer_ptrs(grad_rows), torch.float32, me=r)
+        push_rows(gs[r], routes[r][3], routes[r][1], buffer_ptrs(grad_toks), torch.float32, me=r)
+    grad_rows = [expand_rows(grad_toks[d], tok_of[d], routes[d][2][-1:]) for d in range(G)]
+    for d in range(G):
+        grad_rows[d][n_rows[d]:] = float("nan")
     # experts y = w · x: d rows = w · dy, dw = <dy, x>, on the valid rows (the padding's NaN stays)
     d_rows = [w[:, None] * g for g, w in zip(grad_rows, w_recv)]
     dw_R = [(g * b).sum(-1) for g, b in zip(grad_rows, recv)]
@@ -169,15 +193,16 @@ def _routes(order, counts, me, K):
     G_, E = counts.shape
     T = order.numel() // K
     rows = max(int(counts.sum()), 1)
-    recv = [torch.zeros(rows, 1, device=DEVICE) for _ in range(G_)]
-    src = [torch.zeros(rows, dtype=torch.int64, device=DEVICE) for _ in range(G_)]
+    recv = [torch.zeros(G_ * T, 1, device=DEVICE) for _ in range(G_)]  # token rows
+    src, tok = ([torch.zeros(rows, dtype=torch.int64, device=DEVICE) for _ in range(G_)] for _ in range(2))
     w = [torch.zeros(rows, device=DEVICE) for _ in range(G_)]
     scratch = [torch.zeros(G_, E, dtype=torch.int64, device=DEVICE) for _ in range(G_)]
     flags = _flags(G_)
     *route, _ = dispatch_rows(torch.zeros(T, 1, device=DEVICE), torch.zeros(T, K, device=DEVICE), order.to(DEVICE),
                               counts[me].to(DEVICE), buffer_ptrs(scratch), buffer_ptrs(flags), _flags(1)[0], 0, counts.to(DEVICE),
                               flags[me], 1, buffer_ptrs(recv), buffer_ptrs(src), buffer_ptrs(w), torch.float32, me, K, T * K,
-                              rows, timeout_ms=TIMEOUT_MS)
+                              rows, buffer_ptrs(tok), torch.zeros(T * G_, dtype=torch.int32, device=DEVICE),
+                              timeout_ms=TIMEOUT_MS)
     return route
 
 
@@ -247,14 +272,15 @@ def test_dispatch_sends_its_counts_row_to_every_rank_once():
     flags, ticket = _flags(), _flags(1)[0]
     order = torch.arange(T * K, device=DEVICE)
     recv = [torch.zeros(T * K * G, 3, device=DEVICE) for _ in range(G)]
-    src = [torch.zeros(T * K * G, dtype=torch.int64, device=DEVICE) for _ in range(G)]
+    src, tok = ([torch.zeros(T * K * G, dtype=torch.int64, device=DEVICE) for _ in range(G)] for _ in range(2))
     w = [torch.zeros(T * K * G, device=DEVICE) for _ in range(G)]
+    lead = torch.zeros(T * G, dtype=torch.int32, device=DEVICE)
     launched = 0
     for call in (1, 2):
         *_, programs = dispatch_rows(torch.zeros(T, 3, device=DEVICE), torch.zeros(T, K, device=DEVICE), order, counts,
                                      buffer_ptrs(mats), buffer_ptrs(flags), ticket, launched, mats[me], flags[me], 0,
                                      buffer_ptrs(recv), buffer_ptrs(src), buffer_ptrs(w), torch.float32, me, K, T * K,
-                                     T * K * G, timeout_ms=TIMEOUT_MS)
+                                     T * K * G, buffer_ptrs(tok), lead, timeout_ms=TIMEOUT_MS)
         launched += programs
         for m in mats:
             assert torch.equal(m[me], counts) and (m[0] == 0).all() and (m[2] == 0).all()
@@ -269,9 +295,9 @@ def test_bad_arguments_raise():
     counts = torch.zeros(G, 6, dtype=torch.int64, device=DEVICE)
     order = torch.arange(8, device=DEVICE)
     def dispatch(order_=order, counts_E=counts[0], counts_GE=counts, P_cap=8, w=torch.zeros(4, 2, device=DEVICE),
-                 R_cap=10):
+                 R_cap=10, lead=torch.zeros(4 * G, dtype=torch.int32, device=DEVICE)):
         return dispatch_rows(x, w, order_, counts_E, ptrs, ptrs, flag, 0, counts_GE, flag, 0, ptrs, ptrs, ptrs,
-                             torch.float32, 0, 2, P_cap, R_cap)
+                             torch.float32, 0, 2, P_cap, R_cap, ptrs, lead)
     with pytest.raises(ValueError, match="P_cap"):
         dispatch(P_cap=7)
     with pytest.raises(ValueError, match="order_P"):
@@ -284,6 +310,8 @@ def test_bad_arguments_raise():
         dispatch(w=torch.zeros(4, 3, device=DEVICE))
     with pytest.raises(ValueError, match="R_cap"):
         dispatch(R_cap=0)
+    with pytest.raises(ValueError, match="lead_TG"):
+        dispatch(lead=torch.zeros(4 * G - 1, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="g_R"):
         push_back(x, torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(1, dtype=torch.int32), ptrs,
                   torch.float32, 0, 8, ptrs, torch.zeros(4, device=DEVICE))
@@ -300,13 +328,15 @@ def test_dispatch_into_too_small_buffers_moves_nothing():
     counts = torch.zeros(1, E, dtype=torch.int64)
     flag, ticket = _flags(1)[0], _flags(1)[0]
     recv, src, w = torch.full((R_cap + 4, D), 7.0), torch.full((R_cap + 4,), -5), torch.full((R_cap + 4,), 7.0)
+    tok = torch.full((R_cap + 4,), -5)
     route = dispatch_rows(torch.randn(T, D), torch.rand(T, K), torch.arange(T * K), torch.tensor([4, 4]),
                           buffer_ptrs([counts]), buffer_ptrs([flag]), ticket, 0, counts, flag, 1, buffer_ptrs([recv]),
-                          buffer_ptrs([src]), buffer_ptrs([w]), torch.float32, 0, K, T * K, R_cap,
+                          buffer_ptrs([src]), buffer_ptrs([w]), torch.float32, 0, K, T * K, R_cap, buffer_ptrs([tok]),
+                          torch.zeros(T, dtype=torch.int32),
                           out=(torch.zeros(T, K, dtype=torch.int64), torch.zeros(T, K, dtype=torch.int64),
-                               torch.full((E,), -3, dtype=torch.int32)))
-    assert (route[0] == -1).all() and route[2].tolist() == [-3] * E
-    assert (recv == 7.0).all() and (src == -5).all() and (w == 7.0).all()
+                               torch.full((E,), -3, dtype=torch.int32), torch.zeros(T, K, dtype=torch.int64)))
+    assert (route[0] == -1).all() and route[2].tolist() == [-3] * E and (route[3] == -1).all()
+    assert (recv == 7.0).all() and (src == -5).all() and (w == 7.0).all() and (tok == -5).all()
 
 
 _NEVER_SIGNALLED = """
@@ -345,8 +375,10 @@ src = torch.zeros(R_cap, dtype=torch.int64, device="cuda")
 wr = torch.zeros(R_cap, device="cuda")
 order = torch.arange(T * K, device="cuda")
 mine = torch.tensor([4, 4], dtype=torch.int64, device="cuda")
+tok = torch.zeros(R_cap, dtype=torch.int64, device="cuda")
 dispatch_rows(x, w, order, mine, ptr(counts), ptr(flag), ticket, 0, counts, flag, 1, ptr(recv), ptr(src), ptr(wr),
-              torch.float32, 0, K, T * K, R_cap, timeout_ms=5000)
+              torch.float32, 0, K, T * K, R_cap, ptr(tok), torch.zeros(T, dtype=torch.int32, device="cuda"),
+              timeout_ms=5000)
 torch.cuda.synchronize()
 """
 

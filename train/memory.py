@@ -419,10 +419,9 @@ def block_parts(s: ModelShape, moe: bool, B: int, S: int, lay: Layout, num: Nume
         Part("expert pre-activation z", rows.R * U * c, "experts"),
         Part("grouped-GEMM offsets", rows.J * 4, "experts"),
     ]
-    # P2P's rows are a view of its symmetric slot, already in the compute dtype (the cast is a
-    # no-op): counted in p2p_buffer_bytes, as its row weights below
-    if lay.transport != "p2p":
-        parts.insert(len(parts) - 2, Part("expert rows (compute dtype)", rows.R * D * c, "experts"))
+    # (P2P's rows are copied out of its symmetric token buffer, in the compute dtype: the cast is
+    # a no-op, the copy is kept as the others' casts are)
+    parts.insert(len(parts) - 2, Part("expert rows (compute dtype)", rows.R * D * c, "experts"))
     if not (s.swiglu and c == 2):
         parts.append(Part("expert hidden h", rows.R * s.F * c, "experts"))
     # the experts weight their output rows (moe.Dispatcher.dispatch's w_R): the SwiGLU node keeps
@@ -444,7 +443,7 @@ def block_parts(s: ModelShape, moe: bool, B: int, S: int, lay: Layout, num: Nume
         parts += [Part("route: row tables and each pair's rank", (T * (s.K + lay.ep) + P) * 8, dispatch=True),
                   Part("row table of the received tokens", received * s.K * 8, dispatch=True)]
     else:  # parallel/p2p_dispatcher.py's _P2PRoute
-        parts.append(Part("route: row and rank of each pair", 2 * P * 8, dispatch=True))
+        parts.append(Part("route: row, rank and token row of each pair", 3 * P * 8, dispatch=True))
     return parts
 
 
@@ -509,12 +508,12 @@ def checkpointed(parts: list[Part], s: ModelShape, i: int, B: int, S: int, lay: 
         rows = expert_rows(s, T, lay)
         # the experts' checkpoint keeps the rows as dispatched: the norm output's rows (a gather,
         # or the all-to-all's receive buffer), in param_dtype when the experts are an FSDP unit
-        # (bf16 FSDP computes in bf16, the dtype the dispatch casts the rows to); P2P's are a
-        # view of its symmetric slot
+        # (bf16 FSDP computes in bf16, the dtype the dispatch casts the rows to); P2P's are copied
+        # out of its token buffer in the rows' dtype
         rb = lay.param_bytes if lay.experts_sharded else norm_bytes(lay, num)
-        if lay.transport != "p2p":
-            kept.append(Part(f"expert input rows ({'fp32' if rb == 4 else 'bf16'}, checkpoint)", rows.R * s.D * rb,
-                             dispatch=True))
+        rb = num.compute_bytes if lay.transport == "p2p" else rb
+        kept.append(Part(f"expert input rows ({'fp32' if rb == 4 else 'bf16'}, checkpoint)", rows.R * s.D * rb,
+                         dispatch=True))
         kept.append(Part("grouped-GEMM offsets", rows.J * 4))
     return kept
 
@@ -625,18 +624,20 @@ def received_rows_cap(s: ModelShape, T: int, lay: Layout) -> int:
 
 
 def p2p_buffer_bytes(s: ModelShape, T: int, lay: Layout, row_bytes: int) -> int:
-    """P2PDispatcher's symmetric memory: one slot per MoE block (received rows, returned rows, their
-    sources, the received rows' fp32 weights and the returned weight gradients, the count matrix,
-    three flags; each region 256-byte aligned) and one gradient buffer, in the rows' dtype: the
-    experts' (``row_bytes``; the dispatch casts the norm output to it)."""
+    """P2PDispatcher's symmetric memory: one slot per MoE block (received token rows, returned rows,
+    the received pairs' token rows and sources, their fp32 weights and the returned weight
+    gradients, the count matrix, three flags; each region 256-byte aligned) and one gradient buffer
+    of token rows, in the rows' dtype: the experts' (``row_bytes``; the dispatch casts the norm
+    output to it)."""
     if lay.transport != "p2p":
         return 0
     R_cap, P_cap = received_rows_cap(s, T, lay), T * s.K
-    # the return buffer holds one row per (rank, token): the receivers sum a token's pairs first
-    regions = [R_cap * s.D * row_bytes, lay.ep * T * s.D * row_bytes, R_cap * 8, R_cap * 4, P_cap * 4,
-               lay.ep * s.E * 8, 8, 8, 8]
+    # a token's row crosses to a rank once each way: the receive, return and gradient buffers hold
+    # one row per (rank, token)
+    token_rows = lay.ep * T * s.D * row_bytes
+    regions = [token_rows, token_rows, R_cap * 8, R_cap * 8, R_cap * 4, P_cap * 4, lay.ep * s.E * 8, 8, 8, 8]
     slot = sum(_ceil_div(n, 256) * 256 for n in regions)
-    return sum(s.moe_blocks) * slot + _ceil_div(R_cap * s.D * row_bytes, 256) * 256
+    return sum(s.moe_blocks) * slot + _ceil_div(token_rows, 256) * 256
 
 
 COLUMNS = ("params", "grads", "optimizer", "activations", "dispatch", "weights", "transient")
