@@ -331,7 +331,7 @@ def _row_calls():
 
 def _p2p_calls():
     from moe.capacity import plan_routing
-    from parallel.p2p_rows import dispatch_rows, push_back, push_rows, sum_returned
+    from parallel.p2p_rows import dispatch_rows, expand_rows, push_back, push_rows, sum_returned
 
     def ptrs(bufs):
         return torch.tensor([t.data_ptr() for t in bufs], dtype=torch.int64)
@@ -345,7 +345,9 @@ def _p2p_calls():
     gen = torch.Generator().manual_seed(0)
     counts = [torch.zeros((G, E), dtype=torch.int64) for _ in range(G)]
     counts_flags, tickets, back_flags = flags(), flags(), flags()
-    recv = [torch.zeros((R_cap, D), dtype=torch.bfloat16) for _ in range(G)]
+    T_cap = P_cap // K
+    recv = [torch.zeros((G * T_cap, D), dtype=torch.bfloat16) for _ in range(G)]  # token rows
+    tok_of = [torch.zeros((R_cap,), dtype=torch.int64) for _ in range(G)]
     src = [torch.full((R_cap,), -1, dtype=torch.int64) for _ in range(G)]
     w_recv = [torch.zeros(R_cap) for _ in range(G)]
     for r, T in enumerate(tokens):  # one pass: each rank routes by the count rows in so far
@@ -353,7 +355,9 @@ def _p2p_calls():
                             E, None)
         dispatch_rows(torch.randn(T, D, dtype=torch.bfloat16), torch.rand(T, K), plan.order_P, plan.kept_per_expert_E,
                       ptrs(counts), ptrs(counts_flags), tickets[r], 0, counts[r], counts_flags[r], 0, ptrs(recv),
-                      ptrs(src), ptrs(w_recv), torch.bfloat16, r, K, P_cap, R_cap)
+                      ptrs(src), ptrs(w_recv), torch.bfloat16, r, K, P_cap, R_cap, ptrs(tok_of),
+                      torch.zeros(T_cap * G, dtype=torch.int32))
+    expand_rows(recv[0], tok_of[0], torch.tensor([3], dtype=torch.int32))
     ret = [torch.zeros((G * P_cap, D)) for _ in range(G)]
     ret_g = [torch.zeros(P_cap) for _ in range(G)]
     src_M = torch.tensor([0, -1, P_cap + 1, 2])  # rank 0 place 0, stays, rank 1 place 1, rank 0 place 2
