@@ -472,6 +472,10 @@ def main() -> None:
     # inside its exchange kernels, the slower one (the critical path) shows the exchange itself
     kernels, syncs = classify(events)
     rows = summarise(kernels, step_ms, args.steps)
+    # the host's load: each kernel, memset and memcpy is one launch (the step is host-bound where
+    # a rank's host falls behind: step_profile.md, 2026-11-28)
+    launches = collections.Counter(c for _, _, c, _ in kernels)
+    launches["(trace span per step)"] = len(kernels)
     exchange = exchange_kernels(kernels)
     light = light_kernels(light_events, light_own_ms)
     mine = (rows, light_split(light, exchange, light_ms, args.steps), exchange_launches(light, exchange))
@@ -503,9 +507,10 @@ def main() -> None:
                f"**{tokens / (timed_ms / 1e3):,.0f} tokens/s; MFU {timed_mfu:.1%}**"] if args.timed else []),
             f"- load max/mean per MoE layer at the last step (world): {' '.join(f'{r:.1f}' for r in routing)}",
             "",
-            "| category | GPU ms/step | % of step | exposed ms/step | exposed % |",
-            "|---|---|---|---|---|",
-            *[f"| {c} | {b:.1f} | {100 * b / step_ms:.1f} | {x:.1f} | {100 * x / step_ms:.1f} |" for c, b, x in rows],
+            "| category | GPU ms/step | % of step | exposed ms/step | exposed % | launches/step |",
+            "|---|---|---|---|---|---|",
+            *[f"| {c} | {b:.1f} | {100 * b / step_ms:.1f} | {x:.1f} | {100 * x / step_ms:.1f} | "
+              f"{launches[c] / args.steps:,.0f} |" for c, b, x in rows],
             "",
             *per_rank_table(rank_rows, step_ms),
             *light_table(rank_light, waits, spread_us),

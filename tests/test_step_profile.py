@@ -1,0 +1,46 @@
+"""bench/step_profile.py's GPU-only split of a step (the exposed exchange and its wait for a later
+rank), on hand-made traces whose answers are counted by hand."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location("step_profile", Path(__file__).resolve().parents[1] / "bench" / "step_profile.py")
+sp = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sp)
+
+
+def _kernel(ts, dur, name):
+    return {"cat": "kernel", "ts": ts, "dur": dur, "name": name}
+
+
+def test_exchange_kernels_are_those_mostly_in_the_exchange():
+    kernels = [(0, 10, "dispatch/combine", "d"), (5, 20, "expert GEMMs", "g"), (20, 30, "all-to-all", "a"),
+               (30, 31, "norms", "d"), (31, 40, "dispatch/combine", "n"), (40, 60, "norms", "n")]
+    assert sp.exchange_kernels(kernels) == {"d", "a"}  # n: 9 of its 29 µs in the exchange
+
+
+def test_light_split_clips_to_the_profiled_steps_and_splits_them():
+    # rank 0's trace also holds a kernel of an earlier profile (at 0): outside the last 45 µs
+    events = [_kernel(0, 5, "old"), _kernel(100, 10, "d"), _kernel(110, 20, "g"), _kernel(130, 10, "d"),
+              {"cat": "cpu_op", "ts": 0, "dur": 500, "name": "aten::mm"}]
+    kernels = sp.light_kernels(events, own_ms=0.045)
+    assert [n for _, _, n in kernels] == ["d", "g", "d"]
+    step, own, exposed, idle = sp.light_split(kernels, {"d"}, step_ms=0.050, steps=1)
+    assert (step, own, exposed) == (0.050, pytest.approx(0.020), pytest.approx(0.020))
+    assert idle == pytest.approx(0.010)  # 50 µs step, 40 µs covered
+
+
+def test_wait_split_charges_the_early_rank_for_the_late_one():
+    r0 = sp.light_kernels([_kernel(100, 10, "d"), _kernel(110, 20, "g"), _kernel(130, 10, "d")], 0.045)
+    r1 = sp.light_kernels([_kernel(90, 3, "d"), _kernel(104, 6, "d"), _kernel(110, 25, "g"), _kernel(135, 5, "d")], 0.05)
+    launches = [sp.exchange_launches(r, {"d"}) for r in (r0, r1)]
+    waits, spread = sp.wait_split(launches, steps=1)
+    # aligned at the ends: r1's first "d" (at 90) has no partner. Launch 1: r0 starts at 100, r1 at
+    # 104 -> r0 waits 4 µs; launch 2: 130 against 135 -> r0 waits 5 µs; r1 never waits
+    assert waits == [pytest.approx(0.009), 0.0]
+    assert spread == 0  # both launches end together on both ranks
+    # a wait is at most the kernel's own duration (a rank whose peer starts long after it ends)
+    waits, _ = sp.wait_split([{"d": [(0, 2)]}, {"d": [(50, 52)]}], steps=2)
+    assert waits == [pytest.approx(0.001), 0.0]
