@@ -49,6 +49,10 @@
 #                                       # (benchmark mode: the ranks' expert work equal), P2P, bar's layout
 #   PART=16 bash bench/run_ep2_step.sh  # each rank's host bound to its GPU's NUMA node (torchrun
 #                                       # --numa-binding=node) against no binding, alternating, 2 rounds
+#   PART=17 bash bench/run_ep2_step.sh  # the host: one profile with the launches per category and rank 0's
+#                                       # CPU ops (--host-table 40), then OMP_NUM_THREADS nproc/2 against 4
+#                                       # and 1 per rank, alternating, 2 rounds (PART=15/16: the late rank's
+#                                       # host, not the routing, makes the exposed exchange)
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -265,6 +269,14 @@ elif [ "$PART" = 16 ]; then
     for round in 1 2; do
         prof "P2P, no binding (round $round)" 55 configs/olmoe_bench.yaml $P
         TORCHRUN_ARGS=--numa-binding=node prof "P2P, --numa-binding=node (round $round)" 55 configs/olmoe_bench.yaml $P
+    done
+elif [ "$PART" = 17 ]; then
+    P="--warm 3 --steps 1 --timed 3 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    prof "P2P, launches and host table (OMP_NUM_THREADS $OMP_NUM_THREADS)" 60 configs/olmoe_bench.yaml $P --host-table 40
+    for round in 1 2; do
+        for threads in "$OMP_NUM_THREADS" 4 1; do
+            OMP_NUM_THREADS=$threads prof "P2P, OMP_NUM_THREADS $threads (round $round)" 55 configs/olmoe_bench.yaml $P
+        done
     done
 else
     timeout "$(left)" python3 bench/memory_check.py --gpus 2 --steps 8 --timeout 200 --out "$OUT/memory_ep2.md" \
