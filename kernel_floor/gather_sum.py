@@ -21,9 +21,7 @@ for a block of pairs (``live`` masks the block's tail): the pair's row is ``a[ro
 - :func:`gather_sum`: ``out[t] = Σ_k (w[t, k] ·) row of (t, k)``, fp32 accumulation, one read
   of each row (the combine forward; a dispatch backward with w = 1). An optional ``prologue``
   (a jit function with three arguments) runs first in every program (the P2P path waits there
-  for the peers' signals, saving a launch). With ``pair_values`` = (va, vb, out) it also gathers
-  one fp32 value per pair, located like its row: ``out[t, k] = va[row_a]``, ``vb[row_b]`` or 0
-  (the P2P dispatch backward's weight gradients, saving six small launches).
+  for the peers' signals, saving a launch).
 - :func:`scatter_rows`: for each pair that a second jit function, the **destination**
   ``dest(pair, live, idx0_ptr, idx1_ptr, me, n) -> (buffer, row)`` (buffer < 0: none), sends
   somewhere: ``dst[buffer][row] = (w[t, k] ·) x[t]``, and with ``dw`` also
@@ -53,22 +51,15 @@ from kernel_floor.runtime import ROW_BLOCK_D, ROW_BLOCK_T, grid_programs, tl_dty
 # a multiple of 16 would compile a new variant mid-run (~0.5 s)
 @triton.jit(do_not_specialize=["pro1", "pro2"])
 def _gather_sum_kernel(out_ptr, a_ptr, b_ptr, w_ptr, idx0_ptr, idx1_ptr, me, n, T, D, stride_a, stride_b, stride_out,
-                       pro0, pro1, pro2, va_ptr, vb_ptr, vout_ptr,
+                       pro0, pro1, pro2,
                        K: tl.constexpr, LOCATE: tl.constexpr, PROLOGUE: tl.constexpr, WEIGHTED: tl.constexpr,
-                       PAIR_VALUES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                       BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     if PROLOGUE is not None:
         PROLOGUE(pro0, pro1, pro2)
     offs = tl.arange(0, BLOCK_D)
     for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
         t = tile * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         live = t < T
-        if PAIR_VALUES:
-            for k in range(K):
-                pair = t * K + k
-                in_a, in_b, row_a, row_b = LOCATE(pair, live, idx0_ptr, idx1_ptr, me, n)
-                va = tl.load(va_ptr + row_a, mask=in_a, other=0.0)
-                vb = tl.load(vb_ptr + row_b, mask=in_b, other=0.0)
-                tl.store(vout_ptr + pair, tl.where(in_a, va, vb), mask=live)
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + offs
             ok_d = (cols < D)[None, :]
@@ -147,8 +138,7 @@ def gather_sum(T: int, D: int, locate, idx0: torch.Tensor, idx1: torch.Tensor | 
                a_MD: torch.Tensor, b_MD: torch.Tensor | None = None, w_TK: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None, *, K: int, prologue=None, prologue_args=(0, 0, 0),
                block_t: int = ROW_BLOCK_T, max_programs: int | None = None,
-               out_TD: torch.Tensor | None = None,
-               pair_values: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               out_TD: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the forward: ``out_TD[t] = Σ_k (w[t, k] ·) row of (t, k)`` in fp32, cast to
     ``out_dtype`` (default a's dtype).
 
@@ -163,25 +153,21 @@ def gather_sum(T: int, D: int, locate, idx0: torch.Tensor, idx1: torch.Tensor | 
         block_t, max_programs: tokens per step and a cap on the grid (None: one program per block).
         out_TD: where to write (a (T, D) view with unit column stride, any row stride; its dtype
             wins over ``out_dtype``), or None: a new tensor.
-        pair_values: optional (va_M, vb_M, out_TK): contiguous fp32 vectors over a's and b's rows
-            and a contiguous (T, K) fp32 output; ``out_TK[t, k]`` becomes the value of the row the
-            pair locates (``va[row_a]`` or ``vb[row_b]``), 0 for a pair located nowhere.
     The callers check their own arguments' shapes; this launcher only launches.
     """
     if out_TD is None:
         out_TD = a_MD.new_empty((T, D), dtype=out_dtype or a_MD.dtype)
-    if (T == 0 or (D == 0 and pair_values is None)) and prologue is None:
+    if (T == 0 or D == 0) and prologue is None:
         return out_TD
     w_TK = None if w_TK is None else w_TK.contiguous()  # indexed by pair t·K + k
     # an empty buffer is never read (no pair locates there), but Triton rejects its null pointer
     a_MD = a_MD if a_MD.numel() else out_TD
     if b_MD is not None and not b_MD.numel():
         b_MD = out_TD
-    va, vb, vout = pair_values if pair_values is not None else (out_TD, out_TD, out_TD)
     _gather_sum_kernel[_grid(T, max_programs, block_t)](
         out_TD, a_MD, b_MD, out_TD if w_TK is None else w_TK, idx0, idx0 if idx1 is None else idx1, me, n, T, D,
-        a_MD.stride(0), 0 if b_MD is None else b_MD.stride(0), out_TD.stride(0), *prologue_args, va, vb, vout,
-        K=K, LOCATE=locate, PROLOGUE=prologue, WEIGHTED=w_TK is not None, PAIR_VALUES=pair_values is not None,
+        a_MD.stride(0), 0 if b_MD is None else b_MD.stride(0), out_TD.stride(0), *prologue_args,
+        K=K, LOCATE=locate, PROLOGUE=prologue, WEIGHTED=w_TK is not None,
         BLOCK_T=block_t, BLOCK_D=ROW_BLOCK_D, num_warps=4)
     return out_TD
 
