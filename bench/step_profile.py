@@ -263,6 +263,11 @@ def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
     return total
 
 
+def _busy_ms(intervals, steps: int) -> float:
+    """ms a step during which at least one of ``intervals`` (µs) runs."""
+    return sum(e - s for s, e in _union(intervals)) / 1e3 / steps
+
+
 def summarise(kernels, step_ms: float, steps: int) -> list[tuple[str, float, float]]:
     """(category, GPU ms per step, exposed ms per step) in CATEGORIES order, then idle."""
     rows = []
@@ -274,7 +279,7 @@ def summarise(kernels, step_ms: float, steps: int) -> list[tuple[str, float, flo
         rows.append((cat, busy, exposed))
     lo = min(s for s, _, _, _ in kernels)
     hi = max(e for _, e, _, _ in kernels)
-    covered = sum(e - s for s, e in _union([(s, e) for s, e, _, _ in kernels])) / 1e3 / steps
+    covered = _busy_ms([(s, e) for s, e, _, _ in kernels], steps)
     rows.append((IDLE, max(step_ms - covered, 0.0), max(step_ms - covered, 0.0)))
     rows.append(("(trace span per step)", (hi - lo) / 1e3 / steps, float("nan")))
     return rows
@@ -376,15 +381,14 @@ def light_kernels(events: list[dict], own_ms: float) -> list[tuple[float, float,
     return [k for k in kernels if k[0] >= end - own_ms * 1e3]
 
 
-def light_split(kernels, exchange: set[str], step_ms: float, steps: int) -> tuple[float, float, float, float]:
-    """From :func:`light_kernels`: (step ms, own work, exposed exchange, idle) in ms a step, the
-    kernels named in ``exchange`` against all others."""
+def light_split(kernels, exchange: set[str], step_ms: float, steps: int) -> tuple[float, float, float]:
+    """From :func:`light_kernels`: (own work, exposed exchange, idle) in ms a step of
+    ``step_ms``, the kernels named in ``exchange`` against all others."""
     mine = [(s, e) for s, e, n in kernels if n in exchange]
     others = [(s, e) for s, e, n in kernels if n not in exchange]
     exposed = _minus(mine, others) / 1e3 / steps
-    own = sum(e - s for s, e in _union(others)) / 1e3 / steps
-    covered = sum(e - s for s, e in _union([(s, e) for s, e, _ in kernels])) / 1e3 / steps
-    return step_ms, own, exposed, max(step_ms - covered, 0.0)
+    covered = _busy_ms([(s, e) for s, e, _ in kernels], steps)
+    return _busy_ms(others, steps), exposed, max(step_ms - covered, 0.0)
 
 
 def exchange_launches(kernels, exchange: set[str]) -> dict[str, list[tuple[float, float]]]:
@@ -423,16 +427,15 @@ def wait_split(rank_launches, steps: int) -> tuple[list[float], float]:
     return [w / 1e3 / steps for w in waits], spreads[len(spreads) // 2] if spreads else float("nan")
 
 
-def light_table(rank_light, waits: list[float], spread_us: float) -> list[str]:
-    """Markdown lines of :func:`light_split` per rank with :func:`wait_split`'s wait, the rank
-    with the most own work marked."""
-    busiest = max(range(len(rank_light)), key=lambda r: rank_light[r][1])
+def light_table(rank_light, step_ms: float, busiest: int, waits: list[float], spread_us: float) -> list[str]:
+    """Markdown lines of :func:`light_split` per rank (of a ``step_ms`` step) with
+    :func:`wait_split`'s wait, the rank with the most own work (``busiest``) marked."""
     lines = ["GPU activity alone (the profiler's low-overhead mode; ms a step and % of that profile's step, "
-             f"{rank_light[0][0]:.1f} ms; the rank with the most own work marked *; the exchange kernels' wait "
+             f"{step_ms:.1f} ms; the rank with the most own work marked *; the exchange kernels' wait "
              f"for a later rank from the launches' starts, median end spread of matched launches {spread_us:.0f} µs):",
              "", "| rank | own work (busy) | exposed exchange | of which waiting for a later rank | idle |",
              "|---|---|---|---|---|"]
-    for r, (step_ms, own, exch, idle) in enumerate(rank_light):
+    for r, (own, exch, idle) in enumerate(rank_light):
         cells = [f"{v:.1f} ({100 * v / step_ms:.1f} %)" for v in (own, exch, waits[r], idle)]
         lines.append(f"| {r}{' *' if r == busiest else ''} | " + " | ".join(cells) + " |")
     return lines + [""]
@@ -485,6 +488,7 @@ def main() -> None:
         dist.all_gather_object(gathered, mine)
     rank_rows, rank_light, rank_launches = (list(x) for x in zip(*gathered))
     waits, spread_us = wait_split(rank_launches, args.steps)
+    lbusy = max(range(len(rank_light)), key=lambda r: rank_light[r][0])  # the most own work
     if rt.rank == 0:
         if args.keep_trace:
             with gzip.open(args.keep_trace, "wt") as f:
@@ -513,7 +517,7 @@ def main() -> None:
               f"{launches[c] / args.steps:,.0f} |" for c, b, x in rows],
             "",
             *per_rank_table(rank_rows, step_ms),
-            *light_table(rank_light, waits, spread_us),
+            *light_table(rank_light, light_ms, lbusy, waits, spread_us),
             "Top kernels (rank 0, ms/step):",
             "",
             "| kernel | category | ms/step |",
@@ -533,12 +537,11 @@ def main() -> None:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.host_table), flush=True)
         a2a = next(x for c, _, x in rows if c == ALL_TO_ALL)
         busiest = rank_rows[_busiest(rank_rows)]
-        lbusy = max(range(len(rank_light)), key=lambda r: rank_light[r][1])
-        lstep, _, lexch, _ = rank_light[lbusy]
+        lexch = rank_light[lbusy][1]
         # one line per run for a driver script's closing table
         print(f"SUMMARY | {args.label} | {timed_ms:.1f} | {tokens / (timed_ms / 1e3):,.0f} | {timed_mfu:.1%} | "
               f"{peak_gb:.1f} | {100 * a2a / step_ms:.1f} | {100 * _exchange_ms(busiest) / step_ms:.1f} | "
-              f"{100 * lexch / lstep:.1f} | {100 * (lexch - waits[lbusy]) / lstep:.1f} | {max(routing, default=float('nan')):.1f} |", flush=True)
+              f"{100 * lexch / light_ms:.1f} | {100 * (lexch - waits[lbusy]) / light_ms:.1f} | {max(routing, default=float('nan')):.1f} |", flush=True)
         if args.out:
             with open(args.out, "a") as f:
                 f.write(text + "\n")

@@ -27,8 +27,8 @@ def test_light_split_clips_to_the_profiled_steps_and_splits_them():
               {"cat": "cpu_op", "ts": 0, "dur": 500, "name": "aten::mm"}]
     kernels = sp.light_kernels(events, own_ms=0.045)
     assert [n for _, _, n in kernels] == ["d", "g", "d"]
-    step, own, exposed, idle = sp.light_split(kernels, {"d"}, step_ms=0.050, steps=1)
-    assert (step, own, exposed) == (0.050, pytest.approx(0.020), pytest.approx(0.020))
+    own, exposed, idle = sp.light_split(kernels, {"d"}, step_ms=0.050, steps=1)
+    assert (own, exposed) == (pytest.approx(0.020), pytest.approx(0.020))
     assert idle == pytest.approx(0.010)  # 50 µs step, 40 µs covered
 
 
