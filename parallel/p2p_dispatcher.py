@@ -10,9 +10,8 @@ A token's row crosses to a rank once, however many of its K pairs go there (at t
 ranks about 4: a row per pair moved ~4× the bytes), each way and in each backward; the receiver
 copies it into its pair rows. ``dispatch`` returns a fixed R_cap rows (the rows past
 ``offsets[-1]`` are padding, which the grouped GEMM skips and zero-fills), so the host never needs
-R. Each dispatch holds one *slot* of
-buffers until its backward, taken round-robin from ``num_buffers`` slots; the same call order on
-every rank means every rank takes the same slot.
+R. Each dispatch holds one *slot* of buffers until its backward, taken round-robin from
+``num_buffers`` slots; the same call order on every rank means every rank takes the same slot.
 
 ``dispatch``: one kernel (:func:`~parallel.p2p_rows.dispatch_rows`) writes this rank's
 per-expert counts into every rank's count matrix and signals that rank's counts flag, waits until
@@ -35,28 +34,28 @@ sums each token's G rows in fp32. It keeps no rows for its backward.
 
 Backward: the combine backward stores ``dout`` once per (token, rank) into the receivers' token
 gradient buffer (one per dispatcher, shared by the slots: each rank copies it into its pair rows
-right after the barrier that follows), then a barrier and that copy; the dispatch backward sends the rows' gradients
-home like the combine, each pair's weight gradient (the experts' ``dw_R``) on its own into the
-source's ``ret_w``, and one pass sums each token's rows; each pair's weight gradient is then read
-where it arrived.
+right after the barrier that follows), then a barrier and that copy; the dispatch backward sends
+the rows' gradients home like the combine, each pair's weight gradient (the experts' ``dw_R``) on
+its own into the source's ``ret_w``, and one pass sums each token's rows; each pair's weight
+gradient is then read where it arrived.
 
 Ordering: 7 launches per forward (the tickets' memset, 5 Triton kernels, one barrier) and a table
-of 3 small torch ops, 7 and the table per backward. Flags only
-grow; the host keeps, per slot, the value each flag reaches after the signals sent so far (every
-rank makes the same calls, so every rank knows it). Writers never overrun readers: every rank's
-counts reach a peer only after that rank finished everything before its dispatch, and the
-rows of a dispatch reach a peer only after that peer's counts (the kernel waits for them), so the
-counts exchange orders each dispatch after the previous call's reads on every rank (the rows'
-weights travel with the rows); the return buffer (and its weight gradients) is stored into only
-after the barrier at the end of the dispatch (forward) or of the combine backward (backward),
-which every reader of the previous contents passed after reading;
-and the gradient buffer only after the sum of the previous layer's dispatch backward waited for
-the peers' signals, sent after their experts' backward read it.
+of 3 small torch ops, 7 and the table per backward. Flags only grow; the host keeps, per slot, the
+value each flag reaches after the signals sent so far (every rank makes the same calls, so every
+rank knows it). Writers never overrun readers: every rank's counts reach a peer only after that
+rank finished everything before its dispatch, and the rows of a dispatch reach a peer only after
+that peer's counts (the kernel waits for them), so the counts exchange orders each dispatch after
+the previous call's reads on every rank (the rows' weights travel with the rows); the return buffer
+(and its weight gradients) is stored into only after the barrier at the end of the dispatch
+(forward) or of the combine backward (backward), which every reader of the previous contents passed
+after reading; and the gradient buffer only after the sum of the previous layer's dispatch backward
+waited for the peers' signals, sent after their experts' backward read it.
 
-Memory per slot: R_cap + G·max_tokens rows of D (plus R_cap int64 and R_cap + P_cap fp32), and
-R_cap rows of D for the shared gradient buffer. The experts' activations are R_cap rows too:
-dropless, the worst case, G× the T·K rows a balanced layer receives; with a capacity, its bound,
-about capacity_factor × those.
+Memory per slot: 2 · G·max_tokens token rows of D (received and returned), 2 · R_cap int64 (each
+pair row's token row and source) and R_cap + P_cap fp32 (weights, returned weight gradients), and
+G·max_tokens token rows of D for the shared gradient buffer (train.memory.p2p_buffer_bytes). The
+experts' activations are R_cap rows too: dropless, the worst case, G× the T·K rows a balanced layer
+receives; with a capacity, its bound, about capacity_factor × those.
 
 Requirements: CUDA, every rank of the expert-parallel group on one node with peer access
 (``torch.distributed._symmetric_memory``), and a token bound ``max_tokens`` per rank known to all
@@ -138,7 +137,7 @@ class _Slot:
     (source s's token t at row s·T_cap + t, T_cap = max_tokens), per received pair row (R_cap):
     ``tok`` int64 its token row, ``src`` int64 where it came from, ``w`` fp32 its combine weight;
     ``ret`` (G·T_cap, D) this rank's tokens' rows sent back, one per rank (rank g's sum of token t's
-    pairs at row g·T_cap + t, T_cap = max_tokens), and ``ret_w`` (P_cap,) fp32 its pairs' weight
+    pairs at row g·T_cap + t), and ``ret_w`` (P_cap,) fp32 its pairs' weight
     gradients, ``counts`` (G, E) int64, two int64 flags (``counts_flag``, ``back_flag``) that the
     peers' kernels signal and this rank's dispatch ``ticket``. ``generation`` counts the
     dispatches that took the slot."""
@@ -241,8 +240,7 @@ def _home_and_sum(route: _P2PRoute, y_RD: torch.Tensor, out_dtype: torch.dtype,
     row per (source, token) that has rows here into the source's return buffer, its own sources'
     into its own (so a token's rows cross the link once however many of its pairs a rank holds:
     about 4× fewer bytes at top-8 of 64 on 2 ranks than a row per pair); with ``g_R`` (R_cap,)
-    fp32, the rows' weight
-    gradients, each goes to its pair's place of the source's ``ret_w``. Then ``out_TD[t] = Σ_g``
+    fp32, the rows' weight gradients, each goes to its pair's place of the source's ``ret_w``. Then ``out_TD[t] = Σ_g``
     of token t's G rows (T, D) once the peers' rows have arrived; with ``g_R``, ``(out_TD,
     dw_TK)``, dw_TK (T, K) fp32 each pair's weight gradient."""
     slot, home = route.slot, route.home
