@@ -52,6 +52,7 @@ building:
 """
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -136,7 +137,7 @@ def _patch(names: list[str]) -> None:
             lm_TE = CentreGrad.apply(out.logits_TE).softmax(dim=-1)
             priority_TK = lm_TE.gather(1, out.experts_TK)
             weights_TK = priority_TK / priority_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
-            return mr.RouterOutput(out.logits_TE, out.scores_TE, out.experts_TK, priority_TK, weights_TK)
+            return dataclasses.replace(out, priority_TK=priority_TK, weights_TK=weights_TK)
         mr.Router.forward = forward
     if "project" in names:
         def forward(self, x_TD, seq_len=None):

@@ -53,6 +53,10 @@
 #                                       # CPU ops (--host-table 40), then OMP_NUM_THREADS nproc/2 against 4
 #                                       # and 1 per rank, alternating, 2 rounds (PART=15/16: the late rank's
 #                                       # host, not the routing, makes the exposed exchange)
+#   PART=18 bash bench/run_ep2_step.sh  # the router's fused tail and the counting-sort plan (launches a
+#                                       # step cut): the 2-GPU tests of tests/test_parallel.py, then the
+#                                       # tree in .base (git archive of the commit before) against this tree,
+#                                       # P2P in the bar's layout, alternating, 3 rounds
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -277,6 +281,15 @@ elif [ "$PART" = 17 ]; then
         for threads in "$OMP_NUM_THREADS" 4 1; do
             OMP_NUM_THREADS=$threads prof "P2P, OMP_NUM_THREADS $threads (round $round)" 55 configs/olmoe_bench.yaml $P
         done
+    done
+elif [ "$PART" = 18 ]; then
+    MOE_AUTOTUNE=0 timeout 200 python3 -m pytest -q -m multigpu tests/test_parallel.py 2>&1 | tail -6 | tee "$OUT/gpu_tests.log"
+    [ -d .base ] && cp bench/step_profile.py .base/bench/
+    P="--warm 3 --steps 1 --timed 3 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    base() { [ -d .base ] && (cd .base && prof "P2P (.base: $(cat REV), round $1)" 55 configs/olmoe_bench.yaml $P); }
+    here() { prof "P2P, router tail and plan fused (this tree, round $1)" 55 configs/olmoe_bench.yaml $P; }
+    for round in 1 2 3; do
+        if [ $((round % 2)) = 1 ]; then base "$round"; here "$round"; else here "$round"; base "$round"; fi
     done
 else
     timeout "$(left)" python3 bench/memory_check.py --gpus 2 --steps 8 --timeout 200 --out "$OUT/memory_ep2.md" \

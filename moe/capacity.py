@@ -13,6 +13,8 @@ from typing import Literal
 
 import torch
 
+from moe.kernels.expert_sort import count_keys, sort_by_key
+
 DropPolicy = Literal["probs", "position"]
 DROP_POLICIES = typing.get_args(DropPolicy)
 
@@ -64,12 +66,6 @@ class RoutingPlan:
     routed_per_expert_E: torch.Tensor
 
 
-def _count(index: torch.Tensor, num_bins: int, values: torch.Tensor | None = None) -> torch.Tensor:
-    # scatter_add instead of torch.bincount: bincount reads the maximum on the host (a sync on CUDA).
-    ones = torch.ones_like(index) if values is None else values.to(torch.int64)
-    return torch.zeros(num_bins, dtype=torch.int64, device=index.device).scatter_add_(0, index, ones)
-
-
 def plan_routing(
     experts_TK: torch.Tensor,
     priority_TK: torch.Tensor,
@@ -95,10 +91,11 @@ def plan_routing(
         raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
     T, K = experts_TK.shape
     expert_P = experts_TK.reshape(-1)
-    routed_E = _count(expert_P, num_experts)
     if capacity is None:  # dropless: every pair kept, the pairs by expert, the kept counts the routed
+        order_P, routed_E = sort_by_key(expert_P, num_experts)
         kept_P = torch.ones_like(expert_P, dtype=torch.bool)
-        return RoutingPlan(torch.argsort(expert_P, stable=True), kept_P.view(T, K), routed_E, routed_E)
+        return RoutingPlan(order_P, kept_P.view(T, K), routed_E, routed_E)
+    routed_E = count_keys(expert_P, num_experts)
     if T % capacity_groups:
         raise ValueError(f"{T} tokens do not split into capacity_groups={capacity_groups} equal groups")
     pair_P = torch.arange(T * K, device=expert_P.device)
@@ -111,7 +108,7 @@ def plan_routing(
         by_priority = pair_P
     ranked = by_priority[torch.argsort(segment_P[by_priority], stable=True)]
     seg_sorted = segment_P[ranked]
-    seg_sizes = _count(seg_sorted, capacity_groups * num_experts)
+    seg_sizes = count_keys(seg_sorted, capacity_groups * num_experts)
     seg_starts = torch.cumsum(seg_sizes, 0) - seg_sizes
     rank_in_seg = pair_P - seg_starts[seg_sorted]
     kept_P = torch.empty_like(expert_P, dtype=torch.bool)
@@ -123,8 +120,8 @@ def plan_routing(
 def _pack(expert_P: torch.Tensor, kept_P: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(order_P, kept_per_expert_E) of a plan: kept pairs sorted by expert, then the dropped
     pairs (key E); the stable sort keeps pair order within an expert."""
-    sort_key_P = torch.where(kept_P, expert_P, num_experts)
-    return torch.argsort(sort_key_P, stable=True), _count(expert_P, num_experts, kept_P)
+    order_P, count_E1 = sort_by_key(torch.where(kept_P, expert_P, num_experts), num_experts + 1)
+    return order_P, count_E1[:num_experts]
 
 
 def split_plan(plan: RoutingPlan, experts_TK: torch.Tensor, num_chunks: int) -> list[tuple[slice, RoutingPlan]]:
@@ -146,5 +143,5 @@ def split_plan(plan: RoutingPlan, experts_TK: torch.Tensor, num_chunks: int) -> 
         expert_P = experts_TK[start:end].reshape(-1)
         kept_P = plan.kept_TK[start:end].reshape(-1)
         order_P, kept_E = _pack(expert_P, kept_P, num_experts)
-        chunks.append((slice(start, end), RoutingPlan(order_P, kept_P.view(end - start, K), kept_E, _count(expert_P, num_experts))))
+        chunks.append((slice(start, end), RoutingPlan(order_P, kept_P.view(end - start, K), kept_E, count_keys(expert_P, num_experts))))
     return chunks

@@ -14,7 +14,7 @@ from moe.capacity import expert_capacity, plan_routing
 from moe.config import MoEConfig, check_positive_int
 from moe.dispatch import Dispatcher, LocalDispatcher
 from moe.experts import GroupedExperts
-from moe.losses import load_balancing_loss, router_z_loss
+from moe.losses import load_balancing_loss, router_z_loss, token_mean
 from moe.mlp import DenseMLP
 from moe.router import Router
 from moe.stats import MoEStats, compute_stats
@@ -151,7 +151,7 @@ class MoELayer(nn.Module):
 
         # dispatch → experts → combine (fp32 accumulation of the K weighted expert outputs;
         # dropped pairs weigh zero), pipelined in chunks by a dispatcher that overlaps
-        w_TK = route.weights_TK * plan.kept_TK
+        w_TK = route.weights_TK if capacity is None else route.weights_TK * plan.kept_TK  # dropless: all kept
         out_TD = self.dispatcher.run_experts(self.experts, x_TD, plan, route.experts_TK, w_TK, x.dtype,
                                              row_dtype=self.experts.compute_dtype(x_TD))
         if self.shared_experts is not None:
@@ -168,12 +168,13 @@ class MoELayer(nn.Module):
         )
         num_tokens = num_tokens.clamp_min(1)
         lb_loss = load_balancing_loss(routed_E, prob_sum_E, num_tokens, K)
-        z_loss = router_z_loss(route.logits_TE)
+        z_loss = router_z_loss(route.logits_TE, route.lse_T)
         # the GEMM tiles an expert's rows from every source rank as one segment (the dispatchers
         # hand them over expert-major), so its tiles follow from the summed count (a lower bound
         # under overlap_chunks > 1: each chunk is its own GEMM)
         block_m = self.experts.row_tile_size(self.experts.compute_dtype(x_TD))
-        stats = compute_stats(counts_2E[0], counts_2E[1], route.scores_TE, capacity, block_m)
+        stats = compute_stats(counts_2E[0], counts_2E[1], None, capacity, block_m,
+                              entropy=token_mean(route.entropy_T))
         aux = MoEAux(lb_loss, z_loss, cfg.aux_loss_coef * lb_loss + cfg.z_loss_coef * z_loss, stats)
         return out_TD.view(x.shape), aux
 

@@ -18,8 +18,14 @@ def load_balancing_loss(routed_E: torch.Tensor, prob_sum_E: torch.Tensor, num_to
     return num_experts * torch.sum(f_E * p_E)
 
 
-def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
-    """ST-MoE z-loss ``mean_t logsumexp(logits_t)²``: keeps router logits small."""
-    if logits_TE.shape[0] == 0:
-        return logits_TE.sum()
-    return torch.logsumexp(logits_TE.float(), dim=-1).square().mean()
+def token_mean(v_T: torch.Tensor) -> torch.Tensor:
+    """The mean over the tokens of a per-token value; 0 (not NaN) for no tokens."""
+    return v_T.mean() if v_T.numel() else v_T.sum()
+
+
+def router_z_loss(logits_TE: torch.Tensor, lse_T: torch.Tensor | None = None) -> torch.Tensor:
+    """ST-MoE z-loss ``mean_t logsumexp(logits_t)²``: keeps router logits small. ``lse_T``: the
+    logsumexp if already computed (the router's kernel makes it with the scores)."""
+    if lse_T is None:
+        lse_T = torch.logsumexp(logits_TE.float(), dim=-1)
+    return token_mean(lse_T.square())

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from moe.kernels.causal_centre import causal_centre_reference, causal_centre_triton
 from moe.kernels.router_mm import router_logits
+from moe.kernels.router_topk import MAX_EXPERTS, router_topk, router_topk_reference
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 SCORE_FUNCS = typing.get_args(ScoreFunc)
@@ -34,6 +35,8 @@ class RouterOutput:
         an expert's highest-priority pairs.
     weights_TK: (T, K) combine weights: the priorities, renormalised over K when asked, times
         the routed scaling factor.
+    lse_T: (T,) logsumexp of each token's logits (the z-loss reads it).
+    entropy_T: (T,) entropy of each token's scores normalised to sum to 1 (a stat, no gradient).
     """
 
     logits_TE: torch.Tensor
@@ -41,6 +44,8 @@ class RouterOutput:
     experts_TK: torch.Tensor
     priority_TK: torch.Tensor
     weights_TK: torch.Tensor
+    lse_T: torch.Tensor
+    entropy_T: torch.Tensor
 
 
 # a pytree node, so that module hooks see the tensors inside (FSDP2 unshards a module's parameters
@@ -187,26 +192,17 @@ class Router(nn.Module):
         logits_TE = router_logits(x_TD, self.weight)
         if self.centre == "causal":
             logits_TE = causal_centre(logits_TE, seq_len)
-        if self.score_func == "softmax":
-            scores_TE = logits_TE.softmax(dim=-1)
-        else:
-            scores_TE = logits_TE.sigmoid()
-        if self.expert_bias is None:
-            select_TE = scores_TE
-        else:  # see expert_bias in the class docstring for the domain
-            select_TE = (logits_TE if self.score_func == "softmax" else scores_TE) + self.expert_bias
+        args = (logits_TE, self.expert_bias, self.top_k, self.score_func == "sigmoid", self.renormalize,
+                self.routed_scaling_factor)
         if self.force_balance:
-            select_TE = torch.rand_like(scores_TE)
+            route = router_topk_reference(*args, limit=torch.rand_like)
         elif self.topk_group < self.n_group:
-            select_TE = self._limit_to_groups(select_TE.detach())
-        experts_TK = select_TE.topk(self.top_k, dim=-1, sorted=True).indices
-        priority_TK = scores_TE.gather(1, experts_TK)
-        weights_TK = priority_TK
-        if self.renormalize:
-            weights_TK = priority_TK / priority_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
-        if self.routed_scaling_factor != 1.0:
-            weights_TK = weights_TK * self.routed_scaling_factor
-        return RouterOutput(logits_TE, scores_TE, experts_TK, priority_TK, weights_TK)
+            route = router_topk_reference(*args, limit=self._limit_to_groups)
+        elif logits_TE.is_cuda and logits_TE.shape[1] <= MAX_EXPERTS:
+            route = router_topk(*args)  # one kernel each way: see moe/kernels/router_topk.py
+        else:
+            route = router_topk_reference(*args)
+        return RouterOutput(logits_TE, *route)
 
     def _limit_to_groups(self, select_TE: torch.Tensor) -> torch.Tensor:
         """The selection scores with the experts of all but the ``topk_group`` best of the

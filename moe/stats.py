@@ -8,6 +8,9 @@ from functools import cached_property
 
 import torch
 
+from moe.kernels.router_topk import token_entropy
+from moe.losses import token_mean
+
 
 @dataclass(frozen=True)
 class MoEStats:
@@ -107,12 +110,10 @@ def compute_stats(
     (an expert's rows are one segment, with expert parallelism too: the dispatchers hand them over
     expert-major); ``entropy``: the router entropy, default from ``scores_TE`` (T, E), computed
     here (a derived stat that kept the scores would keep T·E floats a layer until its next
-    forward); the world sums of :mod:`parallel.stats` pass both."""
+    forward); the world sums of :mod:`parallel.stats` pass both, the MoE layer the mean of the
+    router's per-token entropy (its kernel computes it with the scores)."""
     if entropy is None:
-        with torch.no_grad():
-            probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)
-            entropy_T = -(probs_TE * probs_TE.clamp_min(1e-20).log()).sum(-1)
-            entropy = entropy_T.mean() if entropy_T.numel() else entropy_T.sum()
+        entropy = token_mean(token_entropy(scores_TE))
     return MoEStats(
         routed_per_expert=routed_E.detach(), tokens_per_expert=kept_E.detach(), capacity=capacity, block_m=block_m,
         router_entropy=entropy, given_tiles_E=None if tiles_E is None else tiles_E.detach(),

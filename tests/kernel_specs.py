@@ -260,6 +260,20 @@ def _router_calls():
         router_logits(x, w, backend="triton").sum().backward()
     logits = torch.randn(24, 6, requires_grad=True)
     causal_centre_triton(logits, 8).square().sum().backward()
+    # the MoE layer's two router paths: softmax with the expert bias (the gradients it gets in
+    # training: the scores' broadcast one, the weights', the lse's), sigmoid without
+    from moe.kernels.router_topk import router_topk
+
+    logits = torch.randn(40, 64, requires_grad=True)
+    scores, _, _, weights, lse, _ = router_topk(logits, torch.randn(64), 8, False, True, 1.0)
+    ((scores.sum(0) * torch.randn(64)).sum() + weights.square().sum() + lse.square().sum()).backward()
+    scores, _, _, weights, _, _ = router_topk(logits, None, 6, True, False, 2.5)
+    weights.square().sum().backward()
+    # the dropless plan (E bins) and the capacity plan's packing (E + 1 bins)
+    from moe.kernels.expert_sort import sort_by_key
+
+    for bins in (64, 65):
+        sort_by_key(torch.randint(0, bins, (300,)), bins, backend="triton")
 
 
 def _attention_calls():
