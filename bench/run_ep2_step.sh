@@ -57,6 +57,10 @@
 #                                       # step cut): the 2-GPU tests of tests/test_parallel.py, then the
 #                                       # tree in .base (git archive of the commit before) against this tree,
 #                                       # P2P in the bar's layout, alternating, 3 rounds
+#   PART=19 bash bench/run_ep2_step.sh  # PART=18 with the router losses' kernel too: the router, loss and
+#                                       # sort kernels' and the layer's tests on one GPU, the 2-GPU tests of
+#                                       # test_parallel.py and test_train.py, then .base against this tree,
+#                                       # 2 rounds
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -282,13 +286,20 @@ elif [ "$PART" = 17 ]; then
             OMP_NUM_THREADS=$threads prof "P2P, OMP_NUM_THREADS $threads (round $round)" 55 configs/olmoe_bench.yaml $P
         done
     done
-elif [ "$PART" = 18 ]; then
-    MOE_AUTOTUNE=0 timeout 200 python3 -m pytest -q -m multigpu tests/test_parallel.py 2>&1 | tail -6 | tee "$OUT/gpu_tests.log"
+elif [ "$PART" = 18 ] || [ "$PART" = 19 ]; then
+    if [ "$PART" = 19 ]; then
+        MOE_AUTOTUNE=0 timeout 120 python3 -m pytest -q -x tests/test_router_topk.py tests/test_router_loss.py \
+            tests/test_expert_sort.py tests/test_moe_layer.py 2>&1 | tail -4 | tee "$OUT/gpu_tests_1.log"
+        MOE_AUTOTUNE=0 timeout 240 python3 -m pytest -q -m multigpu tests/test_parallel.py tests/test_train.py 2>&1 \
+            | tail -6 | tee "$OUT/gpu_tests.log"
+    else
+        MOE_AUTOTUNE=0 timeout 200 python3 -m pytest -q -m multigpu tests/test_parallel.py 2>&1 | tail -6 | tee "$OUT/gpu_tests.log"
+    fi
     [ -d .base ] && cp bench/step_profile.py .base/bench/
     P="--warm 3 --steps 1 --timed 3 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
     base() { [ -d .base ] && (cd .base && prof "P2P (.base: $(cat REV), round $1)" 55 configs/olmoe_bench.yaml $P); }
     here() { prof "P2P, router tail and plan fused (this tree, round $1)" 55 configs/olmoe_bench.yaml $P; }
-    for round in 1 2 3; do
+    for round in $([ "$PART" = 18 ] && echo 1 2 3 || echo 1 2); do
         if [ $((round % 2)) = 1 ]; then base "$round"; here "$round"; else here "$round"; base "$round"; fi
     done
 else

@@ -14,7 +14,7 @@ from moe.capacity import expert_capacity, plan_routing
 from moe.config import MoEConfig, check_positive_int
 from moe.dispatch import Dispatcher, LocalDispatcher
 from moe.experts import GroupedExperts
-from moe.losses import load_balancing_loss, router_z_loss, token_mean
+from moe.kernels.router_loss import router_losses
 from moe.mlp import DenseMLP
 from moe.router import Router
 from moe.stats import MoEStats, compute_stats
@@ -166,16 +166,14 @@ class MoELayer(nn.Module):
         routed_E, prob_sum_E, num_tokens, counts_2E = self.dispatcher.reduce_aux_and_counts(
             plan.routed_per_expert_E, plan.kept_per_expert_E, self._normalized(route.scores_TE).sum(0), T
         )
-        num_tokens = num_tokens.clamp_min(1)
-        lb_loss = load_balancing_loss(routed_E, prob_sum_E, num_tokens, K)
-        z_loss = router_z_loss(route.logits_TE, route.lse_T)
+        lb_loss, z_loss, loss, entropy = router_losses(routed_E, prob_sum_E, num_tokens, route.lse_T, route.entropy_T, K,
+                                                       cfg.aux_loss_coef, cfg.z_loss_coef)
         # the GEMM tiles an expert's rows from every source rank as one segment (the dispatchers
         # hand them over expert-major), so its tiles follow from the summed count (a lower bound
         # under overlap_chunks > 1: each chunk is its own GEMM)
         block_m = self.experts.row_tile_size(self.experts.compute_dtype(x_TD))
-        stats = compute_stats(counts_2E[0], counts_2E[1], None, capacity, block_m,
-                              entropy=token_mean(route.entropy_T))
-        aux = MoEAux(lb_loss, z_loss, cfg.aux_loss_coef * lb_loss + cfg.z_loss_coef * z_loss, stats)
+        stats = compute_stats(counts_2E[0], counts_2E[1], None, capacity, block_m, entropy=entropy)
+        aux = MoEAux(lb_loss, z_loss, loss, stats)
         return out_TD.view(x.shape), aux
 
     def _normalized(self, scores_TE: torch.Tensor) -> torch.Tensor:

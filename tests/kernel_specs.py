@@ -269,6 +269,14 @@ def _router_calls():
     ((scores.sum(0) * torch.randn(64)).sum() + weights.square().sum() + lse.square().sum()).backward()
     scores, _, _, weights, _, _ = router_topk(logits, None, 6, True, False, 2.5)
     weights.square().sum().backward()
+    # the losses from the reduced inputs: the training backward (the weighted sum) and every loss's
+    from moe.kernels.router_loss import router_losses
+
+    prob, lse = torch.rand(64, requires_grad=True), torch.randn(40, requires_grad=True)
+    for use in ((2,), (0, 1, 2)):
+        out = router_losses(torch.randint(0, 9, (64,)), prob, torch.tensor(40.0), lse, torch.rand(40), 8, 0.01, 1e-3,
+                            backend="triton")
+        sum(out[i] for i in use).backward()
     # the dropless plan (E bins) and the capacity plan's packing (E + 1 bins)
     from moe.kernels.expert_sort import sort_by_key
 

@@ -202,6 +202,9 @@ class RouterTopKFn(torch.autograd.Function):
         ctx.save_for_backward(logits_TE, lse, experts, priority)
         ctx.args = (top_k, sigmoid, renormalize, scale)
         ctx.mark_non_differentiable(experts, entropy)
+        # the outputs nothing reads (the priorities, in training) reach the backward as None, not
+        # as zeros autograd would make: a launch each, and a term the kernel skips
+        ctx.set_materialize_grads(False)
         return scores, experts, priority, weights, lse, entropy
 
     @staticmethod
