@@ -166,8 +166,8 @@ class MoELayer(nn.Module):
         routed_E, prob_sum_E, num_tokens, counts_2E = self.dispatcher.reduce_aux_and_counts(
             plan.routed_per_expert_E, plan.kept_per_expert_E, self._normalized(route.scores_TE).sum(0), T
         )
-        lb_loss, z_loss, loss, entropy = router_losses(routed_E, prob_sum_E, num_tokens, route.lse_T, route.entropy_T, K,
-                                                       cfg.aux_loss_coef, cfg.z_loss_coef)
+        lb_loss, z_loss, loss, entropy = router_losses(routed_E, prob_sum_E, num_tokens, route.lse_T,
+                                                       route.entropy_T, K, cfg.aux_loss_coef, cfg.z_loss_coef)
         # the GEMM tiles an expert's rows from every source rank as one segment (the dispatchers
         # hand them over expert-major), so its tiles follow from the summed count (a lower bound
         # under overlap_chunks > 1: each chunk is its own GEMM)

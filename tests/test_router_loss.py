@@ -33,7 +33,8 @@ def _inputs(T, E, n_value, n_device=DEVICE):
 def _check(inputs, use, coefs=(0.01, 0.001), backend="triton"):
     out, d_prob, d_lse = _run(lambda *a: router_losses(*a, backend=backend), inputs, use, coefs)
     r, p, n, lse, ent = inputs
-    ref, r_prob, r_lse = _run(router_losses_reference, (r, p.double(), n.double(), lse.double(), ent.double()), use, coefs)
+    fp64 = (r, p.double(), n.double(), lse.double(), ent.double())
+    ref, r_prob, r_lse = _run(router_losses_reference, fp64, use, coefs)
     for name, a, b in zip(("lb", "z", "loss", "entropy"), out, ref):
         assert a.shape == () and a.dtype == torch.float32, name
         torch.testing.assert_close(a.double().cpu(), b.cpu(), rtol=1e-5, atol=1e-7, msg=name)

@@ -11,12 +11,13 @@ divides by (the world's, under expert parallelism).
 N is clamped to at least 1; a mean over no tokens is 0.
 
 Why a kernel: as PyTorch ops these scalars were ~14 launches a layer's forward (casts, divisions,
-a dot product as mul + sum, square, mean, the coefficients) and ~8 in its backward, each ~20 µs
-of host time on hosts that the 2×H200 step profile of olmoe_bench showed falling behind the GPUs
-(16 MoE layers × 8 micro-batches a step; bench/results/step_profile.md). Here one launch each
-way: the forward a single program (E ≤ 1024 values, T lse values walked in blocks), the backward
-a program per block of tokens (``d lse_t = (g_z + z_coef·g_loss) · 2·lse_t / T``; program 0 also
-writes ``d prob_sum_e = (g_lb + aux_coef·g_loss) · E · routed_e / (N²·K)``).
+a dot product as mul + sum, square, mean, the coefficients) and ~8 in its backward, each 15–35 µs
+of host time (see moe/kernels/router_topk.py) on hosts that the 2×H200 step profile of
+olmoe_bench showed falling behind the GPUs (16 MoE layers × 8 micro-batches a step;
+bench/results/step_profile.md). Here one launch each way: the forward a single program (E ≤ 1024
+values, T lse values walked in blocks), the backward a program per block of tokens
+(``d lse_t = (g_z + z_coef·g_loss) · 2·lse_t / T``; program 0 also writes
+``d prob_sum_e = (g_lb + aux_coef·g_loss) · E · routed_e / (N²·K)``).
 
 Off CUDA the PyTorch formulas of :mod:`moe.losses` run (``router_losses_reference``);
 tests/test_router_loss.py checks the kernels against them.
@@ -44,8 +45,8 @@ def _count(NT, n_host, N_ON_HOST: tl.constexpr):
 
 
 @triton.jit
-def _router_loss_fwd_kernel(ROUTED, PROB, NT, n_host, LSE, ENT, LB, Z, LOSS, MEAN_ENT, T, tokens, E, K, aux_coef, z_coef,
-                            N_ON_HOST: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+def _router_loss_fwd_kernel(ROUTED, PROB, NT, n_host, LSE, ENT, LB, Z, LOSS, MEAN_ENT, T, tokens, E, K, aux_coef,
+                            z_coef, N_ON_HOST: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
     n = _count(NT, n_host, N_ON_HOST)
     e = tl.arange(0, BLOCK_E)
     routed = tl.load(ROUTED + e, mask=e < E, other=0).to(tl.float32)
@@ -107,8 +108,8 @@ class RouterLossFn(torch.autograd.Function):
         nt, n_host, on_host = _count_args(num_tokens, prob_sum_E)
         block_e = triton.next_power_of_2(E)
         _router_loss_fwd_kernel[(1,)](
-            routed_E, prob_sum_E, nt, n_host, lse_T, entropy_T, lb, z, loss, mean_entropy, T, float(max(T, 1)), E, top_k,
-            aux_coef,
+            routed_E, prob_sum_E, nt, n_host, lse_T, entropy_T, lb, z, loss, mean_entropy, T, float(max(T, 1)), E,
+            top_k, aux_coef,
             z_coef, N_ON_HOST=on_host, BLOCK_E=block_e, BLOCK_T=_BLOCK_T, num_warps=4)
         ctx.save_for_backward(routed_E, lse_T, *([] if on_host else [num_tokens]))
         ctx.args = (n_host, on_host, top_k, aux_coef, z_coef)

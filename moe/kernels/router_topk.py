@@ -6,10 +6,11 @@ Legend: T tokens, E experts, K experts per token (top-k).
 Why a kernel: in PyTorch the router's tail was ~40 launches a layer's forward (softmax, bias add,
 topk's two, gather, the renormalisation's three, logsumexp's nine for the z-loss, the entropy's
 seven) and ~25 in its backward (one per autograd node: gather, div, clamp, softmax, logsumexp,
-...), each a few µs of tiny kernel but ~20 µs of host time (probe of 2026-11-28, one OLMoE-shaped
-layer on an H100). The 2×H200 step profile of olmoe_bench (16 layers, 8 micro-batches a step)
-counted 15.6k launches a step in the router and the plan, half the step's, and one rank's host
-falling behind the GPUs was the largest part of the exposed exchange
+...), counted on an H100 (one OLMoE-shaped layer, 2026-11-28). Each is a tiny kernel but 15–35 µs
+of host time: in the profiled 2×H200 step, rank 0's CPU time per call was 18 µs for aten::mul and
+aten::div, 36 µs for aten::where, 7 µs of it in cudaLaunchKernel. That step (olmoe_bench, 16
+layers, 8 micro-batches) counted 15.6k of its 32k launches in the router and the plan, and one
+rank's host falling behind the GPUs was the largest part of the exposed exchange
 (bench/results/step_profile.md). Here: one forward launch, one backward launch.
 
 Forward, a program per BLOCK_T tokens with all E columns in registers (E ≤ 1024):
@@ -219,7 +220,8 @@ class RouterTopKFn(torch.autograd.Function):
             _router_topk_bwd_kernel[(triton.cdiv(T, block_t),)](
                 logits_TE, lse, experts, priority, g_scores if g_scores is not None else logits_TE,
                 *(g_scores.stride() if g_scores is not None else (0, 0)), _flat(g_priority, logits_TE),
-                _flat(g_weights, logits_TE), _flat(g_lse, logits_TE), dl, T, E, scale, K=top_k, SIGMOID=sigmoid, RENORMALIZE=renormalize,
+                _flat(g_weights, logits_TE), _flat(g_lse, logits_TE), dl, T, E, scale, K=top_k, SIGMOID=sigmoid,
+                RENORMALIZE=renormalize,
                 HAS_GS=g_scores is not None, HAS_GP=g_priority is not None, HAS_GW=g_weights is not None,
                 HAS_GLSE=g_lse is not None, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
         return dl, None, None, None, None, None
