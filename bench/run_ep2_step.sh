@@ -61,6 +61,9 @@
 #                                       # sort kernels' and the layer's tests on one GPU, the 2-GPU tests of
 #                                       # test_parallel.py and test_train.py, then .base against this tree,
 #                                       # 2 rounds
+#   PART=20 bash bench/run_ep2_step.sh  # where the late rank's host loses its time (step_profile's idle-gap
+#                                       # table: many short gaps or a few stalls) and more rounds of the A/B:
+#                                       # this tree against .base, P2P in the bar's layout, --timed 6, 3 rounds
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -301,6 +304,14 @@ elif [ "$PART" = 18 ] || [ "$PART" = 19 ]; then
     here() { prof "P2P, router tail and plan fused (this tree, round $1)" 55 configs/olmoe_bench.yaml $P; }
     for round in $([ "$PART" = 18 ] && echo 1 2 3 || echo 1 2); do
         if [ $((round % 2)) = 1 ]; then base "$round"; here "$round"; else here "$round"; base "$round"; fi
+    done
+elif [ "$PART" = 20 ]; then
+    [ -d .base ] && cp bench/step_profile.py .base/bench/
+    P="--warm 3 --steps 1 --timed 6 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    here() { prof "P2P (this tree, round $1)" 60 configs/olmoe_bench.yaml $P; }
+    base() { [ -d .base ] && (cd .base && prof "P2P (.base: $(cat REV), round $1)" 60 configs/olmoe_bench.yaml $P); }
+    for round in 1 2 3; do
+        if [ $((round % 2)) = 1 ]; then here "$round"; base "$round"; else base "$round"; here "$round"; fi
     done
 else
     timeout "$(left)" python3 bench/memory_check.py --gpus 2 --steps 8 --timeout 200 --out "$OUT/memory_ep2.md" \

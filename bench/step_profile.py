@@ -427,6 +427,46 @@ def wait_split(rank_launches, steps: int) -> tuple[list[float], float]:
     return [w / 1e3 / steps for w in waits], spreads[len(spreads) // 2] if spreads else float("nan")
 
 
+GAP_BUCKETS_US = (10.0, 100.0, 1e3, 1e4)  # the idle gaps' length buckets: ≤ 10 µs, ≤ 100 µs, ... > 10 ms
+
+
+def idle_gaps(kernels, steps: int, longest: int = 3):
+    """From :func:`light_kernels`: the GPU's idle gaps (no kernel running), to tell a host that is
+    slow everywhere (many short gaps: each launch late) from one that stalls (a few long ones:
+    a collection, an allocation, a wait; the profiled steps' boundaries, a barrier and a
+    synchronize each, are among them). Returns (count and ms a step per bucket of
+    :data:`GAP_BUCKETS_US`, the last bucket open; the ``longest`` gaps as (ms, ms from the
+    trace's first kernel, the kernel before, the kernel after))."""
+    ks = sorted(kernels)
+    gaps, (end, last) = [], (ks[0][1], ks[0][2]) if ks else (0.0, "")
+    for s, e, n in ks[1:]:
+        if s > end:
+            gaps.append((s - end, end, last, n))
+        if e > end:
+            end, last = e, n
+    buckets = [[0, 0.0] for _ in range(len(GAP_BUCKETS_US) + 1)]
+    for g, *_ in gaps:
+        b = buckets[sum(g > edge for edge in GAP_BUCKETS_US)]
+        b[0] += 1
+        b[1] += g
+    per_step = [(c / steps, us / 1e3 / steps) for c, us in buckets]
+    first = ks[0][0] if ks else 0.0
+    top = [(g / 1e3, (at - first) / 1e3, before, after) for g, at, before, after in sorted(gaps, reverse=True)[:longest]]
+    return per_step, top
+
+
+def gap_table(rank_gaps) -> list[str]:
+    """Markdown lines of :func:`idle_gaps` per rank."""
+    edges = ["≤ 10 µs", "10–100 µs", "0.1–1 ms", "1–10 ms", "> 10 ms"]
+    lines = ["Idle gaps of the GPU-only profile (count / ms a step by length; many short gaps: every launch late, "
+             "a few long ones: the host stalled):", "",
+             "| rank | " + " | ".join(edges) + " | longest (ms, at ms, between) |", "|---" * (len(edges) + 2) + "|"]
+    for r, (per_step, top) in enumerate(rank_gaps):
+        longest = "; ".join(f"{g:.2f} at {at:.1f}: `{a[:30]}` → `{b[:30]}`" for g, at, a, b in top)
+        lines.append(f"| {r} | " + " | ".join(f"{c:,.0f} / {ms:.1f}" for c, ms in per_step) + f" | {longest} |")
+    return lines + [""]
+
+
 def light_table(rank_light, step_ms: float, busiest: int, waits: list[float], spread_us: float) -> list[str]:
     """Markdown lines of :func:`light_split` per rank (of a ``step_ms`` step) with
     :func:`wait_split`'s wait, the rank with the most own work (``busiest``) marked."""
@@ -481,12 +521,13 @@ def main() -> None:
     launches["(trace span per step)"] = len(kernels)
     exchange = exchange_kernels(kernels)
     light = light_kernels(light_events, light_own_ms)
-    mine = (rows, light_split(light, exchange, light_ms, args.steps), exchange_launches(light, exchange))
+    mine = (rows, light_split(light, exchange, light_ms, args.steps), exchange_launches(light, exchange),
+            idle_gaps(light, args.steps))
     gathered = [mine]
     if rt.distributed:
         gathered = [None] * rt.world_size
         dist.all_gather_object(gathered, mine)
-    rank_rows, rank_light, rank_launches = (list(x) for x in zip(*gathered))
+    rank_rows, rank_light, rank_launches, rank_gaps = (list(x) for x in zip(*gathered))
     waits, spread_us = wait_split(rank_launches, args.steps)
     lbusy = max(range(len(rank_light)), key=lambda r: rank_light[r][0])  # the most own work
     if rt.rank == 0:
@@ -518,6 +559,7 @@ def main() -> None:
             "",
             *per_rank_table(rank_rows, step_ms),
             *light_table(rank_light, light_ms, lbusy, waits, spread_us),
+            *gap_table(rank_gaps),
             "Top kernels (rank 0, ms/step):",
             "",
             "| kernel | category | ms/step |",

@@ -44,3 +44,15 @@ def test_wait_split_charges_the_early_rank_for_the_late_one():
     # a wait is at most the kernel's own duration (a rank whose peer starts long after it ends)
     waits, _ = sp.wait_split([{"d": [(0, 2)]}, {"d": [(50, 52)]}], steps=2)
     assert waits == [pytest.approx(0.001), 0.0]
+
+
+def test_idle_gaps_by_length_and_the_longest():
+    # kernels (µs): 0-10, 5-20 (overlaps: no gap), gap 5 µs, 25-30, gap 50 µs, 80-90, gap 2000 µs, 2090-2100
+    kernels = [(0, 10, "a"), (5, 20, "b"), (25, 30, "c"), (80, 90, "d"), (2090, 2100, "e")]
+    per_step, top = sp.idle_gaps(kernels, steps=2)
+    assert per_step == [(0.5, pytest.approx(0.0025)), (0.5, pytest.approx(0.025)), (0, 0), (0.5, pytest.approx(1.0)),
+                        (0, 0)]
+    assert top[0] == (pytest.approx(2.0), pytest.approx(0.09), "d", "e")
+    assert top[1][2:] == ("c", "d") and top[2][2:] == ("b", "c")  # "b" ends last before the 5 µs gap
+    lines = sp.gap_table([sp.idle_gaps(kernels, steps=1, longest=1)])
+    assert lines[-2] == "| 0 | 1 / 0.0 | 1 / 0.1 | 0 / 0.0 | 1 / 2.0 | 0 / 0.0 | 2.00 at 0.1: `d` → `e` |"
