@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from moe.kernels.causal_centre import causal_centre_reference, causal_centre_triton
 from moe.kernels.router_mm import router_logits
-from moe.kernels.router_topk import MAX_EXPERTS, router_topk, router_topk_reference
+from moe.kernels.router_topk import MAX_EXPERTS, MAX_TOP_K, router_topk, router_topk_reference
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 SCORE_FUNCS = typing.get_args(ScoreFunc)
@@ -192,13 +192,15 @@ class Router(nn.Module):
         logits_TE = router_logits(x_TD, self.weight)
         if self.centre == "causal":
             logits_TE = causal_centre(logits_TE, seq_len)
-        args = (logits_TE, self.expert_bias, self.top_k, self.score_func == "sigmoid", self.renormalize,
+        # a model cast to bf16 casts the bias buffer too: the selection stays fp32 (as the sum did)
+        bias_E = None if self.expert_bias is None else self.expert_bias.float()
+        args = (logits_TE, bias_E, self.top_k, self.score_func == "sigmoid", self.renormalize,
                 self.routed_scaling_factor)
         if self.force_balance:
             route = router_topk_reference(*args, limit=torch.rand_like)
         elif self.topk_group < self.n_group:
             route = router_topk_reference(*args, limit=self._limit_to_groups)
-        elif logits_TE.is_cuda and logits_TE.shape[1] <= MAX_EXPERTS:
+        elif logits_TE.is_cuda and logits_TE.shape[1] <= MAX_EXPERTS and self.top_k <= MAX_TOP_K:
             route = router_topk(*args)  # one kernel each way: see moe/kernels/router_topk.py
         else:
             route = router_topk_reference(*args)

@@ -51,7 +51,17 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="key_P must be 1-D int64"):
         sort_by_key(torch.zeros(2, 2, dtype=torch.int64), 4)
     with pytest.raises(ValueError, match="num_bins must be in"):
-        sort_by_key(torch.zeros(4, dtype=torch.int64), MAX_BINS + 1)
+        sort_by_key(torch.zeros(4, dtype=torch.int64), MAX_BINS + 1, backend="triton")
+    with pytest.raises(ValueError, match="num_bins must be in"):
+        sort_by_key(torch.zeros(4, dtype=torch.int64), 0)
+
+
+def test_more_keys_than_the_kernels_take_run_the_reference():
+    # a plan of 2048 experts (capacity and dropless) sorts as before, through the PyTorch ops
+    key = torch.randint(0, 2049, (500,), device=DEVICE)
+    order, count = sort_by_key(key, 2049)
+    ref_order, ref_count = sort_by_key_reference(key, 2049)
+    assert torch.equal(order, ref_order) and torch.equal(count, ref_count)
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moe import Router
-from moe.kernels.router_topk import MAX_EXPERTS, router_topk, router_topk_reference
+from moe.kernels.router_topk import MAX_EXPERTS, MAX_TOP_K, router_topk, router_topk_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -82,6 +82,8 @@ def test_errors_name_the_argument():
         router_topk(torch.zeros(4, 8, dtype=torch.float64), None, 2, False, True, 1.0)
     with pytest.raises(ValueError, match="top_k <= E"):
         router_topk(torch.zeros(4, 8), None, 9, False, True, 1.0)
+    with pytest.raises(ValueError, match=f"top_k <= {MAX_TOP_K}"):
+        router_topk(torch.zeros(4, 64), None, MAX_TOP_K + 1, False, True, 1.0)
     with pytest.raises(ValueError, match=f"E <= {MAX_EXPERTS}"):
         router_topk(torch.zeros(1, MAX_EXPERTS + 1), None, 2, False, True, 1.0)
     with pytest.raises(ValueError, match=r"bias_E must be \(8,\) fp32"):

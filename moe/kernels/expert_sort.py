@@ -41,7 +41,7 @@ def _histogram_kernel(KEY, COUNT, P, B, BLOCK_P: tl.constexpr, BLOCK_B: tl.const
     key = tl.load(KEY + idx, mask=idx < P, other=B)  # B: no bin
     bins = tl.arange(0, BLOCK_B)
     count = tl.sum((key[:, None] == bins[None, :]).to(tl.int32), 0)
-    tl.store(COUNT + n * BLOCK_B + bins, count)
+    tl.store(COUNT + n.to(tl.int64) * BLOCK_B + bins, count)
 
 
 @triton.jit
@@ -52,7 +52,7 @@ def _scan_kernel(COUNT, TOTAL, START, N, B, BLOCK_N: tl.constexpr, BLOCK_B: tl.c
     running = tl.zeros([BLOCK_B], tl.int32)
     for r0 in range(0, N, BLOCK_N):
         rows = r0 + tl.arange(0, BLOCK_N)
-        offs = rows[:, None] * BLOCK_B + bins[None, :]
+        offs = rows[:, None].to(tl.int64) * BLOCK_B + bins[None, :]
         ok = (rows < N)[:, None]
         c = tl.load(COUNT + offs, mask=ok, other=0)
         tl.store(COUNT + offs, tl.cumsum(c, 0) - c + running[None, :], mask=ok)
@@ -71,7 +71,7 @@ def _scatter_kernel(KEY, COUNT, START, ORDER, P, B, BLOCK_P: tl.constexpr, BLOCK
     hot = (key[:, None] == bins[None, :]).to(tl.int32)
     before_in_block = tl.sum((tl.cumsum(hot, 0) - hot) * hot, 1)  # equal keys earlier in the block
     safe = tl.where(ok, key, 0)
-    pos = tl.load(START + safe, mask=ok, other=0) + tl.load(COUNT + n * BLOCK_B + safe, mask=ok, other=0)
+    pos = tl.load(START + safe, mask=ok, other=0) + tl.load(COUNT + n.to(tl.int64) * BLOCK_B + safe, mask=ok, other=0)
     tl.store(ORDER + pos + before_in_block, idx.to(tl.int64), mask=ok)
 
 
@@ -97,13 +97,13 @@ def sort_by_key_reference(key_P: torch.Tensor, num_bins: int) -> tuple[torch.Ten
 def sort_by_key(key_P: torch.Tensor, num_bins: int, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """key_P (P,) int64 in ``[0, num_bins)`` -> (order_P (P,) int64, the stable ascending order of
     the keys; count_B (num_bins,) int64, each key's count). No host synchronisation; keys out of
-    range are not checked (the router makes them). ``backend``: "auto" runs the kernels on CUDA,
-    the reference elsewhere."""
+    range are not checked (the router makes them). ``backend``: "auto" runs the kernels on CUDA
+    for up to :data:`MAX_BINS` keys, the reference otherwise."""
     if key_P.dim() != 1 or key_P.dtype != torch.int64:
         raise ValueError(f"sort_by_key: key_P must be 1-D int64, got {tuple(key_P.shape)} {key_P.dtype}")
-    if not 1 <= num_bins <= MAX_BINS:
-        raise ValueError(f"sort_by_key: num_bins must be in [1, {MAX_BINS}], got {num_bins}")
-    if use_reference(backend, not key_P.is_cuda):
+    if num_bins < 1 or (backend == "triton" and num_bins > MAX_BINS):
+        raise ValueError(f"sort_by_key: num_bins must be in [1, {MAX_BINS}] for the kernels, got {num_bins}")
+    if use_reference(backend, not key_P.is_cuda or num_bins > MAX_BINS):  # more keys: the one-hot tiles outgrow
         return sort_by_key_reference(key_P, num_bins)
     P = key_P.numel()
     block_p, block_b = _blocks(num_bins)

@@ -153,4 +153,4 @@ def router_losses(routed_E: torch.Tensor, prob_sum_E: torch.Tensor, num_tokens: 
     if use_reference(backend, not prob_sum_E.is_cuda) or prob_sum_E.numel() > 1024:
         return router_losses_reference(routed_E, prob_sum_E, num_tokens, lse_T, entropy_T, top_k, aux_coef, z_coef)
     return RouterLossFn.apply(routed_E.contiguous(), prob_sum_E.float().contiguous(), num_tokens,
-                              lse_T.float().contiguous(), entropy_T.contiguous(), top_k, float(aux_coef), float(z_coef))
+                              lse_T.float().contiguous(), entropy_T.float().contiguous(), top_k, float(aux_coef), float(z_coef))

@@ -45,6 +45,8 @@ from torch.autograd.function import once_differentiable
 from kernel_floor import INTERPRET
 
 MAX_EXPERTS = 1024
+# the top-k is K unrolled rounds over the token block: compiling K = 64 at E = 1024 took minutes
+MAX_TOP_K = 32
 
 
 @triton.jit
@@ -259,14 +261,16 @@ def router_topk_reference(logits_TE: torch.Tensor, bias_E: torch.Tensor | None, 
 
 def router_topk(logits_TE: torch.Tensor, bias_E: torch.Tensor | None, top_k: int, sigmoid: bool,
                 renormalize: bool, scale: float):
-    """The kernels with autograd; ``logits_TE`` (T, E) fp32 with E ≤ :data:`MAX_EXPERTS`, ``bias_E``
+    """The kernels with autograd; ``logits_TE`` (T, E) fp32 with E ≤ :data:`MAX_EXPERTS` (and K ≤
+    :data:`MAX_TOP_K`), ``bias_E``
     (E,) fp32 selection bias or None. Returns (scores_TE, experts_TK int64, priority_TK,
     weights_TK, lse_T, entropy_T); the experts and the entropy carry no gradient."""
     if logits_TE.dim() != 2 or logits_TE.dtype != torch.float32:
         raise ValueError(f"router_topk: logits_TE must be 2-D fp32, got {tuple(logits_TE.shape)} {logits_TE.dtype}")
     E = logits_TE.shape[1]
-    if not 1 <= top_k <= E <= MAX_EXPERTS:
-        raise ValueError(f"router_topk: needs 1 <= top_k <= E <= {MAX_EXPERTS}, got top_k={top_k}, E={E}")
+    if not (1 <= top_k <= E <= MAX_EXPERTS and top_k <= MAX_TOP_K):
+        raise ValueError(f"router_topk: needs 1 <= top_k <= E <= {MAX_EXPERTS} and top_k <= {MAX_TOP_K}, "
+                         f"got top_k={top_k}, E={E}")
     if bias_E is not None and (bias_E.shape != (E,) or bias_E.dtype != torch.float32):
         raise ValueError(f"router_topk: bias_E must be ({E},) fp32, got {tuple(bias_E.shape)} {bias_E.dtype}")
     return RouterTopKFn.apply(logits_TE, bias_E, top_k, sigmoid, renormalize, float(scale))
