@@ -64,6 +64,7 @@
 #   PART=20 bash bench/run_ep2_step.sh  # where the late rank's host loses its time (step_profile's idle-gap
 #                                       # table: many short gaps or a few stalls) and more rounds of the A/B:
 #                                       # this tree against .base, P2P in the bar's layout, --timed 6, 3 rounds
+#                                       # (first the router, loss and sort kernels' tests on one GPU)
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -306,6 +307,9 @@ elif [ "$PART" = 18 ] || [ "$PART" = 19 ]; then
         if [ $((round % 2)) = 1 ]; then base "$round"; here "$round"; else here "$round"; base "$round"; fi
     done
 elif [ "$PART" = 20 ]; then
+    # a96c81e's review fixes (int64 table offsets, the K and bias guards) on a GPU first
+    MOE_AUTOTUNE=0 timeout 120 python3 -m pytest -q -x tests/test_router_topk.py tests/test_router_loss.py \
+        tests/test_expert_sort.py tests/test_moe_layer.py 2>&1 | tail -4 | tee "$OUT/gpu_tests_1.log"
     [ -d .base ] && cp bench/step_profile.py .base/bench/
     P="--warm 3 --steps 1 --timed 6 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
     here() { prof "P2P (this tree, round $1)" 60 configs/olmoe_bench.yaml $P; }
