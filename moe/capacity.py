@@ -143,5 +143,6 @@ def split_plan(plan: RoutingPlan, experts_TK: torch.Tensor, num_chunks: int) -> 
         expert_P = experts_TK[start:end].reshape(-1)
         kept_P = plan.kept_TK[start:end].reshape(-1)
         order_P, kept_E = _pack(expert_P, kept_P, num_experts)
-        chunks.append((slice(start, end), RoutingPlan(order_P, kept_P.view(end - start, K), kept_E, count_keys(expert_P, num_experts))))
+        routed_E = count_keys(expert_P, num_experts)
+        chunks.append((slice(start, end), RoutingPlan(order_P, kept_P.view(end - start, K), kept_E, routed_E)))
     return chunks

@@ -29,6 +29,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from kernel_floor import INTERPRET, use_reference
+from moe.kernels.router_topk import MAX_EXPERTS
 from moe.losses import load_balancing_loss, router_z_loss, token_mean
 
 _BLOCK_T = 64 if INTERPRET else 1024
@@ -109,8 +110,7 @@ class RouterLossFn(torch.autograd.Function):
         block_e = triton.next_power_of_2(E)
         _router_loss_fwd_kernel[(1,)](
             routed_E, prob_sum_E, nt, n_host, lse_T, entropy_T, lb, z, loss, mean_entropy, T, float(max(T, 1)), E,
-            top_k, aux_coef,
-            z_coef, N_ON_HOST=on_host, BLOCK_E=block_e, BLOCK_T=_BLOCK_T, num_warps=4)
+            top_k, aux_coef, z_coef, N_ON_HOST=on_host, BLOCK_E=block_e, BLOCK_T=_BLOCK_T, num_warps=4)
         ctx.save_for_backward(routed_E, lse_T, *([] if on_host else [num_tokens]))
         ctx.args = (n_host, on_host, top_k, aux_coef, z_coef)
         ctx.mark_non_differentiable(mean_entropy)
@@ -131,9 +131,9 @@ class RouterLossFn(torch.autograd.Function):
         nt = device_count[0] if device_count else d_prob
         _router_loss_bwd_kernel[(max(1, triton.cdiv(T, _BLOCK_T)),)](
             routed_E, nt, n_host, lse_T, *(g if g is not None else anything for g in (g_lb, g_z, g_loss)),
-            d_prob, d_lse, T, float(max(T, 1)), E, top_k, aux_coef, z_coef, N_ON_HOST=on_host, HAS_GLB=g_lb is not None,
-            HAS_GZ=g_z is not None, HAS_GLOSS=g_loss is not None, BLOCK_E=triton.next_power_of_2(E),
-            BLOCK_T=_BLOCK_T, num_warps=4)
+            d_prob, d_lse, T, float(max(T, 1)), E, top_k, aux_coef, z_coef, N_ON_HOST=on_host,
+            HAS_GLB=g_lb is not None, HAS_GZ=g_z is not None, HAS_GLOSS=g_loss is not None,
+            BLOCK_E=triton.next_power_of_2(E), BLOCK_T=_BLOCK_T, num_warps=4)
         return None, d_prob, None, d_lse, None, None, None, None
 
 
@@ -149,8 +149,10 @@ def router_losses(routed_E: torch.Tensor, prob_sum_E: torch.Tensor, num_tokens: 
     """routed_E (E,) int64 pairs routed per expert, prob_sum_E (E,) fp32 summed router
     probabilities (differentiable), num_tokens 0-d (CPU or the device's), lse_T (T,) fp32
     (differentiable), entropy_T (T,) fp32 -> 0-d fp32 (lb, z, loss, mean_entropy), the module
-    docstring's formulas. ``backend``: "auto" runs the kernels on CUDA."""
-    if use_reference(backend, not prob_sum_E.is_cuda) or prob_sum_E.numel() > 1024:
+    docstring's formulas. ``backend``: "auto" runs the kernels on CUDA for up to
+    :data:`~moe.kernels.router_topk.MAX_EXPERTS` experts (all E in one block, as the router's)."""
+    if use_reference(backend, not prob_sum_E.is_cuda) or prob_sum_E.numel() > MAX_EXPERTS:
         return router_losses_reference(routed_E, prob_sum_E, num_tokens, lse_T, entropy_T, top_k, aux_coef, z_coef)
     return RouterLossFn.apply(routed_E.contiguous(), prob_sum_E.float().contiguous(), num_tokens,
-                              lse_T.float().contiguous(), entropy_T.float().contiguous(), top_k, float(aux_coef), float(z_coef))
+                              lse_T.float().contiguous(), entropy_T.float().contiguous(), top_k, float(aux_coef),
+                              float(z_coef))

@@ -223,8 +223,7 @@ class RouterTopKFn(torch.autograd.Function):
                 logits_TE, lse, experts, priority, g_scores if g_scores is not None else logits_TE,
                 *(g_scores.stride() if g_scores is not None else (0, 0)), _flat(g_priority, logits_TE),
                 _flat(g_weights, logits_TE), _flat(g_lse, logits_TE), dl, T, E, scale, K=top_k, SIGMOID=sigmoid,
-                RENORMALIZE=renormalize,
-                HAS_GS=g_scores is not None, HAS_GP=g_priority is not None, HAS_GW=g_weights is not None,
+                RENORMALIZE=renormalize, HAS_GS=g_scores is not None, HAS_GP=g_priority is not None, HAS_GW=g_weights is not None,
                 HAS_GLSE=g_lse is not None, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
         return dl, None, None, None, None, None
 
