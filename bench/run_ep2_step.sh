@@ -65,6 +65,11 @@
 #                                       # table: many short gaps or a few stalls) and more rounds of the A/B:
 #                                       # this tree against .base, P2P in the bar's layout, --timed 6, 3 rounds
 #                                       # (first the router, loss and sort kernels' tests on one GPU)
+#   PART=21 bash bench/run_ep2_step.sh  # the host's own time: one Triton launch's host cost (bench/launch.py), then
+#                                       # the host's time per step (bench/host_step.py, tiny dims: the GPU never the
+#                                       # bottleneck) of this tree against .base, alternating, 2 rounds, with cProfile
+#                                       # in round 1; first the kernels' tests on one GPU, last the 2-GPU tests of
+#                                       # test_parallel.py
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -317,6 +322,30 @@ elif [ "$PART" = 20 ]; then
     for round in 1 2 3; do
         if [ $((round % 2)) = 1 ]; then here "$round"; base "$round"; else base "$round"; here "$round"; fi
     done
+elif [ "$PART" = 21 ]; then
+    MOE_AUTOTUNE=0 timeout 200 python3 -m pytest -q -x tests/test_launch.py tests/test_router_topk.py \
+        tests/test_router_loss.py tests/test_expert_sort.py tests/test_moe_layer.py tests/test_gather_sum.py \
+        tests/test_p2p_rows.py tests/test_rope.py tests/test_lm_loss.py 2>&1 | tail -4 | tee "$OUT/gpu_tests_1.log"
+    timeout 60 python3 bench/launch.py --out "$OUT/launch.md" 2>&1 | tail -8
+    H="--parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    host() {  # host LABEL DIR [args]
+        local label=$1 dir=$2; shift 2
+        [ "$(left)" -lt 70 ] && { echo "[skipped: $label]"; return; }
+        (cd "$dir" && timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node=2 bench/host_step.py \
+            --config configs/olmoe_bench.yaml --label "$label" --out-dir "$OUT/$(echo "$label" | tr -c 'a-zA-Z0-9\n' _)" "$@" \
+            -- $H) > "$OUT/host_$(echo "$label" | tr -c 'a-zA-Z0-9\n' _).log" 2>&1
+        grep -h "^SUMMARY" "$OUT/host_$(echo "$label" | tr -c 'a-zA-Z0-9\n' _).log" | tee -a "$OUT/host_summary.txt"
+    }
+    host "this tree, round 1" . --profile 45
+    [ -d .base ] && host ".base $(cat .base/REV), round 1" .base --profile 45
+    [ -d .base ] && host ".base $(cat .base/REV), round 2" .base
+    host "this tree, round 2" .
+    MOE_AUTOTUNE=0 timeout "$(left)" python3 -m pytest -q -m multigpu tests/test_parallel.py 2>&1 | tail -4 \
+        | tee "$OUT/gpu_tests.log"
+    echo "| run | dims | step ms | own wall ms | process CPU ms |"; echo "|---|---|---|---|---|"
+    sed 's/^SUMMARY //' "$OUT/host_summary.txt"
+    echo "[part $PART done after $SECONDS s]"
+    exit 0
 else
     timeout "$(left)" python3 bench/memory_check.py --gpus 2 --steps 8 --timeout 200 --out "$OUT/memory_ep2.md" \
         --only olmoe_bench_fsdp olmoe_bench_fsdp_selective olmoe_bench_fsdp_full olmoe_ep1_fsdp olmoe_ep1_fsdp_selective \
