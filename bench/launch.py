@@ -35,7 +35,8 @@ def _rows(out_ptr, a_ptr, b_ptr, w_ptr, idx_ptr, cnt_ptr, T, D, stride_a, stride
     cols = tl.arange(0, BLOCK_D)
     keep = cols < D
     row = tl.load(idx_ptr + t)
-    v = tl.load(a_ptr + row * stride_a + cols, mask=keep, other=0.0) + tl.load(b_ptr + t * D + cols, mask=keep, other=0.0)
+    v = tl.load(a_ptr + row * stride_a + cols, mask=keep, other=0.0)
+    v += tl.load(b_ptr + t * D + cols, mask=keep, other=0.0)
     if HAS_W:
         v = v * tl.load(w_ptr + t)
     tl.store(out_ptr + t * stride_out + cols, v * scale + (tl.load(cnt_ptr) + me).to(tl.float32), mask=keep & (t < T))
@@ -52,10 +53,12 @@ def main() -> None:
     args = ap.parse_args()
     T, D = 64, 256
     a, b, out = (torch.randn(T, D, device="cuda") for _ in range(3))
-    w, idx, cnt = torch.rand(T, device="cuda"), torch.arange(T, device="cuda"), torch.zeros(1, dtype=torch.int32, device="cuda")
+    w, idx = torch.rand(T, device="cuda"), torch.arange(T, device="cuda")
+    cnt = torch.zeros(1, dtype=torch.int32, device="cuda")
     plain = triton.jit(_rows)
     unspecialized = triton.jit(_rows, do_not_specialize=["T", "D", "stride_a", "stride_out", "me"],
-                               do_not_specialize_on_alignment=["out_ptr", "a_ptr", "b_ptr", "w_ptr", "idx_ptr", "cnt_ptr"])
+                               do_not_specialize_on_alignment=["out_ptr", "a_ptr", "b_ptr", "w_ptr", "idx_ptr",
+                                                               "cnt_ptr"])
     launch = (out, a, b, w, idx, cnt, T, D, D, D, 1, 0.5)
     ways = {
         "triton_jit": lambda: plain[(T,)](*launch, BLOCK_D=256, HAS_W=True),
@@ -88,10 +91,12 @@ def main() -> None:
     lines = header("Host time of one Triton launch", "bench/launch.py",
                    f"{args.rounds} rounds, alternating; per way and round the median of {BURSTS} bursts of {BURST} "
                    "launches queued behind a GPU sleep; ratio = median over rounds of Triton's µs / this way's")
-    lines += ["| launch | µs per launch (median of rounds) | Triton's ÷ this (median per-round ratio) |", "|---|---|---|"]
+    lines += ["| launch | µs per launch (median of rounds) | Triton's ÷ this (median per-round ratio) |",
+              "|---|---|---|"]
     for n in NAMES:
         ratio = median_ratio(times["triton_jit"], times[n])
-        label = {"triton_jit": "Triton `kernel[grid](...)` (anchor)", "cached_launch": "`cached_launch`", "triton_jit_again": "Triton again (A vs A)"}[n]
+        label = {"triton_jit": "Triton `kernel[grid](...)` (anchor)", "cached_launch": "`cached_launch`",
+                 "triton_jit_again": "Triton again (A vs A)"}[n]
         lines.append(f"| {label} | {med[n]:.2f} | {ratio:.2f} |")
     write_results(args.out, "\n".join(lines) + "\n")
 
