@@ -38,3 +38,26 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def ep2_uninterrupted(tmp_path_factory):
+    """``run(options, env)``: the uninterrupted run that the 2-rank resume and restart tests compare
+    against, launched once a session per option list: train/train.py under torchrun on 2 gloo ranks
+    at EP 2, tests/test_train.py's SMALL model plus ``options``, EP2_RUN (6 steps, a checkpoint
+    every 2). Returns its run directory (metrics.jsonl, checkpoints/; read it, never write to it)
+    and the launch's stdout."""
+    runs = {}
+
+    def run(options=(), env=None):
+        key = tuple(options)
+        if key not in runs:
+            from tests.test_train import EP2_RUN, SMALL, _torchrun
+
+            log_dir = tmp_path_factory.mktemp("ep2_uninterrupted")
+            proc = _torchrun(2, SMALL + list(options) + EP2_RUN + [f"--log.dir={log_dir}", "--log.run_name=full"],
+                             env=env)
+            runs[key] = (log_dir / "full", proc.stdout)
+        return runs[key]
+
+    return run

@@ -21,8 +21,8 @@ import torch.multiprocessing as mp
 # spawned and importing them again: on a 2-core CPU machine a 4-rank call spent about 8 s of its
 # start-up in imports. The server never runs a test, so every process starts from that clean,
 # just-imported state, as a spawned one does; it gets the caller's environment as of the call.
-PRELOAD = ["torch", "torch.distributed", "tests.distributed", "moe", "parallel", "train.model", "train.parallelize",
-           "train.checkpoint", "train.train"]
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo",  # the last: imported by the first optimizer built
+           "tests.distributed", "moe", "parallel", "train.model", "train.parallelize", "train.checkpoint", "train.train"]
 
 
 def _context():

@@ -18,6 +18,7 @@ from moe import MoELayer
 from moe.dispatch import Dispatcher, LocalDispatcher
 from parallel import ParallelDims, check_replicas_agree, init_distributed
 from tests.distributed import run_distributed
+from tests.test_train import _concurrently
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "ep_own_model.py")
@@ -223,10 +224,11 @@ PARAM_ATOL = 1e-5  # 0.1% of one AdamW step at lr 1e-2
 def test_example_two_ranks_train_like_one_process(tmp_path):
     steps = 5
     one, two = tmp_path / "one", tmp_path / "two"
-    out1 = _run([sys.executable, EXAMPLE, f"--steps={steps}", f"--out={one}.json", f"--save-state={one}.pt"])
-    out2 = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
-                 f"--rdzv-endpoint=localhost:{_free_port()}", "--nnodes=1", EXAMPLE, f"--steps={steps}",
-                 f"--out={two}.json", f"--save-state={two}.pt"])
+    out1, out2 = _concurrently(  # independent: at once
+        lambda: _run([sys.executable, EXAMPLE, f"--steps={steps}", f"--out={one}.json", f"--save-state={one}.pt"]),
+        lambda: _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d",
+                      f"--rdzv-endpoint=localhost:{_free_port()}", "--nnodes=1", EXAMPLE, f"--steps={steps}",
+                      f"--out={two}.json", f"--save-state={two}.pt"]))
     assert f"replicas agree after {steps} steps" in out2 and "replicas agree after init" in out2, out2
     r1, r2 = json.loads((tmp_path / "one.json").read_text()), json.loads((tmp_path / "two.json").read_text())
     assert (r1["world"], r1["ep"], r2["world"], r2["ep"]) == (1, 1, 2, 2)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train.model
-from tests.test_train import REPO, SMALL, _free_port, _losses, _metrics, _run_inprocess, _torchrun
+from tests.test_train import EP2_RUN, REPO, SMALL, _concurrently, _free_port, _losses, _metrics, _run_inprocess, _torchrun
 from parallel.flight import REPORT_WAIT_S
 from train.checkpoint import Checkpointer
 from train.config import load_config
@@ -38,15 +38,23 @@ NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 
 @pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path, device):
-    base = SMALL + ON[device] + ["--train.steps=6", "--checkpoint.every=2", "--parallel.ep=2", f"--log.dir={tmp_path}"]
-    _torchrun(2, base + ["--log.run_name=full"], env=NCCL_ENV)
-    full = _losses(str(tmp_path / "full"))
-    port = _free_port()
-    for name, launcher in (("static", ["--nnodes=1", f"--master_port={port}"]),  # hung on restart before
-                           ("c10d", ["--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}", "--nnodes=1"])):
-        proc = _torchrun(2, base + [f"--log.run_name={name}"], script=FAULT_RUN, launcher=launcher + ["--max-restarts=1"],
-                         env={"MOE_TEST_FAULT": "kill:1:5", **NCCL_ENV})
+def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path, device, ep2_uninterrupted):
+    base = SMALL + ON[device] + EP2_RUN + [f"--log.dir={tmp_path}"]
+    full = _losses(str(ep2_uninterrupted(ON[device], env=NCCL_ENV)[0]))  # the same run, uninterrupted
+    assert sorted(full) == [1, 2, 3, 4, 5, 6]
+    ports = set()
+    while len(ports) < 2:
+        ports.add(_free_port())
+    static, c10d = ports
+    launchers = {"static": ["--nnodes=1", f"--master_port={static}"],  # hung on restart before
+                 "c10d": ["--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{c10d}", "--nnodes=1"]}
+    runs = [lambda name=name, launcher=launcher: _torchrun(
+        2, base + [f"--log.run_name={name}"], script=FAULT_RUN, launcher=launcher + ["--max-restarts=1"],
+        env={"MOE_TEST_FAULT": "kill:1:5", **NCCL_ENV}) for name, launcher in launchers.items()]
+    # the two jobs at once on CPU (independent: their own ports and run directories); one after
+    # the other on the GPUs they would share
+    procs = _concurrently(*runs) if device == "cpu" else [run() for run in runs]
+    for name, proc in zip(launchers, procs):
         assert "resumed from" in proc.stdout and "step_00000004 at step 4" in proc.stdout, name
         assert _losses(str(tmp_path / name)) == full, name  # bit-exact, every step
         assert _steps_logged(str(tmp_path / name)) == [1, 2, 3, 4, 5, 6], name  # step 5 once, not twice

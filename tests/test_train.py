@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -30,6 +31,9 @@ SMALL = [
     "--data.max_bytes=400000", "--log.every=1", "--train.eval_every=0", "--log.wandb_mode=disabled",
     "--log.progress=false", "--parallel.ep=1",
 ]
+# the 2-rank EP-2 runs that resume (tests/conftest.py's ep2_uninterrupted): 6 steps, a checkpoint
+# every 2 (steps 4 and 6 kept)
+EP2_RUN = ["--train.steps=6", "--checkpoint.every=2", "--parallel.ep=2"]
 
 
 def _metrics(run_dir: str) -> dict[int, dict]:
@@ -68,6 +72,15 @@ def _torchrun(nproc: int, args: list[str], timeout: int = 240, script: str = os.
     proc = subprocess.run(cmd, cwd=REPO, env={**_env(), **(env or {})}, capture_output=True, text=True, timeout=timeout)
     assert not check or proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def _concurrently(*calls):
+    """The results of the zero-argument ``calls`` (independent launches), run at once. On 2 cores
+    two launches overlap what each spends on one core (the launcher's and the processes' imports,
+    the rendezvous, the shutdown); the one that fails raises its own error here."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [f.result() for f in futures]
 
 
 def _run_inprocess(args: list[str]) -> dict:
@@ -424,11 +437,10 @@ def test_token_file_run_and_vocab_check(tmp_path):
 def test_python_dash_m_train_is_the_script():
     """``python -m train`` runs the same command line: --help lists the config keys, a bad key
     is one line and exit status 2."""
-    ok = subprocess.run([sys.executable, "-m", "train", "--help"], cwd=REPO, env=_env(), capture_output=True,
-                        text=True, timeout=120)
+    ok, bad = _concurrently(*(lambda args=args: subprocess.run([sys.executable, "-m", "train", *args], cwd=REPO, env=_env(),
+                                                               capture_output=True, text=True, timeout=120)
+                              for args in (["--help"], ["--moe.top_kk=2"])))
     assert ok.returncode == 0 and "moe:" in ok.stdout and "every_n_layers" in ok.stdout, ok.stderr[-2000:]
-    bad = subprocess.run([sys.executable, "-m", "train", "--moe.top_kk=2"], cwd=REPO, env=_env(), capture_output=True,
-                         text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [bad.stderr.strip()], bad.stderr[-2000:]
     assert "moe.top_kk" in bad.stderr
 
@@ -466,33 +478,34 @@ def test_config_error_fails_before_the_process_group(tmp_path):
     ["--model.tie_embeddings=false", "--model.embed_init_std=1.0", "--model.lm_head_bias=true",
      "--moe.router_centre=causal", "--moe.expert_bias=true", "--parallel.nccl_sizes=padded"],
 ], ids=["plain", "routing_options_padded"])
-def test_two_process_ep2_and_resume_exact_and_into_ep1_replicated(tmp_path, options):
-    base = SMALL + options + ["--train.steps=6", "--parallel.ep=2", f"--log.dir={tmp_path}"]
-    proc = _torchrun(2, base + ["--log.run_name=full"])
+def test_two_process_ep2_and_resume_exact_and_into_ep1_replicated(tmp_path, options, ep2_uninterrupted):
+    # the uninterrupted run (tests/conftest.py: 6 steps, a checkpoint every 2); the plain one is
+    # shared with tests/test_faults.py's restart test, which proves its resume at EP 2 bit-exact
+    full_dir, stdout = ep2_uninterrupted(options)
     padded = "--parallel.nccl_sizes=padded" in options
     # configs/tiny.yaml caps (capacity_factor 1.5): the padded exchange's rows follow it
     assert ("AllToAllDispatcher(ep_size=2, ep_rank=0, padded, max_tokens=128, capacity_factor=1.5, "
-            "capacity_groups=1)" in proc.stdout) == padded, proc.stdout[-2000:]
-    _torchrun(2, base + ["--log.run_name=part", "--checkpoint.stop_after=3"])
-    step3 = tmp_path / "part" / "checkpoints" / "step_00000003"
-    assert (step3 / ".metadata").is_file()  # a DCP checkpoint
-    meta = json.loads((step3 / "meta.json").read_text())
+            "capacity_groups=1)" in stdout) == padded, stdout[-2000:]
+    step4 = full_dir / "checkpoints" / "step_00000004"
+    assert (step4 / ".metadata").is_file()  # a DCP checkpoint
+    meta = json.loads((step4 / "meta.json").read_text())
     assert meta.pop("config")["parallel"]["ep"] == 2  # the run's config tree (what train.export reads)
-    assert meta == {"format": "dcp-2", "step": 3, "world_size": 2, "ep": 2, "data_parallel": "fsdp",
-                    "files": {n: ckpt.file_digest(str(step3 / n)) for n in (".metadata", "__0_0.distcp", "__1_0.distcp")}}
-    # resume the same checkpoint into EP=1, replicated (DCP reslices experts and moments) ...
-    os.makedirs(tmp_path / "ep1")
-    os.symlink(tmp_path / "part" / "checkpoints", tmp_path / "ep1" / "checkpoints")
-    ep1_base = [a for a in base[:-2] if a != "--parallel.nccl_sizes=padded"]  # ignored at EP 1: an error
-    _torchrun(2, ep1_base + ["--parallel.ep=1", "--parallel.data_parallel=replicate", f"--log.dir={tmp_path}",
-                             "--log.run_name=ep1"])
-    # ... and continue EP=2 exactly
-    _torchrun(2, base + ["--log.run_name=part"])
-    full, part, ep1 = (_losses(str(tmp_path / n)) for n in ("full", "part", "ep1"))
-    assert part == full
-    assert sorted(ep1) == [4, 5, 6]
+    assert meta == {"format": "dcp-2", "step": 4, "world_size": 2, "ep": 2, "data_parallel": "fsdp",
+                    "files": {n: ckpt.file_digest(str(step4 / n)) for n in (".metadata", "__0_0.distcp", "__1_0.distcp")}}
+    base = SMALL + options + EP2_RUN + [f"--log.dir={tmp_path}", f"--checkpoint.resume={step4}"]
+    # resume the EP-2 checkpoint into EP=1, replicated (DCP reslices experts and moments) ...
+    ep1_base = [a for a in base if a != "--parallel.nccl_sizes=padded"]  # ignored at EP 1: an error
+    runs = [lambda: _torchrun(2, ep1_base + ["--parallel.ep=1", "--parallel.data_parallel=replicate",
+                                             "--log.run_name=ep1"])]
+    if options:  # ... and continue EP=2 exactly (the plain run's: the restart test's resume at EP 2)
+        runs.append(lambda: _torchrun(2, base + ["--log.run_name=resumed"]))
+    _concurrently(*runs)
+    full, ep1 = _losses(str(full_dir)), _losses(str(tmp_path / "ep1"))
+    assert sorted(full) == [1, 2, 3, 4, 5, 6] and sorted(ep1) == [5, 6]
     for s in ep1:  # same math, different reduction order
         assert ep1[s] == pytest.approx(full[s], rel=1e-4)
+    if options:
+        assert _losses(str(tmp_path / "resumed")) == {s: full[s] for s in (5, 6)}
 
 
 @pytest.mark.slow
