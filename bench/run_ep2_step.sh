@@ -87,13 +87,14 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv,noheader
 
 left() { echo $((BUDGET - SECONDS)); }
+slug() { echo "$1" | tr -c 'a-zA-Z0-9\n' _; }  # a run's label as a file name
 
 # prof LABEL NEED_S CONFIG [step_profile args and --section.key=value overrides]
 prof() {
     local label=$1 need=$2 config=$3 start=$SECONDS
     shift 3
     if [ "$(left)" -lt "$need" ]; then echo "[skipped: $label, $(left) s left]"; return; fi
-    local log="$OUT/$(echo "$label" | tr -c 'a-zA-Z0-9\n' _).log"
+    local log="$OUT/$(slug "$label").log"
     timeout "$(left)" python3 -m torch.distributed.run --standalone --nproc_per_node=2 ${TORCHRUN_ARGS:-} bench/step_profile.py \
         --config "$config" --label "$label" --out "$OUT/step_profile_ep2.md" "$@" > "$log" 2>&1
     echo "[$label: exit $? after $((SECONDS - start)) s]"
@@ -329,12 +330,13 @@ elif [ "$PART" = 21 ]; then
     timeout 60 python3 bench/launch.py --out "$OUT/launch.md" 2>&1 | tail -8
     H="--parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
     host() {  # host LABEL DIR [args]
-        local label=$1 dir=$2; shift 2
+        local label=$1 dir=$2 name
+        shift 2
+        name=$(slug "$label")
         [ "$(left)" -lt 70 ] && { echo "[skipped: $label]"; return; }
         (cd "$dir" && timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node=2 bench/host_step.py \
-            --config configs/olmoe_bench.yaml --label "$label" --out-dir "$OUT/$(echo "$label" | tr -c 'a-zA-Z0-9\n' _)" "$@" \
-            -- $H) > "$OUT/host_$(echo "$label" | tr -c 'a-zA-Z0-9\n' _).log" 2>&1
-        grep -h "^SUMMARY" "$OUT/host_$(echo "$label" | tr -c 'a-zA-Z0-9\n' _).log" | tee -a "$OUT/host_summary.txt"
+            --config configs/olmoe_bench.yaml --label "$label" --out-dir "$OUT/$name" "$@" -- $H) > "$OUT/host_$name.log" 2>&1
+        grep -h "^SUMMARY" "$OUT/host_$name.log" | tee -a "$OUT/host_summary.txt"
     }
     host "this tree, round 1" . --profile 45
     [ -d .base ] && host ".base $(cat .base/REV), round 1" .base --profile 45

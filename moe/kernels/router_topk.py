@@ -223,8 +223,9 @@ class RouterTopKFn(torch.autograd.Function):
                 logits_TE, lse, experts, priority, g_scores if g_scores is not None else logits_TE,
                 *(g_scores.stride() if g_scores is not None else (0, 0)), _flat(g_priority, logits_TE),
                 _flat(g_weights, logits_TE), _flat(g_lse, logits_TE), dl, T, E, scale, K=top_k, SIGMOID=sigmoid,
-                RENORMALIZE=renormalize, HAS_GS=g_scores is not None, HAS_GP=g_priority is not None, HAS_GW=g_weights is not None,
-                HAS_GLSE=g_lse is not None, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
+                RENORMALIZE=renormalize, HAS_GS=g_scores is not None, HAS_GP=g_priority is not None,
+                HAS_GW=g_weights is not None, HAS_GLSE=g_lse is not None, BLOCK_T=block_t, BLOCK_E=block_e,
+                BLOCK_K=block_k, num_warps=4)
         return dl, None, None, None, None, None
 
 
@@ -261,8 +262,7 @@ def router_topk_reference(logits_TE: torch.Tensor, bias_E: torch.Tensor | None, 
 def router_topk(logits_TE: torch.Tensor, bias_E: torch.Tensor | None, top_k: int, sigmoid: bool,
                 renormalize: bool, scale: float):
     """The kernels with autograd; ``logits_TE`` (T, E) fp32 with E ≤ :data:`MAX_EXPERTS` (and K ≤
-    :data:`MAX_TOP_K`), ``bias_E``
-    (E,) fp32 selection bias or None. Returns (scores_TE, experts_TK int64, priority_TK,
+    :data:`MAX_TOP_K`), ``bias_E`` (E,) fp32 selection bias or None. Returns (scores_TE, experts_TK int64, priority_TK,
     weights_TK, lse_T, entropy_T); the experts and the entropy carry no gradient."""
     if logits_TE.dim() != 2 or logits_TE.dtype != torch.float32:
         raise ValueError(f"router_topk: logits_TE must be 2-D fp32, got {tuple(logits_TE.shape)} {logits_TE.dtype}")
