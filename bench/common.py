@@ -52,12 +52,31 @@ def median_ratio(anchor_ms: list[float], ours_ms: list[float]) -> float:
     return statistics.median(a / o for a, o in zip(anchor_ms, ours_ms))
 
 
+def round_to_round(times: list[float]) -> list[float]:
+    """The A-vs-A ratios of one variant's rounds: each round's time over the round before."""
+    return [x / y for x, y in zip(times[1:], times[:-1])]
+
+
 def write_results(path: str, md: str) -> None:
     """Write a results table (making its folder) and echo it."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write(md)
     print(md)
+
+
+def write_row(path: str, md: list[str], row: str, append: bool) -> None:
+    """Write the table ``md`` (header lines) with ``row``; ``append``: add ``row`` to the table
+    already at ``path`` instead (its header keeps the command of the run that wrote it)."""
+    if append and os.path.exists(path):
+        with open(path) as f:
+            md = f.read().rstrip("\n").split("\n")
+    write_results(path, "\n".join([*md, row]) + "\n")
+
+
+def trainer_mfu(trainer, step_s: float) -> float:
+    """The model FLOPs utilisation of ``trainer``'s steps at ``step_s`` seconds a step (train/flops.py)."""
+    return trainer.tokens_per_step / step_s * trainer.flops_per_token / (trainer.rt.world_size * trainer.peak)
 
 
 def _job_id() -> str:

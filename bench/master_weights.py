@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per round and variant")
     ap.add_argument("--out", default="bench/results/master_weights.md")
     args, extra = ap.parse_known_args()
-    from common import bench_trainer, header, median_ratio, timed_steps, write_results
+    from common import bench_trainer, header, median_ratio, round_to_round, timed_steps, trainer_mfu, write_row
 
     md = header("Experts' master-weight step vs the per-micro-batch cast, training steps", "bench/master_weights.py",
                 f"model: {args.config} with {' '.join(extra) or 'no overrides'}",
@@ -81,18 +81,14 @@ def main() -> None:
             times[name].append(timed_steps(trainer, args.steps) / 1e3)
     ratio = median_ratio(times["anchor"], times["ours"])
     ratio_two_pass = median_ratio(times["two_pass"], times["ours"])
-    a_vs_a = [f"{x / y:.3f}" for x, y in zip(times["anchor"][1:], times["anchor"][:-1])]
+    a_vs_a = [f"{r:.3f}" for r in round_to_round(times["anchor"])]
     ours = statistics.median(times["ours"])
-    mfu = trainer.tokens_per_step / ours * trainer.flops_per_token / (trainer.rt.world_size * trainer.peak)
+    mfu = trainer_mfu(trainer, ours)
     row = (f"| {args.accum} | {trainer.tokens_per_step:,} | {statistics.median(times['anchor']) * 1e3:.1f} | "
            f"{statistics.median(times['two_pass']) * 1e3:.1f} | {ours * 1e3:.1f} | **{ratio:.3f}** | "
            f"**{ratio_two_pass:.3f}** | {', '.join(a_vs_a)} | {trainer.tokens_per_step / ours:,.0f} | "
            f"{100 * mfu:.1f}% | {torch.cuda.max_memory_allocated() / 1e9:.1f} |")
-    if args.append and os.path.exists(args.out):
-        with open(args.out) as f:
-            md = f.read().rstrip("\n").split("\n")
-    md.append(row)
-    write_results(args.out, "\n".join(md) + "\n")
+    write_row(args.out, md, row, args.append)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ sys.path.append(str(Path(__file__).resolve().parent))
 import moe.layer  # noqa: E402
 import train.trainer  # noqa: E402
 from attention import Attention  # noqa: E402
-from common import bench_trainer, timed_steps  # noqa: E402
+from common import bench_trainer, timed_steps, trainer_mfu  # noqa: E402
 from moe import DenseMLP, GroupedExperts, MoELayer, Router  # noqa: E402
 from train.flops import param_counts  # noqa: E402
 from train.trainer import planned_gc  # noqa: E402
@@ -118,16 +118,16 @@ def instrument(trainer) -> Ranges:
             ranges.around_module(mod, "dense MLP")
     # the LM head + loss: from the final norm's start to the end of the micro-batch's loss
     model.norm.register_forward_pre_hook(lambda *_: ranges.enter("LM head + loss"))
-    micro = trainer._micro_batch_loss
+    loss = trainer._loss
 
-    def micro_batch_loss():
+    def micro_batch_loss(*batch):
         depth = len(ranges.open)
         try:
-            return micro()
+            return loss(*batch)
         finally:
             while len(ranges.open) > depth:
                 ranges.exit()
-    trainer._micro_batch_loss = micro_batch_loss
+    trainer._loss = micro_batch_loss
     moe.layer.plan_routing = ranges.wrap(moe.layer.plan_routing, "router + routing plan")
     # one dispatcher serves every layer under EP; without EP each layer has its own
     for d in {id(m.dispatcher): m.dispatcher for m in model.modules() if isinstance(m, MoELayer)}.values():
@@ -535,7 +535,7 @@ def main() -> None:
             with gzip.open(args.keep_trace, "wt") as f:
                 json.dump({"traceEvents": events}, f)
         tokens = trainer.tokens_per_step
-        mfu = tokens / (step_ms / 1e3) * trainer.flops_per_token / (rt.world_size * trainer.peak)
+        mfu = trainer_mfu(trainer, step_ms / 1e3)
         timed_mfu = mfu * step_ms / timed_ms
         counts = param_counts(trainer.model, cfg, rt.ep)
         lines = [

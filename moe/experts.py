@@ -125,12 +125,25 @@ class GroupedExperts(nn.Module):
         w1, w2 = self.w1_LDU, self.w2_LFD
         if not self.fuse_master_weights or (w1.dtype == dtype and w2.dtype == dtype):
             return w1.to(dtype), w2.to(dtype)
-        key = (dtype, w1._version, w2._version)
-        if self._copies is None or self._copies[0] != key:
+        if self._copies is None or self._copies[0][0] != dtype:
             with torch.no_grad():
-                self._copies = (key, w1.to(dtype), w2.to(dtype))
+                self._copies = ((dtype, w1._version, w2._version), w1.to(dtype), w2.to(dtype))
+        elif self._copies[0][1:] != (w1._version, w2._version):
+            self.refresh_copies()
         _, c1, c2 = self._copies
         return tag_master_copy(_MasterCopy.apply(w1, c1), w1), tag_master_copy(_MasterCopy.apply(w2, c2), w2)
+
+    @torch.no_grad()
+    def refresh_copies(self) -> None:
+        """Re-cast the weights into the copies made by :meth:`compute_weights`, in place: the
+        copies stay where a captured CUDA graph reads them (train/step_graph.py)."""
+        if self._copies is None:
+            return
+        (dtype, *_), c1, c2 = self._copies
+        w1, w2 = self.w1_LDU, self.w2_LFD
+        c1.copy_(w1)
+        c2.copy_(w2)
+        self._copies = ((dtype, w1._version, w2._version), c1, c2)
 
     def _mlp(self, x_RD: torch.Tensor, offsets_J: torch.Tensor, w_R: torch.Tensor | None) -> torch.Tensor:
         dtype = self.compute_dtype(x_RD)
@@ -139,11 +152,14 @@ class GroupedExperts(nn.Module):
 
 
 @contextmanager
-def master_weight_step(model: nn.Module):
+def master_weight_step(model: nn.Module, keep_copies: bool = False):
     """The micro-batches of one optimizer step over ``model``: inside, every
     :class:`GroupedExperts` not managed by FSDP (whose own mixed precision casts its weights)
     sets ``fuse_master_weights``; leaving frees the cast copies, before the optimizer step
-    needs the memory.
+    needs the memory. ``keep_copies``: they stay allocated, and entering re-casts them in place
+    (a captured CUDA graph reads them at fixed addresses: train/step_graph.py), whatever the
+    weights' version counters say: the fused AdamW step does not bump them (torch 2.13:
+    ``_version`` 0 before and after ``AdamW(fused=True).step()``, 0 → 2 with ``foreach=True``).
 
     Inside, take gradients with ``backward()``: the experts' weight gradients are written into
     ``.grad`` directly, so ``torch.autograd.grad`` does not return them (nor writes them) and
@@ -155,9 +171,11 @@ def master_weight_step(model: nn.Module):
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts) and not isinstance(m, FSDPModule)]
     for m in experts:
         m.fuse_master_weights = True
+        m.refresh_copies()
     try:
         yield
     finally:
         for m in experts:
             m.fuse_master_weights = False
-            m._copies = None
+            if not keep_copies:
+                m._copies = None

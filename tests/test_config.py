@@ -290,6 +290,20 @@ def test_an_ignored_option_names_both_keys(args, keys):
     assert all(k in str(err.value) for k in keys), str(err.value)
 
 
+def test_cuda_graph_names_what_it_cannot_capture():
+    with pytest.raises(ConfigError, match=r"^train\.cuda_graph=true needs a GPU, not parallel\.device=cpu$"):
+        load_config(["--train.cuda_graph=true", "--parallel.device=cpu"], world_size=1)
+    with pytest.raises(ConfigError, match=r"^train\.cuda_graph=true with parallel\.ep=2: the expert-parallel exchange"):
+        load_config(["--train.cuda_graph=true", "--parallel.ep=2", "--parallel.dispatcher=p2p"], world_size=2)
+    with pytest.raises(ConfigError, match=r"^train\.cuda_graph=true with train\.precision=fp32: "):
+        load_config(["--train.cuda_graph=true", "--train.precision=fp32"], world_size=1)
+    with pytest.raises(ConfigError, match=r"^train\.cuda_graph=true with parallel\.data_parallel=fsdp on 2 processes"):
+        load_config(["--train.cuda_graph=true", "--parallel.data_parallel=fsdp"], world_size=2)
+    # one process has nothing to shard (fsdp is then the plain model); replicate on several
+    assert load_config(["--train.cuda_graph=true", "--parallel.data_parallel=fsdp"], world_size=1).train.cuda_graph
+    assert load_config(["--train.cuda_graph=true", "--parallel.data_parallel=replicate"], world_size=2).train.cuda_graph
+
+
 def test_padded_nccl_sizes_are_the_nccl_dispatchers():
     with pytest.raises(ConfigError, match="parallel.nccl_sizes=padded is ignored with parallel.dispatcher=p2p"):
         load_config(["--parallel.ep=2", "--parallel.dispatcher=p2p", "--parallel.nccl_sizes=padded"], world_size=2)

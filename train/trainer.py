@@ -40,6 +40,7 @@ from train.optim import WarmupCosine, build_optimizer
 from train.parallelize import parallelize, reduce_gradients, set_gradient_sync, trains_in_bf16
 from train.rundir import check_run_dir, ckpt_dir_of, clear_run_dir, run_dir_of
 from train.runtime import Runtime, init_runtime
+from train.step_graph import MicroBatchGraph
 from train.tokenizer import load_tokens
 
 
@@ -158,6 +159,11 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.schedule = WarmupCosine(self.optimizer, cfg.optim.warmup_steps, cfg.train.steps, cfg.optim.min_lr_ratio)
         self.guard = NonFiniteGuard(self.optimizer, cfg.train.on_nonfinite, rt.device)
+        self.graph = None
+        if cfg.train.cuda_graph:
+            if rt.device.type != "cuda":
+                raise ConfigError(f"train.cuda_graph=true needs a GPU; this run's device is {rt.device}")
+            self.graph = MicroBatchGraph(self.model)
         # the data position before each step since the last finiteness check: a bad step's
         # batches can be replayed to find where its values went non-finite
         self._replay: dict[int, dict] = {}
@@ -288,13 +294,19 @@ class Trainer:
         ce_sum, aux_sum = torch.zeros((), device=rt.device), torch.zeros((), device=rt.device)
         lb = {n: 0.0 for n in self.moe_layers}
         zl = {n: 0.0 for n in self.moe_layers}
-        with master_weight_step(model):  # the experts' fp32 weights cast once for all micro-batches
+        # the launch's first step runs eagerly (it compiles and autotunes the kernels), the graph
+        # is captured in the second
+        graphed = self.graph is not None and self.step > self.start_step
+        # the experts' fp32 weights cast once for all micro-batches
+        with master_weight_step(model, keep_copies=self.graph is not None):
             for micro in range(accum):
                 set_gradient_sync(model, cfg, rt.dims, micro == accum - 1)
-                flight.phase(f"step {self.step + 1}, micro-batch {micro}: forward")
-                ce, aux = self._micro_batch_loss()
-                flight.phase(f"step {self.step + 1}, micro-batch {micro}: backward")
-                ((ce + aux) / accum).backward()
+                flight.phase(f"step {self.step + 1}, micro-batch {micro}: forward and backward")
+                x_BS, y_BS = self._next_batch()
+                if graphed:
+                    ce, aux = self.graph.run(self._micro_batch, x_BS, y_BS)
+                else:
+                    ce, aux = self._micro_batch(x_BS, y_BS)
                 ce_sum += ce.detach()
                 aux_sum += aux.detach()
                 for n, m in self.moe_layers.items():
@@ -307,7 +319,7 @@ class Trainer:
         losses = rt.all_reduce_mean_(torch.stack([ce_sum, aux_sum]) / accum)
         self.guard.update(self.step + 1, losses, grad_norm)  # a bad step: the fused AdamW skips it
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.graph is None)  # a graph adds into the same tensors
         with self.guard.guarded(m.router.expert_bias for m in self.moe_layers.values() if m.router.expert_bias is not None):
             if cfg.moe.expert_bias and rt.distributed:
                 update_expert_biases_global(model, rt.dims)
@@ -317,13 +329,22 @@ class Trainer:
         self.step += 1
         return StepScalars(lr, losses, grad_norm, lb, zl)
 
-    def _micro_batch_loss(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward of the stream's next micro-batch: (cross-entropy, aux losses)."""
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         x_BS, y_BS = self.stream.next_batch()
-        x_BS, y_BS = x_BS.to(self.rt.device, non_blocking=True), y_BS.to(self.rt.device, non_blocking=True)
+        return x_BS.to(self.rt.device, non_blocking=True), y_BS.to(self.rt.device, non_blocking=True)
+
+    def _loss(self, x_BS: torch.Tensor, y_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward of one micro-batch: (cross-entropy, aux losses)."""
         with self.autocast():  # the LM head and its cross-entropy in chunks: no (B·S, V) logits
             ce = self.model(x_BS, y_BS)
         return ce, moe_aux_loss(self.model).to(ce.device)
+
+    def _micro_batch(self, x_BS: torch.Tensor, y_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of one micro-batch (the gradients added into ``.grad``, scaled for
+        ``train.grad_accum``): (cross-entropy, aux losses)."""
+        ce, aux = self._loss(x_BS, y_BS)
+        ((ce + aux) / self.cfg.train.grad_accum).backward()
+        return ce, aux
 
     def check_finite(self) -> int:
         """Read the non-finite bookkeeping (one host sync; collective when it raises): the
@@ -357,7 +378,7 @@ class Trainer:
         set_gradient_sync(self.model, self.cfg, self.rt.dims, True)
         where = ""
         for _ in range(self.cfg.train.grad_accum):
-            where = first_nonfinite(self.model, lambda: sum(self._micro_batch_loss()))
+            where = first_nonfinite(self.model, lambda: sum(self._loss(*self._next_batch())))
             if not where.startswith("nowhere"):
                 break
         self.stream.load_state_dict(resume_at)
