@@ -47,8 +47,8 @@ import triton.language as tl
 from kernel_floor.runtime import ROW_BLOCK_D, ROW_BLOCK_T, grid_programs, tl_dtype
 
 
-# the prologue's per-call values (the P2P flag target) are not specialized on: a value crossing
-# a multiple of 16 would compile a new variant mid-run (~0.5 s)
+# the prologue's arguments are not specialized on: a per-call value crossing a multiple of 16
+# would compile a new variant mid-run (~0.5 s)
 @triton.jit(do_not_specialize=["pro1", "pro2"])
 def _gather_sum_kernel(out_ptr, a_ptr, b_ptr, w_ptr, idx0_ptr, idx1_ptr, me, n, T, D, stride_a, stride_b, stride_out,
                        pro0, pro1, pro2,

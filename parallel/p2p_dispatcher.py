@@ -40,9 +40,10 @@ its own into the source's ``ret_w``, and one pass sums each token's rows; each p
 gradient is then read where it arrived.
 
 Ordering: 7 launches per forward (the tickets' memset, 5 Triton kernels, one barrier) and a table
-of 3 small torch ops, 7 and the table per backward. Flags only grow; the host keeps, per slot, the
-value each flag reaches after the signals sent so far (every rank makes the same calls, so every
-rank knows it). Writers never overrun readers: every rank's counts reach a peer only after that
+of 3 small torch ops, 7 and the table per backward. Flags only grow; each rank keeps on its device,
+per slot, the value each flag reaches after the signals sent so far (every rank makes the same
+calls with the same grids, so each knows it), advanced by the kernels: the host passes no
+per-call value, and a captured CUDA graph's replays advance them as the eager launches do. Writers never overrun readers: every rank's counts reach a peer only after that
 rank finished everything before its dispatch, and the rows of a dispatch reach a peer only after
 that peer's counts (the kernel waits for them), so the counts exchange orders each dispatch after
 the previous call's reads on every rank (the rows' weights travel with the rows); the return buffer
@@ -139,8 +140,14 @@ class _Slot:
     ``ret`` (G·T_cap, D) this rank's tokens' rows sent back, one per rank (rank g's sum of token t's
     pairs at row g·T_cap + t), and ``ret_w`` (P_cap,) fp32 its pairs' weight
     gradients, ``counts`` (G, E) int64, two int64 flags (``counts_flag``, ``back_flag``) that the
-    peers' kernels signal and this rank's dispatch ``ticket``. ``generation`` counts the
-    dispatches that took the slot."""
+    peers' kernels signal. ``generation`` counts the dispatches that took the slot.
+
+    The values the flags must reach live on this rank's device, never the host (a captured CUDA
+    graph replays the launches that advance them): ``dispatch_state`` (3,) int64, what the
+    counts flag has reached and the dispatch kernel's two program counters
+    (:func:`~parallel.p2p_rows.dispatch_rows`), and ``back_expected`` (1,) int64, what the back
+    flag reaches once the peers' pushes so far arrived (:func:`~parallel.p2p_rows.push_back`
+    advances it, :func:`~parallel.p2p_rows.sum_returned` waits for it)."""
 
     def __init__(self, group, R_cap: int, P_cap: int, D: int, dtype: torch.dtype, G: int, E: int, device,
                  timeout_ms: int, T_cap: int):
@@ -148,14 +155,11 @@ class _Slot:
             "recv": ((G * T_cap, D), dtype), "ret": ((G * T_cap, D), dtype), "tok": ((R_cap,), torch.int64),
             "src": ((R_cap,), torch.int64), "w": ((R_cap,), torch.float32), "ret_w": ((P_cap,), torch.float32),
             "counts": ((G, E), torch.int64),
-            "counts_flag": ((1,), torch.int64), "back_flag": ((1,), torch.int64), "ticket": ((1,), torch.int64),
+            "counts_flag": ((1,), torch.int64), "back_flag": ((1,), torch.int64),
         }, device, timeout_ms)
         self.generation = 0
-        # the values the flags reach once every signal sent so far has arrived (same on every
-        # rank), and the dispatch programs launched so far (this rank's ticket)
-        self.counts_target = 0
-        self.back_target = 0
-        self.tickets = 0
+        self.dispatch_state = torch.zeros(3, dtype=torch.int64, device=device)
+        self.back_expected = torch.zeros(1, dtype=torch.int64, device=device)
 
 
 @dataclass(frozen=True)
@@ -251,14 +255,13 @@ def _home_and_sum(route: _P2PRoute, y_RD: torch.Tensor, out_dtype: torch.dtype,
     sums_MD = gather_slots(y_RD, table_MK, out_dtype=ret_dtype)
     # only the (source, token)s with rows here travel: at top-2 of 8 ranks most have none
     src_M = torch.where((table_MK >= 0).any(1), home.src_M, -1)
-    signals = push_back(sums_MD, src_M, home.n_M, bufs.ptrs["ret"], ret_dtype, route.me, G * T_cap,
-                        bufs.ptrs["back_flag"], own_too=True)
+    push_back(sums_MD, src_M, home.n_M, bufs.ptrs["ret"], ret_dtype, route.me, G * T_cap, bufs.ptrs["back_flag"],
+              slot.back_expected, own_too=True)
     if g_R is not None:
-        signals += push_back(None, bufs.views["src"], route.n_rows, bufs.ptrs["ret"], ret_dtype, route.me, route.P_cap,
-                             bufs.ptrs["back_flag"], g_R, bufs.ptrs["ret_w"], num_rows=y_RD.shape[0])
-    slot.back_target += (G - 1) * signals
+        push_back(None, bufs.views["src"], route.n_rows, bufs.ptrs["ret"], ret_dtype, route.me, route.P_cap,
+                  bufs.ptrs["back_flag"], slot.back_expected, g_R, bufs.ptrs["ret_w"], num_rows=y_RD.shape[0])
     out_TD = sum_returned(bufs.views["ret"], route.returned_TG, out_dtype, bufs.views["back_flag"],
-                          slot.back_target, bufs.timeout_ms)
+                          slot.back_expected, bufs.timeout_ms)
     if g_R is None:
         return out_TD
     return out_TD, pair_values(route.row_TK, route.dest_TK, g_R, bufs.views["ret_w"], route.me)
@@ -274,14 +277,12 @@ class _P2PDispatchFn(torch.autograd.Function):
     def forward(ctx, x_TD, w_TK, order_P, counts_E, route: _P2PRoute):
         slot = route.slot
         bufs = slot.buf
-        slot.counts_target += bufs.ptrs["counts"].numel()
-        *_, programs = dispatch_rows(
-            x_TD, w_TK, order_P, counts_E, bufs.ptrs["counts"], bufs.ptrs["counts_flag"], bufs.views["ticket"],
-            slot.tickets, bufs.views["counts"], bufs.views["counts_flag"], slot.counts_target, bufs.ptrs["recv"],
-            bufs.ptrs["src"], bufs.ptrs["w"], bufs.views["recv"].dtype, route.me, route.row_TK.shape[1], route.P_cap,
-            bufs.views["tok"].shape[0], bufs.ptrs["tok"], route.home.lead_TG,
+        dispatch_rows(
+            x_TD, w_TK, order_P, counts_E, bufs.ptrs["counts"], bufs.ptrs["counts_flag"], slot.dispatch_state,
+            bufs.views["counts"], bufs.views["counts_flag"], bufs.ptrs["recv"], bufs.ptrs["src"], bufs.ptrs["w"],
+            bufs.views["recv"].dtype, route.me, route.row_TK.shape[1], route.P_cap, bufs.views["tok"].shape[0],
+            bufs.ptrs["tok"], route.home.lead_TG,
             out=(route.row_TK, route.dest_TK, route.offsets_J, route.tokrow_TK), timeout_ms=bufs.timeout_ms)
-        slot.tickets += programs
         bufs.barrier()
         ctx.route, ctx.x_dtype = route, x_TD.dtype
         w_R = bufs.views["w"].view_as(bufs.views["w"])

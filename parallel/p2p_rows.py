@@ -15,9 +15,11 @@ int64, this rank's own included, so that one program can reach any rank's buffer
 Ordering between ranks without a barrier launch: a phase that stores into the peers' buffers
 ends each program with a CTA barrier and a release atomic add (system scope) on a *flag* of the
 receiver; the kernel that reads spins (acquire, system scope) until its own flag reaches a
-target the host knows: flags only grow, and each phase adds a fixed number of signals (the counts:
-one per rank; push_back: one per program per peer, its grid fixed by R_cap, which every rank
-shares). A wait that passes its timeout prints and traps (the process dies with a CUDA error
+target: flags only grow, and each phase adds a fixed number of signals (the counts: one per rank;
+push_back: one per program per peer, its grid fixed by R_cap, which every rank shares). The
+targets live on the device, advanced by the kernels themselves (the dispatch's last program to
+finish; push_back's first program), never passed from the host: a captured CUDA graph replays
+the same launches and the targets still advance (train/step_graph.py). A wait that passes its timeout prints and traps (the process dies with a CUDA error
 instead of hanging). In Triton's interpreter (one process, the ranks run one after another) a
 wait does not spin: the tests run every rank's phase before the next and check the flags.
 Why: on 2×H200 a Mixtral-like dispatch + combine at 4k tokens took ~255 µs of GPU and ~275 µs of
@@ -87,23 +89,31 @@ def _wait(flag_ptr, target, timeout_ns):
         tl.debug_barrier()
 
 
-# the per-call counters (tickets, flag targets) are not specialized on: a value crossing a
-# multiple of 16 compiled a new variant (~0.5 s, a 0.08 timing round on 2×H200)
-@triton.jit(do_not_specialize=["first_ticket", "target"])
-def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, ticket_ptr, first_ticket, counts_ptr, flag_ptr,
-                          target, timeout_ns, row_ptr, dest_ptr, offsets_ptr, recv_ptrs, src_ptrs, w_ptr, wrecv_ptrs,
+@triton.jit
+def _wait_expected(flag_ptr, expect_ptr, timeout_ns):
+    """:func:`_wait` for the target stored at ``expect_ptr`` (by an earlier launch)."""
+    _wait(flag_ptr, tl.load(expect_ptr), timeout_ns)
+
+
+@triton.jit
+def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, state_ptr, counts_ptr, flag_ptr,
+                          timeout_ns, row_ptr, dest_ptr, offsets_ptr, recv_ptrs, src_ptrs, w_ptr, wrecv_ptrs,
                           lead_ptr, tokrow_ptr, tokof_ptrs, T_cap,
                           me, G, L, E, P, K, P_cap, R_cap, D, OUT: tl.constexpr, GP: tl.constexpr, LP: tl.constexpr,
                           BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The program that starts first (it takes ticket ``first_ticket``: every launch takes one
-    ticket per program, so it is running, and the others may spin) writes this rank's counts
-    into every rank's count matrix and signals it. Then all wait for the G ranks' counts and
-    stride over tiles of BLOCK_P sorted positions of ``order``; every program derives the few
-    per-rank sums it needs from the (G, E) count matrix, program 0 also writes this rank's
-    experts' row ends. A matrix that gives some rank more than R_cap rows moves nothing (every
-    rank reads the same matrix); on a GPU the first program, which has signalled every rank by
-    then, prints and traps, so every rank stops and none waits for counts that never come."""
-    starter = tl.atomic_add(ticket_ptr, 1) == first_ticket
+    """The program that starts first (it takes ticket 0 of ``state[1]``, so it is running, and
+    the others may spin) writes this rank's counts into every rank's count matrix and signals
+    it. Then all wait for the G ranks' counts (the flag reaching ``state[0] + G``) and stride
+    over tiles of BLOCK_P sorted positions of ``order``; every program derives the few per-rank
+    sums it needs from the (G, E) count matrix, program 0 also writes this rank's experts' row
+    ends. The last program to finish (``state[2]`` counts them) advances ``state[0]`` by G and
+    zeroes the two counters: every program has read the target by then, and the next dispatch
+    on this state is a later launch. A matrix that gives some rank more than R_cap rows moves
+    nothing (every rank reads the same matrix); on a GPU the first program, which has signalled
+    every rank by then, prints and traps, so every rank stops and none waits for counts that
+    never come."""
+    starter = tl.atomic_add(state_ptr + 1, 1) == 0
+    target = tl.load(state_ptr) + G
     if starter:
         e = tl.arange(0, BLOCK_E)
         mine_E = tl.load(mine_ptr + e, mask=e < E)
@@ -169,12 +179,19 @@ def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, ticke
         tl.store(to_src + row, me * P_cap + pair, mask=kept)
         to_w = tl.load(wrecv_ptrs + d, mask=kept, other=0).to(tl.pointer_type(tl.float32))
         tl.store(to_w + row, tl.load(w_ptr + pair, mask=kept, other=0.0), mask=kept)
+    # acq_rel: this program's read of state[0] comes before its count
+    if tl.atomic_add(state_ptr + 2, 1) == tl.num_programs(0) - 1:
+        tl.store(state_ptr, target)
+        tl.store(state_ptr + 1, 0)
+        tl.store(state_ptr + 2, 0)
 
 
 @triton.jit
-def _push_back_kernel(y_ptr, src_ptr, n_ptr, ret_ptrs, g_ptr, retw_ptrs, flag_ptrs, me, G, P_cap, D,
+def _push_back_kernel(y_ptr, src_ptr, n_ptr, ret_ptrs, g_ptr, retw_ptrs, flag_ptrs, expect_ptr, me, G, P_cap, D,
                       OUT: tl.constexpr, HAS_G: tl.constexpr, OWN_TOO: tl.constexpr, BLOCK_R: tl.constexpr,
                       BLOCK_D: tl.constexpr):
+    if tl.program_id(0) == 0:  # the peers' matching calls signal this rank as often as this one signals each
+        tl.store(expect_ptr, tl.load(expect_ptr) + (G - 1) * tl.num_programs(0))
     offs = tl.arange(0, BLOCK_D)
     n = tl.load(n_ptr).to(tl.int64)
     for tile in range(tl.program_id(0), tl.cdiv(n, BLOCK_R), tl.num_programs(0)):
@@ -225,14 +242,16 @@ def _check_ptrs(name: str, ptrs_G: torch.Tensor) -> None:
         raise ValueError(f"{name} must be an int64 vector of buffer addresses, got {ptrs_G.dtype} {tuple(ptrs_G.shape)}")
 
 
-def _check_flag(name: str, flag: torch.Tensor) -> None:
-    if flag.dtype != torch.int64 or flag.numel() != 1:
-        raise ValueError(f"{name} must be a 1-element int64 tensor, got {flag.dtype} {tuple(flag.shape)}")
+def _check_flag(name: str, flag: torch.Tensor, n: int = 1) -> None:
+    if not isinstance(flag, torch.Tensor):
+        raise ValueError(f"{name} must be a contiguous {n}-element int64 tensor on the device, got {flag!r}")
+    if flag.dtype != torch.int64 or flag.numel() != n or not flag.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous {n}-element int64 tensor, got {flag.dtype} {tuple(flag.shape)}")
 
 
 def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor, counts_E: torch.Tensor,
-                  cnt_ptrs_G: torch.Tensor, flag_ptrs_G: torch.Tensor, ticket: torch.Tensor, first_ticket: int,
-                  counts_GE: torch.Tensor, flag: torch.Tensor, target: int, recv_ptrs_G: torch.Tensor,
+                  cnt_ptrs_G: torch.Tensor, flag_ptrs_G: torch.Tensor, state: torch.Tensor,
+                  counts_GE: torch.Tensor, flag: torch.Tensor, recv_ptrs_G: torch.Tensor,
                   src_ptrs_G: torch.Tensor, w_ptrs_G: torch.Tensor, recv_dtype: torch.dtype, me: int, K: int, P_cap: int,
                   R_cap: int, tok_ptrs_G: torch.Tensor, lead_TG: torch.Tensor,
                   out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
@@ -241,11 +260,12 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
 
     Counts: ``counts_E`` (E,) int64, what this rank keeps for each expert, becomes row ``me`` of
     every rank's (G, E) int64 count matrix (``cnt_ptrs_G``), and every rank's int64 counts flag
-    (``flag_ptrs_G``) grows by 1: G signals per call reach each rank. ``ticket`` (1-element
-    int64, this rank's) counts the programs launched on it so far, ``first_ticket``: its value
-    at this launch. Then the kernel waits until this rank's ``flag`` reaches ``target`` (every
-    rank's counts are in ``counts_GE``, this rank's matrix: row s = what rank s keeps for each
-    expert, experts ``[d·L, (d+1)·L)`` on rank d).
+    (``flag_ptrs_G``) grows by 1: G signals per call reach each rank. ``state`` (3-element
+    int64, this rank's, on the device; zeros before the first call): ``state[0]`` the value
+    ``flag`` has reached once every earlier call's counts arrived; the kernel waits until
+    ``flag`` reaches ``state[0] + G`` (every rank's counts are in ``counts_GE``, this rank's
+    matrix: row s = what rank s keeps for each expert, experts ``[d·L, (d+1)·L)`` on rank d) and
+    leaves ``state`` at ``[state[0] + G, 0, 0]`` (the other two count its programs while it runs).
 
     Rows: ``order_P`` (P = T·K,) int64 holds the kept pairs sorted by expert, then the dropped
     ones. A destination d stores its rows expert-major: local expert 0's, then 1's, ..., each
@@ -265,8 +285,7 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
     Returns ``row_TK``, ``dest_TK`` (T, K) int64 (row -1: dropped), this rank's local experts'
     row ends ``offsets_J`` (L,) int32, ``tokrow_TK`` (T, K) int64 the token row a pair stored
     (-1 for the pairs that stored none: a token's other pairs on the same rank, dropped pairs;
-    where the combine backward sends ``dout``) (into ``out`` when given), and the programs
-    launched (``ticket`` grew by that)."""
+    where the combine backward sends ``dout``) (into ``out`` when given)."""
     if counts_GE.dtype != torch.int64 or counts_GE.dim() != 2 or counts_GE.shape[1] % counts_GE.shape[0]:
         raise ValueError(f"counts_GE must be int64 (G, E) with G dividing E, got {counts_GE.dtype} {tuple(counts_GE.shape)}")
     G, E = counts_GE.shape
@@ -285,7 +304,7 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
         raise ValueError("dispatch_rows: w_TK is required (the pairs' weights travel with their rows)")
     check_pair_weights("dispatch_rows", w_TK, T, K)
     _check_flag("flag", flag)
-    _check_flag("ticket", ticket)
+    _check_flag("state", state, 3)
     for name, ptrs in (("cnt_ptrs_G", cnt_ptrs_G), ("flag_ptrs_G", flag_ptrs_G), ("recv_ptrs_G", recv_ptrs_G),
                        ("src_ptrs_G", src_ptrs_G), ("w_ptrs_G", w_ptrs_G), ("tok_ptrs_G", tok_ptrs_G)):
         _check_ptrs(name, ptrs)
@@ -304,13 +323,12 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
     lead_TG.zero_()
     grid = grid_programs(triton.cdiv(P, _BLOCK_ROWS), _MAX_PROGRAMS)
     _dispatch_rows_kernel[(grid,)](
-        x_TD.contiguous(), order_P, counts_E, cnt_ptrs_G, flag_ptrs_G, ticket, first_ticket, counts_GE, flag, target,
-        timeout_ms * 1_000_000, row_TK, dest_TK, offsets_J, recv_ptrs_G, src_ptrs_G, w_TK.contiguous(), w_ptrs_G,
+        x_TD.contiguous(), order_P, counts_E, cnt_ptrs_G, flag_ptrs_G, state, counts_GE, flag, timeout_ms * 1_000_000, row_TK, dest_TK, offsets_J, recv_ptrs_G, src_ptrs_G, w_TK.contiguous(), w_ptrs_G,
         lead_TG, tokrow_TK, tok_ptrs_G, T_cap,
         me, G, L, E, P, K, P_cap, R_cap, D,
         OUT=tl_dtype(recv_dtype), GP=triton.next_power_of_2(G), LP=triton.next_power_of_2(L),
         BLOCK_E=triton.next_power_of_2(E), BLOCK_P=_BLOCK_ROWS, BLOCK_D=ROW_BLOCK_D, num_warps=4)
-    return row_TK, dest_TK, offsets_J, tokrow_TK, grid
+    return row_TK, dest_TK, offsets_J, tokrow_TK
 
 
 @triton.jit
@@ -384,7 +402,7 @@ def push_rows(x_TD: torch.Tensor, row_TK: torch.Tensor, dest_TK: torch.Tensor, b
 
 
 def push_back(y_RD: torch.Tensor | None, src_R: torch.Tensor, n_rows: torch.Tensor, ret_ptrs_G: torch.Tensor,
-              ret_dtype: torch.dtype, me: int, P_cap: int, flag_ptrs_G: torch.Tensor,
+              ret_dtype: torch.dtype, me: int, P_cap: int, flag_ptrs_G: torch.Tensor, expect: torch.Tensor,
               g_R: torch.Tensor | None = None, ret_g_ptrs_G: torch.Tensor | None = None, own_too: bool = False,
               num_rows: int | None = None) -> int:
     """Send the valid rows of y_RD (R, D) home: row r < ``n_rows`` (a 1-element int32/int64 device
@@ -394,7 +412,9 @@ def push_back(y_RD: torch.Tensor | None, src_R: torch.Tensor, n_rows: torch.Tens
     ``me`` stay (their reader reads them, and their values, in place), unless ``own_too``: then
     they are stored into this rank's own return buffer like the others. ``y_RD`` None: only the
     values of ``g_R`` travel, for ``num_rows`` = R rows. Then every program adds 1 to every other
-    rank's int64 flag (``flag_ptrs_G``).
+    rank's int64 flag (``flag_ptrs_G``). ``expect`` (1-element int64, this rank's): the target of
+    this rank's own flag for :func:`sum_returned`, advanced by the signals the peers' matching
+    calls send it ((G - 1) · the grid).
 
     Returns the signals each other rank receives from this call: the grid, a function of R only,
     so every rank of a dispatcher (same R_cap) sends the same number."""
@@ -407,6 +427,7 @@ def push_back(y_RD: torch.Tensor | None, src_R: torch.Tensor, n_rows: torch.Tens
         raise ValueError(f"n_rows must be a 1-element int32/int64 tensor, got {n_rows.dtype} {tuple(n_rows.shape)}")
     _check_ptrs("ret_ptrs_G", ret_ptrs_G)
     _check_ptrs("flag_ptrs_G", flag_ptrs_G)
+    _check_flag("expect", expect)
     D = 0
     if y_RD is not None:
         check_rows("y_RD", y_RD, None, y_RD.shape[1] if y_RD.dim() == 2 else -1)
@@ -420,7 +441,7 @@ def push_back(y_RD: torch.Tensor | None, src_R: torch.Tensor, n_rows: torch.Tens
     grid = grid_programs(triton.cdiv(R, _BLOCK_ROWS), _MAX_PROGRAMS)
     _push_back_kernel[(grid,)](y_RD if y_RD is not None else g_R, src_R, n_rows, ret_ptrs_G,
                                g_R if g_R is not None else src_R,
-                               ret_g_ptrs_G if ret_g_ptrs_G is not None else ret_ptrs_G, flag_ptrs_G, me,
+                               ret_g_ptrs_G if ret_g_ptrs_G is not None else ret_ptrs_G, flag_ptrs_G, expect, me,
                                flag_ptrs_G.numel(), P_cap, D, OUT=tl_dtype(ret_dtype), HAS_G=g_R is not None,
                                OWN_TOO=own_too, BLOCK_R=_BLOCK_ROWS, BLOCK_D=ROW_BLOCK_D, num_warps=4)
     return grid
@@ -435,18 +456,20 @@ def _locate_returned(pair, live, rows_ptr, _unused, _me, _n):
 
 
 def sum_returned(ret_MD: torch.Tensor, rows_TG: torch.Tensor, out_dtype: torch.dtype, flag: torch.Tensor,
-                 target: int, timeout_ms: int = TIMEOUT_MS) -> torch.Tensor:
-    """After waiting until ``flag`` (1-element int64) reaches ``target`` (the ranks' pushes of
-    their sums): ``out_TD[t] = Σ_g ret_MD[rows_TG[t, g]]`` in fp32, cast to ``out_dtype``; rows -1
+                 expect: torch.Tensor, timeout_ms: int = TIMEOUT_MS) -> torch.Tensor:
+    """After waiting until ``flag`` (1-element int64) reaches ``expect[0]`` (a 1-element int64
+    device tensor, read when the kernel starts: :func:`push_back` advances it for the ranks'
+    pushes of their sums): ``out_TD[t] = Σ_g ret_MD[rows_TG[t, g]]`` in fp32, cast to ``out_dtype``; rows -1
     add nothing. ret_MD (M, D) row-major; rows_TG (T, G) int64 contiguous. Runs (the wait) for
     T = 0 too: it orders this rank's later stores into the peers' buffers after their reads."""
     _check_flag("flag", flag)
+    _check_flag("expect", expect)
     if rows_TG.dim() != 2 or rows_TG.dtype != torch.int64 or not rows_TG.is_contiguous():
         raise ValueError(f"rows_TG must be a contiguous (T, G) int64 tensor, got {rows_TG.dtype} {tuple(rows_TG.shape)}")
     check_rows("ret_MD", ret_MD, None, ret_MD.shape[1] if ret_MD.dim() == 2 else -1)
     (T, G), D = rows_TG.shape, ret_MD.shape[1]
     return gather_sum(T, D, _locate_returned, rows_TG, None, 0, 0, ret_MD, None, None, out_dtype, K=G,
-                      prologue=_wait, prologue_args=(flag, target, timeout_ms * 1_000_000), block_t=_BLOCK_ROWS,
+                      prologue=_wait_expected, prologue_args=(flag, expect, timeout_ms * 1_000_000), block_t=_BLOCK_ROWS,
                       max_programs=_MAX_PROGRAMS)
 
 

@@ -366,7 +366,7 @@ def _p2p_calls():
     R_cap = G * P_cap
     gen = torch.Generator().manual_seed(0)
     counts = [torch.zeros((G, E), dtype=torch.int64) for _ in range(G)]
-    counts_flags, tickets, back_flags = flags(), flags(), flags()
+    counts_flags, back_flags = flags(), flags()
     T_cap = P_cap // K
     recv = [torch.zeros((G * T_cap, D), dtype=torch.bfloat16) for _ in range(G)]  # token rows
     tok_of = [torch.zeros((R_cap,), dtype=torch.int64) for _ in range(G)]
@@ -376,19 +376,20 @@ def _p2p_calls():
         plan = plan_routing(torch.rand(T, E, generator=gen).topk(K, dim=-1).indices, torch.rand(T, K, generator=gen),
                             E, None)
         dispatch_rows(torch.randn(T, D, dtype=torch.bfloat16), torch.rand(T, K), plan.order_P, plan.kept_per_expert_E,
-                      ptrs(counts), ptrs(counts_flags), tickets[r], 0, counts[r], counts_flags[r], 0, ptrs(recv),
+                      ptrs(counts), ptrs(counts_flags), torch.tensor([-G, 0, 0]), counts[r], counts_flags[r], ptrs(recv),
                       ptrs(src), ptrs(w_recv), torch.bfloat16, r, K, P_cap, R_cap, ptrs(tok_of),
                       torch.zeros(T_cap * G, dtype=torch.int32))
     expand_rows(recv[0], tok_of[0], torch.tensor([3], dtype=torch.int32))
     ret = [torch.zeros((G * P_cap, D)) for _ in range(G)]
     ret_g = [torch.zeros(P_cap) for _ in range(G)]
     src_M = torch.tensor([0, -1, P_cap + 1, 2])  # rank 0 place 0, stays, rank 1 place 1, rank 0 place 2
+    back_expected = torch.zeros(1, dtype=torch.int64)
     push_back(torch.randn(4, D), src_M, torch.tensor([4]), ptrs(ret), torch.float32, 1, P_cap, ptrs(back_flags),
-              own_too=True)
+              torch.zeros(1, dtype=torch.int64), own_too=True)
     push_back(None, src_M, torch.tensor([3], dtype=torch.int32), ptrs(ret), torch.float32, 0, P_cap,
-              ptrs(back_flags), torch.rand(4), ptrs(ret_g), num_rows=4)
+              ptrs(back_flags), back_expected, torch.rand(4), ptrs(ret_g), num_rows=4)
     rows_TG = torch.tensor([[0, -1], [-1, 1], [2, 3]])
-    sum_returned(ret[0], rows_TG, torch.bfloat16, back_flags[0], 0)
+    sum_returned(ret[0], rows_TG, torch.bfloat16, back_flags[0], back_expected)
     grad_rows = [torch.zeros((R_cap, D)) for _ in range(G)]
     push_rows(torch.randn(3, D), torch.tensor([[0, -1], [1, 2], [-1, 3]]), torch.tensor([[0, 0], [1, 0], [0, 1]]),
               ptrs(grad_rows), torch.float32, me=0)

@@ -293,8 +293,10 @@ def test_an_ignored_option_names_both_keys(args, keys):
 def test_cuda_graph_names_what_it_cannot_capture():
     with pytest.raises(ConfigError, match=r"^train\.cuda_graph=true needs a GPU, not parallel\.device=cpu$"):
         load_config(["--train.cuda_graph=true", "--parallel.device=cpu"], world_size=1)
-    with pytest.raises(ConfigError, match=r"^train\.cuda_graph=true with parallel\.ep=2: the expert-parallel exchange"):
-        load_config(["--train.cuda_graph=true", "--parallel.ep=2", "--parallel.dispatcher=p2p"], world_size=2)
+    with pytest.raises(ConfigError, match=r"^train\.cuda_graph=true with parallel\.ep=2 and parallel\.dispatcher=nccl"):
+        load_config(["--train.cuda_graph=true", "--parallel.ep=2", "--parallel.data_parallel=replicate"], world_size=2)
+    assert load_config(["--train.cuda_graph=true", "--parallel.ep=2", "--parallel.dispatcher=p2p",
+                        "--parallel.data_parallel=replicate"], world_size=2).train.cuda_graph
     with pytest.raises(ConfigError, match=r"^train\.cuda_graph=true with train\.precision=fp32: "):
         load_config(["--train.cuda_graph=true", "--train.precision=fp32"], world_size=1)
     with pytest.raises(ConfigError, match=r"^train\.cuda_graph=true with parallel\.data_parallel=fsdp on 2 processes"):

@@ -456,7 +456,7 @@ def test_p2p_sum_returned_matches_its_reference(T, D, dtype):
     flag = torch.full((1,), 3, dtype=torch.int64, device=DEVICE)
     tol = P2P_TOL[dtype]
     for out_dtype in (dtype, torch.float32):
-        out = sum_returned(ret, rows_TG, out_dtype, flag, 3)
+        out = sum_returned(ret, rows_TG, out_dtype, flag, flag.clone())
         ref = sum_returned_reference(ret, rows_TG, out_dtype)
         assert out.dtype == ref.dtype == out_dtype
         torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
@@ -478,6 +478,8 @@ def test_p2p_bad_arguments_raise():
     with pytest.raises(ValueError, match="buffer dtype"):
         push_rows(x, row, dest, ptrs, torch.int32)
     with pytest.raises(ValueError, match="rows_TG"):
-        sum_returned(x, row.int(), torch.float32, flag, 0)
+        sum_returned(x, row.int(), torch.float32, flag, flag)
     with pytest.raises(ValueError, match="flag"):
-        sum_returned(x, row, torch.float32, flag.int(), 1)
+        sum_returned(x, row, torch.float32, flag.int(), flag)
+    with pytest.raises(ValueError, match="expect must be a contiguous 1-element int64"):
+        sum_returned(x, row, torch.float32, flag, 1)

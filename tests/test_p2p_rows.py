@@ -72,26 +72,25 @@ def test_dispatcher_data_flow_in_one_process(case):
     ws = [torch.rand(T, K, device=DEVICE) * p.kept_TK for T, p in zip(tokens, plans)]
     # zeros, not garbage: the first pass routes by a partial count matrix (within bounds)
     counts = [torch.zeros((G, E), dtype=torch.int64, device=DEVICE) for _ in range(G)]
-    counts_flags, tickets = _flags(), _flags()
+    counts_flags = _flags()
+    # the first pass waits for nothing: its target (state[0] + G) is 0; the second for the first's signals
+    states = [torch.tensor([-G, 0, 0], device=DEVICE) for _ in range(G)]
     T_cap = max(tokens)
     toks = [torch.full((G * T_cap, D), float("nan"), device=DEVICE) for _ in range(G)]  # token rows
     tok_of = [torch.full((R_cap,), -1, dtype=torch.int64, device=DEVICE) for _ in range(G)]
     src = [torch.full((R_cap,), -1, dtype=torch.int64, device=DEVICE) for _ in range(G)]
     w_recv = [torch.full((R_cap,), float("nan"), device=DEVICE) for _ in range(G)]
     leads = [torch.full((T_cap * G,), 7, dtype=torch.int32, device=DEVICE) for _ in range(G)]  # zeroed by the call
-    launched = [0] * G
     for rounds in (1, 2):
         routes = []
         for r in range(G):
-            *route, programs = dispatch_rows(
+            routes.append(dispatch_rows(
                 xs[r], ws[r], plans[r].order_P, plans[r].kept_per_expert_E, buffer_ptrs(counts), buffer_ptrs(counts_flags),
-                tickets[r], launched[r], counts[r], counts_flags[r], (rounds - 1) * G, buffer_ptrs(toks), buffer_ptrs(src),
-                buffer_ptrs(w_recv), torch.float32, r, K, P_cap, R_cap, buffer_ptrs(tok_of), leads[r],
-                timeout_ms=TIMEOUT_MS)
-            routes.append(route)
-            launched[r] += programs
+                states[r], counts[r], counts_flags[r], buffer_ptrs(toks), buffer_ptrs(src), buffer_ptrs(w_recv),
+                torch.float32, r, K, P_cap, R_cap, buffer_ptrs(tok_of), leads[r], timeout_ms=TIMEOUT_MS))
         assert [int(f) for f in counts_flags] == [rounds * G] * G
-        assert [int(t) for t in tickets] == launched
+        # each call advanced its target by G and left its program counters at zero
+        assert [s.tolist() for s in states] == [[(rounds - 1) * G, 0, 0]] * G
     for r in range(G):
         assert torch.equal(counts[r], torch.stack([p.kept_per_expert_E for p in plans]))
     n_rows = []
@@ -144,19 +143,19 @@ def test_dispatcher_data_flow_in_one_process(case):
         sums = gather_slots(y_RD, table, out_dtype=torch.float32)
         src_M = torch.where((table >= 0).any(1), (m // T_cap) * (G * T_cap) + r * T_cap + m % T_cap, -1)
         sent = push_back(sums, src_M, n_M, buffer_ptrs(ret), torch.float32, r, G * T_cap, buffer_ptrs(back_flags),
-                         own_too=True)
+                         expected[r], own_too=True)
         if g_R is not None:
             sent += push_back(None, src[r], routes[r][2][-1:], buffer_ptrs(ret), torch.float32, r, P_cap,
-                              buffer_ptrs(back_flags), g_R, buffer_ptrs(ret_g), num_rows=R_cap)
+                              buffer_ptrs(back_flags), expected[r], g_R, buffer_ptrs(ret_g), num_rows=R_cap)
         return sent
 
     ys = [w[:, None] * (2 * b + 1) for b, w in zip(recv, w_recv)]
     ret = [torch.full((G * T_cap, D), float("nan"), device=DEVICE) for _ in range(G)]
     ret_g = [torch.full((P_cap,), float("nan"), device=DEVICE) for _ in range(G)]
-    back_flags = _flags()
+    back_flags, expected = _flags(), _flags()
     signals = [home(r, ys[r]) for r in range(G)]
     assert len(set(signals)) == 1 and [int(f) for f in back_flags] == [(G - 1) * signals[0]] * G
-    target = (G - 1) * signals[0]
+    assert [int(e) for e in expected] == [int(f) for f in back_flags]  # each rank's target: its flag's value
     gs = [torch.randn(T, D, device=DEVICE) for T in tokens]
     grad_toks = [torch.full((G * T_cap, D), float("nan"), device=DEVICE) for _ in range(G)]
 
@@ -167,7 +166,7 @@ def test_dispatcher_data_flow_in_one_process(case):
         return torch.where(has[:, :G], rows_TG[:T], -1)
 
     for r in range(G):
-        out = sum_returned(ret[r], returned(r), torch.float32, back_flags[r], target, TIMEOUT_MS)
+        out = sum_returned(ret[r], returned(r), torch.float32, back_flags[r], expected[r], TIMEOUT_MS)
         torch.testing.assert_close(out, (2 * xs[r] + 1) * ws[r].sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out, sum_returned_reference(ret[r], returned(r), torch.float32))
         push_rows(gs[r], routes[r][3], routes[r][1], buffer_ptrs(grad_toks), torch.float32, me=r)
@@ -179,8 +178,9 @@ def test_dispatcher_data_flow_in_one_process(case):
     dw_R = [(g * b).sum(-1) for g, b in zip(grad_rows, recv)]
     back = [home(r, d_rows[r], dw_R[r]) for r in range(G)]
     assert len(set(back)) == 1
+    assert [int(e) for e in expected] == [int(f) for f in back_flags] == [(G - 1) * (signals[0] + back[0])] * G
     for r in range(G):
-        dx = sum_returned(ret[r], returned(r), torch.float32, back_flags[r], target + (G - 1) * back[0], TIMEOUT_MS)
+        dx = sum_returned(ret[r], returned(r), torch.float32, back_flags[r], expected[r], TIMEOUT_MS)
         dw = pair_values(routes[r][0], routes[r][1], dw_R[r], ret_g[r], r)
         torch.testing.assert_close(dx, gs[r] * ws[r].sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(dw, torch.where(plans[r].kept_TK, (gs[r] * xs[r]).sum(-1, keepdim=True), 0.0),
@@ -198,12 +198,12 @@ def _routes(order, counts, me, K):
     w = [torch.zeros(rows, device=DEVICE) for _ in range(G_)]
     scratch = [torch.zeros(G_, E, dtype=torch.int64, device=DEVICE) for _ in range(G_)]
     flags = _flags(G_)
-    *route, _ = dispatch_rows(torch.zeros(T, 1, device=DEVICE), torch.zeros(T, K, device=DEVICE), order.to(DEVICE),
-                              counts[me].to(DEVICE), buffer_ptrs(scratch), buffer_ptrs(flags), _flags(1)[0], 0, counts.to(DEVICE),
-                              flags[me], 1, buffer_ptrs(recv), buffer_ptrs(src), buffer_ptrs(w), torch.float32, me, K, T * K,
-                              rows, buffer_ptrs(tok), torch.zeros(T * G_, dtype=torch.int32, device=DEVICE),
-                              timeout_ms=TIMEOUT_MS)
-    return route
+    # one call signals each flag once: its own flag's target is 1 = state[0] + G_
+    state = torch.tensor([1 - G_, 0, 0], device=DEVICE)
+    return dispatch_rows(torch.zeros(T, 1, device=DEVICE), torch.zeros(T, K, device=DEVICE), order.to(DEVICE),
+                         counts[me].to(DEVICE), buffer_ptrs(scratch), buffer_ptrs(flags), state, counts.to(DEVICE),
+                         flags[me], buffer_ptrs(recv), buffer_ptrs(src), buffer_ptrs(w), torch.float32, me, K, T * K, rows,
+                         buffer_ptrs(tok), torch.zeros(T * G_, dtype=torch.int32, device=DEVICE), timeout_ms=TIMEOUT_MS)
 
 
 @pytest.mark.parametrize("G_, E, K", [(2, 8, 2), (3, 6, 3), (4, 12, 1), (5, 5, 2), (8, 64, 8)])
@@ -245,14 +245,15 @@ def test_push_back_matches_its_reference(T, K, D, dtype):
         rets = [torch.zeros(P_cap, D, device=DEVICE, dtype=dtype) for _ in range(G)]
         ret_gs = [torch.zeros(P_cap, device=DEVICE) for _ in range(G)]
         ref_rets, ref_gs = [r.clone() for r in rets], [r.clone() for r in ret_gs]
-        flags = _flags()
+        flags, expected = _flags(), torch.full((1,), 5, dtype=torch.int64, device=DEVICE)
         signals = push_back(y if with_y else None, src, n, buffer_ptrs(rets), dtype, me, P_cap, buffer_ptrs(flags),
-                            *((g, buffer_ptrs(ret_gs)) if with_g else ()), own_too=own_too, num_rows=rows)
+                            expected, *((g, buffer_ptrs(ret_gs)) if with_g else ()), own_too=own_too, num_rows=rows)
         push_back_reference(y if with_y else None, src, n, ref_rets, me, P_cap, *((g, ref_gs) if with_g else ()),
                             own_too=own_too)
         for a, b in zip(rets + ret_gs, ref_rets + ref_gs):
             assert torch.equal(a, b)
         assert [int(f) for f in flags] == [0 if g_ == me else signals for g_ in range(G)]
+        assert int(expected) == 5 + (G - 1) * signals  # what the peers' matching calls send this rank
         if with_g and int(n) > 0:  # some weight gradient went to another rank
             assert any(bool((r != 0).any()) for r in ret_gs)
         # own rows: stored into this rank's own buffer only with own_too; nothing without rows
@@ -265,26 +266,26 @@ def test_push_back_matches_its_reference(T, K, D, dtype):
 
 def test_dispatch_sends_its_counts_row_to_every_rank_once():
     """The counts part of dispatch_rows: row ``me`` of every rank's matrix, one signal to every
-    rank's flag per call, one ticket per program (whatever the grid)."""
+    rank's flag per call, the target advanced by G and the program counters back at zero."""
     E, K, T, me = 6, 2, 5, 1
     mats = [torch.zeros((G, E), dtype=torch.int64, device=DEVICE) for _ in range(G)]
     counts = torch.tensor([2, 0, 3, 1, 0, 4], dtype=torch.int64, device=DEVICE)  # T·K pairs, all kept
-    flags, ticket = _flags(), _flags(1)[0]
+    # only this rank signals: call n waits for its own flag's n signals (target state[0] + G)
+    flags, state = _flags(), torch.tensor([1 - G, 0, 0], device=DEVICE)
     order = torch.arange(T * K, device=DEVICE)
     recv = [torch.zeros(T * K * G, 3, device=DEVICE) for _ in range(G)]
     src, tok = ([torch.zeros(T * K * G, dtype=torch.int64, device=DEVICE) for _ in range(G)] for _ in range(2))
     w = [torch.zeros(T * K * G, device=DEVICE) for _ in range(G)]
     lead = torch.zeros(T * G, dtype=torch.int32, device=DEVICE)
-    launched = 0
     for call in (1, 2):
-        *_, programs = dispatch_rows(torch.zeros(T, 3, device=DEVICE), torch.zeros(T, K, device=DEVICE), order, counts,
-                                     buffer_ptrs(mats), buffer_ptrs(flags), ticket, launched, mats[me], flags[me], 0,
-                                     buffer_ptrs(recv), buffer_ptrs(src), buffer_ptrs(w), torch.float32, me, K, T * K,
-                                     T * K * G, buffer_ptrs(tok), lead, timeout_ms=TIMEOUT_MS)
-        launched += programs
+        dispatch_rows(torch.zeros(T, 3, device=DEVICE), torch.zeros(T, K, device=DEVICE), order, counts, buffer_ptrs(mats),
+                      buffer_ptrs(flags), state, mats[me], flags[me], buffer_ptrs(recv), buffer_ptrs(src), buffer_ptrs(w),
+                      torch.float32, me, K, T * K, T * K * G, buffer_ptrs(tok), lead, timeout_ms=TIMEOUT_MS)
         for m in mats:
             assert torch.equal(m[me], counts) and (m[0] == 0).all() and (m[2] == 0).all()
-        assert [int(f) for f in flags] == [call] * G and int(ticket) == launched
+        assert [int(f) for f in flags] == [call] * G
+        assert state.tolist() == [call, 0, 0]  # the target advanced by G, the program counters back at zero
+        state[0] = call + 1 - G
 
 
 def test_bad_arguments_raise():
@@ -292,11 +293,12 @@ def test_bad_arguments_raise():
     ptrs = buffer_ptrs([torch.zeros(10, 4, device=DEVICE)] * G)
     x = torch.randn(4, 4, device=DEVICE)
     flag = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    state = torch.zeros(3, dtype=torch.int64, device=DEVICE)
     counts = torch.zeros(G, 6, dtype=torch.int64, device=DEVICE)
     order = torch.arange(8, device=DEVICE)
     def dispatch(order_=order, counts_E=counts[0], counts_GE=counts, P_cap=8, w=torch.zeros(4, 2, device=DEVICE),
                  R_cap=10, lead=torch.zeros(4 * G, dtype=torch.int32, device=DEVICE)):
-        return dispatch_rows(x, w, order_, counts_E, ptrs, ptrs, flag, 0, counts_GE, flag, 0, ptrs, ptrs, ptrs,
+        return dispatch_rows(x, w, order_, counts_E, ptrs, ptrs, state, counts_GE, flag, ptrs, ptrs, ptrs,
                              torch.float32, 0, 2, P_cap, R_cap, ptrs, lead)
     with pytest.raises(ValueError, match="P_cap"):
         dispatch(P_cap=7)
@@ -312,12 +314,18 @@ def test_bad_arguments_raise():
         dispatch(R_cap=0)
     with pytest.raises(ValueError, match="lead_TG"):
         dispatch(lead=torch.zeros(4 * G - 1, dtype=torch.int32, device=DEVICE))
+    state = flag  # one element where three are needed
+    with pytest.raises(ValueError, match="state must be a contiguous 3-element int64 tensor"):
+        dispatch()
     with pytest.raises(ValueError, match="g_R"):
         push_back(x, torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(1, dtype=torch.int32), ptrs,
-                  torch.float32, 0, 8, ptrs, torch.zeros(4, device=DEVICE))
+                  torch.float32, 0, 8, ptrs, flag, torch.zeros(4, device=DEVICE))
     with pytest.raises(ValueError, match="n_rows"):
         push_back(x, torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(2, dtype=torch.int32), ptrs,
-                  torch.float32, 0, 8, ptrs)
+                  torch.float32, 0, 8, ptrs, flag)
+    with pytest.raises(ValueError, match="expect must be a contiguous 1-element int64"):
+        push_back(x, torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(1, dtype=torch.int32), ptrs,
+                  torch.float32, 0, 8, ptrs, flag.int())
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the kernel traps: the subprocess test below")
@@ -326,11 +334,11 @@ def test_dispatch_into_too_small_buffers_moves_nothing():
     written anywhere, every pair's route is -1 (in the interpreter; a GPU also traps)."""
     T, K, E, D, R_cap = 4, 2, 2, 3, 5  # one rank keeps 8 pairs for its own experts: 8 rows, 5 fit
     counts = torch.zeros(1, E, dtype=torch.int64)
-    flag, ticket = _flags(1)[0], _flags(1)[0]
+    flag, state = _flags(1)[0], torch.tensor([0, 0, 0])
     recv, src, w = torch.full((R_cap + 4, D), 7.0), torch.full((R_cap + 4,), -5), torch.full((R_cap + 4,), 7.0)
     tok = torch.full((R_cap + 4,), -5)
     route = dispatch_rows(torch.randn(T, D), torch.rand(T, K), torch.arange(T * K), torch.tensor([4, 4]),
-                          buffer_ptrs([counts]), buffer_ptrs([flag]), ticket, 0, counts, flag, 1, buffer_ptrs([recv]),
+                          buffer_ptrs([counts]), buffer_ptrs([flag]), state, counts, flag, buffer_ptrs([recv]),
                           buffer_ptrs([src]), buffer_ptrs([w]), torch.float32, 0, K, T * K, R_cap, buffer_ptrs([tok]),
                           torch.zeros(T, dtype=torch.int32),
                           out=(torch.zeros(T, K, dtype=torch.int64), torch.zeros(T, K, dtype=torch.int64),
@@ -345,7 +353,7 @@ from parallel.p2p_rows import sum_returned
 rows = torch.zeros(2, 1, dtype=torch.int64, device="cuda")
 y = torch.ones(2, 4, device="cuda")
 flag = torch.zeros(1, dtype=torch.int64, device="cuda")
-sum_returned(y, rows, torch.float32, flag, 1, timeout_ms=500)
+sum_returned(y, rows, torch.float32, flag, torch.ones(1, dtype=torch.int64, device="cuda"), timeout_ms=500)
 torch.cuda.synchronize()
 """
 
@@ -369,14 +377,14 @@ ptr = lambda t: torch.tensor([t.data_ptr()], dtype=torch.int64, device="cuda")
 T, K, E, D, R_cap = 4, 2, 2, 8, 5  # one rank keeps 8 pairs for its own experts: 8 rows, 5 fit
 x, w = torch.randn(T, D, device="cuda"), torch.rand(T, K, device="cuda")
 counts = torch.zeros(1, E, dtype=torch.int64, device="cuda")
-flag, ticket = (torch.zeros(1, dtype=torch.int64, device="cuda") for _ in range(2))
+flag, state = torch.zeros(1, dtype=torch.int64, device="cuda"), torch.zeros(3, dtype=torch.int64, device="cuda")
 recv = torch.full((R_cap, D), 7.0, device="cuda")
 src = torch.zeros(R_cap, dtype=torch.int64, device="cuda")
 wr = torch.zeros(R_cap, device="cuda")
 order = torch.arange(T * K, device="cuda")
 mine = torch.tensor([4, 4], dtype=torch.int64, device="cuda")
 tok = torch.zeros(R_cap, dtype=torch.int64, device="cuda")
-dispatch_rows(x, w, order, mine, ptr(counts), ptr(flag), ticket, 0, counts, flag, 1, ptr(recv), ptr(src), ptr(wr),
+dispatch_rows(x, w, order, mine, ptr(counts), ptr(flag), state, counts, flag, ptr(recv), ptr(src), ptr(wr),
               torch.float32, 0, K, T * K, R_cap, ptr(tok), torch.zeros(T, dtype=torch.int32, device="cuda"),
               timeout_ms=5000)
 torch.cuda.synchronize()

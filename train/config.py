@@ -195,8 +195,8 @@ class TrainConfig:
         False, "after this launch's first step, capture one micro-batch's forward and backward as a CUDA graph "
                "and replay it for every micro-batch: the host launches one graph a micro-batch instead of its ~2,600 "
                "kernels (OLMoE-shaped, 16 layers; the host's time a step at EP 1 fell from 803 to 166 ms, a host-bound "
-               "step ran 1.59x, bench/results/step_graph.md); needs a GPU, bf16, parallel.ep=1 (the exchanges are not "
-               "captured yet) and replicate when several processes train; keeps the gradients and the experts' bf16 "
+               "step ran 1.59x, bench/results/step_graph.md); needs a GPU, bf16, parallel.dispatcher=p2p when "
+               "parallel.ep > 1, and replicate when several processes train; keeps the gradients and the experts' bf16 "
                "weight copies allocated between steps (train/step_graph.py)")
     init_from: str | None = option(
         None, "a Hugging Face model directory (config.json + *.safetensors; Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): "
@@ -546,10 +546,10 @@ def check_cuda_graph(cfg: Config, world_size: int) -> None:
     """What ``train.cuda_graph`` cannot capture (train/step_graph.py says why)."""
     if cfg.parallel.device == "cpu":
         raise ConfigError("train.cuda_graph=true needs a GPU, not parallel.device=cpu")
-    if cfg.parallel.ep > 1:
-        raise ConfigError(f"train.cuda_graph=true with parallel.ep={cfg.parallel.ep}: the expert-parallel exchange is "
-                          "not captured yet (the nccl dispatcher sizes it on the host, the p2p one passes its flags' "
-                          "targets as host integers); use parallel.ep=1 or train.cuda_graph=false")
+    if cfg.parallel.ep > 1 and cfg.parallel.dispatcher != "p2p":
+        raise ConfigError(f"train.cuda_graph=true with parallel.ep={cfg.parallel.ep} and parallel.dispatcher="
+                          f"{cfg.parallel.dispatcher}: the nccl dispatcher's exchanges are not captured (exact sizes "
+                          "are read on the host); use parallel.dispatcher=p2p (its flags' targets live on the device)")
     if cfg.train.precision == "fp32":
         # fp32 rows take the PyTorch reference grouped matmul, which sizes each expert's matmul on the host
         raise ConfigError("train.cuda_graph=true with train.precision=fp32: the fp32 expert matmuls read each "

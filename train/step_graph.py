@@ -14,8 +14,9 @@ What capture needs, and how the trainer provides it:
   between steps: ``optimizer.zero_grad(set_to_none=False)``), and reads the experts' bf16 weight
   copies, which :func:`moe.master_weight_step` keeps and re-casts in place at each step's start.
 - *No host sync, no host-side value* inside a micro-batch: true at EP 1 (the local dispatch
-  sizes nothing on the host). The expert-parallel exchanges are not capturable yet
-  (``train.config.check_cuda_graph``).
+  sizes nothing on the host) and with the P2P dispatcher (fixed-size buffers; its flags'
+  targets live on the device, advanced by its kernels: parallel/p2p_rows.py); not with the
+  NCCL one, whose exact exchange sizes are read on the host (``train.config.check_cuda_graph``).
 - *Fresh autograd accumulators.* ``MoELayer.last_aux.loss`` keeps its forward's autograd graph
   alive, and with it every parameter's ``AccumulateGrad`` node, which remembers the stream it was
   made on; a backward under capture that meets a node made on the default stream fails ("would
