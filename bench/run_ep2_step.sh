@@ -73,7 +73,7 @@
 #   PART=22 bash bench/run_ep2_step.sh  # train.cuda_graph at EP 2 (P2P flags' targets on the device): the P2P
 #                                       # kernels' tests, the graph's 2-GPU test and the P2P tests of
 #                                       # test_parallel.py, then P2P in the bar's layout eager against
-#                                       # --train.cuda_graph=true, alternating, 2 rounds
+#                                       # --train.cuda_graph=true, alternating, 2 rounds (ROUNDS="1": one)
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -353,13 +353,13 @@ elif [ "$PART" = 21 ]; then
     echo "[part $PART done after $SECONDS s]"
     exit 0
 elif [ "$PART" = 22 ]; then
-    MOE_AUTOTUNE=0 timeout 200 python3 -m pytest -q -x tests/test_p2p_rows.py tests/test_gather_sum.py \
+    MOE_AUTOTUNE=0 timeout 200 python3 -m pytest -q tests/test_p2p_rows.py tests/test_gather_sum.py \
         tests/test_step_graph.py "tests/test_parallel.py::test_two_ranks_sharing_one_gpu_equal_one_process" 2>&1 \
         | grep -v "^SKIPPED" | tail -6 | tee "$OUT/gpu_tests_1.log"
     MOE_AUTOTUNE=0 timeout 150 python3 -m pytest -q -m multigpu -k "p2p or P2P" tests/test_parallel.py 2>&1 \
         | grep -v "^SKIPPED" | tail -4 | tee "$OUT/gpu_tests_2.log"
     P="--warm 3 --steps 1 --timed 6 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
-    for round in 1 2; do
+    for round in ${ROUNDS:-1 2}; do
         prof "P2P eager, round $round" 60 configs/olmoe_bench.yaml $P
         prof "P2P cuda_graph, round $round" 60 configs/olmoe_bench.yaml $P --train.cuda_graph=true
     done

@@ -79,6 +79,10 @@ class FlightRecorder:
         self.seq += 1
         self.last_progress = time.monotonic()
         stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
+        if stream is not None and torch.cuda.is_current_stream_capturing():
+            # a CUDA graph's capture (train/step_graph.py): an event recorded there cannot be
+            # queried ("invalid argument", H200), and the replays record nothing
+            stream = None
         self.entries.append(Entry(self.seq, self.last_progress, op, _ranks(group), self.context,
                                   self.layer if layer is None else layer,
                                   stream.record_event() if stream is not None else None, stream))

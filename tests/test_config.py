@@ -301,7 +301,8 @@ def test_cuda_graph_names_what_it_cannot_capture():
         load_config(["--train.cuda_graph=true", "--train.precision=fp32"], world_size=1)
     with pytest.raises(ConfigError, match=r"^train\.cuda_graph=true with parallel\.data_parallel=fsdp on 2 processes"):
         load_config(["--train.cuda_graph=true", "--parallel.data_parallel=fsdp"], world_size=2)
-    # one process has nothing to shard (fsdp is then the plain model); replicate on several
+    # one process without torchrun has nothing to shard (fsdp is then the plain model; under torchrun the
+    # trainer refuses it); replicate on several
     assert load_config(["--train.cuda_graph=true", "--parallel.data_parallel=fsdp"], world_size=1).train.cuda_graph
     assert load_config(["--train.cuda_graph=true", "--parallel.data_parallel=replicate"], world_size=2).train.cuda_graph
 

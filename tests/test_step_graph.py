@@ -40,7 +40,8 @@ def _trained(tmp_path, name: str, *extra: str):
 def test_graph_replays_train_exactly_like_eager(tmp_path, options):
     eager, eager_params, _ = _trained(tmp_path, "eager", *options)
     graphed, graphed_params, trainer = _trained(tmp_path, "graphed", "--train.cuda_graph=true", *options)
-    assert trainer.graph.graph is not None  # steps 2-4 replayed it
+    assert trainer.graph.replays == 3 * 3  # steps 2-4, 3 micro-batches each
+    assert trainer.graph.graph is None  # released by close()
     assert sorted(graphed["train_loss"]) == [1, 2, 3, 4]
     assert graphed == eager  # the losses of every step and validation, bit for bit
     _same_logged_metrics(tmp_path / "eager", tmp_path / "graphed")
@@ -72,11 +73,17 @@ def test_graph_replays_at_ep2_with_the_p2p_dispatcher_train_like_eager(tmp_path)
 
 
 @pytest.mark.gpu
-def test_graph_input_of_another_shape_is_refused(tmp_path):
-    _, _, trainer = _trained(tmp_path, "graphed", "--train.cuda_graph=true")
+def test_graph_refuses_other_shapes_and_replaced_gradients(tmp_path):
+    trainer = _trainer(tmp_path, "graphed", "--train.cuda_graph=true")
+    for _ in range(2):  # eager, then captured
+        trainer.train_step()
     tokens = trainer.graph.tokens_BS
     with pytest.raises(ValueError, match=r"captured for tokens \(4, 32\), got \(2, 32\)"):
         trainer.graph.replay(tokens[:2], tokens[:2])
+    trainer.model.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match=r"a parameter's \.grad was replaced or set to None since the capture"):
+        trainer.train_step()
+    trainer.close()
 
 
 _SYNC_IN_STEP = """

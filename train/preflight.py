@@ -54,6 +54,9 @@ def check_device(cfg: Config) -> None:
     if p.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("parallel.device=cuda but this machine has no CUDA GPU (torch.cuda.is_available() is False); "
                           "--parallel.device=auto runs on the CPU")
+    if cfg.train.cuda_graph and not uses_cuda(p.device):
+        raise ConfigError("train.cuda_graph=true needs a CUDA GPU, and this machine has none "
+                          "(torch.cuda.is_available() is False)")
     if p.dispatcher == "p2p" and p.ep > 1 and not torch.cuda.is_available():
         raise ConfigError("parallel.dispatcher=p2p needs CUDA GPUs (symmetric memory) but this machine has none "
                           "(torch.cuda.is_available() is False); use parallel.dispatcher=nccl")

@@ -54,6 +54,8 @@ class MicroBatchGraph:
         self.tokens_BS = self.targets_BS = None
         self.outputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.aux = {}  # MoE layer name -> its last_aux as captured
+        self.grads: list[torch.Tensor] = []  # the gradient tensors the graph adds into
+        self.replays = 0
 
     def run(self, micro: Callable, tokens_BS: torch.Tensor, targets_BS: torch.Tensor):
         if self.graph is None:
@@ -66,6 +68,7 @@ class MicroBatchGraph:
         for p in self.model.parameters():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
+        self.grads = [p.grad for p in self.model.parameters() if p.requires_grad]
         device = next(self.model.parameters()).device
         self.tokens_BS = torch.empty_like(tokens_BS, device=device)
         self.targets_BS = torch.empty_like(targets_BS, device=device)
@@ -85,12 +88,29 @@ class MicroBatchGraph:
         if tokens_BS.shape != self.tokens_BS.shape or targets_BS.shape != self.targets_BS.shape:
             raise ValueError(f"MicroBatchGraph: captured for tokens {tuple(self.tokens_BS.shape)}, got "
                              f"{tuple(tokens_BS.shape)} (targets {tuple(targets_BS.shape)})")
+        now = [p.grad for p in self.model.parameters() if p.requires_grad]
+        if any(a is not b for a, b in zip(now, self.grads)):
+            raise RuntimeError("MicroBatchGraph: a parameter's .grad was replaced or set to None since the capture (the "
+                               "graph adds into the old tensors): zero the gradients in place "
+                               "(zero_grad(set_to_none=False))")
         self.tokens_BS.copy_(tokens_BS, non_blocking=True)
         self.targets_BS.copy_(targets_BS, non_blocking=True)
         self.graph.replay()
+        self.replays += 1
         for name, m in self.layers.items():
             # a new MoEStats each replay: the one read after the last replay cached the stats it
             # derived (cached_property) from that replay's tensors
             aux = self.aux[name]
             m.last_aux = dataclasses.replace(aux, stats=dataclasses.replace(aux.stats))
         return self.outputs
+
+    def release(self) -> None:
+        """Free the graph once its replays are done: a graph that holds NCCL work kept both
+        ranks in ``destroy_process_group`` until it was reset (2×H200, replicate at EP 1)."""
+        if self.graph is None:
+            return
+        torch.cuda.synchronize()
+        self.graph.reset()
+        self.graph, self.outputs, self.aux, self.grads = None, None, {}, []
+        for m in self.layers.values():
+            m.last_aux = None

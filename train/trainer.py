@@ -37,7 +37,7 @@ from train.hf import load_weights, read_hf_config
 from train.model import MoETransformer, num_moe_blocks
 from train.nonfinite import NonFiniteGuard, first_nonfinite
 from train.optim import WarmupCosine, build_optimizer
-from train.parallelize import parallelize, reduce_gradients, set_gradient_sync, trains_in_bf16
+from train.parallelize import is_sharded, parallelize, reduce_gradients, set_gradient_sync, trains_in_bf16
 from train.rundir import check_run_dir, ckpt_dir_of, clear_run_dir, run_dir_of
 from train.runtime import Runtime, init_runtime
 from train.step_graph import MicroBatchGraph
@@ -161,8 +161,9 @@ class Trainer:
         self.guard = NonFiniteGuard(self.optimizer, cfg.train.on_nonfinite, rt.device)
         self.graph = None
         if cfg.train.cuda_graph:
-            if rt.device.type != "cuda":
-                raise ConfigError(f"train.cuda_graph=true needs a GPU; this run's device is {rt.device}")
+            if is_sharded(cfg, rt.dims):  # torchrun with one process: FSDP still wraps the model
+                raise ConfigError("train.cuda_graph=true with parallel.data_parallel=fsdp under torchrun: FSDP gathers "
+                                  "and reduce-scatters from host-side hooks; use parallel.data_parallel=replicate")
             self.graph = MicroBatchGraph(self.model)
         # the data position before each step since the last finiteness check: a bad step's
         # batches can be replayed to find where its values went non-finite
@@ -464,6 +465,8 @@ class Trainer:
         """Publish an async checkpoint in flight, flush the logs and leave the process group,
         together with every rank."""
         flight.phase("the end of the run")
+        if self.graph is not None:
+            self.graph.release()
         self.checkpointer.finish()
         self.log.finish(self.ckpt_dir)
         self.rt.barrier()
