@@ -21,6 +21,17 @@ def test_exchange_kernels_are_those_mostly_in_the_exchange():
     assert sp.exchange_kernels(kernels) == {"d", "a"}  # n: 9 of its 29 µs in the exchange
 
 
+def test_graph_replays_take_the_category_their_name_had_in_the_eager_step():
+    eager = [(0, 10, "dispatch/combine", "d"), (10, 30, "attention", "mm"), (30, 35, "LM head + loss", "mm"),
+             (35, 36, "elementwise, other", "add")]
+    names = sp.name_categories(eager)
+    assert names == {"d": "dispatch/combine", "mm": "attention", "add": "elementwise, other"}
+    replayed = [(0, 10, "elementwise, other", "d"), (10, 20, "elementwise, other", "mm"),
+                (20, 21, "optimizer + clip", "mm"), (21, 22, "elementwise, other", "new")]
+    assert sp.recategorise(replayed, names) == [(0, 10, "dispatch/combine", "d"), (10, 20, "attention", "mm"),
+                                                (20, 21, "optimizer + clip", "mm"), (21, 22, "elementwise, other", "new")]
+
+
 def test_light_split_clips_to_the_profiled_steps_and_splits_them():
     # rank 0's trace also holds a kernel of an earlier profile (at 0): outside the last 45 µs
     events = [_kernel(0, 5, "old"), _kernel(100, 10, "d"), _kernel(110, 20, "g"), _kernel(130, 10, "d"),
