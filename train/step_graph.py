@@ -26,6 +26,12 @@ What capture needs, and how the trainer provides it:
 - *Warm kernels.* Capture happens at the launch's second step: the first, eager, compiles and
   autotunes the Triton kernels and sizes cuBLAS's workspaces.
 
+Memory: the step's peak does not grow (92.4 GB a GPU eager and graphed, olmoe_bench at EP 2 on
+2×H200): the gradients and expert copies it keeps are whole during the micro-batches anyway, and
+the graph's private pool holds what one micro-batch's activations took. That pool stays reserved
+between replays, so a validation pass's activations come on top of it (train/memory.py models
+the training step, not validation).
+
 Outputs live in the graph's memory pool and each replay overwrites them: the trainer reads the
 losses with device ops right after each replay, and :meth:`replay` points every MoE layer's
 ``last_aux`` back at the captured tensors (an eager validation in between replaces it), in a
