@@ -19,9 +19,12 @@ target: flags only grow, and each phase adds a fixed number of signals (the coun
 push_back: one per program per peer, its grid fixed by R_cap, which every rank shares). The
 targets live on the device, advanced by the kernels themselves (the dispatch's last program to
 finish; push_back's first program), never passed from the host: a captured CUDA graph replays
-the same launches and the targets still advance (train/step_graph.py). A wait that passes its timeout prints and traps (the process dies with a CUDA error
-instead of hanging). In Triton's interpreter (one process, the ranks run one after another) a
-wait does not spin: the tests run every rank's phase before the next and check the flags.
+the same launches and the targets still advance (train/step_graph.py). A wait that passes its
+timeout prints and traps (the process dies with a CUDA error instead of hanging). In Triton's
+interpreter (one process, the ranks run one after another) a wait does not spin: the tests run
+every rank's phase before the next and check the flags, and a wait whose target is not met adds
+``UNMET`` to its flag, so that a test sees which target a kernel waited for (one that waited for
+too little would otherwise pass unseen).
 Why: on 2×H200 a Mixtral-like dispatch + combine at 4k tokens took ~255 µs of GPU and ~275 µs of
 host per call (Triton launches cost 15-40 µs of host each); flags, and the counts and routes folded
 into the dispatch kernel, took it from 8 launches to 4.
@@ -64,6 +67,8 @@ _BLOCK_ROWS = 2 if INTERPRET else 1
 _MAX_PROGRAMS = 4 if INTERPRET else 4096
 TIMEOUT_MS = 120_000
 _INTERPRET = tl.constexpr(INTERPRET)
+UNMET = 1 << 40  # what an unmet wait adds to its flag in the interpreter
+_UNMET = tl.constexpr(UNMET)
 
 
 @triton.jit
@@ -87,6 +92,9 @@ def _wait(flag_ptr, target, timeout_ns):
                                     target)
                 tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
         tl.debug_barrier()
+    else:
+        if tl.load(flag_ptr) < target:
+            tl.atomic_add(flag_ptr, _UNMET)
 
 
 @triton.jit

@@ -16,7 +16,7 @@ import torch
 
 from moe.capacity import plan_routing
 from parallel.p2p_rows import (
-    dispatch_rows, expand_rows, expand_rows_reference, p2p_routes_reference, pair_values, push_back, push_back_reference, push_rows, return_table,
+    UNMET, dispatch_rows, expand_rows, expand_rows_reference, p2p_routes_reference, pair_values, push_back, push_back_reference, push_rows, return_table,
     sum_returned, sum_returned_reference,
 )
 from parallel.token_rows import gather_slots
@@ -288,6 +288,38 @@ def test_dispatch_sends_its_counts_row_to_every_rank_once():
         state[0] = call + 1 - G
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU an unmet wait times out and traps: the subprocess tests below")
+def test_each_wait_is_for_its_own_target():
+    """In the interpreter an unmet wait adds UNMET to its flag: the dispatch from a fresh state
+    waits for every rank's counts (G signals, here only its own came), the next one for 2G; the
+    way back's sum for exactly ``expect``."""
+    E, K, T, me = 6, 2, 5, 1
+    mats = [torch.zeros((G, E), dtype=torch.int64, device=DEVICE) for _ in range(G)]
+    counts = torch.tensor([2, 0, 3, 1, 0, 4], dtype=torch.int64, device=DEVICE)
+    flags, state = _flags(), torch.zeros(3, dtype=torch.int64, device=DEVICE)  # as every slot starts
+    rows = T * K * G
+    recv = [torch.zeros(rows, 3, device=DEVICE) for _ in range(G)]
+    src, tok = ([torch.zeros(rows, dtype=torch.int64, device=DEVICE) for _ in range(G)] for _ in range(2))
+    w = [torch.zeros(rows, device=DEVICE) for _ in range(G)]
+
+    def dispatch():
+        dispatch_rows(torch.zeros(T, 3, device=DEVICE), torch.zeros(T, K, device=DEVICE), torch.arange(T * K, device=DEVICE),
+                      counts, buffer_ptrs(mats), buffer_ptrs(flags), state, mats[me], flags[me], buffer_ptrs(recv),
+                      buffer_ptrs(src), buffer_ptrs(w), torch.float32, me, K, T * K, rows, buffer_ptrs(tok),
+                      torch.zeros(T * G, dtype=torch.int32, device=DEVICE), timeout_ms=TIMEOUT_MS)
+
+    dispatch()
+    assert int(flags[me]) == 1 + UNMET  # waited for G signals, one came
+    flags[me].fill_(2 * G - 1)  # every rank's counts of the next call in, but this rank's own
+    dispatch()
+    assert int(flags[me]) == 2 * G and state.tolist() == [2 * G, 0, 0]
+    ret, rows_TG = torch.ones(4, 3, device=DEVICE), torch.zeros(2, 1, dtype=torch.int64, device=DEVICE)
+    for expect, after in ((5, 4 + UNMET), (4, 4)):
+        flag = torch.full((1,), 4, dtype=torch.int64, device=DEVICE)
+        sum_returned(ret, rows_TG, torch.float32, flag, torch.full((1,), expect, dtype=torch.int64, device=DEVICE))
+        assert int(flag) == after, expect
+
+
 def test_bad_arguments_raise():
     """(push_rows' and sum_returned's checks: tests/test_gather_sum.py)"""
     ptrs = buffer_ptrs([torch.zeros(10, 4, device=DEVICE)] * G)
@@ -358,14 +390,34 @@ torch.cuda.synchronize()
 """
 
 
+_COUNTS_NEVER_COME = """
+import torch
+from parallel.p2p_rows import dispatch_rows
+ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device="cuda")
+T, K, E, D = 4, 2, 4, 8  # 2 ranks, the peer never sends its counts: the flag stays at 1 of 2
+x, w = torch.randn(T, D, device="cuda"), torch.rand(T, K, device="cuda")
+counts = [torch.zeros(2, E, dtype=torch.int64, device="cuda") for _ in range(2)]
+flags = [torch.zeros(1, dtype=torch.int64, device="cuda") for _ in range(2)]
+bufs = [[torch.zeros(16 * n, device="cuda", dtype=dt) for _ in range(2)]
+        for n, dt in ((D, torch.float32), (1, torch.int64), (1, torch.float32), (1, torch.int64))]
+dispatch_rows(x, w, torch.arange(T * K, device="cuda"), torch.tensor([2, 2, 2, 2], device="cuda"), ptrs(counts),
+              ptrs(flags), torch.zeros(3, dtype=torch.int64, device="cuda"), counts[0], flags[0], ptrs(bufs[0]),
+              ptrs(bufs[1]), ptrs(bufs[2]), torch.float32, 0, K, T * K, 16, ptrs(bufs[3]),
+              torch.zeros(T * 2, dtype=torch.int32, device="cuda"), timeout_ms=500)
+torch.cuda.synchronize()
+"""
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_wait_that_is_never_signalled_fails_instead_of_hanging():
+@pytest.mark.parametrize("script", [_NEVER_SIGNALLED, _COUNTS_NEVER_COME], ids=["sum_returned", "dispatch"])
+def test_wait_that_is_never_signalled_fails_instead_of_hanging(script):
     """A peer that never signals (ranks disagreeing on the calls) ends in a CUDA error with the
-    kernel's message, after the timeout, not in a hang."""
+    kernel's message, after the timeout, not in a hang: the way back's sum waiting for its
+    ``expect``, a dispatch from a fresh state waiting for both ranks' counts."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root}
-    proc = subprocess.run([sys.executable, "-c", _NEVER_SIGNALLED], capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode != 0
     assert "P2P wait timed out" in proc.stdout + proc.stderr
 
