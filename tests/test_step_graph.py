@@ -10,6 +10,7 @@ import torch
 
 from tests.test_train import REPO, SMALL, _metrics, _torchrun
 from train.config import load_config
+from train.step_graph import MicroBatchGraph
 from train.trainer import Trainer
 
 
@@ -84,6 +85,11 @@ def test_graph_refuses_other_shapes_and_replaced_gradients(tmp_path):
     with pytest.raises(RuntimeError, match=r"a parameter's \.grad was replaced or set to None since the capture"):
         trainer.train_step()
     trainer.close()
+
+
+def test_a_model_off_the_gpu_is_refused():
+    with pytest.raises(ValueError, match="train.cuda_graph=true needs the model on a CUDA GPU, got cpu"):
+        MicroBatchGraph(torch.nn.Linear(2, 2))
 
 
 _SYNC_IN_STEP = """

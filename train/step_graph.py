@@ -54,6 +54,9 @@ class MicroBatchGraph:
     inputs, every call then replays it on the given micro-batch and returns the captured (ce, aux)."""
 
     def __init__(self, model: nn.Module):
+        device = next(model.parameters()).device
+        if device.type != "cuda":
+            raise ValueError(f"train.cuda_graph=true needs the model on a CUDA GPU, got {device}")
         self.model = model
         self.layers = moe_layers(model)
         self.graph: torch.cuda.CUDAGraph | None = None
