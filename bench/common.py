@@ -79,6 +79,19 @@ def trainer_mfu(trainer, step_s: float) -> float:
     return trainer.tokens_per_step / step_s * trainer.flops_per_token / (trainer.rt.world_size * trainer.peak)
 
 
+def step_cells(trainer, anchor_s: list[float], ours_s: list[float]) -> dict[str, str]:
+    """A step benchmark's table cells from each round's seconds a step of the anchor and ours:
+    their medians in ms, the median per-round ratio (bold), the anchor's A-vs-A ratios, and
+    ours' tokens/s and MFU."""
+    ours = statistics.median(ours_s)
+    return {
+        "anchor": f"{statistics.median(anchor_s) * 1e3:.1f}", "ours": f"{ours * 1e3:.1f}",
+        "ratio": f"**{median_ratio(anchor_s, ours_s):.3f}**",
+        "a_vs_a": ", ".join(f"{r:.3f}" for r in round_to_round(anchor_s)),
+        "tokens_s": f"{trainer.tokens_per_step / ours:,.0f}", "mfu": f"{100 * trainer_mfu(trainer, ours):.1f}%",
+    }
+
+
 def _job_id() -> str:
     """The same string on every rank of one job and a different one for another job, so that the
     ranks agree on the run folder (the trainer checks that they agree on the config) and two jobs

@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import importlib
 import os
-import statistics
 import sys
 
 import torch
@@ -60,7 +59,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per round and variant")
     ap.add_argument("--out", default="bench/results/master_weights.md")
     args, extra = ap.parse_known_args()
-    from common import bench_trainer, header, median_ratio, round_to_round, timed_steps, trainer_mfu, write_row
+    from common import bench_trainer, header, step_cells, timed_steps, write_row
 
     md = header("Experts' master-weight step vs the per-micro-batch cast, training steps", "bench/master_weights.py",
                 f"model: {args.config} with {' '.join(extra) or 'no overrides'}",
@@ -79,15 +78,11 @@ def main() -> None:
         for name, step_context in VARIANTS.items():
             trainer_module.master_weight_step = step_context
             times[name].append(timed_steps(trainer, args.steps) / 1e3)
-    ratio = median_ratio(times["anchor"], times["ours"])
-    ratio_two_pass = median_ratio(times["two_pass"], times["ours"])
-    a_vs_a = [f"{r:.3f}" for r in round_to_round(times["anchor"])]
-    ours = statistics.median(times["ours"])
-    mfu = trainer_mfu(trainer, ours)
-    row = (f"| {args.accum} | {trainer.tokens_per_step:,} | {statistics.median(times['anchor']) * 1e3:.1f} | "
-           f"{statistics.median(times['two_pass']) * 1e3:.1f} | {ours * 1e3:.1f} | **{ratio:.3f}** | "
-           f"**{ratio_two_pass:.3f}** | {', '.join(a_vs_a)} | {trainer.tokens_per_step / ours:,.0f} | "
-           f"{100 * mfu:.1f}% | {torch.cuda.max_memory_allocated() / 1e9:.1f} |")
+    c = step_cells(trainer, times["anchor"], times["ours"])
+    two_pass = step_cells(trainer, times["two_pass"], times["ours"])
+    row = (f"| {args.accum} | {trainer.tokens_per_step:,} | {c['anchor']} | {two_pass['anchor']} | {c['ours']} | "
+           f"{c['ratio']} | {two_pass['ratio']} | {c['a_vs_a']} | {c['tokens_s']} | {c['mfu']} | "
+           f"{torch.cuda.max_memory_allocated() / 1e9:.1f} |")
     write_row(args.out, md, row, args.append)
 
 

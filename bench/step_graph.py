@@ -17,14 +17,13 @@ the first one's cache freed).
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import bench_trainer, header, median_ratio, round_to_round, timed_steps, trainer_mfu, write_row  # noqa: E402
+from bench.common import bench_trainer, header, step_cells, timed_steps, write_row  # noqa: E402
 
 
 def main() -> None:
@@ -60,13 +59,9 @@ def main() -> None:
     losses = {name: float(t.train_step().losses[0]) for name, t in trainers.items()}
     print(f"the next step's loss: eager {losses['eager']!r}, graphed {losses['graphed']!r}", flush=True)
     graphed = trainers["graphed"]
-    ratio = median_ratio(times["eager"], times["graphed"])
-    a_vs_a = [f"{r:.3f}" for r in round_to_round(times["eager"])]
-    ours = statistics.median(times["graphed"])
-    mfu = trainer_mfu(graphed, ours)
-    row = (f"| `{' '.join(extra)}` | {graphed.tokens_per_step:,} | {statistics.median(times['eager']) * 1e3:.1f} | "
-           f"{ours * 1e3:.1f} | **{ratio:.3f}** | {', '.join(a_vs_a)} | {graphed.tokens_per_step / ours:,.0f} | "
-           f"{100 * mfu:.1f}% | {resident['eager']} | {resident['graphed']} |")
+    c = step_cells(graphed, times["eager"], times["graphed"])
+    row = (f"| `{' '.join(extra)}` | {graphed.tokens_per_step:,} | {c['anchor']} | {c['ours']} | {c['ratio']} | "
+           f"{c['a_vs_a']} | {c['tokens_s']} | {c['mfu']} | {resident['eager']} | {resident['graphed']} |")
     write_row(args.out, md, row, args.append)
     for trainer in trainers.values():
         trainer.close()
