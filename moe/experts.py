@@ -125,18 +125,18 @@ class GroupedExperts(nn.Module):
         w1, w2 = self.w1_LDU, self.w2_LFD
         if not self.fuse_master_weights or (w1.dtype == dtype and w2.dtype == dtype):
             return w1.to(dtype), w2.to(dtype)
-        if self._copies is None or self._copies[0][0] != dtype:
+        key = (dtype, w1._version, w2._version)
+        if self._copies is None or self._copies[0] != key:
             with torch.no_grad():
-                self._copies = ((dtype, w1._version, w2._version), w1.to(dtype), w2.to(dtype))
-        elif self._copies[0][1:] != (w1._version, w2._version):
-            self.refresh_copies()
+                self._copies = (key, w1.to(dtype), w2.to(dtype))
         _, c1, c2 = self._copies
         return tag_master_copy(_MasterCopy.apply(w1, c1), w1), tag_master_copy(_MasterCopy.apply(w2, c2), w2)
 
     @torch.no_grad()
     def refresh_copies(self) -> None:
-        """Re-cast the weights into the copies made by :meth:`compute_weights`, in place: the
-        copies stay where a captured CUDA graph reads them (train/step_graph.py)."""
+        """Re-cast the weights into the copies made by :meth:`compute_weights`, in place (under
+        the weights' current versions, so that it reuses them): the copies stay where a captured
+        CUDA graph reads them (train/step_graph.py)."""
         if self._copies is None:
             return
         (dtype, *_), c1, c2 = self._copies

@@ -43,8 +43,9 @@ Ordering: 7 launches per forward (the tickets' memset, 5 Triton kernels, one bar
 of 3 small torch ops, 7 and the table per backward. Flags only grow; each rank keeps on its device,
 per slot, the value each flag reaches after the signals sent so far (every rank makes the same
 calls with the same grids, so each knows it), advanced by the kernels: the host passes no
-per-call value, and a captured CUDA graph's replays advance them as the eager launches do. Writers never overrun readers: every rank's counts reach a peer only after that
-rank finished everything before its dispatch, and the rows of a dispatch reach a peer only after
+per-call value, and a captured CUDA graph's replays advance them as the eager launches do.
+Writers never overrun readers: every rank's counts reach a peer only after that rank finished
+everything before its dispatch, and the rows of a dispatch reach a peer only after
 that peer's counts (the kernel waits for them), so the counts exchange orders each dispatch after
 the previous call's reads on every rank (the rows' weights travel with the rows); the return buffer
 (and its weight gradients) is stored into only after the barrier at the end of the dispatch

@@ -58,6 +58,8 @@ class MicroBatchGraph:
         if device.type != "cuda":
             raise ValueError(f"train.cuda_graph=true needs the model on a CUDA GPU, got {device}")
         self.model = model
+        self.device = device
+        self.params = [p for p in model.parameters() if p.requires_grad]
         self.layers = moe_layers(model)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.tokens_BS = self.targets_BS = None
@@ -74,13 +76,12 @@ class MicroBatchGraph:
     def capture(self, micro: Callable, tokens_BS: torch.Tensor, targets_BS: torch.Tensor) -> None:
         for m in self.layers.values():
             m.last_aux = None
-        for p in self.model.parameters():
-            if p.requires_grad and p.grad is None:
+        for p in self.params:
+            if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self.grads = [p.grad for p in self.model.parameters() if p.requires_grad]
-        device = next(self.model.parameters()).device
-        self.tokens_BS = torch.empty_like(tokens_BS, device=device)
-        self.targets_BS = torch.empty_like(targets_BS, device=device)
+        self.grads = [p.grad for p in self.params]
+        self.tokens_BS = torch.empty_like(tokens_BS, device=self.device)
+        self.targets_BS = torch.empty_like(targets_BS, device=self.device)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: a background thread's CUDA calls (an async checkpoint's copies, NCCL's
         # watchdog) are not this capture's business
@@ -97,8 +98,7 @@ class MicroBatchGraph:
         if tokens_BS.shape != self.tokens_BS.shape or targets_BS.shape != self.targets_BS.shape:
             raise ValueError(f"MicroBatchGraph: captured for tokens {tuple(self.tokens_BS.shape)}, got "
                              f"{tuple(tokens_BS.shape)} (targets {tuple(targets_BS.shape)})")
-        now = [p.grad for p in self.model.parameters() if p.requires_grad]
-        if any(a is not b for a, b in zip(now, self.grads)):
+        if any(p.grad is not g for p, g in zip(self.params, self.grads)):
             raise RuntimeError("MicroBatchGraph: a parameter's .grad was replaced or set to None since the capture (the "
                                "graph adds into the old tensors): zero the gradients in place "
                                "(zero_grad(set_to_none=False))")
