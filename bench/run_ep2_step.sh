@@ -74,6 +74,11 @@
 #                                       # kernels' tests, the graph's 2-GPU test and the P2P tests of
 #                                       # test_parallel.py, then P2P in the bar's layout eager against
 #                                       # --train.cuda_graph=true, alternating, 2 rounds (ROUNDS="1": one)
+#   PART=23 bash bench/run_ep2_step.sh  # parallel.overlap_chunks with P2P (the exchange on a side stream): the
+#                                       # P2P 2-GPU tests (their chunked cases now P2P's too), the graph's 2-GPU
+#                                       # tests (1 and 2 chunks), then P2P graphed in the bar's layout with 1
+#                                       # against 2 chunks, alternating (ROUNDS, default "1 2"), and 2 chunks eager;
+#                                       # TESTS=0 skips the tests, TESTS=all runs last session's one-GPU ones too
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -363,6 +368,27 @@ elif [ "$PART" = 22 ]; then
         prof "P2P eager, round $round" 60 configs/olmoe_bench.yaml $P
         prof "P2P cuda_graph, round $round" 60 configs/olmoe_bench.yaml $P --train.cuda_graph=true
     done
+elif [ "$PART" = 23 ]; then
+    if [ "${TESTS:-1}" != 0 ]; then
+        MOE_AUTOTUNE=0 timeout 150 python3 -m pytest -v -m multigpu -k "p2p or P2P" tests/test_parallel.py 2>&1 \
+            | grep -E "PASS|FAIL|ERROR|passed|failed|Error" | tail -8 | tee "$OUT/gpu_tests_1.log"
+        MOE_AUTOTUNE=0 timeout 240 python3 -m pytest -v -m multigpu tests/test_step_graph.py 2>&1 \
+            | grep -E "PASS|FAIL|ERROR|passed|failed|Error" | tail -8 | tee "$OUT/gpu_tests_2.log"
+    fi
+    if [ "${TESTS:-1}" = all ]; then
+        MOE_AUTOTUNE=0 timeout "$(( $(left) - 30 ))" python3 -m pytest -v --durations=15 -m "not multigpu" \
+            tests/test_p2p_rows.py tests/test_gather_sum.py tests/test_step_graph.py \
+            "tests/test_parallel.py::test_two_ranks_sharing_one_gpu_equal_one_process" > "$OUT/gpu_tests_3.log" 2>&1
+        echo "[one-GPU tests: exit $?]"; grep -E "FAIL|ERROR|passed|failed" "$OUT/gpu_tests_3.log" | tail -6
+        tail -20 "$OUT/gpu_tests_3.log"
+    fi
+    P="--warm 3 --steps 1 --timed 6 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    for round in ${ROUNDS:-1 2}; do
+        prof "P2P cuda_graph, 1 chunk, round $round" 60 configs/olmoe_bench.yaml $P --train.cuda_graph=true
+        prof "P2P cuda_graph, 2 chunks, round $round" 60 configs/olmoe_bench.yaml $P --train.cuda_graph=true \
+            --parallel.overlap_chunks=2
+    done
+    prof "P2P eager, 2 chunks" 60 configs/olmoe_bench.yaml $P --parallel.overlap_chunks=2
 else
     timeout "$(left)" python3 bench/memory_check.py --gpus 2 --steps 8 --timeout 200 --out "$OUT/memory_ep2.md" \
         --only olmoe_bench_fsdp olmoe_bench_fsdp_selective olmoe_bench_fsdp_full olmoe_ep1_fsdp olmoe_ep1_fsdp_selective \

@@ -78,6 +78,17 @@ OTHER = "elementwise, other"  # what no range claims
 ALL_TO_ALL = "all-to-all"
 EXCHANGE = (ALL_TO_ALL, "dispatch/combine")  # the P2P transport's peer stores run inside dispatch/combine kernels
 IDLE = "idle (no kernel running)"
+# kernels that under expert parallelism serve the exchange alone, whatever range launched them: the
+# P2P kernels and the row kernels of both transports (kernel_floor's gather_sum and scatter_rows:
+# under EP only the dispatcher's combine, its backward and the way back call them). The ranges
+# alone mis-filed them: on 2×H200 (2026-11-28, P2P, graphed) `_push_back_kernel` and
+# `_expand_rows_kernel` took "router + routing plan", a backward node carrying the sequence
+# number of a forward op outside the dispatcher's range, so the exchange read 6.5 % where its
+# kernels took ≥ 11 % of the step.
+EP_EXCHANGE_KERNELS = frozenset({
+    "_dispatch_rows_kernel", "_push_back_kernel", "_expand_rows_kernel", "_gather_sum_kernel",
+    "_scatter_rows_kernel", "_headers_kernel", "_locate_pairs_kernel", "_expert_rows_kernel",
+})
 
 
 class Ranges:
@@ -366,6 +377,12 @@ def profiled_steps(trainer, steps: int, activities) -> tuple[float, float, list[
     return float(step_s.mean()) * 1e3, sum(times) * 1e3, events, prof
 
 
+def claim_exchange(kernels):
+    """``kernels`` (start, end, category, name) with those of :data:`EP_EXCHANGE_KERNELS` in the
+    exchange's "dispatch/combine" (for a run under expert parallelism)."""
+    return [(s, e, "dispatch/combine" if n in EP_EXCHANGE_KERNELS else c, n) for s, e, c, n in kernels]
+
+
 def name_categories(kernels) -> dict[str, str]:
     """Each kernel name's category: the one it spent most of its time in."""
     time = collections.defaultdict(collections.Counter)
@@ -524,6 +541,7 @@ def main() -> None:
     with planned_gc(cfg.train.gc_every):  # the garbage collection as the training loop does it
         if graphed:  # the launch's eager first step: where the replayed kernels' names get their categories
             names = name_categories(classify(profiled_steps(trainer, 1, CPU_AND_CUDA)[2])[0])
+            names.update({n: "dispatch/combine" for n in EP_EXCHANGE_KERNELS if rt.ep > 1})
         for _ in range(args.warm - graphed):
             trainer.train_step()
             trainer.collect_garbage()
@@ -540,6 +558,8 @@ def main() -> None:
     kernels, syncs = classify(events)
     if graphed:
         kernels = recategorise(kernels, names)
+    if rt.ep > 1:
+        kernels = claim_exchange(kernels)
     rows = summarise(kernels, step_ms, args.steps)
     # the host's load: each kernel, memset and memcpy is one launch (the step is host-bound where
     # a rank's host falls behind: step_profile.md, 2026-11-28)

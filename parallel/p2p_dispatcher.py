@@ -2,16 +2,18 @@
 symmetric memory, not by NCCL, and the host never waits for the GPU.
 
 Legend: T tokens, D model dim, K experts per token (top-k), E experts, G ranks of the expert-parallel
-group, L = E / G experts per rank, R_cap rows a rank can receive at most (G · max_tokens · K, or
-the capacity's bound when one is given: :func:`moe.capacity.max_received_rows`), P_cap =
-max_tokens · K pairs a rank can send at most.
+group, L = E / G experts per rank, T_cap the most tokens a rank passes to one dispatch (``max_tokens``,
+or a chunk's ``ceil(max_tokens / overlap_chunks)``), R_cap rows a rank can receive at most (G ·
+T_cap · K, or the capacity's bound when one is given, where smaller:
+:func:`moe.capacity.max_received_rows`), P_cap = T_cap · K pairs a rank can send at most.
 
 A token's row crosses to a rank once, however many of its K pairs go there (at top-8 of 64 on 2
 ranks about 4: a row per pair moved ~4× the bytes), each way and in each backward; the receiver
 copies it into its pair rows. ``dispatch`` returns a fixed R_cap rows (the rows past
 ``offsets[-1]`` are padding, which the grouped GEMM skips and zero-fills), so the host never needs
 R. Each dispatch holds one *slot* of buffers until its backward, taken round-robin from
-``num_buffers`` slots; the same call order on every rank means every rank takes the same slot.
+``num_buffers`` · ``overlap_chunks`` slots; the same call order on every rank means every rank
+takes the same slot.
 
 ``dispatch``: one kernel (:func:`~parallel.p2p_rows.dispatch_rows`) writes this rank's
 per-expert counts into every rank's count matrix and signals that rank's counts flag, waits until
@@ -50,12 +52,13 @@ that peer's counts (the kernel waits for them), so the counts exchange orders ea
 the previous call's reads on every rank (the rows' weights travel with the rows); the return buffer
 (and its weight gradients) is stored into only after the barrier at the end of the dispatch
 (forward) or of the combine backward (backward), which every reader of the previous contents passed
-after reading; and the gradient buffer only after the sum of the previous layer's dispatch backward
-waited for the peers' signals, sent after their experts' backward read it.
+after reading; and a gradient buffer only after the sum of the previous layer's dispatch backward
+of the same chunk waited for the peers' signals, sent after their experts' backward read it (one
+gradient buffer per chunk: a layer's chunks' combine backwards run back to back).
 
-Memory per slot: 2 · G·max_tokens token rows of D (received and returned), 2 · R_cap int64 (each
+Memory per slot: 2 · G·T_cap token rows of D (received and returned), 2 · R_cap int64 (each
 pair row's token row and source) and R_cap + P_cap fp32 (weights, returned weight gradients), and
-G·max_tokens token rows of D for the shared gradient buffer (train.memory.p2p_buffer_bytes). The
+G·T_cap token rows of D for each chunk's gradient buffer (train.memory.p2p_buffer_bytes). The
 experts' activations are R_cap rows too: dropless, the worst case, G× the T·K rows a balanced layer
 receives; with a capacity, its bound, about capacity_factor × those.
 
@@ -136,7 +139,7 @@ class _SymmetricBuffer:
 
 class _Slot:
     """The buffers one dispatch holds until its backward: ``recv`` (G·T_cap, D) token rows received
-    (source s's token t at row s·T_cap + t, T_cap = max_tokens), per received pair row (R_cap):
+    (source s's token t at row s·T_cap + t), per received pair row (R_cap):
     ``tok`` int64 its token row, ``src`` int64 where it came from, ``w`` fp32 its combine weight;
     ``ret`` (G·T_cap, D) this rank's tokens' rows sent back, one per rank (rank g's sum of token t's
     pairs at row g·T_cap + t), and ``ret_w`` (P_cap,) fp32 its pairs' weight
@@ -334,10 +337,18 @@ class P2PDispatcher(ExpertParallelDispatcher):
     Args:
         ep_group, world_group: as for :class:`~parallel.ep_dispatcher.ExpertParallelDispatcher`;
             every rank of ``ep_group`` on one node.
-        max_tokens: the most tokens any rank passes to one ``dispatch``.
-        num_buffers: slots of buffers, taken round-robin: at least the number of MoE layers whose
-            dispatch runs before their backward (a model of n MoE layers: n). A dispatch whose
-            slot was taken again before its backward raises (never silently reads newer rows).
+        max_tokens: the most tokens any rank passes to one MoE layer (one ``dispatch``, or
+            ``overlap_chunks`` of them through :meth:`run_experts`).
+        num_buffers: slots of buffers, taken round-robin, in layers: at least the number of MoE
+            layers whose dispatch runs before their backward (a model of n MoE layers: n). A
+            dispatch whose slot was taken again before its backward raises (never silently reads
+            newer rows).
+        overlap_chunks: N; :meth:`run_experts` pipelines each layer's tokens in N chunks on a side
+            stream (:meth:`~parallel.ep_dispatcher.ExpertParallelDispatcher.run_experts`). The
+            buffers then hold a chunk, ``ceil(max_tokens / N)`` tokens, in N · num_buffers slots
+            (the same bytes as one chunk's N times), with a gradient buffer per chunk: the
+            combine backwards of a layer's chunks run back to back on the side stream, and one
+            chunk's stores must not land in rows a peer still copies out for the other.
         timeout_s: how long a rank's kernels wait for a peer's signal (and its barriers for the
             peers) before the process fails with a CUDA error, having printed what it waited for
             (a peer that died or made other calls never signals); the trainer passes
@@ -353,40 +364,46 @@ class P2PDispatcher(ExpertParallelDispatcher):
     """
 
     def __init__(self, ep_group=None, world_group=None, max_tokens: int = 0, num_buffers: int = 1,
-                 timeout_s: float = 120.0, capacity_factor: float | None = None, capacity_groups: int = 1):
-        super().__init__(ep_group, world_group)
+                 timeout_s: float = 120.0, capacity_factor: float | None = None, capacity_groups: int = 1,
+                 overlap_chunks: int = 1):
+        super().__init__(ep_group, world_group, overlap_chunks)
         self._set_token_bound(max_tokens, capacity_factor, capacity_groups)
         check_positive_int("P2PDispatcher: num_buffers", num_buffers)
+        self.chunk_tokens = -(-max_tokens // overlap_chunks)  # the most tokens of one dispatch
         if not timeout_s > 0:  # NaN included
             raise ValueError(f"P2PDispatcher: timeout_s must be > 0, got {timeout_s}")
         if not torch.cuda.is_available():
             raise RuntimeError("P2PDispatcher needs CUDA GPUs (symmetric memory); use AllToAllDispatcher")
         self.num_buffers = num_buffers
         self.timeout_ms = math.ceil(timeout_s * 1000)
-        # resources reused by every call (not per-call state): the slots and gradient buffer of
-        # each buffer shape, and how many dispatches each shape has served (picks the slot)
-        self._pools: dict[tuple, tuple[list[_Slot], _SymmetricBuffer, _Home]] = {}
+        # resources reused by every call (not per-call state): the slots and gradient buffers of
+        # each buffer shape, and how many dispatches each shape has served (picks both)
+        self._pools: dict[tuple, tuple[list[_Slot], list[_SymmetricBuffer], _Home]] = {}
         self._calls: dict[tuple, int] = {}
 
     def __repr__(self) -> str:
+        chunks = "" if self.overlap_chunks == 1 else f", overlap_chunks={self.overlap_chunks}"
         return (f"P2PDispatcher(ep_size={self.ep_size}, ep_rank={self.ep_rank}, num_buffers={self.num_buffers}, "
-                f"{self._token_bound_repr()})")
+                f"{self._token_bound_repr()}{chunks})")
 
     def _take_slot(self, D: int, dtype: torch.dtype, K: int, E: int, device: torch.device):
-        G = self.ep_size
-        R_cap = self._received_rows_bound(E, K)
-        P_cap = self.max_tokens * K
+        G, T_cap = self.ep_size, self.chunk_tokens
+        R_cap = self._received_rows_bound(E, K, T_cap)
+        P_cap = T_cap * K
         key = (D, dtype, K, E, device)
         group = self.ep_group if self.ep_group is not None else dist.group.WORLD
         if key not in self._pools:
-            grad = _SymmetricBuffer(group, {"rows": ((G * self.max_tokens, D), dtype)}, device, self.timeout_ms)
-            self._pools[key] = ([], grad, _Home.make(G, self.max_tokens, self.ep_rank, device))
-        slots, grad, home = self._pools[key]
+            grads = [_SymmetricBuffer(group, {"rows": ((G * T_cap, D), dtype)}, device, self.timeout_ms)
+                     for _ in range(self.overlap_chunks)]
+            self._pools[key] = ([], grads, _Home.make(G, T_cap, self.ep_rank, device))
+        slots, grads, home = self._pools[key]
         calls = self._calls.get(key, 0)
         self._calls[key] = calls + 1
-        index = calls % self.num_buffers
+        # run_experts makes a layer's N chunk dispatches in order, so call c of a layer is chunk c
+        grad = grads[calls % self.overlap_chunks]
+        index = calls % (self.num_buffers * self.overlap_chunks)
         if index == len(slots):
-            slots.append(_Slot(group, R_cap, P_cap, D, dtype, G, E, device, self.timeout_ms, self.max_tokens))
+            slots.append(_Slot(group, R_cap, P_cap, D, dtype, G, E, device, self.timeout_ms, T_cap))
         slot = slots[index]
         slot.generation += 1
         # a view of the earlier generation's rows or weights kept by autograd now fails its version
@@ -400,12 +417,14 @@ class P2PDispatcher(ExpertParallelDispatcher):
         (padding past ``offsets[-1]``: stale values of earlier dispatches, zeros at first; the
         grouped GEMM zero-fills those rows, so the experts' output and weight gradient there are 0
         for finite stale weights, and the combine never reads them).
-        Raises ValueError when T > ``max_tokens``. Nothing to prepare: the counts travel inside the
+        Raises ValueError when T > T_cap. Nothing to prepare: the counts travel inside the
         dispatch kernel."""
         me, E = self.ep_rank, num_experts
         T, K = plan.kept_TK.shape
-        if T > self.max_tokens:
-            raise ValueError(f"P2PDispatcher: {T} tokens on rank {me} exceed max_tokens={self.max_tokens}")
+        if T > self.chunk_tokens:
+            bound = (f"max_tokens={self.max_tokens}" if self.overlap_chunks == 1 else
+                     f"a chunk's {self.chunk_tokens} (max_tokens={self.max_tokens}, overlap_chunks={self.overlap_chunks})")
+            raise ValueError(f"P2PDispatcher: {T} tokens on rank {me} exceed {bound}")
         device = x_TD.device
         slot, grad, index, P_cap, home = self._take_slot(x_TD.shape[1], row_dtype, K, E, device)
         route_3TK = torch.empty((3, T, K), dtype=torch.int64, device=device)

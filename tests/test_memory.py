@@ -354,6 +354,32 @@ def test_p2p_experts_compute_the_fixed_rows():
     assert rows < memory.p2p_buffer_bytes(capped, T, p2p, 2) < rows * 1.01
 
 
+def test_p2p_chunks_hold_a_chunk_each():
+    """parallel.overlap_chunks=3 with P2P: 3 slots per block and 3 gradient buffers of a chunk's
+    ceil(T / 3) tokens each; dropless the same bytes as one chunk (up to the rounding up), with a
+    capacity each chunk's slot holds the layer's whole bound where that is smaller than the chunk's
+    dropless rows (one chunk may hold all of an expert's kept pairs)."""
+    s = ModelShape.of(load_config(["--config", "configs/olmoe_bench.yaml"], world_size=2))
+    T, N = 4 * 2048 + 1, 3
+    one, three = (Layout(2, 2, "replicate", "none", dispatcher="p2p", chunks=n) for n in (1, N))
+    T_c = -(-T // N)
+    assert memory.expert_rows(s, T, three) == memory.Rows(N * 2 * T_c * s.K, N * s.E // 2)
+    rows = N * (16 * (2 * 2 * T_c * s.D * 2 + 2 * T_c * s.K * 20) + 2 * T_c * s.D * 2)
+    assert rows < memory.p2p_buffer_bytes(s, T, three, 2) < rows * 1.01
+    assert 1 < memory.p2p_buffer_bytes(s, T, three, 2) / memory.p2p_buffer_bytes(s, T, one, 2) < 1.01
+    capped = dataclasses.replace(s, capacity_factor=1.25)
+    bound = s.E * math.ceil(1.25 * T * s.K / s.E)
+    assert 2 * T_c * s.K < bound  # at ep 2 and 3 chunks, a chunk's dropless rows are the smaller
+    assert memory.received_rows_cap(capped, T, three) == 2 * T_c * s.K
+    tight = dataclasses.replace(capped, capacity_factor=0.25)
+    small_bound = s.E * math.ceil(0.25 * T * s.K / s.E)
+    assert memory.received_rows_cap(tight, T, three) == small_bound < 2 * T_c * s.K
+    assert memory.expert_rows(tight, T, three).R == N * small_bound
+    cfg = load_config(["--config", "configs/olmoe_bench.yaml", "--parallel.dispatcher=p2p",
+                       "--parallel.overlap_chunks=3"], world_size=2)
+    assert memory.layout_of(cfg, 2, "replicate", "none").chunks == 3
+
+
 def test_p2p_slot_views_are_not_counted_as_activations():
     """P2P's experts read their row weights in place in the symmetric slot (counted by
     p2p_buffer_bytes), their rows as copied out of its token buffer (counted as the others'), and

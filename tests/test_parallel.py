@@ -153,7 +153,7 @@ def _dispatcher(dims: ParallelDims, transport: str, case: Case, tokens: tuple[in
         # sized by the case's capacity, as the trainer does: the capped cases run in buffers smaller
         # than dropless's (a bound too small traps there)
         return P2PDispatcher(dims.ep_group, dims.world_group, max_tokens=max(max(tokens), 1), timeout_s=P2P_TIMEOUT_S,
-                             capacity_factor=case.capacity_factor)
+                             capacity_factor=case.capacity_factor, overlap_chunks=case.overlap_chunks)
     if case.padded:  # capacity_groups as the layers': the one-process reference's groups are the ranks
         return dims.dispatcher(case.overlap_chunks, max(max(tokens), 1), case.capacity_factor)
     return dims.dispatcher(case.overlap_chunks)
@@ -672,7 +672,7 @@ def test_two_ranks_sharing_one_gpu_equal_one_process(transport):
 
 
 def test_overlap_chunks_validation():
-    """parallel.overlap_chunks: a positive int, for the nccl dispatcher under EP only; and
+    """parallel.overlap_chunks: a positive int, under EP only (either dispatcher); and
     split_plan cuts a plan into exactly that many chunks that together keep its pairs."""
     from moe.capacity import plan_routing, split_plan
     from train.config import ConfigError, load_config
@@ -682,8 +682,8 @@ def test_overlap_chunks_validation():
             load_config(["--config", "tiny", f"--parallel.overlap_chunks={bad}"], world_size=2)
     with pytest.raises(ConfigError, match="parallel.overlap_chunks=2 is ignored with parallel.ep=1"):
         load_config(["--config", "tiny", "--parallel.ep=1", "--parallel.overlap_chunks=2"], world_size=2)
-    with pytest.raises(ConfigError, match="parallel.overlap_chunks=2 pipelines the nccl dispatcher only"):
-        load_config(["--config", "tiny", "--parallel.dispatcher=p2p", "--parallel.overlap_chunks=2"], world_size=2)
+    assert load_config(["--config", "tiny", "--parallel.dispatcher=p2p", "--parallel.overlap_chunks=2"],
+                       world_size=2).parallel.overlap_chunks == 2
     gen = torch.Generator().manual_seed(5)
     experts_TK = torch.rand(7, 6, generator=gen).topk(3, dim=1).indices
     plan = plan_routing(experts_TK, torch.rand(7, 3, generator=gen), 6, capacity=2)

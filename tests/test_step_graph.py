@@ -62,12 +62,14 @@ def _same_logged_metrics(eager_dir, graphed_dir) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-def test_graph_replays_at_ep2_with_the_p2p_dispatcher_train_like_eager(tmp_path):
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_graph_replays_at_ep2_with_the_p2p_dispatcher_train_like_eager(tmp_path, chunks):
     # the exchange inside the graph: the P2P kernels' flag targets advance on the device at every
-    # replay; the aux losses' all-reduces over the EP group are captured NCCL calls
+    # replay; the aux losses' all-reduces over the EP group are captured NCCL calls; with 2 chunks
+    # the exchange runs on the dispatcher's side stream, forked from and joined to the capture's
     base = SMALL + ["--model.n_heads=2", "--train.steps=4", "--train.grad_accum=3", "--train.eval_every=2",
                     "--parallel.ep=2", "--parallel.device=cuda", "--parallel.dispatcher=p2p",
-                    "--parallel.data_parallel=replicate", f"--log.dir={tmp_path}"]
+                    f"--parallel.overlap_chunks={chunks}", "--parallel.data_parallel=replicate", f"--log.dir={tmp_path}"]
     _torchrun(2, base + ["--log.run_name=eager"])
     _torchrun(2, base + ["--train.cuda_graph=true", "--log.run_name=graphed"])
     _same_logged_metrics(tmp_path / "eager", tmp_path / "graphed")

@@ -32,6 +32,20 @@ def test_graph_replays_take_the_category_their_name_had_in_the_eager_step():
                                                 (20, 21, "optimizer + clip", "mm"), (21, 22, "elementwise, other", "new")]
 
 
+def test_the_exchange_kernels_are_claimed_by_name_under_ep():
+    kernels = [(0, 10, "router + routing plan", "_push_back_kernel"), (10, 20, "router + routing plan", "_router_kernel"),
+               (20, 30, "elementwise, other", "_gather_sum_kernel"), (30, 40, "expert GEMMs", "_grouped_mm_kernel")]
+    assert [c for _, _, c, _ in sp.claim_exchange(kernels)] == [
+        "dispatch/combine", "router + routing plan", "dispatch/combine", "expert GEMMs"]
+    import importlib
+
+    p2p_rows, token_rows, floor = (importlib.import_module(m) for m in
+                                   ("parallel.p2p_rows", "parallel.token_rows", "kernel_floor.gather_sum"))
+    defined = {n for m in (p2p_rows, token_rows, floor) for n in vars(m) if n.endswith("_kernel")}
+    assert sp.EP_EXCHANGE_KERNELS <= defined  # no stale name (a renamed kernel would go unclaimed)
+    assert {n for n in vars(p2p_rows) if n.endswith("_kernel")} <= sp.EP_EXCHANGE_KERNELS
+
+
 def test_light_split_clips_to_the_profiled_steps_and_splits_them():
     # rank 0's trace also holds a kernel of an earlier profile (at 0): outside the last 45 µs
     events = [_kernel(0, 5, "old"), _kernel(100, 10, "d"), _kernel(110, 20, "g"), _kernel(130, 10, "d"),

@@ -98,9 +98,10 @@ class ParallelConfig:
                  "token dropless, the capacity's bound when moe.capacity_factor caps; on 2xH200, OLMoE-shaped, "
                  "0.95-1.09x exact's step for 8.5 GB more: the ranks' wait moved into the all-to-all)")
     overlap_chunks: int = option(
-        1, "the nccl dispatcher cuts each MoE layer's tokens into this many chunks and pipelines them on a second "
-           "CUDA stream: one chunk's all-to-all runs while another chunk's experts compute, forward and backward "
-           "(1: no pipelining; ep > 1, dispatcher nccl; on 2xH200 NVLink 2 chunks ran at 0.80x of 1)")
+        1, "the dispatcher cuts each MoE layer's tokens into this many chunks and pipelines them on a second "
+           "CUDA stream: one chunk's exchange runs while another chunk's experts compute, forward and backward "
+           "(1: no pipelining; ep > 1; both dispatchers, P2P's buffers then hold a chunk each; on 2xH200 NVLink "
+           "2 chunks ran the nccl dispatcher at 0.80x of 1)")
     data_parallel: Literal["replicate", "fsdp"] = option(
         "fsdp", "how the data-parallel copies hold their state: fsdp (FSDP2: dense state sharded over the world, "
                 "each expert shard's state over its expert-data-parallel group, gradients reduce-scattered during "
@@ -514,10 +515,6 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise ConfigError(f"parallel.nccl_sizes=padded with parallel.overlap_chunks={cfg.parallel.overlap_chunks} and "
                           f"moe.capacity_factor={cfg.moe.capacity_factor}: each chunk would hold the layer's whole "
                           "capacity bound of rows (use one chunk, exact sizes, or no capacity)")
-    if cfg.parallel.dispatcher == "p2p" and cfg.parallel.overlap_chunks > 1:
-        # its combine backwards share one gradient buffer: two chunks' in flight would overwrite it
-        raise ConfigError(f"parallel.overlap_chunks={cfg.parallel.overlap_chunks} pipelines the nccl dispatcher only, "
-                          "not parallel.dispatcher=p2p")
     if cfg.parallel.dispatcher == "p2p" and cfg.log.time_comm:
         # the timer brackets the NCCL all-to-alls; the P2P path makes none, so it would log 0 ms
         raise ConfigError("log.time_comm=true times the NCCL all-to-alls only: not with parallel.dispatcher=p2p")

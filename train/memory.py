@@ -226,6 +226,7 @@ class Layout:
     reshard_after_forward: bool = True
     param_bytes: int = 2  # fsdp: the dtype parameters are gathered in (parallel.param_dtype)
     reduce_bytes: int = 4  # fsdp: the dtype gradients are reduce-scattered in
+    chunks: int = 1  # parallel.overlap_chunks: the dispatches a MoE layer makes (ep > 1)
 
     @property
     def edp(self) -> int:
@@ -346,10 +347,10 @@ def expert_rows(s: ModelShape, T: int, lay: Layout) -> Rows:
         # LocalDispatcher packs every pair, the dropped ones last (moe/dispatch.py)
         return Rows(P, s.E)
     if lay.transport == "p2p" or lay.padded:
-        # P2PDispatcher and the padded NCCL exchange hand the experts a fixed R_cap rows
-        # (parallel/p2p_dispatcher.py, parallel/dispatcher.py): ep·T·K, or with a capacity its
-        # bound on what a rank receives; one segment per local expert
-        return Rows(received_rows_cap(s, T, lay), s.E // lay.ep)
+        # P2PDispatcher and the padded NCCL exchange hand the experts a fixed R_cap rows a dispatch
+        # (parallel/p2p_dispatcher.py, parallel/dispatcher.py), one dispatch per chunk, all held
+        # until the backward; one segment per local expert each
+        return Rows(lay.chunks * received_rows_cap(s, T, lay), lay.chunks * s.E // lay.ep)
     # balanced routing: every rank sends and receives its T·K pairs, fewer when the capacity
     # C = capacity_factor·T·K / E per expert caps them
     kept = P if s.capacity_factor is None else min(P, math.ceil(s.capacity_factor * P))
@@ -619,25 +620,29 @@ def block_state(s: ModelShape, groups: dict, i: int, B: int, S: int, lay: Layout
 
 def received_rows_cap(s: ModelShape, T: int, lay: Layout) -> int:
     """R_cap, the rows of each P2P receive buffer (what the trainer's P2PDispatcher allocates) and
-    of the padded NCCL exchange's experts' input."""
-    return max_received_rows(T, s.E, s.K, s.capacity_factor, s.capacity_groups, lay.ep)
+    of the padded NCCL exchange's experts' input, per dispatch: ep·T_c·K for a chunk of T_c =
+    ceil(T / chunks) tokens, or the capacity's bound over the layer's T where smaller (a chunk may
+    hold all of an expert's kept pairs)."""
+    T_c = _ceil_div(T, lay.chunks)
+    return min(lay.ep * T_c * s.K, max_received_rows(T, s.E, s.K, s.capacity_factor, s.capacity_groups, lay.ep))
 
 
 def p2p_buffer_bytes(s: ModelShape, T: int, lay: Layout, row_bytes: int) -> int:
-    """P2PDispatcher's symmetric memory: one slot per MoE block (received token rows, returned rows,
-    the received pairs' token rows and sources, their fp32 weights and the returned weight
-    gradients, the count matrix, three flags; each region 256-byte aligned) and one gradient buffer
-    of token rows, in the rows' dtype: the experts' (``row_bytes``; the dispatch casts the norm
-    output to it)."""
+    """P2PDispatcher's symmetric memory: one slot per MoE block and chunk (received token rows,
+    returned rows, the received pairs' token rows and sources, their fp32 weights and the returned
+    weight gradients, the count matrix, three flags; each region 256-byte aligned) and one gradient
+    buffer of token rows per chunk, in the rows' dtype: the experts' (``row_bytes``; the dispatch
+    casts the norm output to it). A chunk holds ceil(T / chunks) tokens."""
     if lay.transport != "p2p":
         return 0
-    R_cap, P_cap = received_rows_cap(s, T, lay), T * s.K
+    T_c = _ceil_div(T, lay.chunks)
+    R_cap, P_cap = received_rows_cap(s, T, lay), T_c * s.K
     # a token's row crosses to a rank once each way: the receive, return and gradient buffers hold
     # one row per (rank, token)
-    token_rows = lay.ep * T * s.D * row_bytes
+    token_rows = lay.ep * T_c * s.D * row_bytes
     regions = [token_rows, token_rows, R_cap * 8, R_cap * 8, R_cap * 4, P_cap * 4, lay.ep * s.E * 8, 8, 8, 8]
     slot = sum(_ceil_div(n, 256) * 256 for n in regions)
-    return sum(s.moe_blocks) * slot + _ceil_div(token_rows, 256) * 256
+    return lay.chunks * (sum(s.moe_blocks) * slot + _ceil_div(token_rows, 256) * 256)
 
 
 COLUMNS = ("params", "grads", "optimizer", "activations", "dispatch", "weights", "transient")
@@ -679,7 +684,7 @@ def layout_of(cfg: Config, world: int, data_parallel: str, checkpointing: str) -
                           "GEMM's PyTorch reference, which saves other tensors)")
     return Layout(world, p.ep, data_parallel, checkpointing, dispatcher=p.dispatcher, nccl_sizes=p.nccl_sizes,
                   reshard_after_forward=p.reshard_after_forward, param_bytes=4 if p.param_dtype == "fp32" else 2,
-                  reduce_bytes=2 if p.reduce_dtype == "bf16" else 4)
+                  reduce_bytes=2 if p.reduce_dtype == "bf16" else 4, chunks=p.overlap_chunks)
 
 
 def predict(cfg: Config, lay: Layout, shape: ModelShape | None = None, num: Numerics = GPU_BF16) -> Prediction:

@@ -58,8 +58,8 @@ class Runtime:
         :class:`~parallel.P2PDispatcher`, whose buffers hold ``max_tokens`` tokens per dispatch
         in each of ``num_buffers`` slots (one per MoE layer), whose kernels wait ``timeout_s`` for
         a peer before they fail (``parallel.timeout_s``, as the collectives), and sized by the MoE
-        layers' ``capacity_factor`` and ``capacity_groups`` when they cap. ``overlap_chunks``: the nccl
-        dispatcher's pipelining of each layer's tokens (:meth:`parallel.ExpertParallelDispatcher.run_experts`).
+        layers' ``capacity_factor`` and ``capacity_groups`` when they cap. ``overlap_chunks``: both
+        dispatchers' pipelining of each layer's tokens (:meth:`parallel.ExpertParallelDispatcher.run_experts`).
         ``nccl_sizes``: the nccl dispatcher's ``"exact"`` sizes (one host sync a layer) or
         ``"padded"`` blocks of ``max_tokens`` tokens (none; sized by the capacity as P2P's buffers).
         """
@@ -82,7 +82,8 @@ class Runtime:
             raise RuntimeError(f"parallel.dispatcher=p2p needs every EP group on one node: "
                                f"parallel.ep={self.ep} does not divide the {per_node} processes per node")
         return P2PDispatcher(self.dims.ep_group, self.dims.world_group, max_tokens=max_tokens, num_buffers=num_buffers,
-                             timeout_s=timeout_s, capacity_factor=capacity_factor, capacity_groups=capacity_groups)
+                             timeout_s=timeout_s, capacity_factor=capacity_factor, capacity_groups=capacity_groups,
+                             overlap_chunks=overlap_chunks)
 
     def shutdown(self) -> None:
         if self.distributed:
