@@ -79,6 +79,10 @@
 #                                       # tests (1 and 2 chunks), then P2P graphed in the bar's layout with 1
 #                                       # against 2 chunks, alternating (ROUNDS, default "1 2"), and 2 chunks eager;
 #                                       # TESTS=0 skips the tests, TESTS=all runs last session's one-GPU ones too
+#   PART=24 bash bench/run_ep2_step.sh  # parallel.p2p_copy=copy_engine (the token rows as blocks on the copy
+#                                       # engines): the P2P 2-GPU tests (both modes) and the graph's 2-GPU tests,
+#                                       # then P2P graphed in the bar's layout: kernels 1 chunk, copy_engine 1 and
+#                                       # 2 chunks, alternating (ROUNDS, default "1 2"; TESTS=0 skips the tests)
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -108,6 +112,15 @@ prof() {
         --config "$config" --label "$label" --out "$OUT/step_profile_ep2.md" "$@" > "$log" 2>&1
     echo "[$label: exit $? after $((SECONDS - start)) s]"
     grep -h "^SUMMARY" "$log" >> "$OUT/summary.txt" || tail -5 "$log"
+}
+
+# p2p_gpu_tests S1 S2: the P2P 2-GPU tests of tests/test_parallel.py (at most S1 seconds), then the graph's
+# 2-GPU tests (S2), each test's name and outcome
+p2p_gpu_tests() {
+    MOE_AUTOTUNE=0 timeout "$1" python3 -m pytest -v -m multigpu -k "p2p or P2P" tests/test_parallel.py 2>&1 \
+        | grep -E "PASS|FAIL|ERROR|passed|failed|Error" | tail -8 | tee "$OUT/gpu_tests_1.log"
+    MOE_AUTOTUNE=0 timeout "$2" python3 -m pytest -v -m multigpu tests/test_step_graph.py 2>&1 \
+        | grep -E "PASS|FAIL|ERROR|passed|failed|Error" | tail -8 | tee "$OUT/gpu_tests_2.log"
 }
 
 # routing NAME NEED_S [--section.key=value overrides]: a training run of olmoe_bench, printing its
@@ -369,12 +382,7 @@ elif [ "$PART" = 22 ]; then
         prof "P2P cuda_graph, round $round" 60 configs/olmoe_bench.yaml $P --train.cuda_graph=true
     done
 elif [ "$PART" = 23 ]; then
-    if [ "${TESTS:-1}" != 0 ]; then
-        MOE_AUTOTUNE=0 timeout 150 python3 -m pytest -v -m multigpu -k "p2p or P2P" tests/test_parallel.py 2>&1 \
-            | grep -E "PASS|FAIL|ERROR|passed|failed|Error" | tail -8 | tee "$OUT/gpu_tests_1.log"
-        MOE_AUTOTUNE=0 timeout 240 python3 -m pytest -v -m multigpu tests/test_step_graph.py 2>&1 \
-            | grep -E "PASS|FAIL|ERROR|passed|failed|Error" | tail -8 | tee "$OUT/gpu_tests_2.log"
-    fi
+    [ "${TESTS:-1}" != 0 ] && p2p_gpu_tests 150 240
     if [ "${TESTS:-1}" = all ]; then
         MOE_AUTOTUNE=0 timeout "$(( $(left) - 30 ))" python3 -m pytest -v --durations=15 -m "not multigpu" \
             tests/test_p2p_rows.py tests/test_gather_sum.py tests/test_step_graph.py \
@@ -389,6 +397,15 @@ elif [ "$PART" = 23 ]; then
             --parallel.overlap_chunks=2
     done
     prof "P2P eager, 2 chunks" 60 configs/olmoe_bench.yaml $P --parallel.overlap_chunks=2
+elif [ "$PART" = 24 ]; then
+    [ "${TESTS:-1}" != 0 ] && p2p_gpu_tests 200 200
+    P="--warm 3 --steps 1 --timed 6 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8 --train.cuda_graph=true"
+    for round in ${ROUNDS:-1 2}; do
+        prof "P2P graphed, kernels, 1 chunk, round $round" 60 configs/olmoe_bench.yaml $P
+        prof "P2P graphed, copy_engine, 1 chunk, round $round" 60 configs/olmoe_bench.yaml $P --parallel.p2p_copy=copy_engine
+        prof "P2P graphed, copy_engine, 2 chunks, round $round" 60 configs/olmoe_bench.yaml $P \
+            --parallel.p2p_copy=copy_engine --parallel.overlap_chunks=2
+    done
 else
     timeout "$(left)" python3 bench/memory_check.py --gpus 2 --steps 8 --timeout 200 --out "$OUT/memory_ep2.md" \
         --only olmoe_bench_fsdp olmoe_bench_fsdp_selective olmoe_bench_fsdp_full olmoe_ep1_fsdp olmoe_ep1_fsdp_selective \

@@ -87,7 +87,7 @@ IDLE = "idle (no kernel running)"
 # kernels took ≥ 11 % of the step.
 EP_EXCHANGE_KERNELS = frozenset({
     "_dispatch_rows_kernel", "_push_back_kernel", "_expand_rows_kernel", "_gather_sum_kernel",
-    "_scatter_rows_kernel", "_headers_kernel", "_locate_pairs_kernel", "_expert_rows_kernel",
+    "_scatter_rows_kernel", "_headers_kernel", "_locate_pairs_kernel", "_expert_rows_kernel", "_signal_peers_kernel",
 })
 
 
@@ -377,10 +377,14 @@ def profiled_steps(trainer, steps: int, activities) -> tuple[float, float, list[
     return float(step_s.mean()) * 1e3, sum(times) * 1e3, events, prof
 
 
-def claim_exchange(kernels):
+def claim_exchange(kernels, copies: bool = False):
     """``kernels`` (start, end, category, name) with those of :data:`EP_EXCHANGE_KERNELS` in the
-    exchange's "dispatch/combine" (for a run under expert parallelism)."""
-    return [(s, e, "dispatch/combine" if n in EP_EXCHANGE_KERNELS else c, n) for s, e, c, n in kernels]
+    exchange's "dispatch/combine" (for a run under expert parallelism); with ``copies`` (the P2P
+    dispatcher's copy-engine mode, whose rows move as device-to-device and peer memcpys) those
+    memcpys too."""
+    def claimed(n):
+        return n in EP_EXCHANGE_KERNELS or (copies and n.startswith(("Memcpy DtoD", "Memcpy PtoP")))
+    return [(s, e, "dispatch/combine" if claimed(n) else c, n) for s, e, c, n in kernels]
 
 
 def name_categories(kernels) -> dict[str, str]:
@@ -559,7 +563,7 @@ def main() -> None:
     if graphed:
         kernels = recategorise(kernels, names)
     if rt.ep > 1:
-        kernels = claim_exchange(kernels)
+        kernels = claim_exchange(kernels, cfg.parallel.dispatcher == "p2p" and cfg.parallel.p2p_copy == "copy_engine")
     rows = summarise(kernels, step_ms, args.steps)
     # the host's load: each kernel, memset and memcpy is one launch (the step is host-bound where
     # a rank's host falls behind: step_profile.md, 2026-11-28)

@@ -41,6 +41,14 @@ the rows' gradients home like the combine, each pair's weight gradient (the expe
 its own into the source's ``ret_w``, and one pass sums each token's rows; each pair's weight
 gradient is then read where it arrived.
 
+Copy-engine mode (``copy_engine``): the same buffers and tables, but the token rows move as
+whole blocks by cudaMemcpyAsync (the copy engines, no SMs): after the dispatch kernel (counts,
+routes, weights; no row stores), x's T rows to rows ``me·T_cap ...`` of every rank's token buffer;
+the way back copies each of the G·T_cap sums blocks to its source (zeros for tokens with no pair
+here) and then one small kernel signals the peers (:func:`~parallel.p2p_rows.signal_peers`); the
+combine backward copies ``dout``'s block to every rank's gradient buffer. Each copy sits where the
+kernel's stores sat on the stream, so the ordering below holds unchanged.
+
 Ordering: 7 launches per forward (the tickets' memset, 5 Triton kernels, one barrier) and a table
 of 3 small torch ops, 7 and the table per backward. Flags only grow; each rank keeps on its device,
 per slot, the value each flag reaches after the signals sent so far (every rank makes the same
@@ -80,7 +88,7 @@ from moe.config import check_positive_int
 from parallel import flight
 from parallel.ep_dispatcher import ExpertParallelDispatcher, ExpertParallelMeta
 from parallel.p2p_rows import (
-    dispatch_rows, expand_rows, pair_values, push_back, push_rows, return_table, sum_returned,
+    dispatch_rows, expand_rows, pair_values, push_back, push_rows, return_table, signal_peers, sum_returned,
 )
 from parallel.token_rows import gather_slots
 
@@ -114,9 +122,29 @@ class _SymmetricBuffer:
         torch.cuda.current_stream(device).synchronize()
         base_G = torch.tensor(ptrs, dtype=torch.int64, device=device)
         self.views, self.ptrs = {}, {}
-        for name, (shape, dtype) in sizes.items():
-            self.views[name] = self.bytes[offsets[name]:offsets[name] + nbytes[name]].view(dtype).view(shape)
+        self._regions = {name: (offsets[name], nbytes[name], shape, dtype) for name, (shape, dtype) in sizes.items()}
+        self._peer_regions: dict[str, list[torch.Tensor]] = {}
+        for name in sizes:
+            self.views[name] = self._region(self.bytes, name)
             self.ptrs[name] = base_G + offsets[name]
+
+    def _region(self, bytes_: torch.Tensor, name: str) -> torch.Tensor:
+        offset, nbytes, shape, dtype = self._regions[name]
+        return bytes_[offset:offset + nbytes].view(dtype).view(shape)
+
+    def peer_views(self, name: str) -> list[torch.Tensor]:
+        """Region ``name`` of every rank's buffer (this rank's own at its index) as tensors on this
+        device, for the copy engines to store into (made at the first call, then kept)."""
+        if name not in self._peer_regions:
+            G = self.ptrs[name].numel()
+            self._peer_regions[name] = [self._region(self._peer_bytes(g), name) for g in range(G)]
+        return self._peer_regions[name]
+
+    def _peer_bytes(self, g: int) -> torch.Tensor:
+        """Rank g's byte buffer, mapped on this device (this rank's own for g = its rank)."""
+        if g == self.handle.rank:
+            return self.bytes
+        return self.handle.get_remote_tensor(g, self.bytes.shape, torch.uint8)
 
     def _empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """(nbytes,) uint8 of this rank's symmetric memory."""
@@ -194,9 +222,10 @@ class _P2PRoute:
     """One dispatch: ``row_TK`` (T, K) int64 row of each pair among rank ``dest_TK[t, k]``'s pair
     rows (-1: dropped); ``offsets_J`` (L,) int32 this rank's experts' row ends; ``tokrow_TK`` (T,
     K) int64 the token row the pair stored at its destination (-1 where another pair of the token
-    did, or dropped: where the combine backward sends ``dout``) (all four filled on the device by
-    the dispatch); the slot and the generation that wrote it; the dispatcher's gradient buffer;
-    the way back's tables."""
+    did, or dropped: where the combine backward sends ``dout``; all -1 under ``engine``) (all four
+    filled on the device by the dispatch); the slot and the generation that wrote it; the
+    dispatcher's gradient buffer; the way back's tables; ``engine``: the rows move as whole token
+    blocks on the copy engines (:func:`_copy_block`), not inside the kernels."""
 
     row_TK: torch.Tensor
     dest_TK: torch.Tensor
@@ -209,6 +238,7 @@ class _P2PRoute:
     index: int
     home: _Home
     tokrow_TK: torch.Tensor
+    engine: bool
 
     @cached_property
     def returned_TG(self) -> torch.Tensor:
@@ -240,6 +270,20 @@ class P2PMeta(ExpertParallelMeta):
     route: _P2PRoute
 
 
+def _copy_block(rows_TD: torch.Tensor, buf: _SymmetricBuffer, name: str, me: int, T_cap: int,
+                 blocks_GTD: torch.Tensor | None = None) -> None:
+    """The copy-engine mode's move: ``rows_TD`` (T, D) into rows ``me·T_cap ... me·T_cap + T`` of
+    region ``name`` (G·T_cap, D) of every rank's ``buf``, this rank's own included; with
+    ``blocks_GTD`` (G·T_cap, D), block g of it to rank g instead (the way back: rank g's tokens'
+    sums). Contiguous copies of equal dtype between tensors of this device are cudaMemcpyAsync
+    calls, which the copy engines run without taking SMs from the kernels beside them."""
+    for g, view in enumerate(buf.peer_views(name)):
+        if blocks_GTD is None:
+            view[me * T_cap:me * T_cap + rows_TD.shape[0]].copy_(rows_TD)
+        else:
+            view[me * T_cap:(me + 1) * T_cap].copy_(blocks_GTD[g * T_cap:(g + 1) * T_cap])
+
+
 def _home_and_sum(route: _P2PRoute, y_RD: torch.Tensor, out_dtype: torch.dtype,
                   g_R: torch.Tensor | None = None):
     """The way back, shared by the combine and the dispatch backward. The receiver first sums each
@@ -257,10 +301,13 @@ def _home_and_sum(route: _P2PRoute, y_RD: torch.Tensor, out_dtype: torch.dtype,
     T_cap, ret_dtype = route.P_cap // K, bufs.views["ret"].dtype
     table_MK = return_table(bufs.views["src"], route.n_rows, G, T_cap, K)
     sums_MD = gather_slots(y_RD, table_MK, out_dtype=ret_dtype)
-    # only the (source, token)s with rows here travel: at top-2 of 8 ranks most have none
-    src_M = torch.where((table_MK >= 0).any(1), home.src_M, -1)
-    push_back(sums_MD, src_M, home.n_M, bufs.ptrs["ret"], ret_dtype, route.me, G * T_cap, bufs.ptrs["back_flag"],
-              slot.back_expected, own_too=True)
+    if route.engine:  # every (source, token)'s row, zeros where it has none here; then one signal
+        _copy_block(sums_MD, bufs, "ret", route.me, T_cap, blocks_GTD=sums_MD)
+        signal_peers(bufs.ptrs["back_flag"], slot.back_expected, route.me)
+    else:  # only the (source, token)s with rows here travel: at top-2 of 8 ranks most have none
+        src_M = torch.where((table_MK >= 0).any(1), home.src_M, -1)
+        push_back(sums_MD, src_M, home.n_M, bufs.ptrs["ret"], ret_dtype, route.me, G * T_cap, bufs.ptrs["back_flag"],
+                  slot.back_expected, own_too=True)
     if g_R is not None:
         push_back(None, bufs.views["src"], route.n_rows, bufs.ptrs["ret"], ret_dtype, route.me, route.P_cap,
                   bufs.ptrs["back_flag"], slot.back_expected, g_R, bufs.ptrs["ret_w"], num_rows=y_RD.shape[0])
@@ -286,7 +333,11 @@ class _P2PDispatchFn(torch.autograd.Function):
             bufs.views["counts"], bufs.views["counts_flag"], bufs.ptrs["recv"], bufs.ptrs["src"], bufs.ptrs["w"],
             bufs.views["recv"].dtype, route.me, route.row_TK.shape[1], route.P_cap, bufs.views["tok"].shape[0],
             bufs.ptrs["tok"], route.home.lead_TG,
-            out=(route.row_TK, route.dest_TK, route.offsets_J, route.tokrow_TK), timeout_ms=bufs.timeout_ms)
+            out=(route.row_TK, route.dest_TK, route.offsets_J, route.tokrow_TK), timeout_ms=bufs.timeout_ms,
+            store_rows=not route.engine)
+        if route.engine:  # after the kernel, so after the peers' counts: they finished with the slot
+            T_cap = route.P_cap // route.row_TK.shape[1]
+            _copy_block(x_TD.to(bufs.views["recv"].dtype).contiguous(), bufs, "recv", route.me, T_cap)
         bufs.barrier()
         ctx.route, ctx.x_dtype = route, x_TD.dtype
         w_R = bufs.views["w"].view_as(bufs.views["w"])
@@ -321,9 +372,14 @@ class _P2PCombineFn(torch.autograd.Function):
         route = ctx.route
         route.check()
         grad = route.grad
-        # dout once per (token, rank), where the dispatch stored the token's row; then each rank
-        # copies it into its pair rows
-        push_rows(dout_TD, route.tokrow_TK, route.dest_TK, grad.ptrs["rows"], grad.views["rows"].dtype, me=route.me)
+        # dout once per (token, rank), where the dispatch stored the token's row (the copy
+        # engines: the whole block to every rank); then each rank copies it into its pair rows
+        if route.engine:
+            T_cap = route.P_cap // route.row_TK.shape[1]
+            _copy_block(dout_TD.to(grad.views["rows"].dtype).contiguous(), grad, "rows", route.me, T_cap)
+        else:
+            push_rows(dout_TD, route.tokrow_TK, route.dest_TK, grad.ptrs["rows"], grad.views["rows"].dtype,
+                      me=route.me)
         grad.barrier()
         dy_RD = expand_rows(grad.views["rows"], route.slot.buf.views["tok"], route.n_rows)
         return dy_RD if dy_RD.dtype == ctx.y_dtype else dy_RD.to(ctx.y_dtype), None, None
@@ -349,6 +405,13 @@ class P2PDispatcher(ExpertParallelDispatcher):
             (the same bytes as one chunk's N times), with a gradient buffer per chunk: the
             combine backwards of a layer's chunks run back to back on the side stream, and one
             chunk's stores must not land in rows a peer still copies out for the other.
+        copy_engine: the token rows move as whole blocks (a rank's T rows to every rank, each
+            way back's G·T_cap sums) by cudaMemcpyAsync on the copy engines, which leave the SMs
+            to the kernels beside them (a side stream's exchange beside the experts' GEMMs under
+            ``overlap_chunks``); the kernels then move only the counts, routes and weights. A
+            block holds every token, also those with no pair on that rank: hardly more bytes where
+            nearly every token has one (top-8 of 64 on 2 ranks: all but 0.2 %), 4× the rows where
+            one token in 4 does (top-2 of 8 on 8 ranks).
         timeout_s: how long a rank's kernels wait for a peer's signal (and its barriers for the
             peers) before the process fails with a CUDA error, having printed what it waited for
             (a peer that died or made other calls never signals); the trainer passes
@@ -365,7 +428,7 @@ class P2PDispatcher(ExpertParallelDispatcher):
 
     def __init__(self, ep_group=None, world_group=None, max_tokens: int = 0, num_buffers: int = 1,
                  timeout_s: float = 120.0, capacity_factor: float | None = None, capacity_groups: int = 1,
-                 overlap_chunks: int = 1):
+                 overlap_chunks: int = 1, copy_engine: bool = False):
         super().__init__(ep_group, world_group, overlap_chunks)
         self._set_token_bound(max_tokens, capacity_factor, capacity_groups)
         check_positive_int("P2PDispatcher: num_buffers", num_buffers)
@@ -375,6 +438,7 @@ class P2PDispatcher(ExpertParallelDispatcher):
         if not torch.cuda.is_available():
             raise RuntimeError("P2PDispatcher needs CUDA GPUs (symmetric memory); use AllToAllDispatcher")
         self.num_buffers = num_buffers
+        self.copy_engine = bool(copy_engine)
         self.timeout_ms = math.ceil(timeout_s * 1000)
         # resources reused by every call (not per-call state): the slots and gradient buffers of
         # each buffer shape, and how many dispatches each shape has served (picks both)
@@ -430,7 +494,7 @@ class P2PDispatcher(ExpertParallelDispatcher):
         route_3TK = torch.empty((3, T, K), dtype=torch.int64, device=device)
         offsets_J = torch.empty(E // self.ep_size, dtype=torch.int32, device=device)
         route = _P2PRoute(route_3TK[0], route_3TK[1], offsets_J, slot, slot.generation, grad, me, P_cap, index, home,
-                          route_3TK[2])
+                          route_3TK[2], self.copy_engine)
         rows_RD, w_R = _P2PDispatchFn.apply(x_TD, w_TK, plan.order_P, plan.kept_per_expert_E.contiguous(), route)
         return rows_RD, route.offsets_J, w_R, P2PMeta(route=route)
 

@@ -42,6 +42,8 @@ into the dispatch kernel, took it from 8 launches to 4.
   scalar) that came from another rank (or any rank, ``own_too``) is stored at its place of that
   rank's return buffer (the dispatcher's: a (source, token)'s summed rows; in the dispatch
   backward also each pair's weight gradient, alone); then each program signals every peer's flag.
+- ``signal_peers``: one signal to every peer's flag, after the copy engines' block copies of the
+  way back (the dispatcher's ``copy_engine`` mode, where no kernel stores the rows).
 - ``sum_returned``: (after waiting for the flag) ``out[t] = Σ_g`` of token t's G returned rows,
   in fp32. No peer memory touched.
 """
@@ -108,7 +110,7 @@ def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, state
                           timeout_ns, row_ptr, dest_ptr, offsets_ptr, recv_ptrs, src_ptrs, w_ptr, wrecv_ptrs,
                           lead_ptr, tokrow_ptr, tokof_ptrs, T_cap,
                           me, G, L, E, P, K, P_cap, R_cap, D, OUT: tl.constexpr, GP: tl.constexpr, LP: tl.constexpr,
-                          BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+                          ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
     """The program that starts first (it takes ticket 0 of ``state[1]``, so it is running, and
     the others may spin) writes this rank's counts into every rank's count matrix and signals
     it. Then all wait for the G ranks' counts (the flag reaching ``state[0] + G``) and stride
@@ -171,16 +173,19 @@ def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, state
         tl.store(row_ptr + pair, tl.where(kept, row, -1), mask=inside)
         tl.store(dest_ptr + pair, tl.where(kept, d, 0), mask=inside)
         t = pair // K
-        # the token's row crosses to rank d once: the first of its kept pairs there to take the
-        # (token, rank) ticket stores it, at row me·T_cap + t of d's token buffer
-        leads = kept & (tl.atomic_add(lead_ptr + t * G + d, 1, mask=kept) == 0)
         tok_row = me * T_cap + t
-        tl.store(tokrow_ptr + pair, tl.where(leads, tok_row, -1), mask=inside)
-        to_rows = tl.load(recv_ptrs + d, mask=leads, other=0).to(tl.pointer_type(OUT)) + tok_row * D
-        for c in range(0, D, BLOCK_D):
-            ok = leads[:, None] & (c + offs[None, :] < D)
-            v = tl.load(x_ptr + t[:, None] * D + c + offs[None, :], mask=ok, other=0.0)
-            tl.store(to_rows[:, None] + c + offs[None, :], v.to(OUT), mask=ok)
+        if ROWS:
+            # the token's row crosses to rank d once: the first of its kept pairs there to take the
+            # (token, rank) ticket stores it, at row me·T_cap + t of d's token buffer
+            leads = kept & (tl.atomic_add(lead_ptr + t * G + d, 1, mask=kept) == 0)
+            tl.store(tokrow_ptr + pair, tl.where(leads, tok_row, -1), mask=inside)
+            to_rows = tl.load(recv_ptrs + d, mask=leads, other=0).to(tl.pointer_type(OUT)) + tok_row * D
+            for c in range(0, D, BLOCK_D):
+                ok = leads[:, None] & (c + offs[None, :] < D)
+                v = tl.load(x_ptr + t[:, None] * D + c + offs[None, :], mask=ok, other=0.0)
+                tl.store(to_rows[:, None] + c + offs[None, :], v.to(OUT), mask=ok)
+        else:  # the caller copies the whole token block (copy engines): no pair stores a row
+            tl.store(tokrow_ptr + pair, -1, mask=inside)
         to_tok = tl.load(tokof_ptrs + d, mask=kept, other=0).to(tl.pointer_type(tl.int64))
         tl.store(to_tok + row, tok_row, mask=kept)
         to_src = tl.load(src_ptrs + d, mask=kept, other=0).to(tl.pointer_type(tl.int64))
@@ -263,7 +268,7 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
                   src_ptrs_G: torch.Tensor, w_ptrs_G: torch.Tensor, recv_dtype: torch.dtype, me: int, K: int, P_cap: int,
                   R_cap: int, tok_ptrs_G: torch.Tensor, lead_TG: torch.Tensor,
                   out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                  timeout_ms: int = TIMEOUT_MS):
+                  timeout_ms: int = TIMEOUT_MS, store_rows: bool = True):
     """Exchange the counts, then route and move this rank's kept pairs.
 
     Counts: ``counts_E`` (E,) int64, what this rank keeps for each expert, becomes row ``me`` of
@@ -281,11 +286,14 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
     :mod:`parallel.token_rows` says why). Token t's row of x_TD (T, D) goes once to each rank d
     that keeps a pair of it, at row ``me·T_cap + t`` of d's token buffer (``recv_ptrs_G``, (G·T_cap,
     D) of ``recv_dtype``, T_cap = P_cap / K), stored by the first of those pairs to take the
-    (token, rank) ticket in ``lead_TG`` ((T_cap·G,) int32, zeroed here); every kept pair's row
+    (token, rank) ticket in ``lead_TG`` ((T_cap·G,) int32, zeroed here when rows are stored); every kept pair's row
     ``row`` at its destination gets that token row in rank ``dest``'s (R_cap,) int64 token-row
     buffer (``tok_ptrs_G``), ``me · P_cap + t·K + k`` in its (R_cap,) int64 source buffer and the
     pair's weight ``w_TK[t, k]`` (fp32) in its (R_cap,) fp32 weight buffer (``w_ptrs_G``); the
-    receiver copies its token rows into its pair rows (:func:`expand_rows`).
+    receiver copies its token rows into its pair rows (:func:`expand_rows`). ``store_rows``
+    False: no token row is stored (``tokrow_TK`` all -1); the caller copies x's whole block to
+    rows ``me·T_cap ...`` of every rank's token buffer after this kernel (copy engines: the rows
+    reach a peer only after its counts, as the kernel's own stores do).
     A count matrix that gives some rank more than ``R_cap`` rows moves no row and writes no
     offsets (every rank reads the same matrix); on a GPU the kernel then prints and traps on every
     rank (in the interpreter it returns with every pair's row -1).
@@ -328,13 +336,14 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
     row_TK, dest_TK, offsets_J, tokrow_TK = out
     if row_TK.shape != (T, K) or dest_TK.shape != (T, K) or offsets_J.shape != (L,) or tokrow_TK.shape != (T, K):
         raise ValueError(f"out must be (T, K) = ({T}, {K}), ({T}, {K}), ({L},) and ({T}, {K}) tensors")
-    lead_TG.zero_()
+    if store_rows:  # the tickets of the row stores
+        lead_TG.zero_()
     grid = grid_programs(triton.cdiv(P, _BLOCK_ROWS), _MAX_PROGRAMS)
     _dispatch_rows_kernel[(grid,)](
         x_TD.contiguous(), order_P, counts_E, cnt_ptrs_G, flag_ptrs_G, state, counts_GE, flag, timeout_ms * 1_000_000, row_TK, dest_TK, offsets_J, recv_ptrs_G, src_ptrs_G, w_TK.contiguous(), w_ptrs_G,
         lead_TG, tokrow_TK, tok_ptrs_G, T_cap,
         me, G, L, E, P, K, P_cap, R_cap, D,
-        OUT=tl_dtype(recv_dtype), GP=triton.next_power_of_2(G), LP=triton.next_power_of_2(L),
+        OUT=tl_dtype(recv_dtype), GP=triton.next_power_of_2(G), LP=triton.next_power_of_2(L), ROWS=store_rows,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_P=_BLOCK_ROWS, BLOCK_D=ROW_BLOCK_D, num_warps=4)
     return row_TK, dest_TK, offsets_J, tokrow_TK
 
@@ -453,6 +462,28 @@ def push_back(y_RD: torch.Tensor | None, src_R: torch.Tensor, n_rows: torch.Tens
                                flag_ptrs_G.numel(), P_cap, D, OUT=tl_dtype(ret_dtype), HAS_G=g_R is not None,
                                OWN_TOO=own_too, BLOCK_R=_BLOCK_ROWS, BLOCK_D=ROW_BLOCK_D, num_warps=4)
     return grid
+
+
+@triton.jit
+def _signal_peers_kernel(flag_ptrs, expect_ptr, me, G):
+    for g in range(G):
+        if g != me:
+            _signal(flag_ptrs, g)
+    tl.store(expect_ptr, tl.load(expect_ptr) + G - 1)
+
+
+def signal_peers(flag_ptrs_G: torch.Tensor, expect: torch.Tensor, me: int) -> int:
+    """One signal to every other rank's int64 flag (``flag_ptrs_G``), after everything before it
+    on this stream (the copy engines' block copies of the way back: a copy's writes are complete
+    when the next launch starts), and ``expect`` (this rank's 1-element int64) advanced by the
+    G - 1 signals the peers' matching calls send it, for :func:`sum_returned`. Returns the
+    signals each other rank receives (1), as :func:`push_back` does."""
+    _check_ptrs("flag_ptrs_G", flag_ptrs_G)
+    _check_flag("expect", expect)
+    if not 0 <= me < flag_ptrs_G.numel():
+        raise ValueError(f"signal_peers: me={me} is not a rank of the {flag_ptrs_G.numel()} flags")
+    _signal_peers_kernel[(1,)](flag_ptrs_G, expect, me, flag_ptrs_G.numel(), num_warps=1)
+    return 1
 
 
 @triton.jit

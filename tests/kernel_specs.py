@@ -353,7 +353,7 @@ def _row_calls():
 
 def _p2p_calls():
     from moe.capacity import plan_routing
-    from parallel.p2p_rows import dispatch_rows, expand_rows, push_back, push_rows, sum_returned
+    from parallel.p2p_rows import dispatch_rows, expand_rows, push_back, push_rows, signal_peers, sum_returned
 
     def ptrs(bufs):
         return torch.tensor([t.data_ptr() for t in bufs], dtype=torch.int64)
@@ -378,7 +378,7 @@ def _p2p_calls():
         dispatch_rows(torch.randn(T, D, dtype=torch.bfloat16), torch.rand(T, K), plan.order_P, plan.kept_per_expert_E,
                       ptrs(counts), ptrs(counts_flags), torch.tensor([-G, 0, 0]), counts[r], counts_flags[r], ptrs(recv),
                       ptrs(src), ptrs(w_recv), torch.bfloat16, r, K, P_cap, R_cap, ptrs(tok_of),
-                      torch.zeros(T_cap * G, dtype=torch.int32))
+                      torch.zeros(T_cap * G, dtype=torch.int32), store_rows=r == 0)  # rank 1: the copy engines' mode
     expand_rows(recv[0], tok_of[0], torch.tensor([3], dtype=torch.int32))
     ret = [torch.zeros((G * P_cap, D)) for _ in range(G)]
     ret_g = [torch.zeros(P_cap) for _ in range(G)]
@@ -389,6 +389,7 @@ def _p2p_calls():
     push_back(None, src_M, torch.tensor([3], dtype=torch.int32), ptrs(ret), torch.float32, 0, P_cap,
               ptrs(back_flags), back_expected, torch.rand(4), ptrs(ret_g), num_rows=4)
     rows_TG = torch.tensor([[0, -1], [-1, 1], [2, 3]])
+    signal_peers(ptrs(back_flags), back_expected, 1)
     sum_returned(ret[0], rows_TG, torch.bfloat16, back_flags[0], back_expected)
     grad_rows = [torch.zeros((R_cap, D)) for _ in range(G)]
     push_rows(torch.randn(3, D), torch.tensor([[0, -1], [1, 2], [-1, 3]]), torch.tensor([[0, 0], [1, 0], [0, 1]]),

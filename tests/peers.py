@@ -43,6 +43,9 @@ def share_one_gpu() -> None:
             self.group = group
             return [t.data_ptr() for t in self.peers]
 
+        def _peer_bytes(self, g):
+            return self.peers[g]
+
         def barrier(self):
             import torch.distributed as dist
 

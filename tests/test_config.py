@@ -283,6 +283,7 @@ def test_torchrun_prints_a_config_error_once_and_every_rank_exits_2(tmp_path):
     (["--data.source=tokens", "--data.path=/x.bin", "--data.max_bytes=1000"], ("data.max_bytes", "data.source=tokens")),
     (["--log.time_comm=true"], ("log.time_comm=true", "parallel.ep=1")),
     (["--parallel.nccl_sizes=padded"], ("parallel.nccl_sizes=padded", "parallel.ep=1")),
+    (["--parallel.p2p_copy=copy_engine"], ("parallel.p2p_copy=copy_engine", "parallel.ep=1")),
 ])
 def test_an_ignored_option_names_both_keys(args, keys):
     with pytest.raises(ConfigError) as err:
@@ -314,6 +315,16 @@ def test_padded_nccl_sizes_are_the_nccl_dispatchers():
     with pytest.raises(ConfigError, match="parallel.overlap_chunks=2 and moe.capacity_factor=1.25"):
         load_config(["--parallel.ep=2", "--parallel.nccl_sizes=padded", "--parallel.overlap_chunks=2",
                      "--moe.capacity_factor=1.25"], world_size=2)
+
+
+def test_p2p_copy_is_the_p2p_dispatchers():
+    with pytest.raises(ConfigError, match="parallel.p2p_copy=copy_engine is ignored with parallel.dispatcher=nccl"):
+        load_config(["--parallel.ep=2", "--parallel.p2p_copy=copy_engine"], world_size=2)
+    with pytest.raises(ConfigError, match="parallel.p2p_copy"):
+        load_config(["--parallel.ep=2", "--parallel.dispatcher=p2p", "--parallel.p2p_copy=engines"], world_size=2)
+    cfg = load_config(["--parallel.ep=2", "--parallel.dispatcher=p2p", "--parallel.p2p_copy=copy_engine",
+                       "--parallel.overlap_chunks=2"], world_size=2)
+    assert (cfg.parallel.p2p_copy, cfg.parallel.overlap_chunks) == ("copy_engine", 2)
 
 
 def test_only_options_the_user_set_count_as_ignored(tmp_path):

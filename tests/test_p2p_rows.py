@@ -17,7 +17,7 @@ import torch
 from moe.capacity import plan_routing
 from parallel.p2p_rows import (
     UNMET, dispatch_rows, expand_rows, expand_rows_reference, p2p_routes_reference, pair_values, push_back, push_back_reference, push_rows, return_table,
-    sum_returned, sum_returned_reference,
+    signal_peers, sum_returned, sum_returned_reference,
 )
 from parallel.token_rows import gather_slots
 from tests.peers import G, buffer_ptrs
@@ -56,14 +56,29 @@ def _plans(case, seed=0):
     return plans, experts
 
 
+def _copy_blocks(bufs, me, T_cap, rows=None, blocks=None):
+    """The dispatcher's copy-engine move (parallel.p2p_dispatcher._copy_block) between the local
+    buffers standing for the ranks' regions."""
+    from parallel.p2p_dispatcher import _copy_block
+
+    class Regions:
+        def peer_views(self, name):
+            return bufs
+
+    _copy_block(rows, Regions(), "rows", me, T_cap, blocks_GTD=blocks)
+
+
+@pytest.mark.parametrize("engine", [False, True], ids=["kernels", "copy_engine"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_dispatcher_data_flow_in_one_process(case):
+def test_dispatcher_data_flow_in_one_process(case, engine):
     """The P2P dispatcher's passes over G local buffers: counts, routes and rows lay every
     receiver's rows out expert-major (by local expert, then source rank, then token), with
     offsets its experts' row ends, src where each row came from and w each row's combine weight;
     then experts that weight their rows (y = w · (2·x + 1) on the valid rows, garbage on the
     padding), the way home and the sum give Σ_k w · (2·x + 1); and the backward passes (experts
-    y = w · x) give dx = Σ_k w · g and dw = <g, x> per kept pair, 0 per dropped one."""
+    y = w · x) give dx = Σ_k w · g and dw = <g, x> per kept pair, 0 per dropped one. ``engine``:
+    the copy-engine mode, the token rows moved as whole blocks between the kernels (no kernel
+    stores one) and the way back signalled by :func:`signal_peers`."""
     tokens, E, K, _, _ = CASES[case]
     L, D, P_cap = E // G, 8, max(tokens) * K
     R_cap = G * P_cap
@@ -87,7 +102,13 @@ def test_dispatcher_data_flow_in_one_process(case):
             routes.append(dispatch_rows(
                 xs[r], ws[r], plans[r].order_P, plans[r].kept_per_expert_E, buffer_ptrs(counts), buffer_ptrs(counts_flags),
                 states[r], counts[r], counts_flags[r], buffer_ptrs(toks), buffer_ptrs(src), buffer_ptrs(w_recv),
-                torch.float32, r, K, P_cap, R_cap, buffer_ptrs(tok_of), leads[r], timeout_ms=TIMEOUT_MS))
+                torch.float32, r, K, P_cap, R_cap, buffer_ptrs(tok_of), leads[r], timeout_ms=TIMEOUT_MS,
+                store_rows=not engine))
+        if engine:
+            if rounds == 1:
+                assert all(bool(t.isnan().all()) for t in toks)  # no kernel stored a row
+            for r in range(G):
+                _copy_blocks(toks, r, T_cap, rows=xs[r])
         assert [int(f) for f in counts_flags] == [rounds * G] * G
         # each call advanced its target by G and left its program counters at zero
         assert [s.tolist() for s in states] == [[(rounds - 1) * G, 0, 0]] * G
@@ -114,8 +135,12 @@ def test_dispatcher_data_flow_in_one_process(case):
         assert tok_of[d][:R].tolist() == [o // P_cap * T_cap + o % P_cap // K for o in origin]
         if R:
             torch.testing.assert_close(expand_rows(toks[d], tok_of[d], routes[d][2][-1:])[:R], torch.stack(expected))
-    # each token's row crossed to each rank once: one pair of each (token, rank) stored it
+    # each token's row crossed to each rank once: one pair of each (token, rank) stored it (none,
+    # under the copy engines)
     for r in range(G):
+        if engine:
+            assert (routes[r][3] == -1).all()
+            continue
         kept, tokrow, dest = plans[r].kept_TK, routes[r][3], routes[r][1]
         for t in range(tokens[r]):
             for d in range(G):
@@ -141,9 +166,13 @@ def test_dispatcher_data_flow_in_one_process(case):
     def home(r, y_RD, g_R=None):  # what the dispatcher's _home_and_sum sends
         table = return_table(src[r], routes[r][2][-1:], G, T_cap, K)
         sums = gather_slots(y_RD, table, out_dtype=torch.float32)
-        src_M = torch.where((table >= 0).any(1), (m // T_cap) * (G * T_cap) + r * T_cap + m % T_cap, -1)
-        sent = push_back(sums, src_M, n_M, buffer_ptrs(ret), torch.float32, r, G * T_cap, buffer_ptrs(back_flags),
-                         expected[r], own_too=True)
+        if engine:
+            _copy_blocks(ret, r, T_cap, blocks=sums)
+            sent = signal_peers(buffer_ptrs(back_flags), expected[r], r)
+        else:
+            src_M = torch.where((table >= 0).any(1), (m // T_cap) * (G * T_cap) + r * T_cap + m % T_cap, -1)
+            sent = push_back(sums, src_M, n_M, buffer_ptrs(ret), torch.float32, r, G * T_cap, buffer_ptrs(back_flags),
+                             expected[r], own_too=True)
         if g_R is not None:
             sent += push_back(None, src[r], routes[r][2][-1:], buffer_ptrs(ret), torch.float32, r, P_cap,
                               buffer_ptrs(back_flags), expected[r], g_R, buffer_ptrs(ret_g), num_rows=R_cap)
@@ -169,7 +198,10 @@ def test_dispatcher_data_flow_in_one_process(case):
         out = sum_returned(ret[r], returned(r), torch.float32, back_flags[r], expected[r], TIMEOUT_MS)
         torch.testing.assert_close(out, (2 * xs[r] + 1) * ws[r].sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out, sum_returned_reference(ret[r], returned(r), torch.float32))
-        push_rows(gs[r], routes[r][3], routes[r][1], buffer_ptrs(grad_toks), torch.float32, me=r)
+        if engine:
+            _copy_blocks(grad_toks, r, T_cap, rows=gs[r])
+        else:
+            push_rows(gs[r], routes[r][3], routes[r][1], buffer_ptrs(grad_toks), torch.float32, me=r)
     grad_rows = [expand_rows(grad_toks[d], tok_of[d], routes[d][2][-1:]) for d in range(G)]
     for d in range(G):
         grad_rows[d][n_rows[d]:] = float("nan")
@@ -185,6 +217,16 @@ def test_dispatcher_data_flow_in_one_process(case):
         torch.testing.assert_close(dx, gs[r] * ws[r].sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(dw, torch.where(plans[r].kept_TK, (gs[r] * xs[r]).sum(-1, keepdim=True), 0.0),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_signal_peers_signals_every_other_rank_once_and_advances_the_target():
+    flags, expects = _flags(), _flags()
+    for me in range(G):
+        assert signal_peers(buffer_ptrs(flags), expects[me], me) == 1
+    assert [int(f) for f in flags] == [G - 1] * G  # each rank signalled by the G - 1 others
+    assert [int(e) for e in expects] == [G - 1] * G
+    with pytest.raises(ValueError, match="me=3 is not a rank of the 3 flags"):
+        signal_peers(buffer_ptrs(flags), expects[0], G)
 
 
 def _routes(order, counts, me, K):

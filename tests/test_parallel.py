@@ -148,12 +148,13 @@ def _force_routes(model: Tiny, case: Case, num_local: int) -> None:
 
 
 def _dispatcher(dims: ParallelDims, transport: str, case: Case, tokens: tuple[int, ...]):
-    if transport == "p2p":
+    if transport in ("p2p", "p2p_copy_engine"):
         from parallel.p2p_dispatcher import P2PDispatcher
         # sized by the case's capacity, as the trainer does: the capped cases run in buffers smaller
         # than dropless's (a bound too small traps there)
         return P2PDispatcher(dims.ep_group, dims.world_group, max_tokens=max(max(tokens), 1), timeout_s=P2P_TIMEOUT_S,
-                             capacity_factor=case.capacity_factor, overlap_chunks=case.overlap_chunks)
+                             capacity_factor=case.capacity_factor, overlap_chunks=case.overlap_chunks,
+                             copy_engine=transport == "p2p_copy_engine")
     if case.padded:  # capacity_groups as the layers': the one-process reference's groups are the ranks
         return dims.dispatcher(case.overlap_chunks, max(max(tokens), 1), case.capacity_factor)
     return dims.dispatcher(case.overlap_chunks)
@@ -581,10 +582,12 @@ def test_nccl_two_gpus_equals_one_process():
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-def test_p2p_two_gpus_equals_one_process():
-    """The P2P (symmetric memory) dispatcher: same cases, same reference, on 2 GPUs."""
+@pytest.mark.parametrize("transport", ["p2p", "p2p_copy_engine"])
+def test_p2p_two_gpus_equals_one_process(transport):
+    """The P2P (symmetric memory) dispatcher, its rows moved by its kernels or as blocks on the
+    copy engines: same cases, same reference, on 2 GPUs."""
     cases = [c for c in WORLD2]
-    results = run_distributed(_run_cases, 2, cases, [torch.float32, torch.bfloat16], [], "p2p", backend="nccl")
+    results = run_distributed(_run_cases, 2, cases, [torch.float32, torch.bfloat16], [], transport, backend="nccl")
     for dtype in ("float32", "bfloat16"):
         for case in cases:
             _check_case(results, f"{case.name}:{dtype}")
@@ -651,13 +654,14 @@ def test_p2p_buffer_slots_two_layers_in_flight():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("transport", ["nccl", "p2p"])
+@pytest.mark.parametrize("transport", ["nccl", "p2p", "p2p_copy_engine"])
 def test_two_ranks_sharing_one_gpu_equal_one_process(transport):
     """Both dispatchers' whole path on CUDA tensors where only one GPU is lent: two ranks of a
     gloo group on cuda:0. "nccl": the all-to-all dispatcher (its Triton token-row kernels
     compiled, the exchanges through gloo); "p2p": the peer-store kernels' flags and waits between
-    two live processes, their buffers shared by CUDA IPC, and the slots. The two-GPU tests above
-    run the same functions over NCCL and NVLink."""
+    two live processes, their buffers shared by CUDA IPC, and the slots; "p2p_copy_engine": the
+    same with the rows copied as blocks into the other process's mapped buffers. The two-GPU tests
+    above run the same functions over NCCL and NVLink."""
     cases = [c for c in WORLD2]
     results = run_distributed(_run_cases, 2, cases, [torch.float32, torch.bfloat16], [], transport, True,
                               timeout_s=P2P_TIMEOUT_S)

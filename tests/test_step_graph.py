@@ -62,14 +62,16 @@ def _same_logged_metrics(eager_dir, graphed_dir) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-@pytest.mark.parametrize("chunks", [1, 2])
-def test_graph_replays_at_ep2_with_the_p2p_dispatcher_train_like_eager(tmp_path, chunks):
+@pytest.mark.parametrize("chunks, copy", [(1, "kernels"), (2, "kernels"), (2, "copy_engine")])
+def test_graph_replays_at_ep2_with_the_p2p_dispatcher_train_like_eager(tmp_path, chunks, copy):
     # the exchange inside the graph: the P2P kernels' flag targets advance on the device at every
     # replay; the aux losses' all-reduces over the EP group are captured NCCL calls; with 2 chunks
-    # the exchange runs on the dispatcher's side stream, forked from and joined to the capture's
+    # the exchange runs on the dispatcher's side stream, forked from and joined to the capture's;
+    # with the copy engines the rows move as captured memcpy nodes into the peer's buffers
     base = SMALL + ["--model.n_heads=2", "--train.steps=4", "--train.grad_accum=3", "--train.eval_every=2",
                     "--parallel.ep=2", "--parallel.device=cuda", "--parallel.dispatcher=p2p",
-                    f"--parallel.overlap_chunks={chunks}", "--parallel.data_parallel=replicate", f"--log.dir={tmp_path}"]
+                    f"--parallel.overlap_chunks={chunks}", f"--parallel.p2p_copy={copy}",
+                    "--parallel.data_parallel=replicate", f"--log.dir={tmp_path}"]
     _torchrun(2, base + ["--log.run_name=eager"])
     _torchrun(2, base + ["--train.cuda_graph=true", "--log.run_name=graphed"])
     _same_logged_metrics(tmp_path / "eager", tmp_path / "graphed")

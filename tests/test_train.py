@@ -341,6 +341,8 @@ def test_runtime_dispatcher_choice(monkeypatch):
     fake_dims = object()  # never reached: the checks come before any group is touched
     with pytest.raises(ValueError, match="parallel.nccl_sizes: unknown 'bogus'"):
         Runtime(0, 0, 2, 2, torch.device("cpu"), fake_dims).dispatcher("nccl", max_tokens=8, nccl_sizes="bogus")
+    with pytest.raises(ValueError, match="parallel.p2p_copy: unknown 'dma'"):
+        Runtime(0, 0, 2, 2, torch.device("cpu"), fake_dims).dispatcher("p2p", max_tokens=8, p2p_copy="dma")
     with pytest.raises(RuntimeError, match="parallel.dispatcher=p2p needs CUDA"):
         Runtime(0, 0, 2, 2, torch.device("cpu"), fake_dims).dispatcher("p2p", max_tokens=8, num_buffers=2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # 2 nodes of 3 processes: rank 2's EP group spans both

@@ -97,6 +97,12 @@ class ParallelConfig:
                  "host wait; the experts' buffers then hold the most rows a rank can receive: ep * top_k rows a "
                  "token dropless, the capacity's bound when moe.capacity_factor caps; on 2xH200, OLMoE-shaped, "
                  "0.95-1.09x exact's step for 8.5 GB more: the ranks' wait moved into the all-to-all)")
+    p2p_copy: Literal["kernels", "copy_engine"] = option(
+        "kernels", "dispatcher p2p: how the token rows cross: kernels (the P2P kernels store each (token, rank)'s "
+                   "row over NVLink, on the SMs) | copy_engine (each rank's whole block of token rows by cudaMemcpyAsync "
+                   "on the copy engines, which take no SMs: with overlap_chunks > 1 the exchange runs beside the "
+                   "experts' GEMMs; every token's row goes to every rank: about the same bytes at top-8 of 64 on 2 "
+                   "ranks, 4x at top-2 of 8 on 8)")
     overlap_chunks: int = option(
         1, "the dispatcher cuts each MoE layer's tokens into this many chunks and pipelines them on a second "
            "CUDA stream: one chunk's exchange runs while another chunk's experts compute, forward and backward "
@@ -610,6 +616,10 @@ def check_ignored(cfg: Config) -> None:
          "with one expert-parallel rank there is no exchange to size (set parallel.ep > 1)"),
         ("parallel.nccl_sizes", cfg.parallel.dispatcher == "p2p", "parallel.dispatcher",
          "the p2p dispatcher's buffers are always padded (it never waits on the host)"),
+        ("parallel.p2p_copy", cfg.parallel.ep == 1, "parallel.ep",
+         "with one expert-parallel rank no row crosses (set parallel.ep > 1)"),
+        ("parallel.p2p_copy", cfg.parallel.dispatcher != "p2p", "parallel.dispatcher",
+         "only the p2p dispatcher moves rows itself (set parallel.dispatcher=p2p)"),
         *((key, cfg.train.init_from is not None, "train.init_from", "every weight is read from the model directory")
           for key in ("model.init_std", "model.embed_init_std")),
     ]

@@ -47,7 +47,7 @@ class Runtime:
 
     def dispatcher(self, kind: str = "nccl", max_tokens: int = 0, num_buffers: int = 1, overlap_chunks: int = 1,
                    timeout_s: float = 600.0, capacity_factor: float | None = None, capacity_groups: int = 1,
-                   nccl_sizes: str = "exact"):
+                   nccl_sizes: str = "exact", p2p_copy: str = "kernels"):
         """The MoE layers' expert-parallel dispatcher, None for one process.
 
         With ep 1 over several ranks the dispatcher's group has one rank: rows stay local, but the
@@ -60,6 +60,7 @@ class Runtime:
         a peer before they fail (``parallel.timeout_s``, as the collectives), and sized by the MoE
         layers' ``capacity_factor`` and ``capacity_groups`` when they cap. ``overlap_chunks``: both
         dispatchers' pipelining of each layer's tokens (:meth:`parallel.ExpertParallelDispatcher.run_experts`).
+        ``p2p_copy``: the P2P dispatcher's ``"kernels"`` or ``"copy_engine"`` row moves.
         ``nccl_sizes``: the nccl dispatcher's ``"exact"`` sizes (one host sync a layer) or
         ``"padded"`` blocks of ``max_tokens`` tokens (none; sized by the capacity as P2P's buffers).
         """
@@ -67,6 +68,8 @@ class Runtime:
             return None
         if nccl_sizes not in ("exact", "padded"):
             raise ValueError(f"parallel.nccl_sizes: unknown {nccl_sizes!r} (exact | padded)")
+        if p2p_copy not in ("kernels", "copy_engine"):
+            raise ValueError(f"parallel.p2p_copy: unknown {p2p_copy!r} (kernels | copy_engine)")
         if self.ep == 1 or (kind == "nccl" and nccl_sizes == "exact"):
             return self.dims.dispatcher(overlap_chunks)
         if kind == "nccl":
@@ -83,7 +86,7 @@ class Runtime:
                                f"parallel.ep={self.ep} does not divide the {per_node} processes per node")
         return P2PDispatcher(self.dims.ep_group, self.dims.world_group, max_tokens=max_tokens, num_buffers=num_buffers,
                              timeout_s=timeout_s, capacity_factor=capacity_factor, capacity_groups=capacity_groups,
-                             overlap_chunks=overlap_chunks)
+                             overlap_chunks=overlap_chunks, copy_engine=p2p_copy == "copy_engine")
 
     def shutdown(self) -> None:
         if self.distributed:

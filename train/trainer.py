@@ -228,7 +228,8 @@ class Trainer:
         self.dispatcher = rt.dispatcher(cfg.parallel.dispatcher, max_tokens=d.batch_size * d.seq_len,
                                         num_buffers=max(num_moe_blocks(cfg), 1), overlap_chunks=cfg.parallel.overlap_chunks,
                                         timeout_s=cfg.parallel.timeout_s, capacity_factor=cfg.moe.capacity_factor,
-                                        capacity_groups=cfg.moe.capacity_groups, nccl_sizes=cfg.parallel.nccl_sizes)
+                                        capacity_groups=cfg.moe.capacity_groups, nccl_sizes=cfg.parallel.nccl_sizes,
+                                        p2p_copy=cfg.parallel.p2p_copy)
         # all-to-all timing (ep > 1): every MoE layer shares this dispatcher, hence the one timer
         self.comm_timer = None
         if cfg.log.time_comm and rt.ep > 1:
