@@ -398,6 +398,10 @@ elif [ "$PART" = 23 ]; then
     done
     prof "P2P eager, 2 chunks" 60 configs/olmoe_bench.yaml $P --parallel.overlap_chunks=2
 elif [ "$PART" = 24 ]; then
+    if [ -f probe/ce_overlap.py ] && [ "${PROBE:-1}" != 0 ]; then  # a GEMM beside copy-engine and SM copies
+        timeout 90 python3 -m torch.distributed.run --standalone --nproc_per_node=2 probe/ce_overlap.py 2>&1 \
+            | grep -v Warning | tail -12 | tee "$OUT/ce_overlap.txt"
+    fi
     [ "${TESTS:-1}" != 0 ] && p2p_gpu_tests 200 200
     P="--warm 3 --steps 1 --timed 6 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8 --train.cuda_graph=true"
     for round in ${ROUNDS:-1 2}; do
