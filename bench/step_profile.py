@@ -545,7 +545,6 @@ def main() -> None:
     with planned_gc(cfg.train.gc_every):  # the garbage collection as the training loop does it
         if graphed:  # the launch's eager first step: where the replayed kernels' names get their categories
             names = name_categories(classify(profiled_steps(trainer, 1, CPU_AND_CUDA)[2])[0])
-            names.update({n: "dispatch/combine" for n in EP_EXCHANGE_KERNELS if rt.ep > 1})
         for _ in range(args.warm - graphed):
             trainer.train_step()
             trainer.collect_garbage()

@@ -323,24 +323,13 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         super().__init__(ep_group, world_group, overlap_chunks)
         self.comm_timer = CommTimer() if time_comm else None
         self._side_streams = SideStreams()
-        self.max_tokens, self.block_rows = None, 0
+        self.block_rows = 0
         if max_tokens is not None:
             self._set_token_bound(max_tokens, capacity_factor, capacity_groups)
             self.block_rows = -(-max_tokens // overlap_chunks)
         elif capacity_factor is not None or capacity_groups != 1:
             raise ValueError("AllToAllDispatcher: capacity_factor and capacity_groups size the padded exchange: "
                              "give max_tokens too (or neither)")
-
-    def run_experts(self, experts, x_TD: torch.Tensor, plan: RoutingPlan, experts_TK: torch.Tensor,
-                    w_TK: torch.Tensor, out_dtype: torch.dtype | None = None,
-                    row_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """:meth:`~parallel.ExpertParallelDispatcher.run_experts`; padded, a layer's T is checked
-        against ``max_tokens`` first (its chunks are checked against their blocks, which a layer
-        of more than max_tokens tokens could pass)."""
-        if self.max_tokens is not None and x_TD.shape[0] > self.max_tokens:
-            raise ValueError(f"AllToAllDispatcher: {x_TD.shape[0]} tokens on rank {self.ep_rank} exceed the padded "
-                             f"exchange's max_tokens={self.max_tokens}")
-        return super().run_experts(experts, x_TD, plan, experts_TK, w_TK, out_dtype, row_dtype)
 
     def __repr__(self) -> str:
         padded = "" if self.max_tokens is None else f", padded, {self._token_bound_repr()}"

@@ -103,6 +103,7 @@ class ExpertParallelDispatcher(Dispatcher):
         self._one_reduction = self._ep_size > 1 and _ranks(ep_group) == _ranks(world_group)
         self._local = LocalDispatcher()
         self._overlap_streams = SideStreams()
+        self.max_tokens: int | None = None  # a transport with fixed buffers sets it (_set_token_bound)
 
     def _set_token_bound(self, max_tokens: int, capacity_factor: float | None, capacity_groups: int) -> None:
         """Validate and keep the bound on the tokens a rank passes to one dispatch, and the MoE
@@ -179,8 +180,13 @@ class ExpertParallelDispatcher(Dispatcher):
 
         The results equal the unchunked path's up to the experts' and combine's rounding (the
         same pairs, weights and drops; the weight gradients summed over chunks). On a CPU the
-        chunks run one after the other.
+        chunks run one after the other. A transport with fixed buffers (``max_tokens``) refuses a
+        layer of more tokens first.
         """
+        if self.max_tokens is not None and x_TD.shape[0] > self.max_tokens:
+            # before the chunks: each is checked against its share, which a larger layer could pass
+            raise ValueError(f"{type(self).__name__}: {x_TD.shape[0]} tokens on rank {self.ep_rank} exceed "
+                             f"max_tokens={self.max_tokens}")
         if self.ep_size == 1 or self.overlap_chunks == 1:
             return super().run_experts(experts, x_TD, plan, experts_TK, w_TK, out_dtype, row_dtype)
         chunks = split_plan(plan, experts_TK, self.overlap_chunks)

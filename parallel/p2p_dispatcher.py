@@ -35,8 +35,8 @@ flag: a token's rows cross the link once however many of its K pairs a rank hold
 sums each token's G rows in fp32. It keeps no rows for its backward.
 
 Backward: the combine backward stores ``dout`` once per (token, rank) into the receivers' token
-gradient buffer (one per dispatcher, shared by the slots: each rank copies it into its pair rows
-right after the barrier that follows), then a barrier and that copy; the dispatch backward sends
+gradient buffer (one per chunk of a layer, shared by the slots: each rank copies it into its pair
+rows right after the barrier that follows), then a barrier and that copy; the dispatch backward sends
 the rows' gradients home like the combine, each pair's weight gradient (the experts' ``dw_R``) on
 its own into the source's ``ret_w``, and one pass sums each token's rows; each pair's weight
 gradient is then read where it arrived.
@@ -402,7 +402,8 @@ class P2PDispatcher(ExpertParallelDispatcher):
         overlap_chunks: N; :meth:`run_experts` pipelines each layer's tokens in N chunks on a side
             stream (:meth:`~parallel.ep_dispatcher.ExpertParallelDispatcher.run_experts`). The
             buffers then hold a chunk, ``ceil(max_tokens / N)`` tokens, in N · num_buffers slots
-            (the same bytes as one chunk's N times), with a gradient buffer per chunk: the
+            (dropless, the bytes of one unchunked slot per layer; under a capacity each chunk's
+            holds the layer's whole bound where smaller), with a gradient buffer per chunk: the
             combine backwards of a layer's chunks run back to back on the side stream, and one
             chunk's stores must not land in rows a peer still copies out for the other.
         copy_engine: the token rows move as whole blocks (a rank's T rows to every rank, each

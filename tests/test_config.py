@@ -325,6 +325,10 @@ def test_p2p_copy_is_the_p2p_dispatchers():
     cfg = load_config(["--parallel.ep=2", "--parallel.dispatcher=p2p", "--parallel.p2p_copy=copy_engine",
                        "--parallel.overlap_chunks=2"], world_size=2)
     assert (cfg.parallel.p2p_copy, cfg.parallel.overlap_chunks) == ("copy_engine", 2)
+    with pytest.raises(ConfigError, match="parallel.dispatcher=p2p with parallel.overlap_chunks=2 and "
+                                          "moe.capacity_factor=1.25: each chunk would hold"):
+        load_config(["--parallel.ep=2", "--parallel.dispatcher=p2p", "--parallel.overlap_chunks=2",
+                     "--moe.capacity_factor=1.25"], world_size=2)
 
 
 def test_only_options_the_user_set_count_as_ignored(tmp_path):

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tests.test_train import REPO, SMALL, _metrics, _torchrun
+from tests.test_train import REPO, SMALL, _losses, _metrics, _torchrun
 from train.config import load_config
 from train.step_graph import MicroBatchGraph
 from train.trainer import Trainer
@@ -67,14 +67,25 @@ def test_graph_replays_at_ep2_with_the_p2p_dispatcher_train_like_eager(tmp_path,
     # the exchange inside the graph: the P2P kernels' flag targets advance on the device at every
     # replay; the aux losses' all-reduces over the EP group are captured NCCL calls; with 2 chunks
     # the exchange runs on the dispatcher's side stream, forked from and joined to the capture's;
-    # with the copy engines the rows move as captured memcpy nodes into the peer's buffers
+    # with the copy engines the rows move as captured memcpy nodes into the peer's buffers (chunks
+    # of fixed buffers come without a capacity: the config refuses both)
     base = SMALL + ["--model.n_heads=2", "--train.steps=4", "--train.grad_accum=3", "--train.eval_every=2",
                     "--parallel.ep=2", "--parallel.device=cuda", "--parallel.dispatcher=p2p",
                     f"--parallel.overlap_chunks={chunks}", f"--parallel.p2p_copy={copy}",
-                    "--parallel.data_parallel=replicate", f"--log.dir={tmp_path}"]
+                    "--parallel.data_parallel=replicate", f"--log.dir={tmp_path}",
+                    *(["--moe.capacity_factor=none"] if chunks > 1 else [])]
     _torchrun(2, base + ["--log.run_name=eager"])
     _torchrun(2, base + ["--train.cuda_graph=true", "--log.run_name=graphed"])
     _same_logged_metrics(tmp_path / "eager", tmp_path / "graphed")
+    if copy == "copy_engine":  # the same rows by other means: the kernels' run, bit for bit
+        _torchrun(2, [a for a in base if not a.startswith("--parallel.p2p_copy")] + ["--log.run_name=kernels"])
+        _same_logged_metrics(tmp_path / "kernels", tmp_path / "eager")
+    elif chunks > 1:  # two layers' chunks in flight train as one chunk does, up to the summation order
+        _torchrun(2, [a for a in base if not a.startswith("--parallel.overlap_chunks")] + ["--log.run_name=one_chunk"])
+        one, chunked = _losses(str(tmp_path / "one_chunk")), _losses(str(tmp_path / "eager"))
+        assert sorted(chunked) == sorted(one) == [1, 2, 3, 4]
+        for step, loss in one.items():
+            assert chunked[step] == pytest.approx(loss, rel=2e-3), step
 
 
 @pytest.mark.gpu

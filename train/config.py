@@ -516,11 +516,14 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         # slots of the blocks not yet recomputed still hold their rows
         raise ConfigError("train.activation_checkpointing=full recomputes the dispatch: not with parallel.dispatcher=p2p "
                           "(use selective, or the nccl dispatcher)")
-    if cfg.parallel.nccl_sizes == "padded" and cfg.parallel.overlap_chunks > 1 and cfg.moe.capacity_factor is not None:
-        # every chunk's buffers would hold the whole layer's capacity bound, all chunks at once
-        raise ConfigError(f"parallel.nccl_sizes=padded with parallel.overlap_chunks={cfg.parallel.overlap_chunks} and "
+    fixed = "parallel.dispatcher=p2p" if cfg.parallel.dispatcher == "p2p" else (
+        "parallel.nccl_sizes=padded" if cfg.parallel.nccl_sizes == "padded" else None)
+    if fixed and cfg.parallel.overlap_chunks > 1 and cfg.moe.capacity_factor is not None:
+        # fixed buffers: every chunk's would hold the whole layer's capacity bound, all chunks at
+        # once (at ep 2 the capacity's saving is gone: train.memory models it)
+        raise ConfigError(f"{fixed} with parallel.overlap_chunks={cfg.parallel.overlap_chunks} and "
                           f"moe.capacity_factor={cfg.moe.capacity_factor}: each chunk would hold the layer's whole "
-                          "capacity bound of rows (use one chunk, exact sizes, or no capacity)")
+                          "capacity bound of rows (use one chunk, exact nccl sizes, or no capacity)")
     if cfg.parallel.dispatcher == "p2p" and cfg.log.time_comm:
         # the timer brackets the NCCL all-to-alls; the P2P path makes none, so it would log 0 ms
         raise ConfigError("log.time_comm=true times the NCCL all-to-alls only: not with parallel.dispatcher=p2p")

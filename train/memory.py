@@ -34,7 +34,8 @@ What is counted, per GPU:
   their input's (T, D) and the weight's (V, D), no (T, V) tensor.
 - dispatch: what the exchange holds per MoE layer until its backward (the route's index tensors,
   with selective checkpointing the received rows), and with
-  ``parallel.dispatcher=p2p`` the symmetric-memory slots (one per MoE block) and gradient buffer;
+  ``parallel.dispatcher=p2p`` the symmetric-memory slots (one per MoE block and chunk) and gradient
+  buffers (one per chunk);
   these are mapped outside PyTorch's caching allocator, so max_memory_allocated should not count
   them (:attr:`Prediction.outside_allocator`; not verified on a GPU).
 - weights: bf16 copies of the weights. replicate: autocast's casts of the linear weights, kept by
@@ -630,7 +631,7 @@ def received_rows_cap(s: ModelShape, T: int, lay: Layout) -> int:
 def p2p_buffer_bytes(s: ModelShape, T: int, lay: Layout, row_bytes: int) -> int:
     """P2PDispatcher's symmetric memory: one slot per MoE block and chunk (received token rows,
     returned rows, the received pairs' token rows and sources, their fp32 weights and the returned
-    weight gradients, the count matrix, three flags; each region 256-byte aligned) and one gradient
+    weight gradients, the count matrix, two flags; each region 256-byte aligned) and one gradient
     buffer of token rows per chunk, in the rows' dtype: the experts' (``row_bytes``; the dispatch
     casts the norm output to it). A chunk holds ceil(T / chunks) tokens."""
     if lay.transport != "p2p":
@@ -640,7 +641,7 @@ def p2p_buffer_bytes(s: ModelShape, T: int, lay: Layout, row_bytes: int) -> int:
     # a token's row crosses to a rank once each way: the receive, return and gradient buffers hold
     # one row per (rank, token)
     token_rows = lay.ep * T_c * s.D * row_bytes
-    regions = [token_rows, token_rows, R_cap * 8, R_cap * 8, R_cap * 4, P_cap * 4, lay.ep * s.E * 8, 8, 8, 8]
+    regions = [token_rows, token_rows, R_cap * 8, R_cap * 8, R_cap * 4, P_cap * 4, lay.ep * s.E * 8, 8, 8]
     slot = sum(_ceil_div(n, 256) * 256 for n in regions)
     return lay.chunks * (sum(s.moe_blocks) * slot + _ceil_div(token_rows, 256) * 256)
 

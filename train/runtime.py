@@ -55,8 +55,9 @@ class Runtime:
         are those of one process on the whole batch.
 
         kind ``"nccl"``: the all-to-all :class:`~parallel.AllToAllDispatcher`. ``"p2p"``: the
-        :class:`~parallel.P2PDispatcher`, whose buffers hold ``max_tokens`` tokens per dispatch
-        in each of ``num_buffers`` slots (one per MoE layer), whose kernels wait ``timeout_s`` for
+        :class:`~parallel.P2PDispatcher`, whose buffers hold ``max_tokens`` tokens per layer in
+        ``num_buffers`` slots (one per MoE layer; with ``overlap_chunks`` N, N slots of a chunk's
+        tokens each), whose kernels wait ``timeout_s`` for
         a peer before they fail (``parallel.timeout_s``, as the collectives), and sized by the MoE
         layers' ``capacity_factor`` and ``capacity_groups`` when they cap. ``overlap_chunks``: both
         dispatchers' pipelining of each layer's tokens (:meth:`parallel.ExpertParallelDispatcher.run_experts`).
