@@ -80,9 +80,10 @@
 #                                       # against 2 chunks, alternating (ROUNDS, default "1 2"), and 2 chunks eager;
 #                                       # TESTS=0 skips the tests, TESTS=all runs last session's one-GPU ones too
 #   PART=24 bash bench/run_ep2_step.sh  # parallel.p2p_copy=copy_engine (the token rows as blocks on the copy
-#                                       # engines): the P2P 2-GPU tests (both modes) and the graph's 2-GPU tests,
+#                                       # engines): probe/ce_overlap.py when present (PROBE=0 skips it), the P2P
+#                                       # 2-GPU tests (both modes) and the graph's 2-GPU tests (TESTS=0 skips them),
 #                                       # then P2P graphed in the bar's layout: kernels 1 chunk, copy_engine 1 and
-#                                       # 2 chunks, alternating (ROUNDS, default "1 2"; TESTS=0 skips the tests)
+#                                       # 2 chunks, alternating (ROUNDS, default "1 2"; ROUNDS= runs none)
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -402,9 +403,9 @@ elif [ "$PART" = 24 ]; then
         timeout 90 python3 -m torch.distributed.run --standalone --nproc_per_node=2 probe/ce_overlap.py 2>&1 \
             | grep -v Warning | tail -12 | tee "$OUT/ce_overlap.txt"
     fi
-    [ "${TESTS:-1}" != 0 ] && p2p_gpu_tests 200 200
+    [ "${TESTS:-1}" != 0 ] && p2p_gpu_tests 240 300
     P="--warm 3 --steps 1 --timed 6 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8 --train.cuda_graph=true"
-    for round in ${ROUNDS:-1 2}; do
+    for round in ${ROUNDS-1 2}; do
         prof "P2P graphed, kernels, 1 chunk, round $round" 60 configs/olmoe_bench.yaml $P
         prof "P2P graphed, copy_engine, 1 chunk, round $round" 60 configs/olmoe_bench.yaml $P --parallel.p2p_copy=copy_engine
         prof "P2P graphed, copy_engine, 2 chunks, round $round" 60 configs/olmoe_bench.yaml $P \

@@ -44,13 +44,17 @@ gradient is then read where it arrived.
 Copy-engine mode (``copy_engine``): the same buffers and tables, but the token rows move as
 whole blocks by cudaMemcpyAsync (the copy engines, no SMs): after the dispatch kernel (counts,
 routes, weights; no row stores), x's T rows to rows ``me·T_cap ...`` of every rank's token buffer;
-the way back copies each of the G·T_cap sums blocks to its source (zeros for tokens with no pair
-here) and then one small kernel signals the peers (:func:`~parallel.p2p_rows.signal_peers`); the
-combine backward copies ``dout``'s block to every rank's gradient buffer. Each copy sits where the
-kernel's stores sat on the stream, so the ordering below holds unchanged.
+the way back copies each of its G blocks of T_cap sums to its source (zeros for tokens with no
+pair here) and then one small kernel signals the peers (:func:`~parallel.p2p_rows.signal_peers`);
+the combine backward copies ``dout``'s block to every rank's gradient buffer. Each copy sits where
+the kernel's stores sat on the stream, and a copy is complete before the next launch on its stream
+starts (what PyTorch's own copy-engine collectives and NCCL's rely on, under graph capture too), so
+the ordering below holds unchanged. The block into a rank's own buffer is a copy within the device,
+which CUDA may run on the SMs.
 
 Ordering: 7 launches per forward (the tickets' memset, 5 Triton kernels, one barrier) and a table
-of 3 small torch ops, 7 and the table per backward. Flags only grow; each rank keeps on its device,
+of 3 small torch ops, 7 and the table per backward (the kernels' mode; the copy-engine mode trades
+the memset and the row stores for G copies each way). Flags only grow; each rank keeps on its device,
 per slot, the value each flag reaches after the signals sent so far (every rank makes the same
 calls with the same grids, so each knows it), advanced by the kernels: the host passes no
 per-call value, and a captured CUDA graph's replays advance them as the eager launches do.
@@ -121,6 +125,7 @@ class _SymmetricBuffer:
         self.barrier()
         torch.cuda.current_stream(device).synchronize()
         base_G = torch.tensor(ptrs, dtype=torch.int64, device=device)
+        self._base_ptrs = ptrs
         self.views, self.ptrs = {}, {}
         self._regions = {name: (offsets[name], nbytes[name], shape, dtype) for name, (shape, dtype) in sizes.items()}
         self._peer_regions: dict[str, list[torch.Tensor]] = {}
@@ -136,8 +141,16 @@ class _SymmetricBuffer:
         """Region ``name`` of every rank's buffer (this rank's own at its index) as tensors on this
         device, for the copy engines to store into (made at the first call, then kept)."""
         if name not in self._peer_regions:
-            G = self.ptrs[name].numel()
-            self._peer_regions[name] = [self._region(self._peer_bytes(g), name) for g in range(G)]
+            views = [self._region(self._peer_bytes(g), name) for g in range(len(self._base_ptrs))]
+            # the kernels reach the same regions through the exchanged addresses: a view elsewhere
+            # (a mapping offset one side counts and the other not) would put the copied rows where
+            # no kernel reads them
+            offset = self._regions[name][0]
+            for g, view in enumerate(views):
+                if view.data_ptr() != self._base_ptrs[g] + offset:
+                    raise RuntimeError(f"P2PDispatcher: rank {g}'s mapped region {name!r} is at {view.data_ptr():#x}, "
+                                       f"the kernels' address is {self._base_ptrs[g] + offset:#x}")
+            self._peer_regions[name] = views
         return self._peer_regions[name]
 
     def _peer_bytes(self, g: int) -> torch.Tensor:
@@ -201,7 +214,7 @@ class _Home:
     sums, goes (row ``me·T_cap + t`` of rank s's return buffer, as ``s · G·T_cap + row``);
     ``n_M`` (1,) their number on the device; ``rows_TG`` (T_cap, G) int64 the rows of token t's
     G sums in this rank's return buffer (g·T_cap + t); ``lead_TG`` (T_cap·G,) int32 the dispatch
-    kernel's (token, rank) tickets, zeroed by each dispatch."""
+    kernel's (token, rank) tickets, zeroed by each dispatch that stores rows."""
 
     src_M: torch.Tensor
     n_M: torch.Tensor
@@ -407,7 +420,7 @@ class P2PDispatcher(ExpertParallelDispatcher):
             combine backwards of a layer's chunks run back to back on the side stream, and one
             chunk's stores must not land in rows a peer still copies out for the other.
         copy_engine: the token rows move as whole blocks (a rank's T rows to every rank, each
-            way back's G·T_cap sums) by cudaMemcpyAsync on the copy engines, which leave the SMs
+            way back's G blocks of T_cap sums) by cudaMemcpyAsync on the copy engines, which leave the SMs
             to the kernels beside them (a side stream's exchange beside the experts' GEMMs under
             ``overlap_chunks``); the kernels then move only the counts, routes and weights. A
             block holds every token, also those with no pair on that rank: hardly more bytes where
@@ -448,8 +461,9 @@ class P2PDispatcher(ExpertParallelDispatcher):
 
     def __repr__(self) -> str:
         chunks = "" if self.overlap_chunks == 1 else f", overlap_chunks={self.overlap_chunks}"
+        engine = ", copy_engine" if self.copy_engine else ""
         return (f"P2PDispatcher(ep_size={self.ep_size}, ep_rank={self.ep_rank}, num_buffers={self.num_buffers}, "
-                f"{self._token_bound_repr()}{chunks})")
+                f"{self._token_bound_repr()}{chunks}{engine})")
 
     def _take_slot(self, D: int, dtype: torch.dtype, K: int, E: int, device: torch.device):
         G, T_cap = self.ep_size, self.chunk_tokens

@@ -593,7 +593,7 @@ def test_p2p_two_gpus_equals_one_process(transport):
             _check_case(results, f"{case.name}:{dtype}")
 
 
-def _p2p_slots(rank: int, world: int, share_gpu: bool = False) -> dict:
+def _p2p_slots(rank: int, world: int, share_gpu: bool = False, copy_engine: bool = False) -> dict:
     """Two dispatch/combine pairs (experts that only weight their rows) in flight before one
     backward: with two buffer slots the output and gradients are exact; with one, the backward
     raises. Each dispatcher first runs a step that fills its slots with more rows than the
@@ -622,7 +622,7 @@ def _p2p_slots(rank: int, world: int, share_gpu: bool = False) -> dict:
 
     out = {}
     for slots in (2, 1):
-        p2p = P2PDispatcher(None, None, max_tokens=T, num_buffers=slots, timeout_s=P2P_TIMEOUT_S)
+        p2p = P2PDispatcher(None, None, max_tokens=T, num_buffers=slots, timeout_s=P2P_TIMEOUT_S, copy_engine=copy_engine)
         if slots == 2:  # stale rows, weights and gradients in every slot
             (two_layers(p2p, full) * 1e3).sum().backward()
         x.grad = w.grad = None
@@ -647,8 +647,9 @@ def _p2p_slots(rank: int, world: int, share_gpu: bool = False) -> dict:
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-def test_p2p_buffer_slots_two_layers_in_flight():
-    for res in run_distributed(_p2p_slots, 2, backend="nccl"):
+@pytest.mark.parametrize("copy_engine", [False, True], ids=["kernels", "copy_engine"])
+def test_p2p_buffer_slots_two_layers_in_flight(copy_engine):
+    for res in run_distributed(_p2p_slots, 2, False, copy_engine, backend="nccl"):
         assert res[2] == {"some_dropped": True, "out": True, "dx": True, "dw": True}, res
         assert "num_buffers" in res[1], res[1]
 
@@ -669,8 +670,8 @@ def test_two_ranks_sharing_one_gpu_equal_one_process(transport):
         for case in cases:
             _check_case(results, f"{case.name}:{dtype}")
     assert results[0]["all_to_all_op"] == dict.fromkeys(results[0]["all_to_all_op"], True)
-    if transport == "p2p":
-        for res in run_distributed(_p2p_slots, 2, True, timeout_s=P2P_TIMEOUT_S):
+    if transport != "nccl":
+        for res in run_distributed(_p2p_slots, 2, True, transport == "p2p_copy_engine", timeout_s=P2P_TIMEOUT_S):
             assert res[2] == {"some_dropped": True, "out": True, "dx": True, "dw": True}, res
             assert "num_buffers" in res[1], res[1]
 
