@@ -258,7 +258,7 @@ class _P2PRoute:
         """(T, G) int64 the rows of token t's returned sums in this rank's return buffer, from the
         ranks that hold a kept pair of it (-1 for the others: they send none); read after the
         dispatch filled the route, once for the combine and its dispatch backward."""
-        (T, K), G = self.row_TK.shape, self.home.rows_TG.shape[1]
+        T, G = self.row_TK.shape[0], self.home.rows_TG.shape[1]
         has_TG = torch.zeros((T, G + 1), dtype=torch.bool, device=self.row_TK.device)
         has_TG.scatter_(1, torch.where(self.row_TK >= 0, self.dest_TK, G), True)
         return torch.where(has_TG[:, :G], self.home.rows_TG[:T], -1)
