@@ -532,3 +532,70 @@ def test_symmetric_buffer_is_zero_on_every_rank_before_a_peer_can_store(monkeypa
     assert events == ["exchange", "barrier with zeros", "sync"]
     assert buf.views["rows"].shape == (3, 4) and int(buf.views["flag"]) == 0
     assert int(buf.ptrs["flag"][0]) - int(buf.ptrs["rows"][0]) == 256  # regions aligned to 256 bytes
+
+
+def _cpu_symmetric_buffers(monkeypatch, sizes, shift=0):
+    """G real ``_SymmetricBuffer`` objects on CPU tensors: their memory, address exchange and
+    barrier stand in for symmetric memory's (every rank's bytes in one process); ``shift``: the
+    handles map a peer's buffer that many bytes off the exchanged address."""
+    import parallel.p2p_dispatcher as p2p
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"synchronize": lambda s: None})())
+    everyone = []
+
+    class Handle:
+        def __init__(self, rank):
+            self.rank = rank
+
+        def get_remote_tensor(self, peer, sizes, dtype):
+            whole = everyone[peer].bytes
+            return torch.cat([whole[shift:], whole[:shift]]) if shift else whole
+
+    class CpuBuffer(p2p._SymmetricBuffer):
+        def _empty(self, nbytes, device):
+            return torch.empty(nbytes, dtype=torch.uint8)
+
+        def _exchange(self, group, buf):
+            self.handle = Handle(len(everyone))
+            everyone.append(self)
+            return [0] * G  # filled in below, once every rank's buffer exists
+
+        def barrier(self):
+            pass
+
+    bufs = [CpuBuffer(None, sizes, torch.device("cpu"), TIMEOUT_MS) for _ in range(G)]
+    for b in bufs:
+        b._base_ptrs = [o.bytes.data_ptr() for o in bufs]
+    return bufs
+
+
+def test_copy_engine_blocks_land_where_the_kernels_read(monkeypatch):
+    """The dispatcher's own buffers, peer views and block copies (what its copy-engine mode runs):
+    rank s's rows at rows s·T_cap... of every rank's token buffer, its sums for rank g's tokens at
+    rows s·T_cap... of rank g's return buffer, the regions next to them untouched."""
+    from parallel.p2p_dispatcher import _copy_block
+
+    T_cap, D = 5, 4
+    sizes = {"recv": ((G * T_cap, D), torch.float16), "tok": ((7,), torch.int64), "ret": ((G * T_cap, D), torch.float32)}
+    bufs = _cpu_symmetric_buffers(monkeypatch, sizes)
+    assert all(bool((b.bytes == 0).all()) for b in bufs)  # zeroed before the exchange
+    xs = [torch.randn(T_cap - r, D).half() for r in range(G)]  # fewer tokens than T_cap on ranks 1, 2
+    for r in range(G):
+        _copy_block(xs[r], bufs[r], "recv", r, T_cap)
+    for d in range(G):
+        for s in range(G):
+            block = bufs[d].views["recv"][s * T_cap:(s + 1) * T_cap]
+            assert torch.equal(block[:xs[s].shape[0]], xs[s]) and (block[xs[s].shape[0]:] == 0).all(), (d, s)
+        assert (bufs[d].views["tok"] == 0).all()
+    sums = [torch.randn(G * T_cap, D) for _ in range(G)]
+    for r in range(G):
+        _copy_block(None, bufs[r], "ret", r, T_cap, blocks_GTD=sums[r])
+    for g in range(G):
+        for r in range(G):
+            assert torch.equal(bufs[g].views["ret"][r * T_cap:(r + 1) * T_cap], sums[r][g * T_cap:(g + 1) * T_cap])
+
+
+def test_a_peer_mapping_off_the_kernels_address_is_refused(monkeypatch):
+    bufs = _cpu_symmetric_buffers(monkeypatch, {"recv": ((6, 4), torch.float16)}, shift=256)
+    with pytest.raises(RuntimeError, match="rank 1's mapped region 'recv' is at"):
+        bufs[0].peer_views("recv")
