@@ -264,6 +264,11 @@ class _P2PRoute:
         return torch.where(has_TG[:, :G], self.home.rows_TG[:T], -1)
 
     @property
+    def T_cap(self) -> int:
+        """The tokens of one dispatch the buffers hold (P_cap = T_cap · K)."""
+        return self.P_cap // self.row_TK.shape[1]
+
+    @property
     def n_rows(self) -> torch.Tensor:
         """(1,) int32 device count of the valid rows received."""
         return self.offsets_J[-1:]
@@ -311,7 +316,7 @@ def _home_and_sum(route: _P2PRoute, y_RD: torch.Tensor, out_dtype: torch.dtype,
     slot, home = route.slot, route.home
     bufs = slot.buf
     K, G = route.row_TK.shape[1], bufs.ptrs["ret"].numel()
-    T_cap, ret_dtype = route.P_cap // K, bufs.views["ret"].dtype
+    T_cap, ret_dtype = route.T_cap, bufs.views["ret"].dtype
     table_MK = return_table(bufs.views["src"], route.n_rows, G, T_cap, K)
     sums_MD = gather_slots(y_RD, table_MK, out_dtype=ret_dtype)
     if route.engine:  # every (source, token)'s row, zeros where it has none here; then one signal
@@ -349,8 +354,7 @@ class _P2PDispatchFn(torch.autograd.Function):
             out=(route.row_TK, route.dest_TK, route.offsets_J, route.tokrow_TK), timeout_ms=bufs.timeout_ms,
             store_rows=not route.engine)
         if route.engine:  # after the kernel, so after the peers' counts: they finished with the slot
-            T_cap = route.P_cap // route.row_TK.shape[1]
-            _copy_block(x_TD.to(bufs.views["recv"].dtype).contiguous(), bufs, "recv", route.me, T_cap)
+            _copy_block(x_TD.to(bufs.views["recv"].dtype).contiguous(), bufs, "recv", route.me, route.T_cap)
         bufs.barrier()
         ctx.route, ctx.x_dtype = route, x_TD.dtype
         w_R = bufs.views["w"].view_as(bufs.views["w"])
@@ -388,8 +392,7 @@ class _P2PCombineFn(torch.autograd.Function):
         # dout once per (token, rank), where the dispatch stored the token's row (the copy
         # engines: the whole block to every rank); then each rank copies it into its pair rows
         if route.engine:
-            T_cap = route.P_cap // route.row_TK.shape[1]
-            _copy_block(dout_TD.to(grad.views["rows"].dtype).contiguous(), grad, "rows", route.me, T_cap)
+            _copy_block(dout_TD.to(grad.views["rows"].dtype).contiguous(), grad, "rows", route.me, route.T_cap)
         else:
             push_rows(dout_TD, route.tokrow_TK, route.dest_TK, grad.ptrs["rows"], grad.views["rows"].dtype,
                       me=route.me)
@@ -420,9 +423,9 @@ class P2PDispatcher(ExpertParallelDispatcher):
             combine backwards of a layer's chunks run back to back on the side stream, and one
             chunk's stores must not land in rows a peer still copies out for the other.
         copy_engine: the token rows move as whole blocks (a rank's T rows to every rank, each
-            way back's G blocks of T_cap sums) by cudaMemcpyAsync on the copy engines, which leave the SMs
-            to the kernels beside them (a side stream's exchange beside the experts' GEMMs under
-            ``overlap_chunks``); the kernels then move only the counts, routes and weights. A
+            way back's G blocks of T_cap sums) by cudaMemcpyAsync on the copy engines, which leave
+            the SMs to the kernels beside them (a side stream's exchange beside the experts' GEMMs
+            under ``overlap_chunks``); the kernels then move only the counts, routes and weights. A
             block holds every token, also those with no pair on that rank: hardly more bytes where
             nearly every token has one (top-8 of 64 on 2 ranks: all but 0.2 %), 4× the rows where
             one token in 4 does (top-2 of 8 on 8 ranks).

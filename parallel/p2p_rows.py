@@ -286,8 +286,8 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
     :mod:`parallel.token_rows` says why). Token t's row of x_TD (T, D) goes once to each rank d
     that keeps a pair of it, at row ``me·T_cap + t`` of d's token buffer (``recv_ptrs_G``, (G·T_cap,
     D) of ``recv_dtype``, T_cap = P_cap / K), stored by the first of those pairs to take the
-    (token, rank) ticket in ``lead_TG`` ((T_cap·G,) int32, zeroed here when rows are stored); every kept pair's row
-    ``row`` at its destination gets that token row in rank ``dest``'s (R_cap,) int64 token-row
+    (token, rank) ticket in ``lead_TG`` ((T_cap·G,) int32, zeroed here when rows are stored);
+    every kept pair's row ``row`` at its destination gets that token row in rank ``dest``'s (R_cap,) int64 token-row
     buffer (``tok_ptrs_G``), ``me · P_cap + t·K + k`` in its (R_cap,) int64 source buffer and the
     pair's weight ``w_TK[t, k]`` (fp32) in its (R_cap,) fp32 weight buffer (``w_ptrs_G``); the
     receiver copies its token rows into its pair rows (:func:`expand_rows`). ``store_rows``
@@ -340,8 +340,8 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
         lead_TG.zero_()
     grid = grid_programs(triton.cdiv(P, _BLOCK_ROWS), _MAX_PROGRAMS)
     _dispatch_rows_kernel[(grid,)](
-        x_TD.contiguous(), order_P, counts_E, cnt_ptrs_G, flag_ptrs_G, state, counts_GE, flag, timeout_ms * 1_000_000, row_TK, dest_TK, offsets_J, recv_ptrs_G, src_ptrs_G, w_TK.contiguous(), w_ptrs_G,
-        lead_TG, tokrow_TK, tok_ptrs_G, T_cap,
+        x_TD.contiguous(), order_P, counts_E, cnt_ptrs_G, flag_ptrs_G, state, counts_GE, flag, timeout_ms * 1_000_000,
+        row_TK, dest_TK, offsets_J, recv_ptrs_G, src_ptrs_G, w_TK.contiguous(), w_ptrs_G, lead_TG, tokrow_TK, tok_ptrs_G, T_cap,
         me, G, L, E, P, K, P_cap, R_cap, D,
         OUT=tl_dtype(recv_dtype), GP=triton.next_power_of_2(G), LP=triton.next_power_of_2(L), ROWS=store_rows,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_P=_BLOCK_ROWS, BLOCK_D=ROW_BLOCK_D, num_warps=4)

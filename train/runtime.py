@@ -57,8 +57,8 @@ class Runtime:
         kind ``"nccl"``: the all-to-all :class:`~parallel.AllToAllDispatcher`. ``"p2p"``: the
         :class:`~parallel.P2PDispatcher`, whose buffers hold ``max_tokens`` tokens per layer in
         ``num_buffers`` slots (one per MoE layer; with ``overlap_chunks`` N, N slots of a chunk's
-        tokens each), whose kernels wait ``timeout_s`` for
-        a peer before they fail (``parallel.timeout_s``, as the collectives), and sized by the MoE
+        tokens each), whose kernels wait ``timeout_s`` for a peer before they fail
+        (``parallel.timeout_s``, as the collectives), and sized by the MoE
         layers' ``capacity_factor`` and ``capacity_groups`` when they cap. ``overlap_chunks``: both
         dispatchers' pipelining of each layer's tokens (:meth:`parallel.ExpertParallelDispatcher.run_experts`).
         ``p2p_copy``: the P2P dispatcher's ``"kernels"`` or ``"copy_engine"`` row moves.
