@@ -99,6 +99,16 @@ from parallel.token_rows import gather_slots
 _ALIGN = 256
 
 
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory under a tensor of its own version counter. The copy engines store into this
+    rank's own buffer too; through a view of ``bytes`` each copy would bump the version that the
+    views handed to autograd share (``w_R``), and the backward of anything viewing them then raises
+    "... its base or another view of its base has been modified inplace" (2×H200, the first
+    copy-engine run). The kernels' stores through raw addresses bump nothing; neither may these."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape,
+                                                               t.stride())
+
+
 class _SymmetricBuffer:
     """One collectively allocated byte buffer carved into typed regions: ``views[name]``
     is this rank's region, ``ptrs[name]`` the (G,) int64 addresses of that region on every rank."""
@@ -141,7 +151,7 @@ class _SymmetricBuffer:
         """Region ``name`` of every rank's buffer (this rank's own at its index) as tensors on this
         device, for the copy engines to store into (made at the first call, then kept)."""
         if name not in self._peer_regions:
-            views = [self._region(self._peer_bytes(g), name) for g in range(len(self._base_ptrs))]
+            views = [self._region(_alias(self._peer_bytes(g)), name) for g in range(len(self._base_ptrs))]
             # the kernels reach the same regions through the exchanged addresses: a view elsewhere
             # (a mapping offset one side counts and the other not) would put the copied rows where
             # no kernel reads them

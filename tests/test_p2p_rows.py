@@ -579,6 +579,7 @@ def test_copy_engine_blocks_land_where_the_kernels_read(monkeypatch):
     sizes = {"recv": ((G * T_cap, D), torch.float16), "tok": ((7,), torch.int64), "ret": ((G * T_cap, D), torch.float32)}
     bufs = _cpu_symmetric_buffers(monkeypatch, sizes)
     assert all(bool((b.bytes == 0).all()) for b in bufs)  # zeroed before the exchange
+    versions = [b.bytes._version for b in bufs]
     xs = [torch.randn(T_cap - r, D).half() for r in range(G)]  # fewer tokens than T_cap on ranks 1, 2
     for r in range(G):
         _copy_block(xs[r], bufs[r], "recv", r, T_cap)
@@ -593,6 +594,9 @@ def test_copy_engine_blocks_land_where_the_kernels_read(monkeypatch):
     for g in range(G):
         for r in range(G):
             assert torch.equal(bufs[g].views["ret"][r * T_cap:(r + 1) * T_cap], sums[r][g * T_cap:(g + 1) * T_cap])
+    # the copies bump no version the buffers' own views share: autograd holds such views (the
+    # dispatch's w_R) and would refuse their backward after an in-place change of their base
+    assert [b.bytes._version for b in bufs] == versions
 
 
 def test_a_peer_mapping_off_the_kernels_address_is_refused(monkeypatch):
