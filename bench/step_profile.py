@@ -14,7 +14,8 @@ dispatcher's ``dispatch`` and ``combine``, the grouped experts, dense MLPs, the 
 CPU op that launched it; a backward kernel is launched by an autograd node whose sequence number
 is that of the forward op that made it, and takes that op's range (so the backward of the
 attention counts as attention). NCCL kernels go by their collective: all-to-all and send/recv
-are the expert-parallel exchange, the rest in the optimizer phase is gradient sync. What is left
+are the expert-parallel exchange (the P2P dispatcher's copy-engine mode: its memcpys and their
+signal, :func:`claim_exchange`), the rest in the optimizer phase is gradient sync. What is left
 (residual adds, the embedding, casts) is "elementwise, other".
 
 What the columns mean. ``GPU ms``: the summed durations of the category's kernels per step (on
@@ -379,12 +380,16 @@ def profiled_steps(trainer, steps: int, activities) -> tuple[float, float, list[
 
 def claim_exchange(kernels, copies: bool = False):
     """``kernels`` (start, end, category, name) with those of :data:`EP_EXCHANGE_KERNELS` in the
-    exchange's "dispatch/combine" (for a run under expert parallelism); with ``copies`` (the P2P
-    dispatcher's copy-engine mode, whose rows move as device-to-device and peer memcpys) those
-    memcpys too."""
+    exchange's "dispatch/combine" (for a run under expert parallelism). With ``copies`` (the P2P
+    dispatcher's copy-engine mode) the transfer is its own: the device-to-device and peer memcpys
+    that move the rows and the one-program signal after them go to "all-to-all", the role NCCL's
+    kernels have, so the rows' transfer reads apart from the local expand and sums that a single
+    GPU's layer runs too (the waits for the other rank stay inside the dispatch and sum kernels)."""
     def claimed(n):
-        return n in EP_EXCHANGE_KERNELS or (copies and n.startswith(("Memcpy DtoD", "Memcpy PtoP")))
-    return [(s, e, "dispatch/combine" if claimed(n) else c, n) for s, e, c, n in kernels]
+        if copies and (n.startswith(("Memcpy DtoD", "Memcpy PtoP")) or n == "_signal_peers_kernel"):
+            return ALL_TO_ALL
+        return "dispatch/combine" if n in EP_EXCHANGE_KERNELS else None
+    return [(s, e, claimed(n) or c, n) for s, e, c, n in kernels]
 
 
 def name_categories(kernels) -> dict[str, str]:

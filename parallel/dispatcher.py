@@ -323,10 +323,8 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         super().__init__(ep_group, world_group, overlap_chunks)
         self.comm_timer = CommTimer() if time_comm else None
         self._side_streams = SideStreams()
-        self.block_rows = 0
         if max_tokens is not None:
             self._set_token_bound(max_tokens, capacity_factor, capacity_groups)
-            self.block_rows = -(-max_tokens // overlap_chunks)
         elif capacity_factor is not None or capacity_groups != 1:
             raise ValueError("AllToAllDispatcher: capacity_factor and capacity_groups size the padded exchange: "
                              "give max_tokens too (or neither)")
@@ -344,13 +342,10 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         ends_G = plan.kept_per_expert_E.view(G, -1).sum(-1).cumsum(0)
         pos_TK = _send_positions(plan.order_P).view(T, K)  # kept pairs by expert, hence by rank
         dest_TK, place_TK, own_TK, has_GT = locate_pairs(pos_TK, ends_G, me)
-        if self.block_rows:  # rank g's block is the g-th of the others'
-            if T > self.block_rows:
-                raise ValueError(f"AllToAllDispatcher: {T} tokens on rank {me} exceed the padded exchange's "
-                                 f"{self.block_rows} a dispatch (max_tokens={self.max_tokens}, overlap_chunks="
-                                 f"{self.overlap_chunks})")
+        if self.dispatch_tokens:  # the padded exchange: rank g's block is the g-th of the others'
+            self._check_dispatch_tokens(T)
             block_G = torch.arange(G, device=device)
-            block_G = (block_G - (block_G > me).long()) * self.block_rows
+            block_G = (block_G - (block_G > me).long()) * self.dispatch_tokens
             send_row_GT = has_GT.cumsum(1) - 1 + block_G[:, None]
         else:
             send_row_GT = has_GT.flatten().cumsum(0).view(G, T) - 1  # by destination rank, then token
@@ -370,12 +365,13 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
                                    for plan, (route, _) in zip(plans, routes)], 1)
         recv_counts_all = torch.empty_like(send_counts)  # by source rank
         _timed_all_to_all(recv_counts_all, send_counts, None, None, self.ep_group, self.comm_timer, "dispatch counts")
-        if self.block_rows:
+        if self.dispatch_tokens:
             K, E = plans[0].kept_TK.shape[1], plans[0].kept_per_expert_E.numel()
-            splits = [0 if g == self.ep_rank else self.block_rows for g in range(G)]
-            fixed = (splits, splits, self._received_rows_bound(E, K, self.block_rows))
-            return [_Counts(route, place_TK, recv_counts_all[:, n].contiguous(), padded=(self.block_rows, self.ep_rank),
-                            fixed=fixed) for n, (route, place_TK) in enumerate(routes)]
+            splits = [0 if g == self.ep_rank else self.dispatch_tokens for g in range(G)]
+            fixed = (splits, splits, self._received_rows_bound(E, K, self.dispatch_tokens))
+            return [_Counts(route, place_TK, recv_counts_all[:, n].contiguous(),
+                            padded=(self.dispatch_tokens, self.ep_rank), fixed=fixed)
+                    for n, (route, place_TK) in enumerate(routes)]
         host_counts_all = torch.stack([send_counts, recv_counts_all]).to("cpu", non_blocking=True)
         copied = torch.cuda.Event() if send_counts.is_cuda else None
         if copied is not None:

@@ -103,7 +103,9 @@ class ExpertParallelDispatcher(Dispatcher):
         self._one_reduction = self._ep_size > 1 and _ranks(ep_group) == _ranks(world_group)
         self._local = LocalDispatcher()
         self._overlap_streams = SideStreams()
-        self.max_tokens: int | None = None  # a transport with fixed buffers sets it (_set_token_bound)
+        # a transport with fixed buffers sets both (_set_token_bound)
+        self.max_tokens: int | None = None
+        self.dispatch_tokens: int | None = None
 
     def _set_token_bound(self, max_tokens: int, capacity_factor: float | None, capacity_groups: int) -> None:
         """Validate and keep the bound on the tokens a rank passes to one dispatch, and the MoE
@@ -118,6 +120,17 @@ class ExpertParallelDispatcher(Dispatcher):
             raise ValueError(f"{name}: max_tokens={max_tokens} tokens do not fill capacity_groups={capacity_groups}")
         self.max_tokens = max_tokens
         self.capacity_factor, self.capacity_groups = capacity_factor, capacity_groups
+        # the most tokens of one dispatch: a chunk's share under run_experts' chunks
+        self.dispatch_tokens = -(-max_tokens // self.overlap_chunks)
+
+    def _check_dispatch_tokens(self, T: int) -> None:
+        """Refuse a dispatch of more than :attr:`dispatch_tokens` tokens, which its buffers do
+        not hold."""
+        if T > self.dispatch_tokens:
+            bound = (f"max_tokens={self.max_tokens}" if self.overlap_chunks == 1 else
+                     f"a chunk's {self.dispatch_tokens} (max_tokens={self.max_tokens}, "
+                     f"overlap_chunks={self.overlap_chunks})")
+            raise ValueError(f"{type(self).__name__}: {T} tokens on rank {self.ep_rank} exceed {bound}")
 
     def _received_rows_bound(self, num_experts: int, top_k: int, tokens: int | None = None) -> int:
         """The most rows this rank's experts receive in one dispatch of at most ``tokens`` tokens a

@@ -459,7 +459,6 @@ class P2PDispatcher(ExpertParallelDispatcher):
         super().__init__(ep_group, world_group, overlap_chunks)
         self._set_token_bound(max_tokens, capacity_factor, capacity_groups)
         check_positive_int("P2PDispatcher: num_buffers", num_buffers)
-        self.chunk_tokens = -(-max_tokens // overlap_chunks)  # the most tokens of one dispatch
         if not timeout_s > 0:  # NaN included
             raise ValueError(f"P2PDispatcher: timeout_s must be > 0, got {timeout_s}")
         if not torch.cuda.is_available():
@@ -479,7 +478,7 @@ class P2PDispatcher(ExpertParallelDispatcher):
                 f"{self._token_bound_repr()}{chunks}{engine})")
 
     def _take_slot(self, D: int, dtype: torch.dtype, K: int, E: int, device: torch.device):
-        G, T_cap = self.ep_size, self.chunk_tokens
+        G, T_cap = self.ep_size, self.dispatch_tokens
         R_cap = self._received_rows_bound(E, K, T_cap)
         P_cap = T_cap * K
         key = (D, dtype, K, E, device)
@@ -513,10 +512,7 @@ class P2PDispatcher(ExpertParallelDispatcher):
         dispatch kernel."""
         me, E = self.ep_rank, num_experts
         T, K = plan.kept_TK.shape
-        if T > self.chunk_tokens:
-            bound = (f"max_tokens={self.max_tokens}" if self.overlap_chunks == 1 else
-                     f"a chunk's {self.chunk_tokens} (max_tokens={self.max_tokens}, overlap_chunks={self.overlap_chunks})")
-            raise ValueError(f"P2PDispatcher: {T} tokens on rank {me} exceed {bound}")
+        self._check_dispatch_tokens(T)
         device = x_TD.device
         slot, grad, index, P_cap, home = self._take_slot(x_TD.shape[1], row_dtype, K, E, device)
         route_3TK = torch.empty((3, T, K), dtype=torch.int64, device=device)

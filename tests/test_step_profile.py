@@ -37,9 +37,14 @@ def test_the_exchange_kernels_are_claimed_by_name_under_ep():
                (20, 30, "elementwise, other", "_gather_sum_kernel"), (30, 40, "expert GEMMs", "_grouped_mm_kernel")]
     assert [c for _, _, c, _ in sp.claim_exchange(kernels)] == [
         "dispatch/combine", "router + routing plan", "dispatch/combine", "expert GEMMs"]
-    copies = [(0, 5, "router + routing plan", "Memcpy DtoD (Device -> Device)"), (5, 6, sp.OTHER, "Memcpy HtoD")]
-    assert [c for _, _, c, _ in sp.claim_exchange(copies)] == ["router + routing plan", sp.OTHER]
-    assert [c for _, _, c, _ in sp.claim_exchange(copies, copies=True)] == ["dispatch/combine", sp.OTHER]
+    copies = [(0, 5, "router + routing plan", "Memcpy DtoD (Device -> Device)"), (5, 6, sp.OTHER, "Memcpy HtoD"),
+              (6, 7, "dispatch/combine", "Memcpy PtoP (Device -> Device)"), (7, 8, sp.OTHER, "_signal_peers_kernel"),
+              (8, 9, sp.OTHER, "_expand_rows_kernel")]
+    assert [c for _, _, c, _ in sp.claim_exchange(copies)] == [
+        "router + routing plan", sp.OTHER, "dispatch/combine", "dispatch/combine", "dispatch/combine"]
+    # the copy-engine mode's transfer (the memcpys and the signal after them) is the all-to-all
+    assert [c for _, _, c, _ in sp.claim_exchange(copies, copies=True)] == [
+        sp.ALL_TO_ALL, sp.OTHER, sp.ALL_TO_ALL, sp.ALL_TO_ALL, "dispatch/combine"]
     import importlib
 
     p2p_rows, token_rows, floor = (importlib.import_module(m) for m in
