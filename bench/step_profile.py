@@ -77,7 +77,10 @@ CATEGORIES = (
 )
 OTHER = "elementwise, other"  # what no range claims
 ALL_TO_ALL = "all-to-all"
-EXCHANGE = (ALL_TO_ALL, "dispatch/combine")  # the P2P transport's peer stores run inside dispatch/combine kernels
+# the exchange's categories: NCCL's kernels and the P2P copy-engine mode's memcpys are the all-to-all,
+# the P2P kernels (whose peer stores run inside them) and the row kernels dispatch/combine
+EXCHANGE = (ALL_TO_ALL, "dispatch/combine")
+EXCHANGE_ROW = "(the exchange: all-to-all + dispatch/combine)"
 IDLE = "idle (no kernel running)"
 # kernels that under expert parallelism serve the exchange alone, whatever range launched them: the
 # P2P kernels and the row kernels of both transports (kernel_floor's gather_sum and scatter_rows:
@@ -288,14 +291,16 @@ def _busy_ms(intervals, steps: int) -> float:
 
 
 def summarise(kernels, step_ms: float, steps: int) -> list[tuple[str, float, float]]:
-    """(category, GPU ms per step, exposed ms per step) in CATEGORIES order, then idle."""
+    """(category, GPU ms per step, exposed ms per step) in CATEGORIES order, then the exchange's
+    categories as one (its exposed time: while no kernel of another category runs, so an
+    all-to-all beside a dispatch/combine kernel counts once, not zero times), idle."""
     rows = []
-    for cat in CATEGORIES:
-        mine = [(s, e) for s, e, c, _ in kernels if c == cat]
-        others = [(s, e) for s, e, c, _ in kernels if c != cat]
+    for cats in [(cat,) for cat in CATEGORIES] + [EXCHANGE]:
+        mine = [(s, e) for s, e, c, _ in kernels if c in cats]
+        others = [(s, e) for s, e, c, _ in kernels if c not in cats]
         busy = sum(e - s for s, e in mine) / 1e3 / steps
         exposed = _minus(mine, others) / 1e3 / steps
-        rows.append((cat, busy, exposed))
+        rows.append((cats[0] if len(cats) == 1 else EXCHANGE_ROW, busy, exposed))
     lo = min(s for s, _, _, _ in kernels)
     hi = max(e for _, e, _, _ in kernels)
     covered = _busy_ms([(s, e) for s, e, _, _ in kernels], steps)
@@ -320,8 +325,8 @@ def routing_at_end(trainer) -> list[float]:
 
 
 def _exchange_ms(rows) -> float:
-    """Exposed ms a step of the exchange's categories (all-to-all, dispatch/combine)."""
-    return sum(x for c, _, x in rows if c in EXCHANGE)
+    """Exposed ms a step of the exchange's categories (all-to-all, dispatch/combine) together."""
+    return next(x for c, _, x in rows if c == EXCHANGE_ROW)
 
 
 def _compute_ms(rows) -> float:
@@ -385,11 +390,14 @@ def claim_exchange(kernels, copies: bool = False):
     that move the rows and the one-program signal after them go to "all-to-all", the role NCCL's
     kernels have, so the rows' transfer reads apart from the local expand and sums that a single
     GPU's layer runs too (the waits for the other rank stay inside the dispatch and sum kernels)."""
-    def claimed(n):
-        if copies and (n.startswith(("Memcpy DtoD", "Memcpy PtoP")) or n == "_signal_peers_kernel"):
+    def claimed(n, c):
+        # a within-device copy is the exchange's (the own block) only in its ranges or none: the
+        # gradient buckets' and the LM loss's copies have theirs
+        own_block = n.startswith("Memcpy DtoD") and c in ("dispatch/combine", OTHER)
+        if copies and (own_block or n.startswith("Memcpy PtoP") or n == "_signal_peers_kernel"):
             return ALL_TO_ALL
-        return "dispatch/combine" if n in EP_EXCHANGE_KERNELS else None
-    return [(s, e, claimed(n) or c, n) for s, e, c, n in kernels]
+        return "dispatch/combine" if n in EP_EXCHANGE_KERNELS else c
+    return [(s, e, claimed(n, c), n) for s, e, c, n in kernels]
 
 
 def name_categories(kernels) -> dict[str, str]:
@@ -438,11 +446,23 @@ def light_split(kernels, exchange: set[str], step_ms: float, steps: int) -> tupl
     return _busy_ms(others, steps), exposed, max(step_ms - covered, 0.0)
 
 
+# the exchange's kernels that can wait for another rank: NCCL's, and the P2P kernels that spin on a
+# flag (the dispatch on the counts; the way back's sum, a gather-sum whose prologue waits, which
+# shares its name with the local sums that do not wait: a wait split from it is an upper bound)
+WAITING_P2P_KERNELS = frozenset({"_dispatch_rows_kernel", "_gather_sum_kernel"})
+
+
+def can_wait(name: str) -> bool:
+    return name.startswith("nccl") or name in WAITING_P2P_KERNELS
+
+
 def exchange_launches(kernels, exchange: set[str]) -> dict[str, list[tuple[float, float]]]:
-    """Per exchange kernel name, its launches' (start µs, end µs) in order."""
+    """Per exchange kernel name that can wait (:func:`can_wait`), its launches' (start µs, end
+    µs) in order: what :func:`wait_split` matches across ranks (a kernel that does not wait, e.g.
+    a copy, started early does no waiting)."""
     out = collections.defaultdict(list)
     for s, e, n in sorted(kernels):
-        if n in exchange:
+        if n in exchange and can_wait(n):
             out[n].append((s, e))
     return dict(out)
 

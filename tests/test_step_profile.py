@@ -37,14 +37,18 @@ def test_the_exchange_kernels_are_claimed_by_name_under_ep():
                (20, 30, "elementwise, other", "_gather_sum_kernel"), (30, 40, "expert GEMMs", "_grouped_mm_kernel")]
     assert [c for _, _, c, _ in sp.claim_exchange(kernels)] == [
         "dispatch/combine", "router + routing plan", "dispatch/combine", "expert GEMMs"]
-    copies = [(0, 5, "router + routing plan", "Memcpy DtoD (Device -> Device)"), (5, 6, sp.OTHER, "Memcpy HtoD"),
-              (6, 7, "dispatch/combine", "Memcpy PtoP (Device -> Device)"), (7, 8, sp.OTHER, "_signal_peers_kernel"),
-              (8, 9, sp.OTHER, "_expand_rows_kernel")]
+    dtod = "Memcpy DtoD (Device -> Device)"
+    copies = [(0, 5, "dispatch/combine", dtod), (5, 6, sp.OTHER, "Memcpy HtoD"),
+              (6, 7, "router + routing plan", "Memcpy PtoP (Device -> Device)"),
+              (7, 8, sp.OTHER, "_signal_peers_kernel"), (8, 9, sp.OTHER, "_expand_rows_kernel"), (9, 10, sp.OTHER, dtod),
+              (10, 11, "gradient sync", dtod)]
     assert [c for _, _, c, _ in sp.claim_exchange(copies)] == [
-        "router + routing plan", sp.OTHER, "dispatch/combine", "dispatch/combine", "dispatch/combine"]
-    # the copy-engine mode's transfer (the memcpys and the signal after them) is the all-to-all
+        "dispatch/combine", sp.OTHER, "router + routing plan", "dispatch/combine", "dispatch/combine", sp.OTHER,
+        "gradient sync"]
+    # the copy-engine mode's transfer (the memcpys and the signal after them) is the all-to-all; a
+    # within-device copy only from the exchange's ranges or none (the gradient buckets' is not)
     assert [c for _, _, c, _ in sp.claim_exchange(copies, copies=True)] == [
-        sp.ALL_TO_ALL, sp.OTHER, sp.ALL_TO_ALL, sp.ALL_TO_ALL, "dispatch/combine"]
+        sp.ALL_TO_ALL, sp.OTHER, sp.ALL_TO_ALL, sp.ALL_TO_ALL, "dispatch/combine", sp.ALL_TO_ALL, "gradient sync"]
     import importlib
 
     p2p_rows, token_rows, floor = (importlib.import_module(m) for m in
@@ -66,9 +70,12 @@ def test_light_split_clips_to_the_profiled_steps_and_splits_them():
 
 
 def test_wait_split_charges_the_early_rank_for_the_late_one():
-    r0 = sp.light_kernels([_kernel(100, 10, "d"), _kernel(110, 20, "g"), _kernel(130, 10, "d")], 0.045)
-    r1 = sp.light_kernels([_kernel(90, 3, "d"), _kernel(104, 6, "d"), _kernel(110, 25, "g"), _kernel(135, 5, "d")], 0.05)
-    launches = [sp.exchange_launches(r, {"d"}) for r in (r0, r1)]
+    d, c = "_dispatch_rows_kernel", "Memcpy PtoP (Device -> Device)"  # one that waits, one that does not
+    r0 = sp.light_kernels([_kernel(100, 10, d), _kernel(110, 20, "g"), _kernel(130, 10, d), _kernel(140, 4, c)], 0.049)
+    r1 = sp.light_kernels([_kernel(90, 3, d), _kernel(104, 6, d), _kernel(110, 25, "g"), _kernel(135, 5, d),
+                           _kernel(148, 4, c)], 0.062)
+    launches = [sp.exchange_launches(r, {d, c}) for r in (r0, r1)]
+    assert all(set(la) == {d} for la in launches)  # the copy, 8 µs earlier on rank 0, waits for nothing
     waits, spread = sp.wait_split(launches, steps=1)
     # aligned at the ends: r1's first "d" (at 90) has no partner. Launch 1: r0 starts at 100, r1 at
     # 104 -> r0 waits 4 µs; launch 2: 130 against 135 -> r0 waits 5 µs; r1 never waits
@@ -77,6 +84,18 @@ def test_wait_split_charges_the_early_rank_for_the_late_one():
     # a wait is at most the kernel's own duration (a rank whose peer starts long after it ends)
     waits, _ = sp.wait_split([{"d": [(0, 2)]}, {"d": [(50, 52)]}], steps=2)
     assert waits == [pytest.approx(0.001), 0.0]
+
+
+def test_the_exchange_exposed_counts_its_categories_overlap_once():
+    # an all-to-all copy (0-10) beside a dispatch/combine kernel (5-15), a GEMM (12-20): the exchange
+    # is exposed 0-12 (12 µs), though its categories alone are exposed only 0-5 and 10-12 (7 µs)
+    kernels = [(0, 10, sp.ALL_TO_ALL, "Memcpy PtoP"), (5, 15, "dispatch/combine", "_expand_rows_kernel"),
+               (12, 20, "expert GEMMs", "_grouped_mm_tma_kernel")]
+    rows = sp.summarise(kernels, step_ms=0.020, steps=1)
+    exposed = {c: x for c, _, x in rows}
+    assert exposed[sp.ALL_TO_ALL] == pytest.approx(0.005) and exposed["dispatch/combine"] == pytest.approx(0.002)
+    assert sp._exchange_ms(rows) == pytest.approx(0.012)
+    assert sp._compute_ms(rows) == pytest.approx(0.005)  # the GEMM's 15-20
 
 
 def test_idle_gaps_by_length_and_the_longest():
