@@ -43,18 +43,18 @@ gradient is then read where it arrived.
 
 Copy-engine mode (``copy_engine``): the same buffers and tables, but the token rows move as
 whole blocks by cudaMemcpyAsync (the copy engines, no SMs): after the dispatch kernel (counts,
-routes, weights; no row stores), x's T rows to rows ``me·T_cap ...`` of every rank's token buffer;
-the way back copies each of its G blocks of T_cap sums to its source (zeros for tokens with no
-pair here) and then one small kernel signals the peers (:func:`~parallel.p2p_rows.signal_peers`);
-the combine backward copies ``dout``'s block to every rank's gradient buffer. Each copy sits where
-the kernel's stores sat on the stream, and a copy is complete before the next launch on its stream
-starts (what PyTorch's own copy-engine collectives and NCCL's rely on, under graph capture too), so
-the ordering below holds unchanged. The block into a rank's own buffer is a copy within the device,
-which CUDA may run on the SMs.
+routes, weights; no row stores), x's T rows to rows ``me·T_cap ...`` of every other rank's token
+buffer; the way back copies each of its G blocks of T_cap sums to its source (zeros for tokens with
+no pair here) and then one small kernel signals the peers (:func:`~parallel.p2p_rows.signal_peers`);
+the combine backward copies ``dout``'s block to every other rank's gradient buffer. Each copy sits
+where the kernel's stores sat on the stream, and a copy is complete before the next launch on its
+stream starts (what PyTorch's own copy-engine collectives and NCCL's rely on, under graph capture
+too), so the ordering below holds unchanged. A rank's own block is not copied: the expand and the
+final sum read it where it is (x, dout, the own sums).
 
 Ordering: 7 launches per forward (the tickets' memset, 5 Triton kernels, one barrier) and a table
 of 3 small torch ops, 7 and the table per backward (the kernels' mode; the copy-engine mode trades
-the memset and the row stores for G copies each way). Flags only grow; each rank keeps on its device,
+the memset and the row stores for G - 1 copies each way). Flags only grow; each rank keeps on its device,
 per slot, the value each flag reaches after the signals sent so far (every rank makes the same
 calls with the same grids, so each knows it), advanced by the kernels: the host passes no
 per-call value, and a captured CUDA graph's replays advance them as the eager launches do.
@@ -301,11 +301,17 @@ class P2PMeta(ExpertParallelMeta):
 def _copy_block(rows_TD: torch.Tensor, buf: _SymmetricBuffer, name: str, me: int, T_cap: int,
                  blocks_GTD: torch.Tensor | None = None) -> None:
     """The copy-engine mode's move: ``rows_TD`` (T, D) into rows ``me·T_cap ... me·T_cap + T`` of
-    region ``name`` (G·T_cap, D) of every rank's ``buf``, this rank's own included; with
-    ``blocks_GTD`` (G·T_cap, D), block g of it to rank g instead (the way back: rank g's tokens'
-    sums). Contiguous copies of equal dtype between tensors of this device are cudaMemcpyAsync
-    calls, which the copy engines run without taking SMs from the kernels beside them."""
+    region ``name`` (G·T_cap, D) of every other rank's ``buf``; with ``blocks_GTD`` (G·T_cap, D),
+    block g of it to rank g instead (the way back: rank g's tokens' sums). This rank's own block
+    is not copied: its readers (:func:`~parallel.p2p_rows.expand_rows`,
+    :func:`~parallel.p2p_rows.sum_returned`) take it where it is (on 2×H200 the transfer of the
+    OLMoE-shaped step took 56.5 ms of 1.40 s, 45.2 of it the peer copies: the rest, the
+    within-device copies of the own block and the signals, was exposed). Contiguous copies of equal
+    dtype between tensors of this device are cudaMemcpyAsync calls, which the copy engines run
+    without taking SMs from the kernels beside them."""
     for g, view in enumerate(buf.peer_views(name)):
+        if g == me:
+            continue
         if blocks_GTD is None:
             view[me * T_cap:me * T_cap + rows_TD.shape[0]].copy_(rows_TD)
         else:
@@ -340,7 +346,7 @@ def _home_and_sum(route: _P2PRoute, y_RD: torch.Tensor, out_dtype: torch.dtype,
         push_back(None, bufs.views["src"], route.n_rows, bufs.ptrs["ret"], ret_dtype, route.me, route.P_cap,
                   bufs.ptrs["back_flag"], slot.back_expected, g_R, bufs.ptrs["ret_w"], num_rows=y_RD.shape[0])
     out_TD = sum_returned(bufs.views["ret"], route.returned_TG, out_dtype, bufs.views["back_flag"],
-                          slot.back_expected, bufs.timeout_ms)
+                          slot.back_expected, bufs.timeout_ms, own_MD=sums_MD if route.engine else None, me=route.me)
     if g_R is None:
         return out_TD
     return out_TD, pair_values(route.row_TK, route.dest_TK, g_R, bufs.views["ret_w"], route.me)
@@ -363,14 +369,16 @@ class _P2PDispatchFn(torch.autograd.Function):
             bufs.ptrs["tok"], route.home.lead_TG,
             out=(route.row_TK, route.dest_TK, route.offsets_J, route.tokrow_TK), timeout_ms=bufs.timeout_ms,
             store_rows=not route.engine)
+        own_TD = None
         if route.engine:  # after the kernel, so after the peers' counts: they finished with the slot
-            _copy_block(x_TD.to(bufs.views["recv"].dtype).contiguous(), bufs, "recv", route.me, route.T_cap)
+            own_TD = x_TD.to(bufs.views["recv"].dtype).contiguous()
+            _copy_block(own_TD, bufs, "recv", route.me, route.T_cap)
         bufs.barrier()
         ctx.route, ctx.x_dtype = route, x_TD.dtype
         w_R = bufs.views["w"].view_as(bufs.views["w"])
         if not ctx.needs_input_grad[1]:  # the experts then skip the weights' gradient
             ctx.mark_non_differentiable(w_R)
-        return expand_rows(bufs.views["recv"], bufs.views["tok"], route.n_rows), w_R
+        return expand_rows(bufs.views["recv"], bufs.views["tok"], route.n_rows, own_TD, route.me * route.T_cap), w_R
 
     @staticmethod
     def backward(ctx, grad_RD, grad_R):
@@ -401,13 +409,16 @@ class _P2PCombineFn(torch.autograd.Function):
         grad = route.grad
         # dout once per (token, rank), where the dispatch stored the token's row (the copy
         # engines: the whole block to every rank); then each rank copies it into its pair rows
+        own_TD = None
         if route.engine:
-            _copy_block(dout_TD.to(grad.views["rows"].dtype).contiguous(), grad, "rows", route.me, route.T_cap)
+            own_TD = dout_TD.to(grad.views["rows"].dtype).contiguous()
+            _copy_block(own_TD, grad, "rows", route.me, route.T_cap)
         else:
             push_rows(dout_TD, route.tokrow_TK, route.dest_TK, grad.ptrs["rows"], grad.views["rows"].dtype,
                       me=route.me)
         grad.barrier()
-        dy_RD = expand_rows(grad.views["rows"], route.slot.buf.views["tok"], route.n_rows)
+        dy_RD = expand_rows(grad.views["rows"], route.slot.buf.views["tok"], route.n_rows, own_TD,
+                            route.me * route.T_cap)
         return dy_RD if dy_RD.dtype == ctx.y_dtype else dy_RD.to(ctx.y_dtype), None, None
 
 
@@ -432,10 +443,11 @@ class P2PDispatcher(ExpertParallelDispatcher):
             holds the layer's whole bound where smaller), with a gradient buffer per chunk: the
             combine backwards of a layer's chunks run back to back on the side stream, and one
             chunk's stores must not land in rows a peer still copies out for the other.
-        copy_engine: the token rows move as whole blocks (a rank's T rows to every rank, each
-            way back's G blocks of T_cap sums) by cudaMemcpyAsync on the copy engines, which leave
-            the SMs to the kernels beside them (a side stream's exchange beside the experts' GEMMs
-            under ``overlap_chunks``); the kernels then move only the counts, routes and weights. A
+        copy_engine: the token rows move as whole blocks (a rank's T rows to every other rank,
+            each way back's G - 1 blocks of T_cap sums; the own block is read in place) by
+            cudaMemcpyAsync on the copy engines, which leave the SMs to the kernels beside them (a
+            side stream's exchange beside the experts' GEMMs under ``overlap_chunks``); the
+            kernels then move only the counts, routes and weights. A
             block holds every token, also those with no pair on that rank: hardly more bytes where
             nearly every token has one (top-8 of 64 on 2 ranks: all but 0.2 %), 4× the rows where
             one token in 4 does (top-2 of 8 on 8 ranks).

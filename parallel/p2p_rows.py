@@ -349,37 +349,60 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
 
 
 @triton.jit
-def _expand_rows_kernel(tok_ptr, of_ptr, n_ptr, out_ptr, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _expand_rows_kernel(tok_ptr, of_ptr, n_ptr, out_ptr, own_ptr, own_start, own_rows, D, OWN: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     offs = tl.arange(0, BLOCK_D)
     n = tl.load(n_ptr).to(tl.int64)
     for tile in range(tl.program_id(0), tl.cdiv(n, BLOCK_R), tl.num_programs(0)):
         r = tile * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
         live = r < n
         src = tl.load(of_ptr + r, mask=live, other=0)
+        if OWN:  # this rank's block from its own tokens (masked loads fetch nothing)
+            own = (src >= own_start) & (src < own_start + own_rows)
         for c in range(0, D, BLOCK_D):
             ok = live[:, None] & (c + offs[None, :] < D)
-            v = tl.load(tok_ptr + src[:, None] * D + c + offs[None, :], mask=ok, other=0.0)
+            if OWN:
+                v = tl.load(tok_ptr + src[:, None] * D + c + offs[None, :], mask=ok & ~own[:, None], other=0.0)
+                v += tl.load(own_ptr + (src - own_start)[:, None] * D + c + offs[None, :], mask=ok & own[:, None],
+                             other=0.0)
+            else:
+                v = tl.load(tok_ptr + src[:, None] * D + c + offs[None, :], mask=ok, other=0.0)
             tl.store(out_ptr + r[:, None] * D + c + offs[None, :], v, mask=ok)
 
 
-def expand_rows(tok_MD: torch.Tensor, of_R: torch.Tensor, n_rows: torch.Tensor) -> torch.Tensor:
+def expand_rows(tok_MD: torch.Tensor, of_R: torch.Tensor, n_rows: torch.Tensor, own_TD: torch.Tensor | None = None,
+                own_start: int = 0) -> torch.Tensor:
     """``out[r] = tok_MD[of_R[r]]`` for the rows r < ``n_rows`` (1-element device int tensor): a
     receiver's token rows copied into its pair rows (R, D), R = of_R's length; the rows past
-    ``n_rows`` are left as allocated (the experts skip them). Local memory only."""
+    ``n_rows`` are left as allocated (the experts skip them). Local memory only. With ``own_TD``
+    (T, D) of tok_MD's dtype, the token rows ``own_start ... own_start + T`` come from it instead
+    (this rank's own block, read where it is rather than copied into tok_MD first)."""
     check_rows("tok_MD", tok_MD, None, tok_MD.shape[1] if tok_MD.dim() == 2 else -1)
     if of_R.dtype != torch.int64 or of_R.dim() != 1 or n_rows.numel() != 1:
         raise ValueError(f"of_R must be an int64 vector and n_rows 1-element, got {of_R.dtype} {tuple(of_R.shape)} "
                          f"and {tuple(n_rows.shape)}")
-    out = tok_MD.new_empty((of_R.shape[0], tok_MD.shape[1]))
+    D = tok_MD.shape[1]
+    if own_TD is not None:
+        check_rows("own_TD", own_TD, None, D)
+        if own_TD.dtype != tok_MD.dtype or not 0 <= own_start <= tok_MD.shape[0] - own_TD.shape[0]:
+            raise ValueError(f"own_TD ({own_TD.dtype}, {own_TD.shape[0]} rows at {own_start}) must be tok_MD's dtype "
+                             f"({tok_MD.dtype}) and a block within its {tok_MD.shape[0]} rows")
+    out = tok_MD.new_empty((of_R.shape[0], D))
     if of_R.shape[0]:
         grid = grid_programs(triton.cdiv(of_R.shape[0], _BLOCK_ROWS), _MAX_PROGRAMS)
-        _expand_rows_kernel[(grid,)](tok_MD, of_R, n_rows, out, tok_MD.shape[1], BLOCK_R=_BLOCK_ROWS,
+        own = own_TD is not None and own_TD.numel() > 0
+        _expand_rows_kernel[(grid,)](tok_MD, of_R, n_rows, out, own_TD if own else tok_MD, own_start,
+                                     own_TD.shape[0] if own else 0, D, OWN=own, BLOCK_R=_BLOCK_ROWS,
                                      BLOCK_D=ROW_BLOCK_D, num_warps=4)
     return out
 
 
-def expand_rows_reference(tok_MD: torch.Tensor, of_R: torch.Tensor, n_rows: torch.Tensor) -> torch.Tensor:
+def expand_rows_reference(tok_MD: torch.Tensor, of_R: torch.Tensor, n_rows: torch.Tensor,
+                          own_TD: torch.Tensor | None = None, own_start: int = 0) -> torch.Tensor:
     """PyTorch version of :func:`expand_rows` (the rows past ``n_rows`` zero here)."""
+    if own_TD is not None:
+        tok_MD = tok_MD.clone()
+        tok_MD[own_start:own_start + own_TD.shape[0]] = own_TD
     n = int(n_rows.reshape(()))
     out = tok_MD.new_zeros((of_R.shape[0], tok_MD.shape[1]))
     out[:n] = tok_MD[of_R[:n]]
@@ -487,35 +510,50 @@ def signal_peers(flag_ptrs_G: torch.Tensor, expect: torch.Tensor, me: int) -> in
 
 
 @triton.jit
-def _locate_returned(pair, live, rows_ptr, _unused, _me, _n):
-    """Slot g of token t (pair = t·G + g) is row ``rows[t·G + g]`` of the return buffer (-1: none)."""
+def _locate_returned(pair, live, rows_ptr, _unused, me, own):
+    """Slot g of token t (pair = t·G + g) is row ``rows[t·G + g]`` of the return buffer (-1: none);
+    with ``own`` = G (not 0), slot ``me``'s row is that row of the own sums instead."""
     row = tl.load(rows_ptr + pair, mask=live, other=-1)
     there = live & (row >= 0)
-    return there, there & False, row, row
+    mine = (pair % tl.maximum(own, 1) == me) & (own > 0)
+    return there & ~mine, there & mine, row, row
 
 
 def sum_returned(ret_MD: torch.Tensor, rows_TG: torch.Tensor, out_dtype: torch.dtype, flag: torch.Tensor,
-                 expect: torch.Tensor, timeout_ms: int = TIMEOUT_MS) -> torch.Tensor:
+                 expect: torch.Tensor, timeout_ms: int = TIMEOUT_MS, own_MD: torch.Tensor | None = None,
+                 me: int = 0) -> torch.Tensor:
     """After waiting until ``flag`` (1-element int64) reaches ``expect[0]`` (a 1-element int64
     device tensor, read when the kernel starts: :func:`push_back` advances it for the ranks'
     pushes of their sums): ``out_TD[t] = Σ_g ret_MD[rows_TG[t, g]]`` in fp32, cast to ``out_dtype``; rows -1
     add nothing. ret_MD (M, D) row-major; rows_TG (T, G) int64 contiguous. Runs (the wait) for
-    T = 0 too: it orders this rank's later stores into the peers' buffers after their reads."""
+    T = 0 too: it orders this rank's later stores into the peers' buffers after their reads.
+    With ``own_MD`` (M, D) of ret_MD's dtype, rank ``me``'s rows come from it, not ret_MD (this
+    rank's sums for its own tokens, read where they are rather than copied into ret_MD first)."""
     _check_flag("flag", flag)
     _check_flag("expect", expect)
     if rows_TG.dim() != 2 or rows_TG.dtype != torch.int64 or not rows_TG.is_contiguous():
         raise ValueError(f"rows_TG must be a contiguous (T, G) int64 tensor, got {rows_TG.dtype} {tuple(rows_TG.shape)}")
     check_rows("ret_MD", ret_MD, None, ret_MD.shape[1] if ret_MD.dim() == 2 else -1)
     (T, G), D = rows_TG.shape, ret_MD.shape[1]
-    return gather_sum(T, D, _locate_returned, rows_TG, None, 0, 0, ret_MD, None, None, out_dtype, K=G,
-                      prologue=_wait_expected, prologue_args=(flag, expect, timeout_ms * 1_000_000), block_t=_BLOCK_ROWS,
-                      max_programs=_MAX_PROGRAMS)
+    if own_MD is not None:
+        check_rows("own_MD", own_MD, ret_MD.shape[0], D)
+        if own_MD.dtype != ret_MD.dtype or not 0 <= me < G:
+            raise ValueError(f"own_MD must be ret_MD's dtype ({ret_MD.dtype}, got {own_MD.dtype}) and me a rank of "
+                             f"{G}, got {me}")
+    return gather_sum(T, D, _locate_returned, rows_TG, None, me, 0 if own_MD is None else G, ret_MD, own_MD, None,
+                      out_dtype, K=G, prologue=_wait_expected, prologue_args=(flag, expect, timeout_ms * 1_000_000),
+                      block_t=_BLOCK_ROWS, max_programs=_MAX_PROGRAMS)
 
 
-def sum_returned_reference(ret_MD: torch.Tensor, rows_TG: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def sum_returned_reference(ret_MD: torch.Tensor, rows_TG: torch.Tensor, out_dtype: torch.dtype,
+                           own_MD: torch.Tensor | None = None, me: int = 0) -> torch.Tensor:
     """PyTorch version of :func:`sum_returned` (no wait)."""
     there = rows_TG >= 0
-    return gather_sum_reference((there, there & False, rows_TG, rows_TG), ret_MD, None, None, out_dtype)
+    if own_MD is None:
+        return gather_sum_reference((there, there & False, rows_TG, rows_TG), ret_MD, None, None, out_dtype)
+    mine = torch.zeros_like(there)
+    mine[:, me] = True
+    return gather_sum_reference((there & ~mine, there & mine, rows_TG, rows_TG), ret_MD, own_MD, None, out_dtype)
 
 
 def locate_pair_reference(row_TK, dest_TK, me):

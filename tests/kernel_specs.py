@@ -380,6 +380,9 @@ def _p2p_calls():
                       ptrs(src), ptrs(w_recv), torch.bfloat16, r, K, P_cap, R_cap, ptrs(tok_of),
                       torch.zeros(T_cap * G, dtype=torch.int32), store_rows=r == 0)  # rank 1: the copy engines' mode
     expand_rows(recv[0], tok_of[0], torch.tensor([3], dtype=torch.int32))
+    # the copy engines' mode: rank 1's own block read from its tokens
+    expand_rows(recv[1], tok_of[1], torch.tensor([3], dtype=torch.int32), torch.randn(2, D, dtype=torch.bfloat16),
+                T_cap)
     ret = [torch.zeros((G * P_cap, D)) for _ in range(G)]
     ret_g = [torch.zeros(P_cap) for _ in range(G)]
     src_M = torch.tensor([0, -1, P_cap + 1, 2])  # rank 0 place 0, stays, rank 1 place 1, rank 0 place 2
@@ -391,6 +394,7 @@ def _p2p_calls():
     rows_TG = torch.tensor([[0, -1], [-1, 1], [2, 3]])
     signal_peers(ptrs(back_flags), back_expected, 1)
     sum_returned(ret[0], rows_TG, torch.bfloat16, back_flags[0], back_expected)
+    sum_returned(ret[1], rows_TG, torch.bfloat16, back_flags[1], back_expected, own_MD=torch.randn(G * P_cap, D), me=1)
     grad_rows = [torch.zeros((R_cap, D)) for _ in range(G)]
     push_rows(torch.randn(3, D), torch.tensor([[0, -1], [1, 2], [-1, 3]]), torch.tensor([[0, 0], [1, 0], [0, 1]]),
               ptrs(grad_rows), torch.float32, me=0)

@@ -83,6 +83,11 @@ def test_dispatcher_data_flow_in_one_process(case, engine):
     L, D, P_cap = E // G, 8, max(tokens) * K
     R_cap = G * P_cap
     plans, experts = _plans(case)
+    T_cap = max(tokens)
+
+    def own(r, rows):  # the copy engines' mode reads rank r's own block of rows where it is
+        return (rows[r], r * T_cap) if engine else ()
+
     xs = [torch.randn(T, D, device=DEVICE) for T in tokens]
     ws = [torch.rand(T, K, device=DEVICE) * p.kept_TK for T, p in zip(tokens, plans)]
     # zeros, not garbage: the first pass routes by a partial count matrix (within bounds)
@@ -90,7 +95,6 @@ def test_dispatcher_data_flow_in_one_process(case, engine):
     counts_flags = _flags()
     # the first pass waits for nothing: its target (state[0] + G) is 0; the second for the first's signals
     states = [torch.tensor([-G, 0, 0], device=DEVICE) for _ in range(G)]
-    T_cap = max(tokens)
     toks = [torch.full((G * T_cap, D), float("nan"), device=DEVICE) for _ in range(G)]  # token rows
     tok_of = [torch.full((R_cap,), -1, dtype=torch.int64, device=DEVICE) for _ in range(G)]
     src = [torch.full((R_cap,), -1, dtype=torch.int64, device=DEVICE) for _ in range(G)]
@@ -109,6 +113,8 @@ def test_dispatcher_data_flow_in_one_process(case, engine):
                 assert all(bool(t.isnan().all()) for t in toks)  # no kernel stored a row
             for r in range(G):
                 _copy_blocks(toks, r, T_cap, rows=xs[r])
+            # the own block is not copied: each rank reads it from its x
+            assert all(bool(toks[r][r * T_cap:(r + 1) * T_cap].isnan().all()) for r in range(G))
         assert [int(f) for f in counts_flags] == [rounds * G] * G
         # each call advanced its target by G and left its program counters at zero
         assert [s.tolist() for s in states] == [[(rounds - 1) * G, 0, 0]] * G
@@ -134,7 +140,8 @@ def test_dispatcher_data_flow_in_one_process(case, engine):
         assert w_recv[d][:R].tolist() == weight
         assert tok_of[d][:R].tolist() == [o // P_cap * T_cap + o % P_cap // K for o in origin]
         if R:
-            torch.testing.assert_close(expand_rows(toks[d], tok_of[d], routes[d][2][-1:])[:R], torch.stack(expected))
+            torch.testing.assert_close(expand_rows(toks[d], tok_of[d], routes[d][2][-1:], *own(d, xs))[:R],
+                                       torch.stack(expected))
     # each token's row crossed to each rank once: one pair of each (token, rank) stored it (none,
     # under the copy engines)
     for r in range(G):
@@ -151,9 +158,10 @@ def test_dispatcher_data_flow_in_one_process(case, engine):
     # the experts' pair rows, copied from the token rows; padding rows NaN: nothing may read them
     recv = []
     for d in range(G):
-        rows = expand_rows(toks[d], tok_of[d], routes[d][2][-1:])
+        rows = expand_rows(toks[d], tok_of[d], routes[d][2][-1:], *own(d, xs))
         rows[n_rows[d]:] = float("nan")
-        torch.testing.assert_close(rows[:n_rows[d]], expand_rows_reference(toks[d], tok_of[d], routes[d][2][-1:])[:n_rows[d]])
+        torch.testing.assert_close(rows[:n_rows[d]],
+                                   expand_rows_reference(toks[d], tok_of[d], routes[d][2][-1:], *own(d, xs))[:n_rows[d]])
         recv.append(rows)
 
     # The way back: each receiver sums a (source, token)'s rows and stores one row into the
@@ -167,6 +175,7 @@ def test_dispatcher_data_flow_in_one_process(case, engine):
         table = return_table(src[r], routes[r][2][-1:], G, T_cap, K)
         sums = gather_slots(y_RD, table, out_dtype=torch.float32)
         if engine:
+            own_sums[r] = sums  # the final sum reads this rank's own block here
             _copy_blocks(ret, r, T_cap, blocks=sums)
             sent = signal_peers(buffer_ptrs(back_flags), expected[r], r)
         else:
@@ -179,6 +188,7 @@ def test_dispatcher_data_flow_in_one_process(case, engine):
         return sent
 
     ys = [w[:, None] * (2 * b + 1) for b, w in zip(recv, w_recv)]
+    own_sums = [None] * G
     ret = [torch.full((G * T_cap, D), float("nan"), device=DEVICE) for _ in range(G)]
     ret_g = [torch.full((P_cap,), float("nan"), device=DEVICE) for _ in range(G)]
     back_flags, expected = _flags(), _flags()
@@ -194,15 +204,20 @@ def test_dispatcher_data_flow_in_one_process(case, engine):
         has.scatter_(1, torch.where(routes[r][0] >= 0, routes[r][1], G), True)
         return torch.where(has[:, :G], rows_TG[:T], -1)
 
+    def mine(r):  # the copy engines' mode: rank r's own sums read where they are
+        return {"own_MD": own_sums[r], "me": r} if engine else {}
+
     for r in range(G):
-        out = sum_returned(ret[r], returned(r), torch.float32, back_flags[r], expected[r], TIMEOUT_MS)
+        if engine:  # nobody copied rank r's own sums into its return buffer
+            assert bool(ret[r][r * T_cap:(r + 1) * T_cap].isnan().all())
+        out = sum_returned(ret[r], returned(r), torch.float32, back_flags[r], expected[r], TIMEOUT_MS, **mine(r))
         torch.testing.assert_close(out, (2 * xs[r] + 1) * ws[r].sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(out, sum_returned_reference(ret[r], returned(r), torch.float32))
+        torch.testing.assert_close(out, sum_returned_reference(ret[r], returned(r), torch.float32, **mine(r)))
         if engine:
             _copy_blocks(grad_toks, r, T_cap, rows=gs[r])
         else:
             push_rows(gs[r], routes[r][3], routes[r][1], buffer_ptrs(grad_toks), torch.float32, me=r)
-    grad_rows = [expand_rows(grad_toks[d], tok_of[d], routes[d][2][-1:]) for d in range(G)]
+    grad_rows = [expand_rows(grad_toks[d], tok_of[d], routes[d][2][-1:], *own(d, gs)) for d in range(G)]
     for d in range(G):
         grad_rows[d][n_rows[d]:] = float("nan")
     # experts y = w · x: d rows = w · dy, dw = <dy, x>, on the valid rows (the padding's NaN stays)
@@ -212,7 +227,7 @@ def test_dispatcher_data_flow_in_one_process(case, engine):
     assert len(set(back)) == 1
     assert [int(e) for e in expected] == [int(f) for f in back_flags] == [(G - 1) * (signals[0] + back[0])] * G
     for r in range(G):
-        dx = sum_returned(ret[r], returned(r), torch.float32, back_flags[r], expected[r], TIMEOUT_MS)
+        dx = sum_returned(ret[r], returned(r), torch.float32, back_flags[r], expected[r], TIMEOUT_MS, **mine(r))
         dw = pair_values(routes[r][0], routes[r][1], dw_R[r], ret_g[r], r)
         torch.testing.assert_close(dx, gs[r] * ws[r].sum(-1, keepdim=True), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(dw, torch.where(plans[r].kept_TK, (gs[r] * xs[r]).sum(-1, keepdim=True), 0.0),
@@ -571,8 +586,9 @@ def _cpu_symmetric_buffers(monkeypatch, sizes, shift=0):
 
 def test_copy_engine_blocks_land_where_the_kernels_read(monkeypatch):
     """The dispatcher's own buffers, peer views and block copies (what its copy-engine mode runs):
-    rank s's rows at rows s·T_cap... of every rank's token buffer, its sums for rank g's tokens at
-    rows s·T_cap... of rank g's return buffer, the regions next to them untouched."""
+    rank s's rows at rows s·T_cap... of every other rank's token buffer, its sums for rank g's
+    tokens at rows s·T_cap... of rank g's return buffer (g ≠ s), its own block and the regions next
+    to them untouched (the own block is read where it is)."""
     from parallel.p2p_dispatcher import _copy_block
 
     T_cap, D = 5, 4
@@ -586,6 +602,9 @@ def test_copy_engine_blocks_land_where_the_kernels_read(monkeypatch):
     for d in range(G):
         for s in range(G):
             block = bufs[d].views["recv"][s * T_cap:(s + 1) * T_cap]
+            if s == d:
+                assert (block == 0).all(), d
+                continue
             assert torch.equal(block[:xs[s].shape[0]], xs[s]) and (block[xs[s].shape[0]:] == 0).all(), (d, s)
         assert (bufs[d].views["tok"] == 0).all()
     sums = [torch.randn(G * T_cap, D) for _ in range(G)]
@@ -593,7 +612,8 @@ def test_copy_engine_blocks_land_where_the_kernels_read(monkeypatch):
         _copy_block(None, bufs[r], "ret", r, T_cap, blocks_GTD=sums[r])
     for g in range(G):
         for r in range(G):
-            assert torch.equal(bufs[g].views["ret"][r * T_cap:(r + 1) * T_cap], sums[r][g * T_cap:(g + 1) * T_cap])
+            block = bufs[g].views["ret"][r * T_cap:(r + 1) * T_cap]
+            assert (block == 0).all() if r == g else torch.equal(block, sums[r][g * T_cap:(g + 1) * T_cap]), (g, r)
     # the copies bump no version the buffers' own views share: autograd holds such views (the
     # dispatch's w_R) and would refuse their backward after an in-place change of their base
     assert [b.bytes._version for b in bufs] == versions
@@ -603,3 +623,17 @@ def test_a_peer_mapping_off_the_kernels_address_is_refused(monkeypatch):
     bufs = _cpu_symmetric_buffers(monkeypatch, {"recv": ((6, 4), torch.float16)}, shift=256)
     with pytest.raises(RuntimeError, match="rank 1's mapped region 'recv' is at"):
         bufs[0].peer_views("recv")
+
+
+def test_the_own_block_readers_refuse_what_does_not_fit():
+    tok, of, n = torch.zeros(6, 4), torch.zeros(3, dtype=torch.int64), torch.tensor([3])
+    with pytest.raises(ValueError, match="must be tok_MD's dtype"):
+        expand_rows(tok, of, n, torch.zeros(3, 4, dtype=torch.float16), 3)
+    with pytest.raises(ValueError, match="a block within its 6 rows"):
+        expand_rows(tok, of, n, torch.zeros(3, 4), 4)
+    flag, expect = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    rows_TG = torch.zeros(2, G, dtype=torch.int64)
+    with pytest.raises(ValueError, match="own_MD must be ret_MD's dtype"):
+        sum_returned(tok, rows_TG, torch.float32, flag, expect, own_MD=tok.half(), me=0)
+    with pytest.raises(ValueError, match=f"me a rank of {G}, got {G}"):
+        sum_returned(tok, rows_TG, torch.float32, flag, expect, own_MD=tok, me=G)
