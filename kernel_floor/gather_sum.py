@@ -19,9 +19,7 @@ for a block of pairs (``live`` masks the block's tail): the pair's row is ``a[ro
 ``idx1_ptr``, ``me`` and ``n`` are the locator's own: index tensors and two integers.
 
 - :func:`gather_sum`: ``out[t] = Σ_k (w[t, k] ·) row of (t, k)``, fp32 accumulation, one read
-  of each row (the combine forward; a dispatch backward with w = 1). An optional ``prologue``
-  (a jit function with three arguments) runs first in every program (the P2P path waits there
-  for the peers' signals, saving a launch).
+  of each row (the combine forward; a dispatch backward with w = 1).
 - :func:`scatter_rows`: for each pair that a second jit function, the **destination**
   ``dest(pair, live, idx0_ptr, idx1_ptr, me, n) -> (buffer, row)`` (buffer < 0: none), sends
   somewhere: ``dst[buffer][row] = (w[t, k] ·) x[t]``, and with ``dw`` also
@@ -47,15 +45,10 @@ import triton.language as tl
 from kernel_floor.runtime import ROW_BLOCK_D, ROW_BLOCK_T, grid_programs, tl_dtype
 
 
-# the prologue's arguments are not specialized on: a per-call value crossing a multiple of 16
-# would compile a new variant mid-run (~0.5 s)
-@triton.jit(do_not_specialize=["pro1", "pro2"])
+@triton.jit
 def _gather_sum_kernel(out_ptr, a_ptr, b_ptr, w_ptr, idx0_ptr, idx1_ptr, me, n, T, D, stride_a, stride_b, stride_out,
-                       pro0, pro1, pro2,
-                       K: tl.constexpr, LOCATE: tl.constexpr, PROLOGUE: tl.constexpr, WEIGHTED: tl.constexpr,
+                       K: tl.constexpr, LOCATE: tl.constexpr, WEIGHTED: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    if PROLOGUE is not None:
-        PROLOGUE(pro0, pro1, pro2)
     offs = tl.arange(0, BLOCK_D)
     for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
         t = tile * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
@@ -136,9 +129,8 @@ def _grid(T: int, max_programs: int | None, block_t: int) -> tuple[int]:
 
 def gather_sum(T: int, D: int, locate, idx0: torch.Tensor, idx1: torch.Tensor | None, me: int, n: int,
                a_MD: torch.Tensor, b_MD: torch.Tensor | None = None, w_TK: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None, *, K: int, prologue=None, prologue_args=(0, 0, 0),
-               block_t: int = ROW_BLOCK_T, max_programs: int | None = None,
-               out_TD: torch.Tensor | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, *, K: int, block_t: int = ROW_BLOCK_T,
+               max_programs: int | None = None, out_TD: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the forward: ``out_TD[t] = Σ_k (w[t, k] ·) row of (t, k)`` in fp32, cast to
     ``out_dtype`` (default a's dtype).
 
@@ -148,8 +140,6 @@ def gather_sum(T: int, D: int, locate, idx0: torch.Tensor, idx1: torch.Tensor | 
             None), ``me`` and ``n``.
         a_MD, b_MD: the buffers the locator points into (``b_MD`` None: one buffer), row-major.
         w_TK: optional (T, K) fp32 weights (1 when None).
-        prologue, prologue_args: optional jit function run first in every program, and its three
-            arguments; with a prologue the kernel runs even when T = 0.
         block_t, max_programs: tokens per step and a cap on the grid (None: one program per block).
         out_TD: where to write (a (T, D) view with unit column stride, any row stride; its dtype
             wins over ``out_dtype``), or None: a new tensor.
@@ -157,7 +147,7 @@ def gather_sum(T: int, D: int, locate, idx0: torch.Tensor, idx1: torch.Tensor | 
     """
     if out_TD is None:
         out_TD = a_MD.new_empty((T, D), dtype=out_dtype or a_MD.dtype)
-    if (T == 0 or D == 0) and prologue is None:
+    if T == 0 or D == 0:
         return out_TD
     w_TK = None if w_TK is None else w_TK.contiguous()  # indexed by pair t·K + k
     # an empty buffer is never read (no pair locates there), but Triton rejects its null pointer
@@ -166,8 +156,8 @@ def gather_sum(T: int, D: int, locate, idx0: torch.Tensor, idx1: torch.Tensor | 
         b_MD = out_TD
     _gather_sum_kernel[_grid(T, max_programs, block_t)](
         out_TD, a_MD, b_MD, out_TD if w_TK is None else w_TK, idx0, idx0 if idx1 is None else idx1, me, n, T, D,
-        a_MD.stride(0), 0 if b_MD is None else b_MD.stride(0), out_TD.stride(0), *prologue_args,
-        K=K, LOCATE=locate, PROLOGUE=prologue, WEIGHTED=w_TK is not None,
+        a_MD.stride(0), 0 if b_MD is None else b_MD.stride(0), out_TD.stride(0),
+        K=K, LOCATE=locate, WEIGHTED=w_TK is not None,
         BLOCK_T=block_t, BLOCK_D=ROW_BLOCK_D, num_warps=4)
     return out_TD
 

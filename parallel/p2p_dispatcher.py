@@ -52,8 +52,9 @@ stream starts (what PyTorch's own copy-engine collectives and NCCL's rely on, un
 too), so the ordering below holds unchanged. A rank's own block is not copied: the expand and the
 final sum read it where it is (x, dout, the own sums).
 
-Ordering: 7 launches per forward (the tickets' memset, 5 Triton kernels, one barrier) and a table
-of 3 small torch ops, 7 and the table per backward (the kernels' mode; the copy-engine mode trades
+Ordering: 8 launches per forward (the tickets' memset, 6 Triton kernels, one of them the
+one-program wait before the final sum, and one barrier) and a table of 3 small torch ops, 8 and the
+table per backward (the kernels' mode; the copy-engine mode trades
 the memset and the row stores for G - 1 copies each way). Flags only grow; each rank keeps on its device,
 per slot, the value each flag reaches after the signals sent so far (every rank makes the same
 calls with the same grids, so each knows it), advanced by the kernels: the host passes no

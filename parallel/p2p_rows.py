@@ -106,6 +106,14 @@ def _wait_expected(flag_ptr, expect_ptr, timeout_ns):
 
 
 @triton.jit
+def _wait_flag_kernel(flag_ptr, expect_ptr, timeout_ns):
+    """One program's :func:`_wait_expected`, so that a wait holds one SM, not a grid's: the
+    launch after it on the stream starts once the peers' stores are visible (as after the
+    symmetric-memory barrier), and a kernel beside it on another stream keeps the other SMs."""
+    _wait_expected(flag_ptr, expect_ptr, timeout_ns)
+
+
+@triton.jit
 def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, state_ptr, counts_ptr, flag_ptr,
                           timeout_ns, row_ptr, dest_ptr, offsets_ptr, recv_ptrs, src_ptrs, w_ptr, wrecv_ptrs,
                           lead_ptr, tokrow_ptr, tokof_ptrs, T_cap,
@@ -540,9 +548,12 @@ def sum_returned(ret_MD: torch.Tensor, rows_TG: torch.Tensor, out_dtype: torch.d
         if own_MD.dtype != ret_MD.dtype or not 0 <= me < G:
             raise ValueError(f"own_MD must be ret_MD's dtype ({ret_MD.dtype}, got {own_MD.dtype}) and me a rank of "
                              f"{G}, got {me}")
+    # the wait in one program, then the sum: a wait in every program of the sum's grid spun on all
+    # the SMs while the peers were late, which a kernel overlapping it on another stream (a side
+    # stream's GEMM under overlap_chunks) could not use
+    _wait_flag_kernel[(1,)](flag, expect, timeout_ms * 1_000_000, num_warps=1)
     return gather_sum(T, D, _locate_returned, rows_TG, None, me, 0 if own_MD is None else G, ret_MD, own_MD, None,
-                      out_dtype, K=G, prologue=_wait_expected, prologue_args=(flag, expect, timeout_ms * 1_000_000),
-                      block_t=_BLOCK_ROWS, max_programs=_MAX_PROGRAMS)
+                      out_dtype, K=G, block_t=_BLOCK_ROWS, max_programs=_MAX_PROGRAMS)
 
 
 def sum_returned_reference(ret_MD: torch.Tensor, rows_TG: torch.Tensor, out_dtype: torch.dtype,
