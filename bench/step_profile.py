@@ -92,7 +92,7 @@ IDLE = "idle (no kernel running)"
 EP_EXCHANGE_KERNELS = frozenset({
     "_dispatch_rows_kernel", "_push_back_kernel", "_expand_rows_kernel", "_gather_sum_kernel",
     "_scatter_rows_kernel", "_headers_kernel", "_locate_pairs_kernel", "_expert_rows_kernel", "_signal_peers_kernel",
-    "_wait_flag_kernel",
+    "_wait_flag_kernel", "_exchange_counts_kernel",
 })
 
 
@@ -448,8 +448,8 @@ def light_split(kernels, exchange: set[str], step_ms: float, steps: int) -> tupl
 
 
 # the exchange's kernels that can wait for another rank: NCCL's, and the P2P kernels that spin on a
-# flag (the dispatch on the counts, the way back's one-program wait before its sum)
-WAITING_P2P_KERNELS = frozenset({"_dispatch_rows_kernel", "_wait_flag_kernel"})
+# flag (the one-program waits: the counts' exchange, and the way back's before its sum)
+WAITING_P2P_KERNELS = frozenset({"_exchange_counts_kernel", "_wait_flag_kernel"})
 
 
 def can_wait(name: str) -> bool:

@@ -52,8 +52,8 @@ stream starts (what PyTorch's own copy-engine collectives and NCCL's rely on, un
 too), so the ordering below holds unchanged. A rank's own block is not copied: the expand and the
 final sum read it where it is (x, dout, the own sums).
 
-Ordering: 8 launches per forward (the tickets' memset, 6 Triton kernels, one of them the
-one-program wait before the final sum, and one barrier) and a table of 3 small torch ops, 8 and the
+Ordering: 9 launches per forward (the tickets' memset, 7 Triton kernels, two of them one-program
+waits: the counts' exchange and the wait before the final sum, and one barrier) and a table of 3 small torch ops, 8 and the
 table per backward (the kernels' mode; the copy-engine mode trades
 the memset and the row stores for G - 1 copies each way). Flags only grow; each rank keeps on its device,
 per slot, the value each flag reaches after the signals sent so far (every rank makes the same
@@ -199,9 +199,8 @@ class _Slot:
     peers' kernels signal. ``generation`` counts the dispatches that took the slot.
 
     The values the flags must reach live on this rank's device, never the host (a captured CUDA
-    graph replays the launches that advance them): ``dispatch_state`` (3,) int64, what the
-    counts flag has reached and the dispatch kernel's two program counters
-    (:func:`~parallel.p2p_rows.dispatch_rows`), and ``back_expected`` (1,) int64, what the back
+    graph replays the launches that advance them): ``dispatch_state`` (1,) int64, what the
+    counts flag has reached (:func:`~parallel.p2p_rows.dispatch_rows`), and ``back_expected`` (1,) int64, what the back
     flag reaches once the peers' pushes so far arrived (:func:`~parallel.p2p_rows.push_back`
     advances it, :func:`~parallel.p2p_rows.sum_returned` waits for it)."""
 
@@ -214,7 +213,7 @@ class _Slot:
             "counts_flag": ((1,), torch.int64), "back_flag": ((1,), torch.int64),
         }, device, timeout_ms)
         self.generation = 0
-        self.dispatch_state = torch.zeros(3, dtype=torch.int64, device=device)
+        self.dispatch_state = torch.zeros(1, dtype=torch.int64, device=device)
         self.back_expected = torch.zeros(1, dtype=torch.int64, device=device)
 
 

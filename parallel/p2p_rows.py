@@ -17,8 +17,8 @@ ends each program with a CTA barrier and a release atomic add (system scope) on 
 receiver; the kernel that reads spins (acquire, system scope) until its own flag reaches a
 target: flags only grow, and each phase adds a fixed number of signals (the counts: one per rank;
 push_back: one per program per peer, its grid fixed by R_cap, which every rank shares). The
-targets live on the device, advanced by the kernels themselves (the dispatch's last program to
-finish; push_back's first program), never passed from the host: a captured CUDA graph replays
+targets live on the device, advanced by the kernels themselves (the counts' one-program exchange;
+push_back's first program), never passed from the host: a captured CUDA graph replays
 the same launches and the targets still advance (train/step_graph.py). A wait that passes its
 timeout prints and traps (the process dies with a CUDA error instead of hanging). In Triton's
 interpreter (one process, the ranks run one after another) a wait does not spin: the tests run
@@ -27,13 +27,17 @@ every rank's phase before the next and check the flags, and a wait whose target 
 too little would otherwise pass unseen).
 Why: on 2×H200 a Mixtral-like dispatch + combine at 4k tokens took ~255 µs of GPU and ~275 µs of
 host per call (Triton launches cost 15-40 µs of host each); flags, and the counts and routes folded
-into the dispatch kernel, took it from 8 launches to 4.
+into the dispatch kernel, took it from 8 launches to 4. Every wait is a one-program kernel of its
+own (the counts' exchange, the way back's wait before the sum): a wait spun in every program of a
+grid held all the SMs while a peer was late, against a kernel overlapping it on another stream
+(overlap_chunks' GEMMs); one more launch each, which a captured graph makes cheap.
 
 - ``dispatch_rows``: row ``me`` of every rank's (G, E) count matrix = this rank's (E,) counts
-  (one program, a signal to each rank); then, once all counts are in, each kept pair's row at
-  its destination and this rank's experts' row ends, and every kept pair's row of x stored into its
-  destination's receive buffer with where it came from and its weight. One launch where ~30 small torch ops
-  and three kernels were (the routes alone made the 4k dispatch 4× faster than those ops).
+  (one program, a signal to each rank, the wait for all); then a kernel for each kept pair's row
+  at its destination and this rank's experts' row ends, and every kept pair's row of x stored into
+  its destination's receive buffer with where it came from and its weight. Two launches where ~30
+  small torch ops and three kernels were (the routes alone made the 4k dispatch 4× faster than
+  those ops).
 - ``push_rows``: ``buf[dest][row] = x[t]`` for every kept pair: the combine's backward. One
   program per token.
 - ``return_table``: on the receiver, each (source, token)'s rows of its receive buffer, for the
@@ -114,32 +118,10 @@ def _wait_flag_kernel(flag_ptr, expect_ptr, timeout_ns):
 
 
 @triton.jit
-def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, state_ptr, counts_ptr, flag_ptr,
-                          timeout_ns, row_ptr, dest_ptr, offsets_ptr, recv_ptrs, src_ptrs, w_ptr, wrecv_ptrs,
-                          lead_ptr, tokrow_ptr, tokof_ptrs, T_cap,
-                          me, G, L, E, P, K, P_cap, R_cap, D, OUT: tl.constexpr, GP: tl.constexpr, LP: tl.constexpr,
-                          ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The program that starts first (it takes ticket 0 of ``state[1]``, so it is running, and
-    the others may spin) writes this rank's counts into every rank's count matrix and signals
-    it. Then all wait for the G ranks' counts (the flag reaching ``state[0] + G``) and stride
-    over tiles of BLOCK_P sorted positions of ``order``; every program derives the few per-rank
-    sums it needs from the (G, E) count matrix, program 0 also writes this rank's experts' row
-    ends. The last program to finish (``state[2]`` counts them) advances ``state[0]`` by G and
-    zeroes the two counters: every program has read the target by then, and the next dispatch
-    on this state is a later launch. A matrix that gives some rank more than R_cap rows moves
-    nothing (every rank reads the same matrix); on a GPU the first program, which has signalled
-    every rank by then, prints and traps, so every rank stops and none waits for counts that
-    never come."""
-    starter = tl.atomic_add(state_ptr + 1, 1) == 0
-    target = tl.load(state_ptr) + G
-    if starter:
-        e = tl.arange(0, BLOCK_E)
-        mine_E = tl.load(mine_ptr + e, mask=e < E)
-        for g in range(G):
-            dst = tl.load(cnt_ptrs + g).to(tl.pointer_type(tl.int64))
-            tl.store(dst + me * E + e, mine_E, mask=e < E)
-            _signal(flag_ptrs, g)
-    _wait(flag_ptr, target, timeout_ns)
+def _count_matrix(counts_ptr, me, G, L, E, GP: tl.constexpr, LP: tl.constexpr):
+    """This rank's (G, E) count matrix as [source, destination, local expert], with the
+    destinations' row tables: (C, per_expert [destination, local expert], the first row of this
+    rank's pairs there, the most rows any destination receives)."""
     s = tl.arange(0, GP)
     l = tl.arange(0, LP)
     ok3 = (s[:, None, None] < G) & (s[None, :, None] < G) & (l[None, None, :] < L)
@@ -148,15 +130,50 @@ def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, state
     # rows by source rank (moe.kernels.grouped_mm then takes one segment per expert)
     per_expert = tl.sum(C, axis=0)
     first = tl.cumsum(per_expert, axis=1) - per_expert + tl.sum(tl.where(s[:, None, None] < me, C, 0), axis=0)
-    most = tl.max(tl.sum(per_expert, axis=1), axis=0)
-    overflow = most > R_cap  # a destination whose buffer cannot hold its rows
+    return C, per_expert, first, tl.max(tl.sum(per_expert, axis=1), axis=0)
+
+
+@triton.jit
+def _exchange_counts_kernel(mine_ptr, cnt_ptrs, flag_ptrs, state_ptr, counts_ptr, flag_ptr, timeout_ns, me, G, L, E,
+                            R_cap, GP: tl.constexpr, LP: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One program: this rank's counts into every rank's count matrix, a signal to each, then the
+    wait for the G ranks' counts (the flag reaching ``state + G``), and ``state`` advanced to that
+    target. One program, so the wait holds one SM, not a grid's (a kernel beside it on
+    another stream keeps the others); the rows kernel after it on the stream reads the matrix. A
+    matrix that gives some rank more than R_cap rows: on a GPU this program, which has signalled
+    every rank by then, prints and traps, so every rank stops (all read the same matrix) and none
+    waits for counts that never come."""
+    target = tl.load(state_ptr) + G
+    e = tl.arange(0, BLOCK_E)
+    mine_E = tl.load(mine_ptr + e, mask=e < E)
+    for g in range(G):
+        dst = tl.load(cnt_ptrs + g).to(tl.pointer_type(tl.int64))
+        tl.store(dst + me * E + e, mine_E, mask=e < E)
+        _signal(flag_ptrs, g)
+    _wait(flag_ptr, target, timeout_ns)
     if not _INTERPRET:
-        if starter:
-            if overflow:
-                tl.device_print("P2P dispatch: a rank would receive more rows than its buffer holds (the "
-                                "dispatcher's capacity_factor/capacity_groups below the layers'?); rows, buffer rows",
-                                most, R_cap)
-                tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        most = _count_matrix(counts_ptr, me, G, L, E, GP, LP)[3]
+        if most > R_cap:
+            tl.device_print("P2P dispatch: a rank would receive more rows than its buffer holds (the "
+                            "dispatcher's capacity_factor/capacity_groups below the layers'?); rows, buffer rows",
+                            most, R_cap)
+            tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    tl.store(state_ptr, target)
+
+
+@triton.jit
+def _dispatch_rows_kernel(x_ptr, order_ptr, counts_ptr, row_ptr, dest_ptr, offsets_ptr, recv_ptrs, src_ptrs, w_ptr,
+                          wrecv_ptrs, lead_ptr, tokrow_ptr, tokof_ptrs, T_cap,
+                          me, G, L, E, P, K, P_cap, R_cap, D, OUT: tl.constexpr, GP: tl.constexpr, LP: tl.constexpr,
+                          ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    """After :func:`_exchange_counts_kernel`: the programs stride over tiles of BLOCK_P sorted
+    positions of ``order``; every program derives the few per-rank sums it needs from the (G, E)
+    count matrix, program 0 also writes this rank's experts' row ends. A matrix that gives some
+    rank more than R_cap rows moves nothing (every rank reads the same matrix)."""
+    s = tl.arange(0, GP)
+    l = tl.arange(0, LP)
+    C, per_expert, first, most = _count_matrix(counts_ptr, me, G, L, E, GP, LP)
+    overflow = most > R_cap  # a destination whose buffer cannot hold its rows
     mine = tl.sum(tl.where(s[:, None, None] == me, C, 0), axis=0)  # what I send to each (destination, expert)
     mine_D = tl.sum(mine, axis=1)  # ... and to each destination
     seg_end = (tl.cumsum(mine_D, axis=0) - mine_D)[:, None] + tl.cumsum(mine, axis=1)  # in my sorted order
@@ -200,11 +217,6 @@ def _dispatch_rows_kernel(x_ptr, order_ptr, mine_ptr, cnt_ptrs, flag_ptrs, state
         tl.store(to_src + row, me * P_cap + pair, mask=kept)
         to_w = tl.load(wrecv_ptrs + d, mask=kept, other=0).to(tl.pointer_type(tl.float32))
         tl.store(to_w + row, tl.load(w_ptr + pair, mask=kept, other=0.0), mask=kept)
-    # acq_rel: this program's read of state[0] comes before its count
-    if tl.atomic_add(state_ptr + 2, 1) == tl.num_programs(0) - 1:
-        tl.store(state_ptr, target)
-        tl.store(state_ptr + 1, 0)
-        tl.store(state_ptr + 2, 0)
 
 
 @triton.jit
@@ -263,11 +275,11 @@ def _check_ptrs(name: str, ptrs_G: torch.Tensor) -> None:
         raise ValueError(f"{name} must be an int64 vector of buffer addresses, got {ptrs_G.dtype} {tuple(ptrs_G.shape)}")
 
 
-def _check_flag(name: str, flag: torch.Tensor, n: int = 1) -> None:
+def _check_flag(name: str, flag: torch.Tensor) -> None:
     if not isinstance(flag, torch.Tensor):
-        raise ValueError(f"{name} must be a contiguous {n}-element int64 tensor on the device, got {flag!r}")
-    if flag.dtype != torch.int64 or flag.numel() != n or not flag.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous {n}-element int64 tensor, got {flag.dtype} {tuple(flag.shape)}")
+        raise ValueError(f"{name} must be a contiguous 1-element int64 tensor on the device, got {flag!r}")
+    if flag.dtype != torch.int64 or flag.numel() != 1 or not flag.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous 1-element int64 tensor, got {flag.dtype} {tuple(flag.shape)}")
 
 
 def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor, counts_E: torch.Tensor,
@@ -281,12 +293,12 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
 
     Counts: ``counts_E`` (E,) int64, what this rank keeps for each expert, becomes row ``me`` of
     every rank's (G, E) int64 count matrix (``cnt_ptrs_G``), and every rank's int64 counts flag
-    (``flag_ptrs_G``) grows by 1: G signals per call reach each rank. ``state`` (3-element
-    int64, this rank's, on the device; zeros before the first call): ``state[0]`` the value
-    ``flag`` has reached once every earlier call's counts arrived; the kernel waits until
-    ``flag`` reaches ``state[0] + G`` (every rank's counts are in ``counts_GE``, this rank's
-    matrix: row s = what rank s keeps for each expert, experts ``[d·L, (d+1)·L)`` on rank d) and
-    leaves ``state`` at ``[state[0] + G, 0, 0]`` (the other two count its programs while it runs).
+    (``flag_ptrs_G``) grows by 1: G signals per call reach each rank. ``state`` (1-element
+    int64, this rank's, on the device; zero before the first call): the value ``flag`` has
+    reached once every earlier call's counts arrived; a one-program kernel waits until ``flag``
+    reaches ``state + G`` (every rank's counts are in ``counts_GE``, this rank's matrix: row s =
+    what rank s keeps for each expert, experts ``[d·L, (d+1)·L)`` on rank d) and leaves ``state``
+    at that target; then the rows kernel routes.
 
     Rows: ``order_P`` (P = T·K,) int64 holds the kept pairs sorted by expert, then the dropped
     ones. A destination d stores its rows expert-major: local expert 0's, then 1's, ..., each
@@ -328,7 +340,7 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
         raise ValueError("dispatch_rows: w_TK is required (the pairs' weights travel with their rows)")
     check_pair_weights("dispatch_rows", w_TK, T, K)
     _check_flag("flag", flag)
-    _check_flag("state", state, 3)
+    _check_flag("state", state)
     for name, ptrs in (("cnt_ptrs_G", cnt_ptrs_G), ("flag_ptrs_G", flag_ptrs_G), ("recv_ptrs_G", recv_ptrs_G),
                        ("src_ptrs_G", src_ptrs_G), ("w_ptrs_G", w_ptrs_G), ("tok_ptrs_G", tok_ptrs_G)):
         _check_ptrs(name, ptrs)
@@ -346,13 +358,14 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
         raise ValueError(f"out must be (T, K) = ({T}, {K}), ({T}, {K}), ({L},) and ({T}, {K}) tensors")
     if store_rows:  # the tickets of the row stores
         lead_TG.zero_()
+    GP, LP = triton.next_power_of_2(G), triton.next_power_of_2(L)
+    _exchange_counts_kernel[(1,)](counts_E, cnt_ptrs_G, flag_ptrs_G, state, counts_GE, flag, timeout_ms * 1_000_000, me,
+                                  G, L, E, R_cap, GP=GP, LP=LP, BLOCK_E=triton.next_power_of_2(E), num_warps=1)
     grid = grid_programs(triton.cdiv(P, _BLOCK_ROWS), _MAX_PROGRAMS)
     _dispatch_rows_kernel[(grid,)](
-        x_TD.contiguous(), order_P, counts_E, cnt_ptrs_G, flag_ptrs_G, state, counts_GE, flag, timeout_ms * 1_000_000,
-        row_TK, dest_TK, offsets_J, recv_ptrs_G, src_ptrs_G, w_TK.contiguous(), w_ptrs_G, lead_TG, tokrow_TK, tok_ptrs_G, T_cap,
-        me, G, L, E, P, K, P_cap, R_cap, D,
-        OUT=tl_dtype(recv_dtype), GP=triton.next_power_of_2(G), LP=triton.next_power_of_2(L), ROWS=store_rows,
-        BLOCK_E=triton.next_power_of_2(E), BLOCK_P=_BLOCK_ROWS, BLOCK_D=ROW_BLOCK_D, num_warps=4)
+        x_TD.contiguous(), order_P, counts_GE, row_TK, dest_TK, offsets_J, recv_ptrs_G, src_ptrs_G, w_TK.contiguous(),
+        w_ptrs_G, lead_TG, tokrow_TK, tok_ptrs_G, T_cap, me, G, L, E, P, K, P_cap, R_cap, D,
+        OUT=tl_dtype(recv_dtype), GP=GP, LP=LP, ROWS=store_rows, BLOCK_P=_BLOCK_ROWS, BLOCK_D=ROW_BLOCK_D, num_warps=4)
     return row_TK, dest_TK, offsets_J, tokrow_TK
 
 

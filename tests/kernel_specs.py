@@ -376,7 +376,7 @@ def _p2p_calls():
         plan = plan_routing(torch.rand(T, E, generator=gen).topk(K, dim=-1).indices, torch.rand(T, K, generator=gen),
                             E, None)
         dispatch_rows(torch.randn(T, D, dtype=torch.bfloat16), torch.rand(T, K), plan.order_P, plan.kept_per_expert_E,
-                      ptrs(counts), ptrs(counts_flags), torch.tensor([-G, 0, 0]), counts[r], counts_flags[r], ptrs(recv),
+                      ptrs(counts), ptrs(counts_flags), torch.tensor([-G]), counts[r], counts_flags[r], ptrs(recv),
                       ptrs(src), ptrs(w_recv), torch.bfloat16, r, K, P_cap, R_cap, ptrs(tok_of),
                       torch.zeros(T_cap * G, dtype=torch.int32), store_rows=r == 0)  # rank 1: the copy engines' mode
     expand_rows(recv[0], tok_of[0], torch.tensor([3], dtype=torch.int32))

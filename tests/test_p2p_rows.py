@@ -93,8 +93,8 @@ def test_dispatcher_data_flow_in_one_process(case, engine):
     # zeros, not garbage: the first pass routes by a partial count matrix (within bounds)
     counts = [torch.zeros((G, E), dtype=torch.int64, device=DEVICE) for _ in range(G)]
     counts_flags = _flags()
-    # the first pass waits for nothing: its target (state[0] + G) is 0; the second for the first's signals
-    states = [torch.tensor([-G, 0, 0], device=DEVICE) for _ in range(G)]
+    # the first pass waits for nothing: its target (state + G) is 0; the second for the first's signals
+    states = [torch.tensor([-G], device=DEVICE) for _ in range(G)]
     toks = [torch.full((G * T_cap, D), float("nan"), device=DEVICE) for _ in range(G)]  # token rows
     tok_of = [torch.full((R_cap,), -1, dtype=torch.int64, device=DEVICE) for _ in range(G)]
     src = [torch.full((R_cap,), -1, dtype=torch.int64, device=DEVICE) for _ in range(G)]
@@ -116,8 +116,8 @@ def test_dispatcher_data_flow_in_one_process(case, engine):
             # the own block is not copied: each rank reads it from its x
             assert all(bool(toks[r][r * T_cap:(r + 1) * T_cap].isnan().all()) for r in range(G))
         assert [int(f) for f in counts_flags] == [rounds * G] * G
-        # each call advanced its target by G and left its program counters at zero
-        assert [s.tolist() for s in states] == [[(rounds - 1) * G, 0, 0]] * G
+        # each call advanced its target by G
+        assert [s.tolist() for s in states] == [[(rounds - 1) * G]] * G
     for r in range(G):
         assert torch.equal(counts[r], torch.stack([p.kept_per_expert_E for p in plans]))
     n_rows = []
@@ -255,8 +255,8 @@ def _routes(order, counts, me, K):
     w = [torch.zeros(rows, device=DEVICE) for _ in range(G_)]
     scratch = [torch.zeros(G_, E, dtype=torch.int64, device=DEVICE) for _ in range(G_)]
     flags = _flags(G_)
-    # one call signals each flag once: its own flag's target is 1 = state[0] + G_
-    state = torch.tensor([1 - G_, 0, 0], device=DEVICE)
+    # one call signals each flag once: its own flag's target is 1 = state + G_
+    state = torch.tensor([1 - G_], device=DEVICE)
     return dispatch_rows(torch.zeros(T, 1, device=DEVICE), torch.zeros(T, K, device=DEVICE), order.to(DEVICE),
                          counts[me].to(DEVICE), buffer_ptrs(scratch), buffer_ptrs(flags), state, counts.to(DEVICE),
                          flags[me], buffer_ptrs(recv), buffer_ptrs(src), buffer_ptrs(w), torch.float32, me, K, T * K, rows,
@@ -327,8 +327,8 @@ def test_dispatch_sends_its_counts_row_to_every_rank_once():
     E, K, T, me = 6, 2, 5, 1
     mats = [torch.zeros((G, E), dtype=torch.int64, device=DEVICE) for _ in range(G)]
     counts = torch.tensor([2, 0, 3, 1, 0, 4], dtype=torch.int64, device=DEVICE)  # T·K pairs, all kept
-    # only this rank signals: call n waits for its own flag's n signals (target state[0] + G)
-    flags, state = _flags(), torch.tensor([1 - G, 0, 0], device=DEVICE)
+    # only this rank signals: call n waits for its own flag's n signals (target state + G)
+    flags, state = _flags(), torch.tensor([1 - G], device=DEVICE)
     order = torch.arange(T * K, device=DEVICE)
     recv = [torch.zeros(T * K * G, 3, device=DEVICE) for _ in range(G)]
     src, tok = ([torch.zeros(T * K * G, dtype=torch.int64, device=DEVICE) for _ in range(G)] for _ in range(2))
@@ -341,7 +341,7 @@ def test_dispatch_sends_its_counts_row_to_every_rank_once():
         for m in mats:
             assert torch.equal(m[me], counts) and (m[0] == 0).all() and (m[2] == 0).all()
         assert [int(f) for f in flags] == [call] * G
-        assert state.tolist() == [call, 0, 0]  # the target advanced by G, the program counters back at zero
+        assert state.tolist() == [call]  # the target advanced by G
         state[0] = call + 1 - G
 
 
@@ -353,7 +353,7 @@ def test_each_wait_is_for_its_own_target():
     E, K, T, me = 6, 2, 5, 1
     mats = [torch.zeros((G, E), dtype=torch.int64, device=DEVICE) for _ in range(G)]
     counts = torch.tensor([2, 0, 3, 1, 0, 4], dtype=torch.int64, device=DEVICE)
-    flags, state = _flags(), torch.zeros(3, dtype=torch.int64, device=DEVICE)  # as every slot starts
+    flags, state = _flags(), torch.zeros(1, dtype=torch.int64, device=DEVICE)  # as every slot starts
     rows = T * K * G
     recv = [torch.zeros(rows, 3, device=DEVICE) for _ in range(G)]
     src, tok = ([torch.zeros(rows, dtype=torch.int64, device=DEVICE) for _ in range(G)] for _ in range(2))
@@ -369,7 +369,7 @@ def test_each_wait_is_for_its_own_target():
     assert int(flags[me]) == 1 + UNMET  # waited for G signals, one came
     flags[me].fill_(2 * G - 1)  # every rank's counts of the next call in, but this rank's own
     dispatch()
-    assert int(flags[me]) == 2 * G and state.tolist() == [2 * G, 0, 0]
+    assert int(flags[me]) == 2 * G and state.tolist() == [2 * G]
     ret, rows_TG = torch.ones(4, 3, device=DEVICE), torch.zeros(2, 1, dtype=torch.int64, device=DEVICE)
     for expect, after in ((5, 4 + UNMET), (4, 4)):
         flag = torch.full((1,), 4, dtype=torch.int64, device=DEVICE)
@@ -382,7 +382,7 @@ def test_bad_arguments_raise():
     ptrs = buffer_ptrs([torch.zeros(10, 4, device=DEVICE)] * G)
     x = torch.randn(4, 4, device=DEVICE)
     flag = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-    state = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    state = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     counts = torch.zeros(G, 6, dtype=torch.int64, device=DEVICE)
     order = torch.arange(8, device=DEVICE)
     def dispatch(order_=order, counts_E=counts[0], counts_GE=counts, P_cap=8, w=torch.zeros(4, 2, device=DEVICE),
@@ -403,8 +403,8 @@ def test_bad_arguments_raise():
         dispatch(R_cap=0)
     with pytest.raises(ValueError, match="lead_TG"):
         dispatch(lead=torch.zeros(4 * G - 1, dtype=torch.int32, device=DEVICE))
-    state = flag  # one element where three are needed
-    with pytest.raises(ValueError, match="state must be a contiguous 3-element int64 tensor"):
+    state = torch.zeros(3, dtype=torch.int64, device=DEVICE)  # three elements where one is needed
+    with pytest.raises(ValueError, match="state must be a contiguous 1-element int64 tensor"):
         dispatch()
     with pytest.raises(ValueError, match="g_R"):
         push_back(x, torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(1, dtype=torch.int32), ptrs,
@@ -423,7 +423,7 @@ def test_dispatch_into_too_small_buffers_moves_nothing():
     written anywhere, every pair's route is -1 (in the interpreter; a GPU also traps)."""
     T, K, E, D, R_cap = 4, 2, 2, 3, 5  # one rank keeps 8 pairs for its own experts: 8 rows, 5 fit
     counts = torch.zeros(1, E, dtype=torch.int64)
-    flag, state = _flags(1)[0], torch.tensor([0, 0, 0])
+    flag, state = _flags(1)[0], torch.tensor([0])
     recv, src, w = torch.full((R_cap + 4, D), 7.0), torch.full((R_cap + 4,), -5), torch.full((R_cap + 4,), 7.0)
     tok = torch.full((R_cap + 4,), -5)
     route = dispatch_rows(torch.randn(T, D), torch.rand(T, K), torch.arange(T * K), torch.tensor([4, 4]),
@@ -486,7 +486,7 @@ ptr = lambda t: torch.tensor([t.data_ptr()], dtype=torch.int64, device="cuda")
 T, K, E, D, R_cap = 4, 2, 2, 8, 5  # one rank keeps 8 pairs for its own experts: 8 rows, 5 fit
 x, w = torch.randn(T, D, device="cuda"), torch.rand(T, K, device="cuda")
 counts = torch.zeros(1, E, dtype=torch.int64, device="cuda")
-flag, state = torch.zeros(1, dtype=torch.int64, device="cuda"), torch.zeros(3, dtype=torch.int64, device="cuda")
+flag, state = torch.zeros(1, dtype=torch.int64, device="cuda"), torch.zeros(1, dtype=torch.int64, device="cuda")
 recv = torch.full((R_cap, D), 7.0, device="cuda")
 src = torch.zeros(R_cap, dtype=torch.int64, device="cuda")
 wr = torch.zeros(R_cap, device="cuda")

@@ -70,7 +70,7 @@ def test_light_split_clips_to_the_profiled_steps_and_splits_them():
 
 
 def test_wait_split_charges_the_early_rank_for_the_late_one():
-    d, c = "_dispatch_rows_kernel", "Memcpy PtoP (Device -> Device)"  # one that waits, one that does not
+    d, c = "_exchange_counts_kernel", "Memcpy PtoP (Device -> Device)"  # one that waits, one that does not
     r0 = sp.light_kernels([_kernel(100, 10, d), _kernel(110, 20, "g"), _kernel(130, 10, d), _kernel(140, 4, c)], 0.049)
     r1 = sp.light_kernels([_kernel(90, 3, d), _kernel(104, 6, d), _kernel(110, 25, "g"), _kernel(135, 5, d),
                            _kernel(148, 4, c)], 0.062)
