@@ -84,6 +84,10 @@
 #                                       # 2-GPU tests (both modes) and the graph's 2-GPU tests (TESTS=0 skips them),
 #                                       # then P2P graphed in the bar's layout: kernels 1 chunk, copy_engine 1 and
 #                                       # 2 chunks, alternating (ROUNDS, default "1 2"; ROUNDS= runs none)
+#   PART=25 bash bench/run_ep2_step.sh  # after the one-program waits and the own block read in place: the P2P
+#                                       # 2-GPU, graph and shared-GPU tests (TESTS=0 skips them), then PART=24's
+#                                       # three graphed profiles (ROUNDS, default "1"; ROUNDS= runs none), then
+#                                       # probe/tbo.py's two-micro-batch modes when present (PROBE=0 skips them)
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -411,6 +415,26 @@ elif [ "$PART" = 24 ]; then
         prof "P2P graphed, copy_engine, 2 chunks, round $round" 60 configs/olmoe_bench.yaml $P \
             --parallel.p2p_copy=copy_engine --parallel.overlap_chunks=2
     done
+elif [ "$PART" = 25 ]; then
+    if [ "${TESTS:-1}" != 0 ]; then
+        p2p_gpu_tests 240 300
+        MOE_AUTOTUNE=0 timeout "$(( $(left) - 20 ))" python3 -m pytest -v -m "not multigpu" \
+            "tests/test_parallel.py::test_two_ranks_sharing_one_gpu_equal_one_process" 2>&1 \
+            | grep -E "PASS|FAIL|ERROR|passed|failed|Error" | tail -6 | tee "$OUT/gpu_tests_3.log"
+    fi
+    P="--warm 3 --steps 1 --timed 6 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8 --train.cuda_graph=true"
+    for round in ${ROUNDS-1}; do
+        prof "P2P graphed, kernels, 1 chunk, round $round" 60 configs/olmoe_bench.yaml $P
+        prof "P2P graphed, copy_engine, 1 chunk, round $round" 60 configs/olmoe_bench.yaml $P --parallel.p2p_copy=copy_engine
+        prof "P2P graphed, copy_engine, 2 chunks, round $round" 60 configs/olmoe_bench.yaml $P \
+            --parallel.p2p_copy=copy_engine --parallel.overlap_chunks=2
+    done
+    if [ -f probe/tbo.py ] && [ "${PROBE:-1}" != 0 ]; then
+        for mode in threads threads_ce; do
+            if [ "$(left)" -lt 100 ]; then echo "[skipped: tbo $mode, $(left) s left]"; continue; fi
+            MODE=$mode T=$(( $(left) < 200 ? $(left) - 10 : 190 )) ROUNDS=2 bash probe/run24c.sh | tee -a "$OUT/tbo.txt"
+        done
+    fi
 else
     timeout "$(left)" python3 bench/memory_check.py --gpus 2 --steps 8 --timeout 200 --out "$OUT/memory_ep2.md" \
         --only olmoe_bench_fsdp olmoe_bench_fsdp_selective olmoe_bench_fsdp_full olmoe_ep1_fsdp olmoe_ep1_fsdp_selective \
