@@ -637,3 +637,29 @@ def test_the_own_block_readers_refuse_what_does_not_fit():
         sum_returned(tok, rows_TG, torch.float32, flag, expect, own_MD=tok.half(), me=0)
     with pytest.raises(ValueError, match=f"me a rank of {G}, got {G}"):
         sum_returned(tok, rows_TG, torch.float32, flag, expect, own_MD=tok, me=G)
+
+
+def test_a_peer_copy_leaves_the_views_autograd_holds_usable(monkeypatch):
+    """The failure of the copy-engine mode's first GPU run, on CPU: a rank hands autograd a view
+    of its buffer (the dispatch's w_R) and a peer's block copy lands in the same buffer before the
+    backward, which then must not see "its base ... modified inplace"."""
+    from parallel.p2p_dispatcher import _copy_block
+
+    T_cap, D = 3, 4
+    bufs = _cpu_symmetric_buffers(monkeypatch, {"recv": ((G * T_cap, D), torch.float32), "w": ((5,), torch.float32)})
+
+    class Dispatch(torch.autograd.Function):  # returns a view of rank 1's buffer, as _P2PDispatchFn does
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2, bufs[1].views["w"].view_as(bufs[1].views["w"])
+
+        @staticmethod
+        def backward(ctx, g, _):
+            return g * 2
+
+    x = torch.randn(5, requires_grad=True)
+    y, w_R = Dispatch.apply(x)
+    loss = (y * w_R.unsqueeze(-1).squeeze(-1)).sum()
+    _copy_block(torch.randn(T_cap, D), bufs[0], "recv", 0, T_cap)  # rank 0's rows into rank 1's buffer
+    loss.backward()
+    assert torch.equal(x.grad, 2 * bufs[1].views["w"])
