@@ -86,7 +86,8 @@
 #                                       # 2 chunks, alternating (ROUNDS, default "1 2"; ROUNDS= runs none)
 #   PART=25 bash bench/run_ep2_step.sh  # after the one-program waits and the own block read in place: the P2P
 #                                       # 2-GPU, graph and shared-GPU tests (TESTS=0 skips them), then PART=24's
-#                                       # three graphed profiles (ROUNDS, default "1"; ROUNDS= runs none), then
+#                                       # three graphed profiles and the copy engines at 4 micro-batches of twice
+#                                       # the tokens (ROUNDS, default "1"; ROUNDS= runs none), then
 #                                       # probe/tbo.py's two-micro-batch modes when present (PROBE=0 skips them)
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
@@ -428,6 +429,10 @@ elif [ "$PART" = 25 ]; then
         prof "P2P graphed, copy_engine, 1 chunk, round $round" 60 configs/olmoe_bench.yaml $P --parallel.p2p_copy=copy_engine
         prof "P2P graphed, copy_engine, 2 chunks, round $round" 60 configs/olmoe_bench.yaml $P \
             --parallel.p2p_copy=copy_engine --parallel.overlap_chunks=2
+        # the same 131,072 tokens a step in 4 micro-batches of twice the tokens: half the wgrad's
+        # read-modify-writes of the fp32 .grad (~51 ms a step at 8) and of the per-micro-batch costs
+        prof "P2P graphed, copy_engine, 4 micro-batches of 8 x 2048, round $round" 60 configs/olmoe_bench.yaml $P \
+            --parallel.p2p_copy=copy_engine --train.grad_accum=4 --data.batch_size=8
     done
     if [ -f probe/tbo.py ] && [ "${PROBE:-1}" != 0 ]; then
         for mode in threads threads_ce; do
