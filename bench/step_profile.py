@@ -387,15 +387,14 @@ def profiled_steps(trainer, steps: int, activities) -> tuple[float, float, list[
 def claim_exchange(kernels, copies: bool = False):
     """``kernels`` (start, end, category, name) with those of :data:`EP_EXCHANGE_KERNELS` in the
     exchange's "dispatch/combine" (for a run under expert parallelism). With ``copies`` (the P2P
-    dispatcher's copy-engine mode) the transfer is its own: the device-to-device and peer memcpys
-    that move the rows and the one-program signal after them go to "all-to-all", the role NCCL's
-    kernels have, so the rows' transfer reads apart from the local expand and sums that a single
-    GPU's layer runs too (the waits for the other rank stay inside the dispatch and sum kernels)."""
+    dispatcher's copy-engine mode) the transfer is its own: the peer memcpys that move the rows
+    and the one-program signal after them go to "all-to-all", the role NCCL's kernels have, so the
+    rows' transfer reads apart from the local expand and sums that a single GPU's layer runs too
+    (the waits for the other rank are the one-program wait kernels, still "dispatch/combine"). A
+    rank's own block is not copied (the dispatcher reads it in place), so no within-device memcpy
+    is the exchange's (the gradient buckets' and the LM loss's are not)."""
     def claimed(n, c):
-        # a within-device copy is the exchange's (the own block) only in its ranges or none: the
-        # gradient buckets' and the LM loss's copies have theirs
-        own_block = n.startswith("Memcpy DtoD") and c in ("dispatch/combine", OTHER)
-        if copies and (own_block or n.startswith("Memcpy PtoP") or n == "_signal_peers_kernel"):
+        if copies and (n.startswith("Memcpy PtoP") or n == "_signal_peers_kernel"):
             return ALL_TO_ALL
         return "dispatch/combine" if n in EP_EXCHANGE_KERNELS else c
     return [(s, e, claimed(n, c), n) for s, e, c, n in kernels]

@@ -15,9 +15,9 @@ R. Each dispatch holds one *slot* of buffers until its backward, taken round-rob
 ``num_buffers`` · ``overlap_chunks`` slots; the same call order on every rank means every rank
 takes the same slot.
 
-``dispatch``: one kernel (:func:`~parallel.p2p_rows.dispatch_rows`) writes this rank's
-per-expert counts into every rank's count matrix and signals that rank's counts flag, waits until
-all G ranks have signalled, computes from the (G, E) count matrix where each of this rank's kept
+``dispatch``: :func:`~parallel.p2p_rows.dispatch_rows` writes this rank's per-expert counts into
+every rank's count matrix, signals that rank's counts flag and waits until all G ranks have
+signalled (a one-program kernel), then a second kernel computes from the (G, E) count matrix where each of this rank's kept
 pairs lands (a receiver's rows are expert-major: one segment per local expert) and this rank's
 experts' row ends, stores each token's row once into the token buffer of every rank that keeps a
 pair of it (own rows into its own; the first of the token's pairs there to take its (token, rank)
@@ -61,7 +61,7 @@ calls with the same grids, so each knows it), advanced by the kernels: the host 
 per-call value, and a captured CUDA graph's replays advance them as the eager launches do.
 Writers never overrun readers: every rank's counts reach a peer only after that rank finished
 everything before its dispatch, and the rows of a dispatch reach a peer only after
-that peer's counts (the kernel waits for them), so the counts exchange orders each dispatch after
+that peer's counts (the counts kernel waits for them before the rows kernel starts), so the counts exchange orders each dispatch after
 the previous call's reads on every rank (the rows' weights travel with the rows); the return buffer
 (and its weight gradients) is stored into only after the barrier at the end of the dispatch
 (forward) or of the combine backward (backward), which every reader of the previous contents passed
@@ -101,11 +101,13 @@ _ALIGN = 256
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s memory under a tensor of its own version counter. The copy engines store into this
-    rank's own buffer too; through a view of ``bytes`` each copy would bump the version that the
-    views handed to autograd share (``w_R``), and the backward of anything viewing them then raises
-    "... its base or another view of its base has been modified inplace" (2×H200, the first
-    copy-engine run). The kernels' stores through raw addresses bump nothing; neither may these."""
+    """``t``'s memory under a tensor of its own version counter, for the copy engines' stores. A
+    copy through a view of a rank's ``bytes`` would bump the version that the views handed to
+    autograd share (``w_R``), and the backward of anything viewing them would then raise "... its
+    base or another view of its base has been modified inplace": so it did on 2×H200 when the own
+    block was still copied, and so it would wherever a peer view is a rank's own tensor (the CPU
+    tests' one-process ranks). The kernels' stores through raw addresses bump nothing; neither may
+    these."""
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape,
                                                                t.stride())
 

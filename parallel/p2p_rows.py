@@ -18,7 +18,7 @@ receiver; the kernel that reads spins (acquire, system scope) until its own flag
 target: flags only grow, and each phase adds a fixed number of signals (the counts: one per rank;
 push_back: one per program per peer, its grid fixed by R_cap, which every rank shares). The
 targets live on the device, advanced by the kernels themselves (the counts' one-program exchange;
-push_back's first program), never passed from the host: a captured CUDA graph replays
+push_back's first program; signal_peers), never passed from the host: a captured CUDA graph replays
 the same launches and the targets still advance (train/step_graph.py). A wait that passes its
 timeout prints and traps (the process dies with a CUDA error instead of hanging). In Triton's
 interpreter (one process, the ranks run one after another) a wait does not spin: the tests run
@@ -27,7 +27,8 @@ every rank's phase before the next and check the flags, and a wait whose target 
 too little would otherwise pass unseen).
 Why: on 2×H200 a Mixtral-like dispatch + combine at 4k tokens took ~255 µs of GPU and ~275 µs of
 host per call (Triton launches cost 15-40 µs of host each); flags, and the counts and routes folded
-into the dispatch kernel, took it from 8 launches to 4. Every wait is a one-program kernel of its
+into one dispatch kernel, took it from 8 launches to 4 (the counts' exchange is now its own
+one-program kernel again, for the reason below). Every wait is a one-program kernel of its
 own (the counts' exchange, the way back's wait before the sum): a wait spun in every program of a
 grid held all the SMs while a peer was late, against a kernel overlapping it on another stream
 (overlap_chunks' GEMMs); one more launch each, which a captured graph makes cheap.
@@ -312,11 +313,11 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
     pair's weight ``w_TK[t, k]`` (fp32) in its (R_cap,) fp32 weight buffer (``w_ptrs_G``); the
     receiver copies its token rows into its pair rows (:func:`expand_rows`). ``store_rows``
     False: no token row is stored (``tokrow_TK`` all -1); the caller copies x's whole block to
-    rows ``me·T_cap ...`` of every rank's token buffer after this kernel (copy engines: the rows
-    reach a peer only after its counts, as the kernel's own stores do).
+    rows ``me·T_cap ...`` of every other rank's token buffer after these kernels (copy engines:
+    the rows reach a peer only after its counts, as the kernel's own stores do).
     A count matrix that gives some rank more than ``R_cap`` rows moves no row and writes no
-    offsets (every rank reads the same matrix); on a GPU the kernel then prints and traps on every
-    rank (in the interpreter it returns with every pair's row -1).
+    offsets (every rank reads the same matrix); on a GPU the counts kernel then prints and traps on
+    every rank (in the interpreter the rows kernel returns with every pair's row -1).
 
     Returns ``row_TK``, ``dest_TK`` (T, K) int64 (row -1: dropped), this rank's local experts'
     row ends ``offsets_J`` (L,) int32, ``tokrow_TK`` (T, K) int64 the token row a pair stored
@@ -369,7 +370,9 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
     return row_TK, dest_TK, offsets_J, tokrow_TK
 
 
-@triton.jit
+# the own block's place and size are per-call values: specialized, a size crossing a multiple of 16
+# would compile a new variant mid-run (~0.5 s)
+@triton.jit(do_not_specialize=["own_start", "own_rows"])
 def _expand_rows_kernel(tok_ptr, of_ptr, n_ptr, out_ptr, own_ptr, own_start, own_rows, D, OWN: tl.constexpr,
                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     offs = tl.arange(0, BLOCK_D)
@@ -383,9 +386,11 @@ def _expand_rows_kernel(tok_ptr, of_ptr, n_ptr, out_ptr, own_ptr, own_start, own
         for c in range(0, D, BLOCK_D):
             ok = live[:, None] & (c + offs[None, :] < D)
             if OWN:
-                v = tl.load(tok_ptr + src[:, None] * D + c + offs[None, :], mask=ok & ~own[:, None], other=0.0)
-                v += tl.load(own_ptr + (src - own_start)[:, None] * D + c + offs[None, :], mask=ok & own[:, None],
-                             other=0.0)
+                v = tl.where(own[:, None],
+                             tl.load(own_ptr + (src - own_start)[:, None] * D + c + offs[None, :],
+                                     mask=ok & own[:, None], other=0.0),
+                             tl.load(tok_ptr + src[:, None] * D + c + offs[None, :], mask=ok & ~own[:, None],
+                                     other=0.0))
             else:
                 v = tl.load(tok_ptr + src[:, None] * D + c + offs[None, :], mask=ok, other=0.0)
             tl.store(out_ptr + r[:, None] * D + c + offs[None, :], v, mask=ok)
@@ -412,7 +417,7 @@ def expand_rows(tok_MD: torch.Tensor, of_R: torch.Tensor, n_rows: torch.Tensor, 
     if of_R.shape[0]:
         grid = grid_programs(triton.cdiv(of_R.shape[0], _BLOCK_ROWS), _MAX_PROGRAMS)
         own = own_TD is not None and own_TD.numel() > 0
-        _expand_rows_kernel[(grid,)](tok_MD, of_R, n_rows, out, own_TD if own else tok_MD, own_start,
+        _expand_rows_kernel[(grid,)](tok_MD, of_R, n_rows, out, own_TD if own else tok_MD, own_start if own else 0,
                                      own_TD.shape[0] if own else 0, D, OWN=own, BLOCK_R=_BLOCK_ROWS,
                                      BLOCK_D=ROW_BLOCK_D, num_warps=4)
     return out

@@ -323,7 +323,7 @@ def test_push_back_matches_its_reference(T, K, D, dtype):
 
 def test_dispatch_sends_its_counts_row_to_every_rank_once():
     """The counts part of dispatch_rows: row ``me`` of every rank's matrix, one signal to every
-    rank's flag per call, the target advanced by G and the program counters back at zero."""
+    rank's flag per call, the target advanced by G."""
     E, K, T, me = 6, 2, 5, 1
     mats = [torch.zeros((G, E), dtype=torch.int64, device=DEVICE) for _ in range(G)]
     counts = torch.tensor([2, 0, 3, 1, 0, 4], dtype=torch.int64, device=DEVICE)  # T·K pairs, all kept
@@ -458,7 +458,7 @@ flags = [torch.zeros(1, dtype=torch.int64, device="cuda") for _ in range(2)]
 bufs = [[torch.zeros(16 * n, device="cuda", dtype=dt) for _ in range(2)]
         for n, dt in ((D, torch.float32), (1, torch.int64), (1, torch.float32), (1, torch.int64))]
 dispatch_rows(x, w, torch.arange(T * K, device="cuda"), torch.tensor([2, 2, 2, 2], device="cuda"), ptrs(counts),
-              ptrs(flags), torch.zeros(3, dtype=torch.int64, device="cuda"), counts[0], flags[0], ptrs(bufs[0]),
+              ptrs(flags), torch.zeros(1, dtype=torch.int64, device="cuda"), counts[0], flags[0], ptrs(bufs[0]),
               ptrs(bufs[1]), ptrs(bufs[2]), torch.float32, 0, K, T * K, 16, ptrs(bufs[3]),
               torch.zeros(T * 2, dtype=torch.int32, device="cuda"), timeout_ms=500)
 torch.cuda.synchronize()

@@ -45,10 +45,10 @@ def test_the_exchange_kernels_are_claimed_by_name_under_ep():
     assert [c for _, _, c, _ in sp.claim_exchange(copies)] == [
         "dispatch/combine", sp.OTHER, "router + routing plan", "dispatch/combine", "dispatch/combine", sp.OTHER,
         "gradient sync"]
-    # the copy-engine mode's transfer (the memcpys and the signal after them) is the all-to-all; a
-    # within-device copy only from the exchange's ranges or none (the gradient buckets' is not)
+    # the copy-engine mode's transfer (the peer memcpys and the signal after them) is the all-to-all;
+    # no within-device copy is (the own block is read in place)
     assert [c for _, _, c, _ in sp.claim_exchange(copies, copies=True)] == [
-        sp.ALL_TO_ALL, sp.OTHER, sp.ALL_TO_ALL, sp.ALL_TO_ALL, "dispatch/combine", sp.ALL_TO_ALL, "gradient sync"]
+        "dispatch/combine", sp.OTHER, sp.ALL_TO_ALL, sp.ALL_TO_ALL, "dispatch/combine", sp.OTHER, "gradient sync"]
     import importlib
 
     p2p_rows, token_rows, floor = (importlib.import_module(m) for m in
