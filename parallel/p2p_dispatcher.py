@@ -17,14 +17,15 @@ takes the same slot.
 
 ``dispatch``: :func:`~parallel.p2p_rows.dispatch_rows` writes this rank's per-expert counts into
 every rank's count matrix, signals that rank's counts flag and waits until all G ranks have
-signalled (a one-program kernel), then a second kernel computes from the (G, E) count matrix where each of this rank's kept
-pairs lands (a receiver's rows are expert-major: one segment per local expert) and this rank's
-experts' row ends, stores each token's row once into the token buffer of every rank that keeps a
-pair of it (own rows into its own; the first of the token's pairs there to take its (token, rank)
-ticket stores it), and each kept pair's token row, where it came from and its combine weight at the
-pair's row of its destination; then a barrier, and each rank copies its token rows into its pair
-rows (:func:`~parallel.p2p_rows.expand_rows`), the experts' input, with their weights (``w_R``: the
-experts weight their output rows, as on the other paths).
+signalled (a one-program kernel), then a second kernel computes from the (G, E) count matrix
+where each of this rank's kept pairs lands (a receiver's rows are expert-major: one segment per
+local expert) and this rank's experts' row ends, stores each token's row once into the token
+buffer of every rank that keeps a pair of it (own rows into its own; the first of the token's
+pairs there to take its (token, rank) ticket stores it), and each kept pair's token row, where it
+came from and its combine weight at the pair's row of its destination; then a barrier, and each
+rank copies its token rows into its pair rows (:func:`~parallel.p2p_rows.expand_rows`), the
+experts' input, with their weights (``w_R``: the experts weight their output rows, as on the other
+paths).
 
 ``combine``: every rank sums, in fp32, the valid rows of its expert output that came from one
 (source, token) (:func:`~parallel.p2p_rows.return_table`) and stores that one row into the
@@ -53,17 +54,17 @@ too), so the ordering below holds unchanged. A rank's own block is not copied: t
 final sum read it where it is (x, dout, the own sums).
 
 Ordering: 9 launches per forward (the tickets' memset, 7 Triton kernels, two of them one-program
-waits: the counts' exchange and the wait before the final sum, and one barrier) and a table of 3 small torch ops, 8 and the
-table per backward (the kernels' mode; the copy-engine mode trades
-the memset and the row stores for G - 1 copies each way). Flags only grow; each rank keeps on its device,
-per slot, the value each flag reaches after the signals sent so far (every rank makes the same
+waits: the counts' exchange and the wait before the final sum, and one barrier) and a table of 3
+small torch ops, 8 and the table per backward (the kernels' mode; the copy-engine mode trades the
+memset and the row stores for G - 1 copies each way). Flags only grow; each rank keeps on its
+device, per slot, the value each flag reaches after the signals sent so far (every rank makes the same
 calls with the same grids, so each knows it), advanced by the kernels: the host passes no
 per-call value, and a captured CUDA graph's replays advance them as the eager launches do.
 Writers never overrun readers: every rank's counts reach a peer only after that rank finished
-everything before its dispatch, and the rows of a dispatch reach a peer only after
-that peer's counts (the counts kernel waits for them before the rows kernel starts), so the counts exchange orders each dispatch after
-the previous call's reads on every rank (the rows' weights travel with the rows); the return buffer
-(and its weight gradients) is stored into only after the barrier at the end of the dispatch
+everything before its dispatch, and the rows of a dispatch reach a peer only after that peer's
+counts (the counts kernel waits for them before the rows kernel starts), so the counts exchange
+orders each dispatch after the previous call's reads on every rank (the rows' weights travel with
+the rows); the return buffer (and its weight gradients) is stored into only after the barrier at the end of the dispatch
 (forward) or of the combine backward (backward), which every reader of the previous contents passed
 after reading; and a gradient buffer only after the sum of the previous layer's dispatch backward
 of the same chunk waited for the peers' signals, sent after their experts' backward read it (one
@@ -250,7 +251,7 @@ class _P2PRoute:
     did, or dropped: where the combine backward sends ``dout``; all -1 under ``engine``) (all four
     filled on the device by the dispatch); the slot and the generation that wrote it; the
     dispatcher's gradient buffer; the way back's tables; ``engine``: the rows move as whole token
-    blocks on the copy engines (:func:`_copy_block`), not inside the kernels."""
+    blocks on the copy engines (:func:`_send_rows`, :func:`_send_blocks`), not inside the kernels."""
 
     row_TK: torch.Tensor
     dest_TK: torch.Tensor
@@ -300,23 +301,30 @@ class P2PMeta(ExpertParallelMeta):
     route: _P2PRoute
 
 
-def _copy_block(rows_TD: torch.Tensor, buf: _SymmetricBuffer, name: str, me: int, T_cap: int,
-                 blocks_GTD: torch.Tensor | None = None) -> None:
-    """The copy-engine mode's move: ``rows_TD`` (T, D) into rows ``me·T_cap ... me·T_cap + T`` of
-    region ``name`` (G·T_cap, D) of every other rank's ``buf``; with ``blocks_GTD`` (G·T_cap, D),
-    block g of it to rank g instead (the way back: rank g's tokens' sums). This rank's own block
-    is not copied: its readers (:func:`~parallel.p2p_rows.expand_rows`,
-    :func:`~parallel.p2p_rows.sum_returned`) take it where it is (on 2×H200 the transfer of the
-    OLMoE-shaped step took 56.5 ms of 1.40 s, 45.2 of it the peer copies: the rest, the
-    within-device copies of the own block and the signals, was exposed). Contiguous copies of equal
-    dtype between tensors of this device are cudaMemcpyAsync calls, which the copy engines run
-    without taking SMs from the kernels beside them."""
-    for g, view in enumerate(buf.peer_views(name)):
-        if g == me:
-            continue
-        if blocks_GTD is None:
+# The copy-engine mode's moves. This rank's own block is not copied: its readers
+# (p2p_rows.expand_rows, p2p_rows.sum_returned) take it where it is (on 2×H200 the transfer of the
+# OLMoE-shaped step took 56.5 ms of 1.40 s, 45.2 of it the peer copies: the rest, the within-device
+# copies of the own block and the signals, was exposed). Contiguous copies of equal dtype between
+# tensors of this device are cudaMemcpyAsync calls, which the copy engines run without taking SMs
+# from the kernels beside them.
+
+def _send_rows(rows_TD: torch.Tensor, buf: _SymmetricBuffer, name: str, me: int, T_cap: int) -> torch.Tensor:
+    """``rows_TD`` (T, D), cast to region ``name``'s dtype, into rows ``me·T_cap ... me·T_cap + T``
+    of that region (G·T_cap, D) of every other rank's ``buf``; returns the rows as sent (this
+    rank's own block, which its reader takes in place)."""
+    views = buf.peer_views(name)
+    rows_TD = rows_TD.to(views[me].dtype).contiguous()
+    for g, view in enumerate(views):
+        if g != me:
             view[me * T_cap:me * T_cap + rows_TD.shape[0]].copy_(rows_TD)
-        else:
+    return rows_TD
+
+
+def _send_blocks(blocks_GTD: torch.Tensor, buf: _SymmetricBuffer, name: str, me: int, T_cap: int) -> None:
+    """Block g of ``blocks_GTD`` (G·T_cap, D) into rows ``me·T_cap ... (me + 1)·T_cap`` of region
+    ``name`` of rank g's ``buf``, for every other rank g (the way back: rank g's tokens' sums)."""
+    for g, view in enumerate(buf.peer_views(name)):
+        if g != me:
             view[me * T_cap:(me + 1) * T_cap].copy_(blocks_GTD[g * T_cap:(g + 1) * T_cap])
 
 
@@ -338,7 +346,7 @@ def _home_and_sum(route: _P2PRoute, y_RD: torch.Tensor, out_dtype: torch.dtype,
     table_MK = return_table(bufs.views["src"], route.n_rows, G, T_cap, K)
     sums_MD = gather_slots(y_RD, table_MK, out_dtype=ret_dtype)
     if route.engine:  # every (source, token)'s row, zeros where it has none here; then one signal
-        _copy_block(sums_MD, bufs, "ret", route.me, T_cap, blocks_GTD=sums_MD)
+        _send_blocks(sums_MD, bufs, "ret", route.me, T_cap)
         signal_peers(bufs.ptrs["back_flag"], slot.back_expected, route.me)
     else:  # only the (source, token)s with rows here travel: at top-2 of 8 ranks most have none
         src_M = torch.where((table_MK >= 0).any(1), home.src_M, -1)
@@ -373,8 +381,7 @@ class _P2PDispatchFn(torch.autograd.Function):
             store_rows=not route.engine)
         own_TD = None
         if route.engine:  # after the kernel, so after the peers' counts: they finished with the slot
-            own_TD = x_TD.to(bufs.views["recv"].dtype).contiguous()
-            _copy_block(own_TD, bufs, "recv", route.me, route.T_cap)
+            own_TD = _send_rows(x_TD, bufs, "recv", route.me, route.T_cap)
         bufs.barrier()
         ctx.route, ctx.x_dtype = route, x_TD.dtype
         w_R = bufs.views["w"].view_as(bufs.views["w"])
@@ -413,8 +420,7 @@ class _P2PCombineFn(torch.autograd.Function):
         # engines: the whole block to every rank); then each rank copies it into its pair rows
         own_TD = None
         if route.engine:
-            own_TD = dout_TD.to(grad.views["rows"].dtype).contiguous()
-            _copy_block(own_TD, grad, "rows", route.me, route.T_cap)
+            own_TD = _send_rows(dout_TD, grad, "rows", route.me, route.T_cap)
         else:
             push_rows(dout_TD, route.tokrow_TK, route.dest_TK, grad.ptrs["rows"], grad.views["rows"].dtype,
                       me=route.me)

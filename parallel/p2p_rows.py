@@ -570,7 +570,8 @@ def sum_returned(ret_MD: torch.Tensor, rows_TG: torch.Tensor, out_dtype: torch.d
     # the SMs while the peers were late, which a kernel overlapping it on another stream (a side
     # stream's GEMM under overlap_chunks) could not use
     _wait_flag_kernel[(1,)](flag, expect, timeout_ms * 1_000_000, num_warps=1)
-    return gather_sum(T, D, _locate_returned, rows_TG, None, me, 0 if own_MD is None else G, ret_MD, own_MD, None,
+    own = own_MD is not None  # without it neither me nor G is read: one compiled variant for every rank
+    return gather_sum(T, D, _locate_returned, rows_TG, None, me if own else 0, G if own else 0, ret_MD, own_MD, None,
                       out_dtype, K=G, block_t=_BLOCK_ROWS, max_programs=_MAX_PROGRAMS)
 
 

@@ -57,15 +57,18 @@ def _plans(case, seed=0):
 
 
 def _copy_blocks(bufs, me, T_cap, rows=None, blocks=None):
-    """The dispatcher's copy-engine move (parallel.p2p_dispatcher._copy_block) between the local
-    buffers standing for the ranks' regions."""
-    from parallel.p2p_dispatcher import _copy_block
+    """The dispatcher's copy-engine moves (parallel.p2p_dispatcher._send_rows, _send_blocks)
+    between the local buffers standing for the ranks' regions."""
+    from parallel.p2p_dispatcher import _send_blocks, _send_rows
 
     class Regions:
         def peer_views(self, name):
             return bufs
 
-    _copy_block(rows, Regions(), "rows", me, T_cap, blocks_GTD=blocks)
+    if blocks is None:
+        _send_rows(rows, Regions(), "rows", me, T_cap)
+    else:
+        _send_blocks(blocks, Regions(), "rows", me, T_cap)
 
 
 @pytest.mark.parametrize("engine", [False, True], ids=["kernels", "copy_engine"])
@@ -589,7 +592,7 @@ def test_copy_engine_blocks_land_where_the_kernels_read(monkeypatch):
     rank s's rows at rows s·T_cap... of every other rank's token buffer, its sums for rank g's
     tokens at rows s·T_cap... of rank g's return buffer (g ≠ s), its own block and the regions next
     to them untouched (the own block is read where it is)."""
-    from parallel.p2p_dispatcher import _copy_block
+    from parallel.p2p_dispatcher import _send_blocks, _send_rows
 
     T_cap, D = 5, 4
     sizes = {"recv": ((G * T_cap, D), torch.float16), "tok": ((7,), torch.int64), "ret": ((G * T_cap, D), torch.float32)}
@@ -598,7 +601,7 @@ def test_copy_engine_blocks_land_where_the_kernels_read(monkeypatch):
     versions = [b.bytes._version for b in bufs]
     xs = [torch.randn(T_cap - r, D).half() for r in range(G)]  # fewer tokens than T_cap on ranks 1, 2
     for r in range(G):
-        _copy_block(xs[r], bufs[r], "recv", r, T_cap)
+        assert torch.equal(_send_rows(xs[r], bufs[r], "recv", r, T_cap), xs[r])  # as sent: the own block
     for d in range(G):
         for s in range(G):
             block = bufs[d].views["recv"][s * T_cap:(s + 1) * T_cap]
@@ -609,7 +612,7 @@ def test_copy_engine_blocks_land_where_the_kernels_read(monkeypatch):
         assert (bufs[d].views["tok"] == 0).all()
     sums = [torch.randn(G * T_cap, D) for _ in range(G)]
     for r in range(G):
-        _copy_block(None, bufs[r], "ret", r, T_cap, blocks_GTD=sums[r])
+        _send_blocks(sums[r], bufs[r], "ret", r, T_cap)
     for g in range(G):
         for r in range(G):
             block = bufs[g].views["ret"][r * T_cap:(r + 1) * T_cap]
@@ -643,7 +646,7 @@ def test_a_peer_copy_leaves_the_views_autograd_holds_usable(monkeypatch):
     """The failure of the copy-engine mode's first GPU run, on CPU: a rank hands autograd a view
     of its buffer (the dispatch's w_R) and a peer's block copy lands in the same buffer before the
     backward, which then must not see "its base ... modified inplace"."""
-    from parallel.p2p_dispatcher import _copy_block
+    from parallel.p2p_dispatcher import _send_rows
 
     T_cap, D = 3, 4
     bufs = _cpu_symmetric_buffers(monkeypatch, {"recv": ((G * T_cap, D), torch.float32), "w": ((5,), torch.float32)})
@@ -660,6 +663,6 @@ def test_a_peer_copy_leaves_the_views_autograd_holds_usable(monkeypatch):
     x = torch.randn(5, requires_grad=True)
     y, w_R = Dispatch.apply(x)
     loss = (y * w_R.unsqueeze(-1).squeeze(-1)).sum()
-    _copy_block(torch.randn(T_cap, D), bufs[0], "recv", 0, T_cap)  # rank 0's rows into rank 1's buffer
+    _send_rows(torch.randn(T_cap, D), bufs[0], "recv", 0, T_cap)  # rank 0's rows into rank 1's buffer
     loss.backward()
     assert torch.equal(x.grad, 2 * bufs[1].views["w"])
