@@ -89,6 +89,12 @@
 #                                       # three graphed profiles and the copy engines at 4 micro-batches of twice
 #                                       # the tokens (ROUNDS, default "1"; ROUNDS= runs none), then
 #                                       # probe/tbo.py's two-micro-batch modes when present (PROBE=0 skips them)
+#   PART=26 bash bench/run_ep2_step.sh  # the bar's claims again on another machine: P2P graphed in the bar's layout,
+#                                       # copy_engine and kernels at 8 micro-batches and copy_engine at 4 of 8 x 2048,
+#                                       # alternating (ROUNDS, default "1 2")
+#   PART=27 bash bench/run_ep2_step.sh  # 100 training steps in the fastest layout measured (P2P, copy engines,
+#                                       # replicate, graphed, 4 micro-batches of 8 x 2048): MFU and every
+#                                       # layer's load max/mean
 #
 # Each profile appends its table to $OUT/step_profile_ep2.md; the closing table has one row per run
 # (step ms and MFU without the profiler, peak memory, exposed all-to-all % of the profiled step, the
@@ -440,6 +446,17 @@ elif [ "$PART" = 25 ]; then
             MODE=$mode T=$(( $(left) < 200 ? $(left) - 10 : 190 )) ROUNDS=2 bash probe/run24c.sh | tee -a "$OUT/tbo.txt"
         done
     fi
+elif [ "$PART" = 26 ]; then
+    P="--warm 3 --steps 1 --timed 6 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8 --train.cuda_graph=true"
+    for round in ${ROUNDS-1 2}; do
+        prof "P2P graphed, copy_engine, round $round" 60 configs/olmoe_bench.yaml $P --parallel.p2p_copy=copy_engine
+        prof "P2P graphed, copy_engine, 4 micro-batches of 8 x 2048, round $round" 60 configs/olmoe_bench.yaml $P \
+            --parallel.p2p_copy=copy_engine --train.grad_accum=4 --data.batch_size=8
+        prof "P2P graphed, kernels, round $round" 60 configs/olmoe_bench.yaml $P
+    done
+elif [ "$PART" = 27 ]; then
+    routing fastest_100 300 --train.steps=100 --parallel.dispatcher=p2p --parallel.data_parallel=replicate \
+        --parallel.p2p_copy=copy_engine --train.cuda_graph=true --train.grad_accum=4 --data.batch_size=8
 else
     timeout "$(left)" python3 bench/memory_check.py --gpus 2 --steps 8 --timeout 200 --out "$OUT/memory_ep2.md" \
         --only olmoe_bench_fsdp olmoe_bench_fsdp_selective olmoe_bench_fsdp_full olmoe_ep1_fsdp olmoe_ep1_fsdp_selective \
