@@ -71,6 +71,7 @@ class Plan:
     warpgroups: int
     block_n: int = 128
     stages: int = 2
+    half_diagonal: bool = False  # causal: consumer 0's diagonal step over half the keys (_consumer)
 
     @property
     def block_m(self) -> int:
@@ -100,9 +101,16 @@ HEAD_DIMS = (64, 128)
 WIDE_HD64_FROM = 4096
 
 
+# Consumer 0's half-width diagonal step, against every consumer's full one, same bits out (H200,
+# bf16, B·S 16k, 5 alternating rounds, probe 2026-11-28): Hd 64 causal S 1k 1.039×, 2k 1.037×
+# (cuDNN: 0.943 → 0.986×, 0.999 → 1.037×); at Hd 128 it lost, 0.991 / 0.965 / 0.959× at S 1k / 2k /
+# 4k, where the P·V matmul, not the softmax, bounds the step and the two consumers' uneven tiles
+# then cost more than the saved quarter block. Only the two-consumer tiling can take it (tile =
+# one key block).
 def plan(head_dim: int, seq_len: int) -> Plan:
     """The tiling ``hopper_forward`` launches for this head dim and length."""
-    return Plan(warpgroups=3 if head_dim == 64 and seq_len >= WIDE_HD64_FROM else 2)
+    wide = head_dim == 64 and seq_len >= WIDE_HD64_FROM
+    return Plan(warpgroups=3 if wide else 2, half_diagonal=head_dim == 64 and not wide)
 
 
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
@@ -201,7 +209,9 @@ def _kv_step(a, q_tile, p, m_i, l_i, acc, it, j, my_m, CAUSAL: gl.constexpr, s_z
              s_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr):
     """Key block ``j`` of the tile, ``it`` of the ring (the CTA's count): S = Q·Kᵀ runs beside
     the previous block's O += P·V, whose softmax it follows. Returns this block's P, already the
-    16-bit P·V operand, and the updated m, l and O.
+    16-bit P·V operand, and the updated m, l and O. S covers the block's first ``s_zero.shape[1]``
+    keys (all of them, or the half a diagonal block shows consumer 0: ``_consumer``); m and l
+    come and go in the caller's row layout.
 
     - At ``j == 0`` there is no previous block: ``p`` is zero and multiplies this block's own V
       (loaded data), a product that adds nothing (unless V holds inf or NaN, which any masked
@@ -218,9 +228,12 @@ def _kv_step(a, q_tile, p, m_i, l_i, acc, it, j, my_m, CAUSAL: gl.constexpr, s_z
     NSTAGE: gl.constexpr = k_smem.type.shape[0]
     HEAD_D: gl.constexpr = k_smem.type.shape[4]
     BN: gl.constexpr = k_smem.type.shape[3]
+    KEYS: gl.constexpr = s_zero.shape[1]
+    row_in: gl.constexpr = m_i.type.layout
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     s = it % NSTAGE
     mbarrier.wait(k_ready.index(s), (it // NSTAGE) & 1)
-    k_tile = k_smem.index(s).reshape([BN, HEAD_D])
+    k_tile = k_smem.index(s).reshape([BN, HEAD_D]).slice(0, KEYS)
     s_acc = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     vit = it - (j > 0).to(gl.int32)
     vs = vit % NSTAGE
@@ -230,31 +243,38 @@ def _kv_step(a, q_tile, p, m_i, l_i, acc, it, j, my_m, CAUSAL: gl.constexpr, s_z
     s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))
     mbarrier.arrive(k_empty.index(s), count=1)
     start_n = j * BN
-    need = start_n + BN > SK
+    need = start_n + KEYS > SK
     if CAUSAL:
-        need = need | (start_n + BN - 1 > my_m)
+        need = need | (start_n + KEYS - 1 > my_m)
     if need:
-        cols = start_n + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+        cols = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
         keep = cols[None, :] < SK
         if CAUSAL:
             rows = my_m + gl.arange(0, s_acc.shape[0], layout=gl.SliceLayout(1, s_layout))
             keep = keep & (rows[:, None] >= cols[None, :])
         s_acc = gl.where(keep, s_acc, float("-inf"))
+    m_i = gl.convert_layout(m_i, row_s)  # no-ops: a row's threads do not depend on S's width
     m_new = gl.maximum(m_i, gl.max(s_acc, 1) * qk_scale)
     p32 = gl.exp2(s_acc * qk_scale - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p32, 1)
+    l_i = gl.convert_layout(l_i, row_s) * alpha + gl.sum(p32, 1)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(vs), count=1, pred=j > 0)
     p = gl.convert_layout(p32.to(q_desc.dtype), p_layout)
-    return p, m_new, l_i, acc * gl.convert_layout(alpha, row_o)[:, None]
+    return (p, gl.convert_layout(m_new, row_in), gl.convert_layout(l_i, row_in),
+            acc * gl.convert_layout(alpha, row_o)[:, None])
 
 
 @gluon.jit
-def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr):
+def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, HALF_DIAGONAL: gl.constexpr):
     """One warpgroup: for each tile, query rows start_m + 64·WG ... + 63 against its key blocks.
     Every consumer walks all of the tile's blocks (the ring's slots are released by all), so a
-    block past a warpgroup's diagonal is computed and masked away, FlashAttention-3's choice too.
+    block past a warpgroup's diagonal is computed and masked away, FlashAttention-3's choice too,
+    with one exception (``HALF_DIAGONAL``, the plan's choice): when a causal tile is one key
+    block tall (two consumers of 64 rows, 128-key blocks), consumer 0's rows see only the first
+    half of the tile's last, diagonal block, so its last step reads those 64 keys alone. That is
+    a quarter of a diagonal block's work, 0.5 of the 9 block-steps of a causal unit at S 1k
+    (5.6 %), and the same bits: the keys it skips were masked to exp2(-inf) = 0.
     One loop serves every block: the consumers are separate code (one copy per warpgroup), and
     an earlier version that peeled the first and the masked blocks into copies of the step held
     ~130 KB of instructions at Hd 64 with three consumers; causal S 1k then ran at 0.40× cuDNN,
@@ -275,6 +295,10 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr):
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_zero = gl.zeros([ROWS, BN], gl.float32, layout=s_layout)
+    HALF_DIAG: gl.constexpr = CAUSAL and HALF_DIAGONAL and WG == 0 and NWG * ROWS == BN
+    half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, BN // 2, 16])
+    half_zero = gl.zeros([ROWS, BN // 2], gl.float32, layout=half_layout)
 
     tc = 0
     kv = 0
@@ -295,13 +319,22 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr):
                 # ran while this tile's Q was awaited): hand that buffer back to the producer.
                 tma.store_wait(0)
                 mbarrier.arrive(q_empty.index(1 - qb), count=1)
-            for j in range(n_blocks):
+            n_full = n_blocks
+            if HALF_DIAG:
+                n_full = n_blocks - 1
+            for j in range(n_full):
                 p, m_i, l_i, acc = _kv_step(a, q_tile, p, m_i, l_i, acc, kv + j, j, my_m, CAUSAL,
                                             s_zero, s_layout, p_layout, row_o)
+            if HALF_DIAG:
+                j = n_blocks - 1
+                p_last, m_i, l_i, acc = _kv_step(a, q_tile, p, m_i, l_i, acc, kv + j, j, my_m,
+                                                 CAUSAL, half_zero, half_layout, p_layout, row_o)
+            else:
+                p_last = p
             last = (kv + n_blocks - 1) % NSTAGE
             mbarrier.wait(v_ready.index(last), ((kv + n_blocks - 1) // NSTAGE) & 1)
-            v_tile = v_smem.index(last).reshape([BN, HEAD_D])
-            acc = warpgroup_mma(p, v_tile, acc, is_async=True)
+            v_tile = v_smem.index(last).reshape([BN, HEAD_D]).slice(0, p_last.shape[1])
+            acc = warpgroup_mma(p_last, v_tile, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(last), count=1)
 
@@ -321,18 +354,18 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _consumer_0(a, CAUSAL: gl.constexpr):
-    _consumer(a, 0, CAUSAL)
+def _consumer_0(a, CAUSAL: gl.constexpr, HALF_DIAGONAL: gl.constexpr):
+    _consumer(a, 0, CAUSAL, HALF_DIAGONAL)
 
 
 @gluon.jit
-def _consumer_1(a, CAUSAL: gl.constexpr):
-    _consumer(a, 1, CAUSAL)
+def _consumer_1(a, CAUSAL: gl.constexpr, HALF_DIAGONAL: gl.constexpr):
+    _consumer(a, 1, CAUSAL, HALF_DIAGONAL)
 
 
 @gluon.jit
-def _consumer_2(a, CAUSAL: gl.constexpr):
-    _consumer(a, 2, CAUSAL)
+def _consumer_2(a, CAUSAL: gl.constexpr, HALF_DIAGONAL: gl.constexpr):
+    _consumer(a, 2, CAUSAL, HALF_DIAGONAL)
 
 
 # Launched through cached_launch, so nothing but the constexprs and dtypes may pick the binary.
@@ -341,7 +374,8 @@ def _consumer_2(a, CAUSAL: gl.constexpr):
 def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, SQ, SK, n_units,
                             qk_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                            HALF_DIAGONAL: gl.constexpr):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]  # WG_M
     NWG: gl.constexpr = BLOCK_M // ROWS
     dtype: gl.constexpr = q_desc.dtype
@@ -367,12 +401,14 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, SQ, S
     a = (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready,
          v_ready, k_empty, v_empty, LSE, H, GROUP, SQ, SK, gl.cdiv(SQ, BLOCK_M), n_units, qk_scale)
     if NWG == 2:
-        gl.warp_specialize([(_consumer_0, (a, CAUSAL)), (_consumer_1, (a, CAUSAL)),
-                            (_producer, (a, CAUSAL))], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        gl.warp_specialize([(_consumer_0, (a, CAUSAL, HALF_DIAGONAL)),
+                            (_consumer_1, (a, CAUSAL, HALF_DIAGONAL)), (_producer, (a, CAUSAL))],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_consumer_0, (a, CAUSAL)), (_consumer_1, (a, CAUSAL)),
-                            (_consumer_2, (a, CAUSAL)), (_producer, (a, CAUSAL))], [4, 4, 1],
-                           [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+        gl.warp_specialize([(_consumer_0, (a, CAUSAL, HALF_DIAGONAL)),
+                            (_consumer_1, (a, CAUSAL, HALF_DIAGONAL)),
+                            (_consumer_2, (a, CAUSAL, HALF_DIAGONAL)), (_producer, (a, CAUSAL))],
+                           [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
 def gluon_case(q, k, causal, window, min_scores, head_dims, *tensors) -> bool:
@@ -424,5 +460,5 @@ def hopper_forward(q, k, v, o, lse, causal, scale_log2):
         _descriptor(o, WG_M), lse, H, H // k.shape[1], S, S, n_units, scale_log2,
         CAUSAL=causal, BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, HEAD_D=Hd,
         STAGES=tiling.stages, CONSUMER_REGS=tiling.consumer_regs, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=4, maxnreg=tiling.max_nreg)
+        HALF_DIAGONAL=tiling.half_diagonal, num_warps=4, maxnreg=tiling.max_nreg)
     return o, lse

@@ -583,7 +583,7 @@ for kind, causal, deterministic, head_d, dtype, walk, seq_len in json.loads(sys.
                      "qk_scale": "fp32"}
         constexprs = {"CAUSAL": causal, "BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "HEAD_D": head_d,
                       "STAGES": plan.stages, "CONSUMER_REGS": plan.consumer_regs,
-                      "PRODUCER_REGS": fah.PRODUCER_REGS}
+                      "PRODUCER_REGS": fah.PRODUCER_REGS, "HALF_DIAGONAL": plan.half_diagonal}
         fn, warps, max_nreg = fah._attn_fwd_hopper_kernel, 4, plan.max_nreg
     else:
         block_m = fab.BLOCK_M[head_d]
