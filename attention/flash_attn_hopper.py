@@ -71,7 +71,7 @@ class Plan:
     warpgroups: int
     block_n: int = 128
     stages: int = 2
-    half_diagonal: bool = False  # causal: consumer 0's diagonal step over half the keys (_consumer)
+    half_diagonal: bool = False  # consumer 0's diagonal step over half the keys (_consumer; causal only)
 
     @property
     def block_m(self) -> int:
@@ -104,9 +104,9 @@ WIDE_HD64_FROM = 4096
 # Consumer 0's half-width diagonal step, against every consumer's full one, same bits out (H200,
 # bf16, B·S 16k, 5 alternating rounds, probe 2026-11-28): Hd 64 causal S 1k 1.039×, 2k 1.037×
 # (cuDNN: 0.943 → 0.986×, 0.999 → 1.037×); at Hd 128 it lost, 0.991 / 0.965 / 0.959× at S 1k / 2k /
-# 4k, where the P·V matmul, not the softmax, bounds the step and the two consumers' uneven tiles
-# then cost more than the saved quarter block. Only the two-consumer tiling can take it (tile =
-# one key block).
+# 4k. Why is not profiled: there the matmuls rather than the 64×128 softmax bound a step, so the
+# saved quarter block buys less, against the consumers' uneven tiles and consumer 0's larger code.
+# Only the two-consumer tiling can take it (tile = one key block).
 def plan(head_dim: int, seq_len: int) -> Plan:
     """The tiling ``hopper_forward`` launches for this head dim and length."""
     wide = head_dim == 64 and seq_len >= WIDE_HD64_FROM
@@ -274,11 +274,17 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, HALF_DIAGONAL: gl.const
     block tall (two consumers of 64 rows, 128-key blocks), consumer 0's rows see only the first
     half of the tile's last, diagonal block, so its last step reads those 64 keys alone. That is
     a quarter of a diagonal block's work, 0.5 of the 9 block-steps of a causal unit at S 1k
-    (5.6 %), and the same bits: the keys it skips were masked to exp2(-inf) = 0.
+    (5.6 %).
     One loop serves every block: the consumers are separate code (one copy per warpgroup), and
     an earlier version that peeled the first and the masked blocks into copies of the step held
     ~130 KB of instructions at Hd 64 with three consumers; causal S 1k then ran at 0.40× cuDNN,
-    42 % of its stalls waiting for instructions (ncu, H100). One loop: 69 KB, 0.94×."""
+    42 % of its stalls waiting for instructions (ncu, H100). One loop: 69 KB, 0.94×. The half
+    diagonal step is the one other copy, in consumer 0 only (+416 SASS instructions, 6.7 KB).
+
+    The half step relies on Sq == Sk (``gluon_case``): a 128-row causal tile then has key blocks
+    0 ... m, the last one its diagonal. The skipped keys were masked to exp2(-inf) = 0, so the
+    output is bit for bit the full step's for finite inputs (a non-finite V there made consumer
+    0's rows NaN before and no longer does)."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
      k_empty, v_empty, LSE, H, GROUP, SQ, SK, n_m, n_units, qk_scale) = a
     NSTAGE: gl.constexpr = k_smem.type.shape[0]
@@ -295,10 +301,11 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, HALF_DIAGONAL: gl.const
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_zero = gl.zeros([ROWS, BN], gl.float32, layout=s_layout)
+    # consumer 0 of a one-block-tall tile: its ROWS rows see the diagonal block's first ROWS keys
     HALF_DIAG: gl.constexpr = CAUSAL and HALF_DIAGONAL and WG == 0 and NWG * ROWS == BN
     half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                          instr_shape=[16, BN // 2, 16])
-    half_zero = gl.zeros([ROWS, BN // 2], gl.float32, layout=half_layout)
+                                                          instr_shape=[16, ROWS, 16])
+    half_zero = gl.zeros([ROWS, ROWS], gl.float32, layout=half_layout)
 
     tc = 0
     kv = 0

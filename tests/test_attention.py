@@ -748,6 +748,7 @@ def _on_sm90():
     (2, 8, 8, 193, 64, True, torch.bfloat16, "BHSD"),  # three consumers: a one-row second tile
     (1, 4, 4, 200, 64, False, torch.bfloat16, "BHSD"),
     (2, 4, 2, 384, 64, True, torch.float16, "BHSD"),
+    (1, 4, 4, 1050, 64, True, torch.bfloat16, "BHSD"),  # the end cuts a diagonal's first half
     (1, 1, 1, 1, 64, True, torch.bfloat16, "BHSD"),
 ])
 @pytest.mark.parametrize("wide_from", [None, 0])
