@@ -107,6 +107,8 @@ export OUT=${OUT:-/tmp/run_ep2} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=$(( $(nproc) 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TRITON_CACHE_AUTOTUNING=1  # later launches reuse the first one's autotuning
 BUDGET=${BUDGET:-570}
+# the bar's layout (#20): P2P, replicated dense weights, 8 micro-batches (131,072 tokens a step)
+BAR="--parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
 PART=${PART:-1}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv,noheader
@@ -195,7 +197,7 @@ elif [ "$PART" = 5 ]; then
     # the bar's run: olmoe_bench with its routing-health options (since 2026-11-24's fifth session)
     # in its fastest layout, trained 100 steps (the routing of every layer and the logged MFU), then
     # its step profile (the exposed exchange) and the default layout's for the before/after
-    FAST="--parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    FAST="$BAR"
     routing healthy_fast 260 --train.steps=100 $FAST
     prof "olmoe_bench (routing options) EP 2, P2P, replicate, 8 micro-batches" 90 configs/olmoe_bench.yaml \
         --warm 3 --steps 1 --timed 3 $FAST
@@ -245,7 +247,7 @@ elif [ "$PART" = 9 ]; then
             --parallel.dispatcher=p2p
     done
 elif [ "$PART" = 10 ]; then
-    FAST="--parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    FAST="$BAR"
     routing healthy_fast 260 --train.steps=100 $FAST
     P="--warm 3 --steps 1 --timed 3 --host-table 25 $FAST"
     prof "olmoe_bench EP 2, P2P, replicate, 8 micro-batches (this tree)" 70 configs/olmoe_bench.yaml $P
@@ -263,7 +265,7 @@ elif [ "$PART" = 11 ]; then
         --parallel.dispatcher=p2p
     prof "olmoe_bench EP 2, NCCL exact sizes, replicate, 8 micro-batches (this tree)" 70 configs/olmoe_bench.yaml $P
 elif [ "$PART" = 12 ]; then
-    P="--warm 3 --steps 1 --timed 6 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    P="--warm 3 --steps 1 --timed 6 $BAR"
     for round in 1 2; do
         prof "olmoe_bench EP 2, P2P, replicate, 8 micro-batches, gc_every 50 (round $round)" 70 configs/olmoe_bench.yaml $P
         prof "olmoe_bench EP 2, P2P, replicate, 8 micro-batches, gc_every 0 (round $round)" 70 configs/olmoe_bench.yaml $P \
@@ -272,7 +274,7 @@ elif [ "$PART" = 12 ]; then
 elif [ "$PART" = 13 ]; then
     MOE_AUTOTUNE=0 timeout 200 python3 -m pytest -q -m multigpu tests/test_parallel.py tests/test_train.py -k p2p 2>&1 \
         | tail -8 | tee "$OUT/gpu_tests.log"
-    P="--warm 3 --steps 1 --timed 3 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    P="--warm 3 --steps 1 --timed 3 $BAR"
     for round in 1 2; do
         if [ -d .base ]; then
             (cd .base && prof "olmoe_bench EP 2, P2P, replicate, 8 micro-batches (.base: $(cat REV 2>/dev/null), round $round)" \
@@ -298,7 +300,7 @@ elif [ "$PART" = 14 ]; then
         BRANCH_OK=1  # TESTS=none: a later call on the same trees, whose tests passed in an earlier one
     fi
     for d in .base .branch; do [ -d $d ] && cp bench/step_profile.py $d/bench/; done  # one profile script for all trees
-    P="--warm 3 --steps 1 --timed 3 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    P="--warm 3 --steps 1 --timed 3 $BAR"
     base() { [ -d .base ] && (cd .base && prof "P2P, a row per pair both ways (.base: $(cat REV), round $1)" 70 configs/olmoe_bench.yaml $P); }
     here() { prof "P2P, token rows back (this tree, round $1)" 70 configs/olmoe_bench.yaml $P; }
     branch() { [ "$BRANCH_OK" = 1 ] && (cd .branch && prof "P2P, token rows both ways (.branch: $(cat REV), round $1)" 70 configs/olmoe_bench.yaml $P); }
@@ -308,7 +310,7 @@ elif [ "$PART" = 14 ]; then
     done
 elif [ "$PART" = 15 ]; then
     [ -d .branch ] && cp bench/step_profile.py .branch/bench/
-    P="--warm 3 --steps 1 --timed 3 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    P="--warm 3 --steps 1 --timed 3 $BAR"
     for round in 1 2; do
         prof "P2P, token rows back (this tree, round $round)" 60 configs/olmoe_bench.yaml $P
         [ -d .branch ] && (cd .branch && prof "P2P, token rows both ways (.branch: $(cat REV), round $round)" 60 \
@@ -317,13 +319,13 @@ elif [ "$PART" = 15 ]; then
             configs/olmoe_bench.yaml $P --moe.force_balance=true
     done
 elif [ "$PART" = 16 ]; then
-    P="--warm 3 --steps 1 --timed 3 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    P="--warm 3 --steps 1 --timed 3 $BAR"
     for round in 1 2; do
         prof "P2P, no binding (round $round)" 55 configs/olmoe_bench.yaml $P
         TORCHRUN_ARGS=--numa-binding=node prof "P2P, --numa-binding=node (round $round)" 55 configs/olmoe_bench.yaml $P
     done
 elif [ "$PART" = 17 ]; then
-    P="--warm 3 --steps 1 --timed 3 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    P="--warm 3 --steps 1 --timed 3 $BAR"
     prof "P2P, launches and host table (OMP_NUM_THREADS $OMP_NUM_THREADS)" 60 configs/olmoe_bench.yaml $P --host-table 40
     for round in 1 2; do
         for threads in "$OMP_NUM_THREADS" 4 1; do
@@ -340,7 +342,7 @@ elif [ "$PART" = 18 ] || [ "$PART" = 19 ]; then
         MOE_AUTOTUNE=0 timeout 200 python3 -m pytest -q -m multigpu tests/test_parallel.py 2>&1 | tail -6 | tee "$OUT/gpu_tests.log"
     fi
     [ -d .base ] && cp bench/step_profile.py .base/bench/
-    P="--warm 3 --steps 1 --timed 3 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    P="--warm 3 --steps 1 --timed 3 $BAR"
     base() { [ -d .base ] && (cd .base && prof "P2P (.base: $(cat REV), round $1)" 55 configs/olmoe_bench.yaml $P); }
     here() { prof "P2P, router tail and plan fused (this tree, round $1)" 55 configs/olmoe_bench.yaml $P; }
     for round in $([ "$PART" = 18 ] && echo 1 2 3 || echo 1 2); do
@@ -351,7 +353,7 @@ elif [ "$PART" = 20 ]; then
     MOE_AUTOTUNE=0 timeout 120 python3 -m pytest -q -x tests/test_router_topk.py tests/test_router_loss.py \
         tests/test_expert_sort.py tests/test_moe_layer.py 2>&1 | tail -4 | tee "$OUT/gpu_tests_1.log"
     [ -d .base ] && cp bench/step_profile.py .base/bench/
-    P="--warm 3 --steps 1 --timed 6 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    P="--warm 3 --steps 1 --timed 6 $BAR"
     here() { prof "P2P (this tree, round $1)" 60 configs/olmoe_bench.yaml $P; }
     base() { [ -d .base ] && (cd .base && prof "P2P (.base: $(cat REV), round $1)" 60 configs/olmoe_bench.yaml $P); }
     for round in 1 2 3; do
@@ -362,7 +364,7 @@ elif [ "$PART" = 21 ]; then
         tests/test_router_loss.py tests/test_expert_sort.py tests/test_moe_layer.py tests/test_gather_sum.py \
         tests/test_p2p_rows.py tests/test_rope.py tests/test_lm_loss.py 2>&1 | tail -4 | tee "$OUT/gpu_tests_1.log"
     timeout 60 python3 bench/launch.py --out "$OUT/launch.md" 2>&1 | tail -8
-    H="--parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    H="$BAR"
     host() {  # host LABEL DIR [args]
         local label=$1 dir=$2 name
         shift 2
@@ -388,7 +390,7 @@ elif [ "$PART" = 22 ]; then
         | grep -v "^SKIPPED" | tail -6 | tee "$OUT/gpu_tests_1.log"
     MOE_AUTOTUNE=0 timeout 150 python3 -m pytest -q -m multigpu -k "p2p or P2P" tests/test_parallel.py 2>&1 \
         | grep -v "^SKIPPED" | tail -4 | tee "$OUT/gpu_tests_2.log"
-    P="--warm 3 --steps 1 --timed 6 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    P="--warm 3 --steps 1 --timed 6 $BAR"
     for round in ${ROUNDS:-1 2}; do
         prof "P2P eager, round $round" 60 configs/olmoe_bench.yaml $P
         prof "P2P cuda_graph, round $round" 60 configs/olmoe_bench.yaml $P --train.cuda_graph=true
@@ -402,7 +404,7 @@ elif [ "$PART" = 23 ]; then
         echo "[one-GPU tests: exit $?]"; grep -E "FAIL|ERROR|passed|failed" "$OUT/gpu_tests_3.log" | tail -6
         tail -20 "$OUT/gpu_tests_3.log"
     fi
-    P="--warm 3 --steps 1 --timed 6 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8"
+    P="--warm 3 --steps 1 --timed 6 $BAR"
     for round in ${ROUNDS:-1 2}; do
         prof "P2P cuda_graph, 1 chunk, round $round" 60 configs/olmoe_bench.yaml $P --train.cuda_graph=true
         prof "P2P cuda_graph, 2 chunks, round $round" 60 configs/olmoe_bench.yaml $P --train.cuda_graph=true \
@@ -415,7 +417,7 @@ elif [ "$PART" = 24 ]; then
             | grep -v Warning | tail -12 | tee "$OUT/ce_overlap.txt"
     fi
     [ "${TESTS:-1}" != 0 ] && p2p_gpu_tests 240 300
-    P="--warm 3 --steps 1 --timed 6 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8 --train.cuda_graph=true"
+    P="--warm 3 --steps 1 --timed 6 $BAR --train.cuda_graph=true"
     for round in ${ROUNDS-1 2}; do
         prof "P2P graphed, kernels, 1 chunk, round $round" 60 configs/olmoe_bench.yaml $P
         prof "P2P graphed, copy_engine, 1 chunk, round $round" 60 configs/olmoe_bench.yaml $P --parallel.p2p_copy=copy_engine
@@ -429,7 +431,7 @@ elif [ "$PART" = 25 ]; then
             "tests/test_parallel.py::test_two_ranks_sharing_one_gpu_equal_one_process" 2>&1 \
             | grep -E "PASS|FAIL|ERROR|passed|failed|Error" | tail -6 | tee "$OUT/gpu_tests_3.log"
     fi
-    P="--warm 3 --steps 1 --timed 6 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8 --train.cuda_graph=true"
+    P="--warm 3 --steps 1 --timed 6 $BAR --train.cuda_graph=true"
     for round in ${ROUNDS-1}; do
         prof "P2P graphed, kernels, 1 chunk, round $round" 60 configs/olmoe_bench.yaml $P
         prof "P2P graphed, copy_engine, 1 chunk, round $round" 60 configs/olmoe_bench.yaml $P --parallel.p2p_copy=copy_engine
@@ -447,7 +449,7 @@ elif [ "$PART" = 25 ]; then
         done
     fi
 elif [ "$PART" = 26 ]; then
-    P="--warm 3 --steps 1 --timed 6 --parallel.dispatcher=p2p --parallel.data_parallel=replicate --train.grad_accum=8 --train.cuda_graph=true"
+    P="--warm 3 --steps 1 --timed 6 $BAR --train.cuda_graph=true"
     for round in ${ROUNDS-1 2}; do
         prof "P2P graphed, copy_engine, round $round" 60 configs/olmoe_bench.yaml $P --parallel.p2p_copy=copy_engine
         prof "P2P graphed, copy_engine, 4 micro-batches of 8 x 2048, round $round" 60 configs/olmoe_bench.yaml $P \
