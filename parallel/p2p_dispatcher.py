@@ -328,6 +328,15 @@ def _send_blocks(blocks_GTD: torch.Tensor, buf: _SymmetricBuffer, name: str, me:
             view[me * T_cap:(me + 1) * T_cap].copy_(blocks_GTD[g * T_cap:(g + 1) * T_cap])
 
 
+def _expand_arrived(route: _P2PRoute, buf: _SymmetricBuffer, name: str, own_TD: torch.Tensor | None) -> torch.Tensor:
+    """After ``buf``'s barrier (every rank's token rows are in region ``name``): the token rows
+    copied into this rank's pair rows (:func:`~parallel.p2p_rows.expand_rows`), the own block
+    (``own_TD``, copy engines: what :func:`_send_rows` returned) read where it is, at the rows
+    ``_send_rows`` fills on the peers."""
+    buf.barrier()
+    return expand_rows(buf.views[name], route.slot.buf.views["tok"], route.n_rows, own_TD, route.me * route.T_cap)
+
+
 def _home_and_sum(route: _P2PRoute, y_RD: torch.Tensor, out_dtype: torch.dtype,
                   g_R: torch.Tensor | None = None):
     """The way back, shared by the combine and the dispatch backward. The receiver first sums each
@@ -382,12 +391,11 @@ class _P2PDispatchFn(torch.autograd.Function):
         own_TD = None
         if route.engine:  # after the kernel, so after the peers' counts: they finished with the slot
             own_TD = _send_rows(x_TD, bufs, "recv", route.me, route.T_cap)
-        bufs.barrier()
         ctx.route, ctx.x_dtype = route, x_TD.dtype
         w_R = bufs.views["w"].view_as(bufs.views["w"])
         if not ctx.needs_input_grad[1]:  # the experts then skip the weights' gradient
             ctx.mark_non_differentiable(w_R)
-        return expand_rows(bufs.views["recv"], bufs.views["tok"], route.n_rows, own_TD, route.me * route.T_cap), w_R
+        return _expand_arrived(route, bufs, "recv", own_TD), w_R
 
     @staticmethod
     def backward(ctx, grad_RD, grad_R):
@@ -424,9 +432,7 @@ class _P2PCombineFn(torch.autograd.Function):
         else:
             push_rows(dout_TD, route.tokrow_TK, route.dest_TK, grad.ptrs["rows"], grad.views["rows"].dtype,
                       me=route.me)
-        grad.barrier()
-        dy_RD = expand_rows(grad.views["rows"], route.slot.buf.views["tok"], route.n_rows, own_TD,
-                            route.me * route.T_cap)
+        dy_RD = _expand_arrived(route, grad, "rows", own_TD)
         return dy_RD if dy_RD.dtype == ctx.y_dtype else dy_RD.to(ctx.y_dtype), None, None
 
 
