@@ -442,15 +442,21 @@ def _smem_layout(rows, head_dim, dtype):
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], _GL_DTYPES[dtype])
 
 
-def _descriptor(t, rows):
-    """The TMA descriptor of ``t`` (B, heads, S, Hd) in (1, 1, rows, Hd) blocks. Built without the
-    dataclass's own checks, 2 of its 3.3 µs of host time (H100 host): the callers' ``*_ok``
-    checked q, k, v, dO (alignment by ``tma_ok``, the unit last stride), the outputs are
-    ``empty_like`` them, and ``t`` is not empty."""
+def unchecked_descriptor(t, block_shape, layout):
+    """A TMA descriptor of ``t`` built without the dataclass's own checks, 2 of its 3.3 µs of
+    host time (H100 host). For the callers' tensors: q, k, v and dO were checked by their
+    ``*_ok`` (alignment by ``tma_ok``, the unit last stride), the rest are allocated for the call
+    (contiguous, non-empty)."""
     d = object.__new__(TensorDescriptor)
     d.base, d.shape, d.strides, d.padding = t, list(t.shape), list(t.stride()), "zero"
-    d.block_shape, d.layout = [1, 1, rows, t.shape[3]], _smem_layout(rows, t.shape[3], t.dtype)
+    d.block_shape, d.layout = block_shape, layout
     return d
+
+
+def _descriptor(t, rows):
+    """The TMA descriptor of ``t`` (B, heads, S, Hd) in (1, 1, rows, Hd) blocks."""
+    Hd = t.shape[3]
+    return unchecked_descriptor(t, [1, 1, rows, Hd], _smem_layout(rows, Hd, t.dtype))
 
 
 def hopper_forward(q, k, v, o, lse, causal, scale_log2):

@@ -13,6 +13,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 """Triton's interpreter runs the kernels (CPU tests): small tiles, one config per kernel."""
@@ -119,6 +120,85 @@ def _check_unspecialized(kernel, args) -> None:
                              f"{'' if int_arg else '_on_alignment'}")
 
 
+# A fast launch keeps at most this many TMA maps per kernel, then starts over: a training step
+# meets each call site's few tensors again at the same addresses (the caching allocator), so
+# the maps it uses number in the hundreds.
+_MAX_TMA_MAPS = 4096
+
+
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook knob holds something to call (an empty chain does not)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class _Launch:
+    """A compiled kernel's later launches, with Triton's per-launch Python skipped.
+
+    Triton's runner and launcher look up the device, stream and hooks, allocate no scratch, and
+    for each host tensor descriptor fill a 128-byte TMA map (``make_tensordesc_arg``) before the
+    C launch, and build the hooks' launch metadata and call the hooks, empty chains by default
+    (Triton 3.6). The map depends only on the base address, shape, strides, padding and the
+    kernel's block and swizzle for that argument, so it is kept by those values: the attention
+    backward passes seven descriptors a call, in a loop or a training step at the same addresses
+    each time (the caching allocator). The C launcher is called directly, with what the runner
+    would pass. Measured (H200, 2026-11-28, ``probe/launch_ab.py``, one process, alternating):
+    host time of an attention fwd+bwd through autograd at B·S 16k, S 1k–4k, 368–526 µs a call
+    against 441–586 through Triton's runner; the backward's body called directly 0.113 ms (0.15
+    before); outputs bit for bit. Kernels whose launcher is not the CUDA one laid out as in Triton 3.6, or that
+    need global or profile scratch, and launches while a launch hook is set (a profiler such as
+    Proton adds one), take Triton's runner.
+    """
+
+    def __init__(self, compiled, tail):
+        self.compiled, self.tail, self.raw = compiled, tail, None
+        launcher = compiled.run
+        wrapped = getattr(launcher, "launch", None)
+        if (type(launcher).__name__ != "CudaLauncher" or launcher.global_scratch_size
+                or launcher.profile_scratch_size):
+            return
+        self.descs = {}
+        if getattr(wrapped, "__code__", None) is not None:  # Python: the descriptor wrapper
+            cells = dict(zip(wrapped.__code__.co_freevars,
+                             (c.cell_contents for c in wrapped.__closure__ or ())))
+            if set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"}:
+                return
+            positions = sorted(cells["tensordesc_indices"])
+            self.descs = dict(zip(positions, cells["tensordesc_meta"]))
+            wrapped = cells["launcher"]
+        self.raw = wrapped
+        self.head = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
+                     None, None, compiled.packed_metadata, None, None, None)
+        self.stream = triton.runtime.driver.active.get_current_stream
+        self.maps = {}
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+        self.make_map = make_tensordesc_arg
+
+    def _map(self, i, desc):
+        meta = self.descs[i]
+        if meta is None:  # not lowered to a TMA map: base, shape and strides, nothing filled
+            return self.make_map(desc, None)
+        key = (i, desc.base.data_ptr(), *desc.shape, *desc.strides, desc.padding)
+        found = self.maps.get(key)
+        if found is None:
+            if len(self.maps) >= _MAX_TMA_MAPS:
+                self.maps.clear()
+            found = self.maps[key] = self.make_map(desc, meta)
+        return found
+
+    def __call__(self, grid, args, device):
+        if self.raw is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(
+                knobs.runtime.launch_exit_hook):
+            self.compiled[grid](*args, *self.tail)
+            return
+        flat = []
+        for i, a in enumerate(args):
+            if i in self.descs:
+                flat.extend(self._map(i, a))
+            else:
+                flat.append(a)
+        self.raw(*grid, self.stream(device), *self.head, *flat, *self.tail)
+
+
 def cached_launch(kernel, grid, key, *args, **constexprs) -> None:
     """``kernel[grid](*args, **constexprs)`` with the JIT's per-call work done once.
 
@@ -126,7 +206,8 @@ def cached_launch(kernel, grid, key, *args, **constexprs) -> None:
     32 µs of host time that launching the attention forward took (H100 host, 2026-11-24), time
     that a small call's GPU waits for. The first launch for (kernel, device, ``key``, constexprs
     and options) goes through the JIT and keeps the compiled kernel; later ones launch that
-    directly. This is valid only where the compiled code depends on nothing else:
+    directly, through Triton's C launcher with the descriptors' TMA maps kept (``_Launch``).
+    This is valid only where the compiled code depends on nothing else:
 
     - ``key`` names the dtypes of the tensor and descriptor arguments;
     - the kernel lists its int and pointer arguments in ``do_not_specialize`` and
@@ -143,17 +224,17 @@ def cached_launch(kernel, grid, key, *args, **constexprs) -> None:
         _check_unspecialized(kernel, args)
         kernel[grid](*args, **constexprs)
         return
-    cache_key = (kernel, torch.cuda.current_device(), key, *constexprs.items())
+    device = torch.cuda.current_device()
+    cache_key = (kernel, device, key, *constexprs.items())
     hit = _compiled.get(cache_key)
     if hit is not None:
-        compiled, tail = hit
-        compiled[(*grid, 1, 1)[:3]](*args, *tail)  # the compiled kernel's launcher takes 3-D grids
+        hit((*grid, 1, 1)[:3], args, device)  # the compiled kernel's launcher takes 3-D grids
         return
     _check_unspecialized(kernel, args)
     compiled = kernel[grid](*args, **constexprs)
     if compiled is not None:  # None: a JIT cache hook took the launch over
-        _compiled[cache_key] = (compiled,
-                                tuple(constexprs[p.name] for p in kernel.params[len(args):]))
+        _compiled[cache_key] = _Launch(
+            compiled, tuple(constexprs[p.name] for p in kernel.params[len(args):]))
 
 
 def _scratch(size: int, _alignment: int, _stream) -> torch.Tensor:

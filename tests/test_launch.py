@@ -12,8 +12,11 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernel_floor import cached_launch
+from kernel_floor import runtime
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -25,6 +28,13 @@ def _axpy(X, Y, N, alpha, shift: tl.int64, BLOCK: tl.constexpr):
     x = tl.load(X + offs, mask=keep)
     y = tl.load(Y + offs, mask=keep) + alpha * x + (shift % 7).to(tl.float32)
     tl.store(Y + offs, y, mask=keep)
+
+
+@triton.jit(do_not_specialize=["scale"])
+def _scale_rows(x_desc, y_desc, scale, BLOCK_M: tl.constexpr, D: tl.constexpr):
+    """y = scale · x, one BLOCK_M × D block a program, through host tensor descriptors."""
+    off = tl.program_id(0) * BLOCK_M
+    y_desc.store([off, 0], (x_desc.load([off, 0]).to(tl.float32) * scale).to(y_desc.dtype))
 
 
 @triton.jit
@@ -70,3 +80,41 @@ def test_cached_launch_refuses_a_specializing_kernel(kernel, name, lists):
     with pytest.raises(ValueError, match=f"'{name}'; list it in {lists}$"):
         cached_launch(kernel, (1,), x.dtype, x, y, 64, BLOCK=64)
     assert not y.any(), "the refused kernel ran"
+
+
+@pytest.mark.gpu
+def test_gpu_cached_launch_keeps_tma_maps_by_address_and_shape():
+    """The fast launch keeps each descriptor's TMA map by its address, shape and strides: tensors
+    at new addresses, a new length, the same address with new contents, and a launch with a hook
+    set (Triton's runner, which calls it) each give PyTorch's answer."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("host tensor descriptors need sm_90")
+
+    def launch(x, scale):
+        y = torch.empty_like(x)
+        cached_launch(_scale_rows, (triton.cdiv(x.shape[0], 16),), x.dtype,
+                      TensorDescriptor.from_tensor(x, [16, 64]),
+                      TensorDescriptor.from_tensor(y, [16, 64]), scale, BLOCK_M=16, D=64)
+        torch.testing.assert_close(y, (x.float() * scale).to(x.dtype))
+        return y
+
+    xs = [torch.randn(n, 64, device="cuda", dtype=torch.float16) for n in (48, 48, 37)]
+    for x in xs:
+        launch(x, 2.0)
+    (fast,) = [v for k, v in runtime._compiled.items() if k[0] is _scale_rows]
+    assert fast.raw is not None, "the fast launch was not set up"
+    filled = []
+    make_map = fast.make_map
+    fast.make_map = lambda desc, meta: filled.append(desc.base.data_ptr()) or make_map(desc, meta)
+    # (xs[0] went through the JIT, which keeps no map; xs[1] through the fast launch)
+    xs[1].normal_()  # same address, new contents: the map stays valid
+    launch(xs[1], -0.5)
+    assert xs[1].data_ptr() not in filled, "x's map was filled again"
+    seen = []
+    hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731 (a LazyDict)
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launch(xs[2], 3.0)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert seen == ["_scale_rows"], seen
