@@ -445,8 +445,8 @@ def _smem_layout(rows, head_dim, dtype):
 def unchecked_descriptor(t, block_shape, layout):
     """A TMA descriptor of ``t`` built without the dataclass's own checks, 2 of its 3.3 µs of
     host time (H100 host). For the callers' tensors: q, k, v and dO were checked by their
-    ``*_ok`` (alignment by ``tma_ok``, the unit last stride), the rest are allocated for the call
-    (contiguous, non-empty)."""
+    ``*_ok`` (alignment by ``tma_ok``, the unit last stride); o, dk and dv are ``empty_like``
+    them (their strides), and the dQ accumulator is allocated contiguous; none is empty."""
     d = object.__new__(TensorDescriptor)
     d.base, d.shape, d.strides, d.padding = t, list(t.shape), list(t.stride()), "zero"
     d.block_shape, d.layout = block_shape, layout

@@ -134,27 +134,35 @@ def _hooked(hook) -> bool:
 class _Launch:
     """A compiled kernel's later launches, with Triton's per-launch Python skipped.
 
-    Triton's runner and launcher look up the device, stream and hooks, allocate no scratch, and
-    for each host tensor descriptor fill a 128-byte TMA map (``make_tensordesc_arg``) before the
-    C launch, and build the hooks' launch metadata and call the hooks, empty chains by default
-    (Triton 3.6). The map depends only on the base address, shape, strides, padding and the
-    kernel's block and swizzle for that argument, so it is kept by those values: the attention
-    backward passes seven descriptors a call, in a loop or a training step at the same addresses
-    each time (the caching allocator). The C launcher is called directly, with what the runner
-    would pass. Measured (H200, 2026-11-28, ``probe/launch_ab.py``, one process, alternating):
-    host time of an attention fwd+bwd through autograd at B·S 16k, S 1k–4k, 368–526 µs a call
-    against 441–586 through Triton's runner; the backward's body called directly 0.113 ms (0.15
-    before); outputs bit for bit. Kernels whose launcher is not the CUDA one laid out as in Triton 3.6, or that
-    need global or profile scratch, and launches while a launch hook is set (a profiler such as
-    Proton adds one), take Triton's runner.
+    At each launch Triton's runner and launcher look up the device, stream and hooks, ask for
+    scratch (none here), build the hooks' launch metadata and call the hooks (empty chains by
+    default, Triton 3.6), and fill a 128-byte TMA map for each host tensor descriptor
+    (``make_tensordesc_arg``) before the C launch. The map depends only on the base address,
+    shape, strides, padding and the kernel's block and swizzle for that argument, so it is kept
+    by those values: the attention backward passes seven descriptors a call, in a loop or a
+    training step at the same addresses each time (the caching allocator). The C launcher is
+    called directly, with what the runner would pass.
+
+    Measured (H200, 2026-11-28, ``probe/launch_ab.py``, one process, alternating): the host time
+    of an attention fwd+bwd through autograd at B·S 16k, S 1k–4k, 368–526 µs a call against
+    441–586 through Triton's runner; the backward's body called directly 0.113 ms (0.16 before);
+    outputs bit for bit.
+
+    Triton's runner still launches kernels that need global or profile scratch, launchers not
+    laid out as Triton 3.6's CUDA one (its class, base argument format and descriptor wrapper),
+    and every launch while a launch hook is set (a profiler such as Proton adds one).
+    Descriptors must be positional arguments (``cached_launch``'s ``args``).
     """
 
     def __init__(self, compiled, tail):
         self.compiled, self.tail, self.raw = compiled, tail, None
         launcher = compiled.run
         wrapped = getattr(launcher, "launch", None)
+        # Imported here: the NVIDIA backend's module loads only where that backend is in use.
+        from triton.backends.nvidia import driver
         if (type(launcher).__name__ != "CudaLauncher" or launcher.global_scratch_size
-                or launcher.profile_scratch_size):
+                or launcher.profile_scratch_size
+                or getattr(driver, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO"):
             return
         self.descs = {}
         if getattr(wrapped, "__code__", None) is not None:  # Python: the descriptor wrapper
@@ -170,8 +178,7 @@ class _Launch:
                      None, None, compiled.packed_metadata, None, None, None)
         self.stream = triton.runtime.driver.active.get_current_stream
         self.maps = {}
-        from triton.backends.nvidia.driver import make_tensordesc_arg
-        self.make_map = make_tensordesc_arg
+        self.make_map = driver.make_tensordesc_arg
 
     def _map(self, i, desc):
         meta = self.descs[i]

@@ -5,7 +5,9 @@ launch one such kernel first at "nice" arguments (a length that is a multiple of
 pointers, a small int64: what Triton would specialize on or type as i32) and then at awkward
 ones (odd lengths, pointers one element off alignment, a length of 1, an int64 past 2^31), each
 against PyTorch, and count that only the first launch per constexpr set compiles; a kernel that
-specializes is refused before it runs (on CPU too, in the interpreter).
+specializes is refused before it runs (on CPU too, in the interpreter). A GPU test checks the
+later launches' kept TMA maps (by address, shape and strides) and their fallback to Triton's
+runner while a launch hook is set.
 """
 
 import pytest
@@ -83,38 +85,47 @@ def test_cached_launch_refuses_a_specializing_kernel(kernel, name, lists):
 
 
 @pytest.mark.gpu
-def test_gpu_cached_launch_keeps_tma_maps_by_address_and_shape():
-    """The fast launch keeps each descriptor's TMA map by its address, shape and strides: tensors
-    at new addresses, a new length, the same address with new contents, and a launch with a hook
-    set (Triton's runner, which calls it) each give PyTorch's answer."""
+def test_gpu_cached_launch_keeps_tma_maps_by_address_and_shape(monkeypatch):
+    """The fast launch keeps each descriptor's TMA map by its address, shape and strides. Views of
+    one buffer share its address: a shorter then a longer length, then a strided view, each
+    poisons the output first, so a map reused for another shape or stride leaves NaN rows or
+    reads the wrong ones. The same address with new contents reuses its map; a launch with a hook
+    set takes Triton's runner, which calls the hook."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("host tensor descriptors need sm_90")
+    if runtime._hooked(knobs.runtime.launch_enter_hook) or runtime._hooked(knobs.runtime.launch_exit_hook):
+        pytest.skip("a launch hook is set in this process: every launch takes Triton's runner")
+    x_buf = torch.randn(48, 128, device="cuda", dtype=torch.float16)
+    y_buf = torch.empty_like(x_buf)
 
-    def launch(x, scale):
-        y = torch.empty_like(x)
+    def launch(x, y, scale):
+        y.fill_(float("nan"))
         cached_launch(_scale_rows, (triton.cdiv(x.shape[0], 16),), x.dtype,
                       TensorDescriptor.from_tensor(x, [16, 64]),
                       TensorDescriptor.from_tensor(y, [16, 64]), scale, BLOCK_M=16, D=64)
         torch.testing.assert_close(y, (x.float() * scale).to(x.dtype))
-        return y
 
-    xs = [torch.randn(n, 64, device="cuda", dtype=torch.float16) for n in (48, 48, 37)]
-    for x in xs:
-        launch(x, 2.0)
+    contiguous = lambda buf, n: buf.view(-1)[:n * 64].view(n, 64)  # noqa: E731 (stride 64)
+    launch(contiguous(x_buf, 37), contiguous(y_buf, 37), 2.0)  # through the JIT: no map kept
     (fast,) = [v for k, v in runtime._compiled.items() if k[0] is _scale_rows]
     assert fast.raw is not None, "the fast launch was not set up"
-    filled = []
-    make_map = fast.make_map
-    fast.make_map = lambda desc, meta: filled.append(desc.base.data_ptr()) or make_map(desc, meta)
-    # (xs[0] went through the JIT, which keeps no map; xs[1] through the fast launch)
-    xs[1].normal_()  # same address, new contents: the map stays valid
-    launch(xs[1], -0.5)
-    assert xs[1].data_ptr() not in filled, "x's map was filled again"
+    raw_calls, filled = [], []
+    raw, make_map = fast.raw, fast.make_map
+    monkeypatch.setattr(fast, "raw", lambda *a: raw_calls.append(1) or raw(*a))
+    monkeypatch.setattr(fast, "make_map",
+                        lambda desc, meta: filled.append(desc.base.data_ptr()) or make_map(desc, meta))
+    for n in (37, 48):  # one address, two lengths
+        launch(contiguous(x_buf, n), contiguous(y_buf, n), 2.0)
+    launch(x_buf[:, :64], y_buf[:, :64], 0.5)  # the same address, stride 128
+    assert len(raw_calls) == 3 and len(filled) == 6, (raw_calls, filled)
+    x_buf.normal_()  # same address, new contents: the maps stay valid and are reused
+    launch(x_buf[:, :64], y_buf[:, :64], -0.5)
+    assert len(raw_calls) == 4 and len(filled) == 6, "a kept map was filled again"
     seen = []
     hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731 (a LazyDict)
     knobs.runtime.launch_enter_hook.add(hook)
     try:
-        launch(xs[2], 3.0)
+        launch(contiguous(x_buf, 48), contiguous(y_buf, 48), 3.0)
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
-    assert seen == ["_scale_rows"], seen
+    assert seen == ["_scale_rows"] and len(raw_calls) == 4, (seen, raw_calls)
