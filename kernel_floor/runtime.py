@@ -126,9 +126,11 @@ def _check_unspecialized(kernel, args) -> None:
 _MAX_TMA_MAPS = 4096
 
 
-def _hooked(hook) -> bool:
-    """Whether a Triton launch hook knob holds something to call (an empty chain does not)."""
-    return hook is not None and bool(getattr(hook, "calls", True))
+def launch_hooked() -> bool:
+    """Whether a Triton launch hook knob (enter or exit) holds something to call; an empty
+    chain, the default, does not."""
+    return any(hook is not None and bool(getattr(hook, "calls", True))
+               for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
 
 
 class _Launch:
@@ -157,13 +159,13 @@ class _Launch:
     def __init__(self, compiled, tail):
         self.compiled, self.tail, self.raw = compiled, tail, None
         launcher = compiled.run
-        wrapped = getattr(launcher, "launch", None)
         # Imported here: the NVIDIA backend's module loads only where that backend is in use.
-        from triton.backends.nvidia import driver
+        from triton.backends.nvidia import driver as nvidia
         if (type(launcher).__name__ != "CudaLauncher" or launcher.global_scratch_size
                 or launcher.profile_scratch_size
-                or getattr(driver, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO"):
+                or getattr(nvidia, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO"):
             return
+        wrapped = launcher.launch
         self.descs = {}
         if getattr(wrapped, "__code__", None) is not None:  # Python: the descriptor wrapper
             cells = dict(zip(wrapped.__code__.co_freevars,
@@ -178,7 +180,7 @@ class _Launch:
                      None, None, compiled.packed_metadata, None, None, None)
         self.stream = triton.runtime.driver.active.get_current_stream
         self.maps = {}
-        self.make_map = driver.make_tensordesc_arg
+        self.make_map = nvidia.make_tensordesc_arg
 
     def _map(self, i, desc):
         meta = self.descs[i]
@@ -193,8 +195,7 @@ class _Launch:
         return found
 
     def __call__(self, grid, args, device):
-        if self.raw is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(
-                knobs.runtime.launch_exit_hook):
+        if self.raw is None or launch_hooked():
             self.compiled[grid](*args, *self.tail)
             return
         flat = []

@@ -93,7 +93,7 @@ def test_gpu_cached_launch_keeps_tma_maps_by_address_and_shape(monkeypatch):
     set takes Triton's runner, which calls the hook."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("host tensor descriptors need sm_90")
-    if runtime._hooked(knobs.runtime.launch_enter_hook) or runtime._hooked(knobs.runtime.launch_exit_hook):
+    if runtime.launch_hooked():
         pytest.skip("a launch hook is set in this process: every launch takes Triton's runner")
     x_buf = torch.randn(48, 128, device="cuda", dtype=torch.float16)
     y_buf = torch.empty_like(x_buf)
