@@ -241,7 +241,7 @@ def _grouped_mm_calls():
     for grad in (torch.randn(3, 5, dtype=torch.bfloat16), torch.randn(3, 5)):
         accumulate_master_grad_(plain, grad)
     if not os.environ.get("TRITON_INTERPRET"):
-        # the Hopper wgrad's 4-stage warp-specialized pipeline, which needs >= 4 teams of
+        # the Hopper wgrad's 4-stage pipeline, which needs >= 4 teams of
         # programs: 132 SMs over 4x2 tiles a group (the interpreter's 3 "SMs" never reach it,
         # and at this size its 32x32 tiles would take it seconds)
         from moe.kernels.grouped_mm_wgrad import grouped_mm_wgrad

@@ -386,7 +386,7 @@ def test_gpu_every_wgrad_config_matches_reference(index):
     (4096, 2048, [700, 0, 1, 1347], False),  # 256 tiles per group: 3 teams
 ])
 def test_gpu_wgrad_tma_both_pipelines(I, N, sizes, deep):
-    """The Hopper wgrad's 4-stage warp-specialized pipeline (many teams) and its 3-stage one."""
+    """The Hopper wgrad's 4-stage pipeline (many teams) and its 3-stage one."""
     from moe.kernels.grouped_mm_wgrad_tma import wgrad_tma_plan
     assert wgrad_tma_plan(len(sizes), I, N, torch.device("cuda"))[2] is deep
     offsets = _offsets(sizes, "cuda", torch.int32)

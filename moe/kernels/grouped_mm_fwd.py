@@ -13,8 +13,8 @@ multiple of L), F = N/2 for SwiGLU. The kernel's own parameters keep the matmul 
 I, ``S`` is J, ``G`` is L.
 
 Two kernels. Hopper with 16-byte aligned rows (I and N multiples of 8 in bf16) and b with a
-unit stride: ``moe.kernels.grouped_mm_tma`` (whole-tensor tensor descriptors, flattened and
-warp-specialized tile loop). Otherwise the pointer-load kernel below.
+unit stride: ``moe.kernels.grouped_mm_tma`` (whole-tensor tensor descriptors, flattened
+persistent tile loop). Otherwise the pointer-load kernel below.
 
 Scheduling of the pointer-load kernel: ``grid = #SMs`` programs; each walks the work list ``(group, m-tile, n-tile)`` with
 a stride of the grid size. The list is never materialised: every program scans the J segment

@@ -24,11 +24,11 @@ general kernel; OLMoE (group_size = 64) 0.996 with 8 teams, 0.96 with 1, 0.82 wi
 (group_size = 1792) 0.976 with 1 team, 0.868 general.
 
 Pipeline depth: with many teams each program walks only ~6 tiles of a group between two
-restarts of its pipeline (new descriptors, new chunk count), and a deeper, warp-specialized
-pipeline (4 stages, a producer warp issuing the loads) hides more of each restart; with few teams
-the plain 3-stage loop is as fast or faster. Measured on an H100 (bf16, 5 rounds against
+restarts of its pipeline (new descriptors, new chunk count), and a deeper pipeline (4 stages)
+hides more of each restart; with few teams the 3-stage loop is as fast or faster. Measured on an H100 (bf16, 5 rounds against
 ``torch._grouped_mm``'s wgrad in one run; table in bench/results/grouped_gemm.md), anchor time
-over ours, 3 stages plain → 4 stages warp-specialized: OLMoE (8 teams) 0.959 → 1.004, Qwen3 (8 teams) 0.944 → 0.995,
+over ours, 3 stages → 4 stages (measured with ``warp_specialize=True`` on the tile loop, which
+Triton 3.6 compiles to the same sm_90 PTX as without it: the difference is the stages): OLMoE (8 teams) 0.959 → 1.004, Qwen3 (8 teams) 0.944 → 0.995,
 Mixtral (1 team) 1.004 → 0.985, DeepSeek-V3 (2 teams) 1.034 → 1.014. Four stages of
 (64×128 + 64×256) bf16 fit shared memory only with the epilogue stored in two 128×128 halves
 (192 + 32 KB); the halves cost nothing measurable at 3 stages (0.94–1.01 either way).
@@ -55,7 +55,7 @@ from kernel_floor import INTERPRET, band_swizzle, sm_count, use_tensor_descripto
 _TILE = (32, 32, 16, 2) if INTERPRET else (128, 256, 64, 8)
 _TILES_PER_PROGRAM = 6
 _MAX_TEAMS = 8
-_DEEP_FROM_TEAMS = 4  # n_teams from which the 4-stage warp-specialized pipeline runs
+_DEEP_FROM_TEAMS = 4  # n_teams from which the 4-stage pipeline runs
 
 
 @triton.jit
@@ -80,7 +80,7 @@ def _grouped_mm_wgrad_tma_kernel(
     x_ptr, dy_ptr, dw_desc, dw_ptr, offsets_ptr,
     N, K, G, TEAM, N_TEAMS, stride_xm, stride_dym, stride_dwg, stride_dwk,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    GROUP_K: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EPILOGUE: tl.constexpr,
+    GROUP_K: tl.constexpr, EPILOGUE: tl.constexpr,
 ):
     """EPILOGUE 0: dw_desc, a 3-D descriptor over dw (G, K, N), block (1, BLOCK_K, BLOCK_N // 2),
     clipped at K, N, receives the tile in dw's dtype. 1: the fp32 tile is stored at ``dw_ptr``
@@ -98,7 +98,7 @@ def _grouped_mm_wgrad_tma_kernel(
             rows, x_desc, dy_desc = segment_descriptors(x_ptr, dy_ptr, offsets_ptr, g, K, N, stride_xm, stride_dym,
                                                         BLOCK_M, BLOCK_K, BLOCK_N)
             chunks = tl.cdiv(rows, BLOCK_M)
-            for tile in tl.range(t0, first + group_size, TEAM, flatten=True, warp_specialize=WARP_SPECIALIZE):
+            for tile in tl.range(t0, first + group_size, TEAM, flatten=True):
                 tile_k, tile_n = band_swizzle(tile - first, k_tiles, n_tiles, GROUP_K)
                 acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
                 for mt in range(0, chunks):
@@ -164,6 +164,6 @@ def grouped_mm_wgrad_tma(x_MI: torch.Tensor, dy_MN: torch.Tensor, offsets_J: tor
     _grouped_mm_wgrad_tma_kernel[(team * n_teams,)](
         x_MI, dy_MN, dw_desc, dw_LIN, offsets_J,
         N, I, L, team, n_teams, x_MI.stride(0), dy_MN.stride(0), dw_LIN.stride(0), dw_LIN.stride(1),
-        BLOCK_K=block_k, BLOCK_N=block_n, BLOCK_M=block_m, GROUP_K=group_k, WARP_SPECIALIZE=deep,
+        BLOCK_K=block_k, BLOCK_N=block_n, BLOCK_M=block_m, GROUP_K=group_k,
         EPILOGUE=(2 if accumulate else 1) if fp32 else 0, num_stages=4 if deep else 3, num_warps=8,
     )
