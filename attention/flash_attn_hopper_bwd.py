@@ -416,6 +416,14 @@ def _walk(causal, n_k, device):
     return int(WALK_CYCLIC)
 
 
+def walk_possible(walk, causal) -> bool:
+    """Whether ``_walk`` can pick ``walk`` for this causality: DESCENDING either way, ASCENDING
+    causal only (it starts at the diagonal), CYCLIC non-causal only (it starts at block 0), as
+    ``_turn``'s orders assume."""
+    other = WALK_ASCENDING if causal else WALK_CYCLIC
+    return walk in (WALK_DESCENDING.value, other.value)
+
+
 @functools.lru_cache(maxsize=None)
 def _acc_layout(head_dim):
     """The shared-memory layout of the fp32 dQ accumulator's blocks (cached, like _smem_layout)."""
@@ -451,8 +459,7 @@ def hopper_backward(do, q, k, v, lse, delta, sem, dq, dk, dv, causal, scale, sca
                                                              dtype=torch.float32)
     dq_desc = unchecked_descriptor(dq_acc, [block_m, Hd], _acc_layout(Hd))
     walk = _walk(causal, n_k, q.device)
-    # _turn's orders assume these: ASCENDING starts at the diagonal, CYCLIC at block 0.
-    assert walk == WALK_DESCENDING or (walk == WALK_ASCENDING) == causal, (walk, causal)
+    assert walk_possible(walk, causal), (walk, causal)
     args = (_descriptor(q, block_m), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
             _descriptor(do, block_m), _descriptor(dk, BLOCK_N), _descriptor(dv, BLOCK_N), dq_desc,
             lse, delta, delta if sem is None else sem,  # (SEM is not read unless deterministic)

@@ -17,8 +17,7 @@ import triton.language as tl
 from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernel_floor import cached_launch
-from kernel_floor import runtime
+from kernel_floor import cached_launch, runtime
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

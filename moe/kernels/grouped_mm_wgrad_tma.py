@@ -23,15 +23,16 @@ over ours: DeepSeek-V3 (group_size = 448) 1.010 with 2 teams, 0.948 with 1, 0.85
 general kernel; OLMoE (group_size = 64) 0.996 with 8 teams, 0.96 with 1, 0.82 with 12; Mixtral
 (group_size = 1792) 0.976 with 1 team, 0.868 general.
 
-Pipeline depth: with many teams each program walks only ~6 tiles of a group between two
-restarts of its pipeline (new descriptors, new chunk count), and a deeper pipeline (4 stages)
-hides more of each restart; with few teams the 3-stage loop is as fast or faster. Measured on an H100 (bf16, 5 rounds against
-``torch._grouped_mm``'s wgrad in one run; table in bench/results/grouped_gemm.md), anchor time
-over ours, 3 stages → 4 stages (measured with ``warp_specialize=True`` on the tile loop, which
-Triton 3.6 compiles to the same sm_90 PTX as without it: the difference is the stages): OLMoE (8 teams) 0.959 → 1.004, Qwen3 (8 teams) 0.944 → 0.995,
-Mixtral (1 team) 1.004 → 0.985, DeepSeek-V3 (2 teams) 1.034 → 1.014. Four stages of
-(64×128 + 64×256) bf16 fit shared memory only with the epilogue stored in two 128×128 halves
-(192 + 32 KB); the halves cost nothing measurable at 3 stages (0.94–1.01 either way).
+Pipeline depth: with many teams each program walks only ~6 tiles of a group between two restarts of
+its pipeline (new descriptors, new chunk count), and a deeper pipeline (4 stages) hides more of each
+restart; with few teams the 3-stage loop is as fast or faster. Measured on an H100 (bf16, 5 rounds
+against ``torch._grouped_mm``'s wgrad in one run; table in bench/results/grouped_gemm.md), anchor
+time over ours, 3 stages → 4 stages (measured with ``warp_specialize=True`` on the tile loop, which
+Triton 3.6 compiles to the same sm_90 PTX as without it: the difference is the stages): OLMoE (8
+teams) 0.959 → 1.004, Qwen3 (8 teams) 0.944 → 0.995, Mixtral (1 team) 1.004 → 0.985, DeepSeek-V3 (2
+teams) 1.034 → 1.014. Four stages of (64×128 + 64×256) bf16 fit shared memory only with the epilogue
+stored in two 128×128 halves (192 + 32 KB); the halves cost nothing measurable at 3 stages
+(0.94–1.01 either way).
 
 Master-gradient epilogue (``moe.kernels.master_grad.accumulate_wgrad_``): given an fp32 ``dw``
 (the experts' fp32 ``.grad`` under ``moe.master_weight_step``), the fp32 tile is added into it
