@@ -57,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernel_floor import cached_launch, capability, sm_count, tma_ok
+from kernel_floor import GLUON_DTYPES, cached_launch, capability, sm_count, tma_ok
 
 WG_M = 64  # query rows per consumer warpgroup: one m64 wgmma row block
 PRODUCER_REGS = 24
@@ -113,7 +113,6 @@ def plan(head_dim: int, seq_len: int) -> Plan:
     return Plan(warpgroups=3 if wide else 2, half_diagonal=head_dim == 64 and not wide)
 
 
-_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 # Small calls are bound by host time, so the cheaper launch wins. Since this kernel launches
 # through kernel_floor.cached_launch (the Triton forward through its autotuner), it was the faster
 # at 8 of 9 sizes from 2^19 to 2^27 visible scores (H100, do_bench of the forward through
@@ -426,7 +425,7 @@ def gluon_case(q, k, causal, window, min_scores, head_dims, *tensors) -> bool:
     return (q.is_cuda and capability(q.device) == (9, 0)
             and window is None and k.shape[2] == S and S > 0
             and B * H * S * S // (2 if causal else 1) >= min_scores
-            and q.shape[3] in head_dims and q.dtype in _GL_DTYPES
+            and q.shape[3] in head_dims and q.dtype in GLUON_DTYPES
             and all(t.stride(-1) == 1 for t in tensors) and tma_ok(*tensors))
 
 
@@ -439,7 +438,7 @@ def hopper_forward_ok(q, k, v, causal, window) -> bool:
 def _smem_layout(rows, head_dim, dtype):
     """The swizzled shared-memory layout of a (1, 1, rows, Hd) tile; cached: building it took
     4.5 µs of the launch's host time."""
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], _GL_DTYPES[dtype])
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], GLUON_DTYPES[dtype])
 
 
 def unchecked_descriptor(t, block_shape, layout):

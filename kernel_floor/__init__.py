@@ -4,14 +4,14 @@ it by these public names."""
 
 from kernel_floor.gather_sum import gather_sum, gather_sum_reference, scatter_rows, scatter_rows_reference
 from kernel_floor.runtime import (
-    AUTOTUNE, BACKENDS, INTERPRET, ROW_BLOCK_D, ROW_BLOCK_T, TL_DTYPES, aligned16, band_swizzle,
-    cached_launch, capability, check_pair_weights, check_rows, check_segments, fixed_config,
-    grid_programs, sm_count, tl_dtype, tma_ok, use_reference, use_tensor_descriptors,
+    AUTOTUNE, BACKENDS, GLUON_DTYPES, INTERPRET, ROW_BLOCK_D, ROW_BLOCK_T, TL_DTYPES, aligned16,
+    band_swizzle, cached_launch, capability, check_pair_weights, check_rows, check_segments,
+    fixed_config, grid_programs, sm_count, tl_dtype, tma_ok, use_reference, use_tensor_descriptors,
 )
 
 __all__ = [
-    "AUTOTUNE", "BACKENDS", "INTERPRET", "ROW_BLOCK_D", "ROW_BLOCK_T", "TL_DTYPES", "aligned16",
-    "band_swizzle", "cached_launch", "capability", "check_pair_weights", "check_rows",
+    "AUTOTUNE", "BACKENDS", "GLUON_DTYPES", "INTERPRET", "ROW_BLOCK_D", "ROW_BLOCK_T", "TL_DTYPES",
+    "aligned16", "band_swizzle", "cached_launch", "capability", "check_pair_weights", "check_rows",
     "check_segments", "fixed_config", "gather_sum", "gather_sum_reference", "grid_programs",
     "scatter_rows", "scatter_rows_reference", "sm_count", "tl_dtype", "tma_ok", "use_reference",
     "use_tensor_descriptors",

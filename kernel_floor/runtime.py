@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 from triton import knobs
+from triton.experimental.gluon import language as gl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 """Triton's interpreter runs the kernels (CPU tests): small tiles, one config per kernel."""
@@ -37,6 +38,8 @@ ROW_BLOCK_T = 4 if INTERPRET else 1
 BACKENDS = ("auto", "triton", "reference")
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+GLUON_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+"""The 16-bit operand types of the Gluon (Hopper wgmma) kernels."""
 
 
 def grid_programs(tiles: int, max_programs: int | None = None) -> int:

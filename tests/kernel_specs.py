@@ -58,6 +58,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("attention", "kernel_floor", "moe", "parallel", "train")  # pyproject's packages
 
 GPU_ONLY = {
+    "moe.kernels.grouped_mm_gluon._grouped_mm_gluon_kernel":
+        "Gluon, launched only on an sm_90 GPU (grouped_mm_gluon.gluon_ok needs a.is_cuda); "
+        "tests/test_grouped_mm.py::test_gluon_kernel_compiles_for_sm90_without_spills compiles it "
+        "for sm_90 on CPU for both b layouts",
     "attention.flash_attn_hopper._attn_fwd_hopper_kernel":
         "Gluon, launched only on an sm_90 GPU (flash_attn_hopper.gluon_case needs q.is_cuda); "
         "tests/test_attention.py::test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma "
@@ -221,6 +225,11 @@ def _grouped_mm_calls():
         for activation in (None, "gelu", "swiglu"):
             mm(dtype, activation)
     mm(torch.float16, None, offsets_dtype=torch.int32)
+    # the Gluon kernel's tile table (the kernel itself is GPU_ONLY)
+    from moe.kernels.grouped_mm_gluon import tile_table
+    from moe.kernels.grouped_mm_tma import segment_tiles
+    offsets, y = torch.tensor([17, 17, 40], dtype=torch.int32), torch.empty(44, 64, dtype=torch.bfloat16)
+    tile_table(offsets, segment_tiles(offsets, y, 44, 64), 44, 64, 3)
     mm(torch.bfloat16, None, ends=(5, 17, 30, 40))  # J = 2L segments: the general wgrad
     mm(torch.bfloat16, "gelu", I=10)  # unaligned rows: the pointer-load kernels
     mm(torch.float32, None, I=10)

@@ -410,3 +410,142 @@ def test_gpu_no_host_sync():
         grouped_mm(x, w, offsets, "swiglu").backward(dy)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def _tile_walk(sizes, N, L, tile_m, tile_n, band):
+    """The Triton TMA kernel's tile order written out in Python: (first row, column tile, weight
+    group, rows left) per tile, segments in turn, bands of ``band`` m-tiles within each."""
+    tiles, start, n_tiles = [], 0, -(-N // tile_n)
+    for s, rows in enumerate(sizes):
+        m_tiles = -(-rows // tile_m)
+        for band_start in range(0, m_tiles, band):
+            in_band = min(m_tiles - band_start, band)
+            for tile_n_ in range(n_tiles):
+                for tile_m_ in range(band_start, band_start + in_band):
+                    tiles.append((start + tile_m_ * tile_m, tile_n_, s % L, rows - tile_m_ * tile_m))
+        start += rows
+    return tiles
+
+
+@pytest.mark.parametrize("sizes, padding, N, L", [
+    ([0, 5, 33, 0, 64, 1, 70, 0], 3, 70, 4),  # ragged tails, empty segments, J = 2L
+    ([0, 0, 200, 0], 0, 32, 4),  # every row to one group: 7 m-tiles, bands of 2
+    ([0, 0, 0], 9, 40, 3),  # no rows at all: no tiles
+    ([3] * 37, 1, 96, 37),  # 37 segments: a 6-step search
+])
+def test_tile_table_matches_the_walk(sizes, padding, N, L):
+    """The Gluon kernel's per-call tile table (``tile_table``) lists the Triton kernel's tiles in
+    its order; CPU runs it in the interpreter at its small tiles (the GPU equality test checks
+    the rest: the Gluon kernel's output, bit for bit, on the GPU's tiles)."""
+    from moe.kernels.grouped_mm_gluon import tile_table
+    from moe.kernels.grouped_mm_tma import TILE_M, TILE_N, _GROUP_M, segment_tiles
+    M = sum(sizes) + padding
+    offsets = _offsets(sizes, DEVICE, torch.int32)
+    y = torch.full((M, N), float("nan"), device=DEVICE)
+    tile_end = segment_tiles(offsets, y, M, N)
+    table = tile_table(offsets, tile_end, M, N, L)
+    expected = _tile_walk(sizes, N, L, TILE_M, TILE_N, _GROUP_M)
+    assert int(tile_end[-1]) == len(expected) <= table.shape[0]
+    assert table[:len(expected)].tolist() == [list(t) for t in expected]
+    assert (y[sum(sizes):] == 0).all()  # the padding rows, zeroed by the same launch
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the Gluon grouped GEMM is sm_90's")
+@pytest.mark.parametrize("sizes, padding, I, N, b_trans, dtype, programs", [
+    ([0, 1, 127, 128, 129, 300, 0, 64], 5, 200, 264, False, torch.bfloat16, 3),  # k chunks 4, ragged
+    ([0, 1, 127, 128, 129, 300, 0, 64], 5, 200, 264, True, torch.bfloat16, 2),  # dgrad's b
+    ([700, 0, 1, 1347], 0, 64, 512, False, torch.float16, 2),  # one k chunk
+    ([0, 0, 2500, 0], 16, 192, 256, True, torch.bfloat16, 3),  # every row to one group, 3 chunks
+    ("random", 7, 192, 256, False, torch.bfloat16, None),  # J = 260 segments over 130 groups
+    ([0, 0, 0, 0], 16, 64, 256, False, torch.bfloat16, 2),  # no rows: no tiles
+])
+def test_gpu_gluon_equals_tma_kernel(sizes, padding, I, N, b_trans, dtype, programs):
+    """The Gluon kernel writes the Triton TMA kernel's output bit for bit, every element (both
+    outputs start as NaN). Few CTAs walk every tile, so each consumer reuses its store buffer
+    after TMA stores and masked ones alike, and the ring wraps many times."""
+    from moe.kernels.grouped_mm_gluon import grouped_mm_gluon
+    from moe.kernels.grouped_mm_tma import grouped_mm_tma
+    if sizes == "random":
+        sizes = torch.randint(0, 300, (260,)).tolist()
+    L = len(sizes) // 2 if len(sizes) == 260 else len(sizes)
+    M = sum(sizes) + padding
+    offsets = _offsets(sizes, "cuda", torch.int32)
+    a = torch.randn(M, I, device="cuda").to(dtype)
+    if b_trans:
+        b = (torch.randn(L, N, I, device="cuda") / I**0.5).to(dtype).transpose(1, 2)
+    else:
+        b = (torch.randn(L, I, N, device="cuda") / I**0.5).to(dtype)
+    y_tma, y_gluon = (torch.full((M, N), float("nan"), device="cuda", dtype=dtype) for _ in range(2))
+    use_tensor_descriptors()
+    grouped_mm_tma(a, b, offsets, y_tma, None, 0)
+    grouped_mm_gluon(a, b, offsets, y_gluon, programs=programs)
+    assert torch.equal(y_gluon, y_tma)
+    ref = grouped_mm_reference(a.double(), b.double(), offsets)
+    assert _rel_err(y_gluon, ref) < TOLERANCE[dtype]
+
+
+_GLUON_SM90 = """
+import json, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+import moe.kernels.grouped_mm_gluon as g
+
+bin_dir = triton.__file__.rsplit("/", 1)[0] + "/backends/nvidia/bin/"
+out = []
+for b_trans, name in json.loads(sys.argv[1]):
+    def desc(block):
+        layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, name))
+        return f"tensordesc<{'bf16' if name == 'bfloat16' else 'fp16'}[{','.join(map(str, block))}],{layout!r}>"
+    signature = {"a_desc": desc([g.TILE_M, g.BLOCK_K]), "y_desc": desc([g.WG_M, g.TILE_N]),
+                 "b_desc": desc([1, g.TILE_N, g.BLOCK_K] if b_trans else [1, g.BLOCK_K, g.TILE_N]),
+                 "y_ptr": "*bf16" if name == "bfloat16" else "*fp16", "table_ptr": "*i32",
+                 "tile_end_ptr": "*i32", "S": "i32", "capacity": "i32", "N": "i32", "K": "i32",
+                 "stride_ym": "i32"}
+    constexprs = {"B_TRANS": b_trans, "STAGES": g.STAGES, "CONSUMER_REGS": g.CONSUMER_REGS,
+                  "PRODUCER_REGS": g.PRODUCER_REGS}
+    signature.update({k: "constexpr" for k in constexprs})
+    # the pointers as the JIT sees torch's allocations: 16-byte aligned
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (3, 4, 5)}
+    kernel = triton.compile(GluonASTSource(g._grouped_mm_gluon_kernel, signature, constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4, "maxnreg": g.MAX_NREG})
+    ptx = kernel.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(tmp + "/k.cubin", "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run([bin_dir + "cuobjdump", "--dump-resource-usage", tmp + "/k.cubin"],
+                               capture_output=True, text=True, check=True).stdout
+    out.append([int(re.search(r"STACK:(\\d+)", usage).group(1)), "setmaxnreg" in ptx,
+                ptx.count("st.global.v4"), ptx.count("st.global.b16"), kernel.metadata.shared])
+print(json.dumps(out))
+"""
+
+
+def test_gluon_kernel_compiles_for_sm90_without_spills():
+    """The Gluon grouped GEMM compiles for sm_90 on CPU (Gluon has no interpreter) with its
+    register plan (``setmaxnreg``, no stack), its 16-byte tail stores (the 2-byte ones a table
+    version once compiled to were 256 stores a slice instead of 32) and its shared memory
+    within Hopper's 227 KB, for the forward's b and the dgrad's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("compiles for sm_90 on CPU; on a GPU the GPU tests run the kernel")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cases = [[False, "bfloat16"], [True, "float16"]]
+    run = subprocess.run([sys.executable, "-c", _GLUON_SM90, json.dumps(cases)], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for case, (stack, setmaxnreg, wide, narrow, smem) in zip(cases, json.loads(run.stdout.splitlines()[-1])):
+        assert stack == 0 and setmaxnreg and wide == 32 and narrow == 0 and smem <= 232448, (
+            case, stack, setmaxnreg, wide, narrow, smem)

@@ -12,9 +12,11 @@ Legend: M packed rows, I reduction width, N output width, L weight groups, J row
 multiple of L), F = N/2 for SwiGLU. The kernel's own parameters keep the matmul names: ``K`` is
 I, ``S`` is J, ``G`` is L.
 
-Two kernels. Hopper with 16-byte aligned rows (I and N multiples of 8 in bf16) and b with a
+Three kernels. Hopper with 16-byte aligned rows (I and N multiples of 8 in bf16) and b with a
 unit stride: ``moe.kernels.grouped_mm_tma`` (whole-tensor tensor descriptors, flattened
-persistent tile loop). Otherwise the pointer-load kernel below.
+persistent tile loop), or on sm_90 without an activation ``moe.kernels.grouped_mm_gluon`` (the
+same tiles and bits, warp-specialized with an asynchronous store; ``gluon_ok``). Otherwise the
+pointer-load kernel below.
 
 Scheduling of the pointer-load kernel: ``grid = #SMs`` programs; each walks the work list ``(group, m-tile, n-tile)`` with
 a stride of the grid size. The list is never materialised: every program scans the J segment
@@ -56,6 +58,8 @@ import triton.language as tl
 
 from kernel_floor import AUTOTUNE, INTERPRET, band_swizzle, check_segments, fixed_config, sm_count, tma_ok
 from moe.kernels.activation import ACTIVATIONS, gelu_tanh, swiglu_forward
+from moe.kernels import grouped_mm_gluon
+from moe.kernels.grouped_mm_gluon import gluon_ok
 from moe.kernels.grouped_mm_tma import TILE_M, grouped_mm_tma
 
 def _prune_configs(configs, named_args, **kwargs):
@@ -263,7 +267,10 @@ def grouped_mm_forward(
     b_trans = b_LIN.stride(2) != 1
     # b must have one unit stride for tensor descriptors: (L, I, N) row-major or its transpose.
     if (b_LIN.stride(1) == 1 if b_trans else True) and tma_ok(a_MI, b_LIN):
-        grouped_mm_tma(a_MI, b_LIN, offsets_J, y, z, ACTIVATIONS[activation])
+        if grouped_mm_gluon.ENABLED and gluon_ok(a_MI, b_LIN, y, activation, save_z):
+            grouped_mm_gluon.grouped_mm_gluon(a_MI, b_LIN, offsets_J, y)
+        else:
+            grouped_mm_tma(a_MI, b_LIN, offsets_J, y, z, ACTIVATIONS[activation])
         block_m = TILE_M
     else:
         grouped_mm_kernel[(sm_count(a_MI.device),)](

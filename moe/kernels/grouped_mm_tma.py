@@ -129,6 +129,17 @@ def _grouped_mm_tma_kernel(
         tl.store(y_ptr + rows64[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def segment_tiles(offsets_J: torch.Tensor, y: torch.Tensor, M: int, N: int) -> torch.Tensor:
+    """Launch ``_segment_tiles_kernel``: returns ``tile_end`` (J,) int32 of (TILE_M, TILE_N)
+    tiles and zeroes y's rows ``offsets[-1]:M``."""
+    J = offsets_J.shape[0]
+    tile_end = torch.empty(J, dtype=torch.int32, device=offsets_J.device)
+    _segment_tiles_kernel[(1 + triton.cdiv(M, _ZERO_ROWS),)](
+        offsets_J, tile_end, y, J, M, N, triton.cdiv(N, TILE_N), y.stride(0),
+        BLOCK_M=TILE_M, BLOCK_S=triton.next_power_of_2(J), ZERO_ROWS=_ZERO_ROWS, ZERO_COLS=_ZERO_COLS)
+    return tile_end
+
+
 def grouped_mm_tma(a_MI: torch.Tensor, b_LIN: torch.Tensor, offsets_J: torch.Tensor, y: torch.Tensor,
                    z: torch.Tensor | None, act: int) -> None:
     """Write ``y`` (and ``z``) for operands already checked by ``grouped_mm_forward``.
@@ -145,10 +156,7 @@ def grouped_mm_tma(a_MI: torch.Tensor, b_LIN: torch.Tensor, offsets_J: torch.Ten
     J = offsets_J.shape[0]
     block_k = _BLOCK_K[a_MI.element_size()]
     b_trans = b_LIN.stride(2) != 1
-    tile_end = torch.empty(J, dtype=torch.int32, device=a_MI.device)
-    _segment_tiles_kernel[(1 + triton.cdiv(M, _ZERO_ROWS),)](
-        offsets_J, tile_end, y, J, M, N, triton.cdiv(N, TILE_N), y.stride(0),
-        BLOCK_M=TILE_M, BLOCK_S=triton.next_power_of_2(J), ZERO_ROWS=_ZERO_ROWS, ZERO_COLS=_ZERO_COLS)
+    tile_end = segment_tiles(offsets_J, y, M, N)
     a_desc = TensorDescriptor(a_MI, list(a_MI.shape), list(a_MI.stride()), [TILE_M, block_k])
     if b_trans:
         w = b_LIN.transpose(1, 2)
