@@ -62,6 +62,9 @@ GPU_ONLY = {
         "Gluon, launched only on an sm_90 GPU (grouped_mm_gluon.gluon_ok needs a.is_cuda); "
         "tests/test_grouped_mm.py::test_gluon_kernel_compiles_for_sm90_without_spills compiles it "
         "for sm_90 on CPU for both b layouts",
+    "moe.kernels.grouped_mm_wgrad_gluon._grouped_mm_wgrad_gluon_kernel":
+        "Gluon, launched only on an sm_90 GPU (wgrad_gluon_ok needs x.is_cuda); the same test in "
+        "tests/test_grouped_mm.py compiles it for sm_90 on CPU",
     "attention.flash_attn_hopper._attn_fwd_hopper_kernel":
         "Gluon, launched only on an sm_90 GPU (flash_attn_hopper.gluon_case needs q.is_cuda); "
         "tests/test_attention.py::test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma "

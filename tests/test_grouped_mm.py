@@ -389,10 +389,12 @@ def test_gpu_wgrad_tma_both_pipelines(I, N, sizes, deep):
     """The Hopper wgrad's 4-stage pipeline (many teams) and its 3-stage one."""
     from moe.kernels.grouped_mm_wgrad_tma import wgrad_tma_plan
     assert wgrad_tma_plan(len(sizes), I, N, torch.device("cuda"))[2] is deep
+    from moe.kernels.grouped_mm_wgrad_tma import grouped_mm_wgrad_tma
     offsets = _offsets(sizes, "cuda", torch.int32)
     x = torch.randn(sum(sizes) + 9, I, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(x.shape[0], N, device="cuda", dtype=torch.bfloat16)
-    dw = grouped_mm_wgrad(x, dy, offsets)
+    dw = torch.full((len(sizes), I, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    grouped_mm_wgrad_tma(x, dy, offsets, dw)  # directly: grouped_mm_wgrad takes Gluon on sm_90
     _check_bf16_dw(dw, x, dy, offsets, sizes)
 
 
@@ -496,24 +498,34 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 import moe.kernels.grouped_mm_gluon as g
+import moe.kernels.grouped_mm_wgrad_gluon as w
 
 bin_dir = triton.__file__.rsplit("/", 1)[0] + "/backends/nvidia/bin/"
 out = []
-for b_trans, name in json.loads(sys.argv[1]):
+for kind, b_trans, name in json.loads(sys.argv[1]):
+    short = "bf16" if name == "bfloat16" else "fp16"
+
     def desc(block):
         layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, name))
-        return f"tensordesc<{'bf16' if name == 'bfloat16' else 'fp16'}[{','.join(map(str, block))}],{layout!r}>"
-    signature = {"a_desc": desc([g.TILE_M, g.BLOCK_K]), "y_desc": desc([g.WG_M, g.TILE_N]),
-                 "b_desc": desc([1, g.TILE_N, g.BLOCK_K] if b_trans else [1, g.BLOCK_K, g.TILE_N]),
-                 "y_ptr": "*bf16" if name == "bfloat16" else "*fp16", "table_ptr": "*i32",
-                 "tile_end_ptr": "*i32", "S": "i32", "capacity": "i32", "N": "i32", "K": "i32",
-                 "stride_ym": "i32"}
-    constexprs = {"B_TRANS": b_trans, "STAGES": g.STAGES, "CONSUMER_REGS": g.CONSUMER_REGS,
-                  "PRODUCER_REGS": g.PRODUCER_REGS}
+        return f"tensordesc<{short}[{','.join(map(str, block))}],{layout!r}>"
+    if kind == "fwd":
+        signature = {"a_desc": desc([g.TILE_M, g.BLOCK_K]), "y_desc": desc([g.WG_M, g.TILE_N]),
+                     "b_desc": desc([1, g.TILE_N, g.BLOCK_K] if b_trans else [1, g.BLOCK_K, g.TILE_N]),
+                     "y_ptr": f"*{short}", "table_ptr": "*i32", "tile_end_ptr": "*i32", "S": "i32",
+                     "capacity": "i32", "N": "i32", "K": "i32", "stride_ym": "i32"}
+        constexprs = {"B_TRANS": b_trans, "STAGES": g.STAGES}
+        fn, pointers = g._grouped_mm_gluon_kernel, (3, 4, 5)
+    else:
+        signature = {"x_ptr": f"*{short}", "dy_ptr": f"*{short}", "dw_desc": desc([1, w.WG_M, w.BLOCK_N]),
+                     "offsets_ptr": "*i32", "G": "i32", "K": "i32", "N": "i32", "stride_xm": "i32",
+                     "stride_dym": "i32"}
+        constexprs = {"BLOCK_K": w.BLOCK_K, "BLOCK_N": w.BLOCK_N, "BLOCK_M": w.BLOCK_M, "STAGES": w.STAGES}
+        fn, pointers = w._grouped_mm_wgrad_gluon_kernel, (0, 1, 3)
+    constexprs.update({"CONSUMER_REGS": g.CONSUMER_REGS, "PRODUCER_REGS": g.PRODUCER_REGS})
     signature.update({k: "constexpr" for k in constexprs})
     # the pointers as the JIT sees torch's allocations: 16-byte aligned
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (3, 4, 5)}
-    kernel = triton.compile(GluonASTSource(g._grouped_mm_gluon_kernel, signature, constexprs, attrs=attrs),
+    attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}
+    kernel = triton.compile(GluonASTSource(fn, signature, constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": 4, "maxnreg": g.MAX_NREG})
     ptx = kernel.asm["ptx"]
@@ -528,11 +540,41 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the Gluon grouped GEMM is sm_90's")
+@pytest.mark.parametrize("sizes, padding, I, N, dtype, programs", [
+    ([0, 1, 63, 64, 65, 300, 0, 129], 9, 200, 264, torch.bfloat16, 3),  # ragged chunks and tiles
+    ([700, 0, 1, 1347], 0, 64, 512, torch.float16, 2),  # half a row tile
+    ([0, 0, 2500, 0], 16, 384, 256, torch.bfloat16, None),  # every row to one group
+    ("random", 7, 192, 256, torch.bfloat16, None),  # 130 groups: many groups a CTA
+])
+def test_gpu_gluon_wgrad_matches_reference(sizes, padding, I, N, dtype, programs):
+    """The Gluon weight gradient against the float64 reference on NaN-poisoned dw (every element
+    written), empty groups exactly zero; padding rows (not zero in dy) and the next group's rows
+    in a ragged chunk (the device-built descriptors' row bound) contribute nothing."""
+    from moe.kernels.grouped_mm_wgrad_gluon import grouped_mm_wgrad_gluon
+    if sizes == "random":
+        sizes = torch.randint(0, 300, (130,)).tolist()
+    offsets = _offsets(sizes, "cuda", torch.int32)
+    x = torch.randn(sum(sizes) + padding, I, device="cuda").to(dtype)
+    dy = torch.randn(x.shape[0], N, device="cuda").to(dtype)
+    dw = torch.full((len(sizes), I, N), float("nan"), device="cuda", dtype=dtype)
+    grouped_mm_wgrad_gluon(x, dy, offsets, dw, programs=programs)
+    start = 0
+    for g, rows in enumerate(sizes):
+        ref = x[start:start + rows].double().T @ dy[start:start + rows].double()
+        if rows:
+            assert _rel_err(dw[g], ref) < TOLERANCE[dtype], g
+        else:
+            assert (dw[g] == 0).all(), g
+        start += rows
+
+
 def test_gluon_kernel_compiles_for_sm90_without_spills():
-    """The Gluon grouped GEMM compiles for sm_90 on CPU (Gluon has no interpreter) with its
-    register plan (``setmaxnreg``, no stack), its 16-byte tail stores (the 2-byte ones a table
-    version once compiled to were 256 stores a slice instead of 32) and its shared memory
-    within Hopper's 227 KB, for the forward's b and the dgrad's."""
+    """The Gluon grouped GEMMs compile for sm_90 on CPU (Gluon has no interpreter) with their
+    register plan (``setmaxnreg``, no stack), the forward's 16-byte tail stores (the 2-byte ones
+    a table version once compiled to were 256 stores a slice instead of 32) and shared memory
+    within Hopper's 227 KB: the forward for its b and the dgrad's, and the weight gradient."""
     import json
     import os
     import subprocess
@@ -542,10 +584,11 @@ def test_gluon_kernel_compiles_for_sm90_without_spills():
         pytest.skip("compiles for sm_90 on CPU; on a GPU the GPU tests run the kernel")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cases = [[False, "bfloat16"], [True, "float16"]]
+    cases = [["fwd", False, "bfloat16"], ["fwd", True, "float16"], ["wgrad", False, "bfloat16"]]
     run = subprocess.run([sys.executable, "-c", _GLUON_SM90, json.dumps(cases)], env=env, cwd=root,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     for case, (stack, setmaxnreg, wide, narrow, smem) in zip(cases, json.loads(run.stdout.splitlines()[-1])):
-        assert stack == 0 and setmaxnreg and wide == 32 and narrow == 0 and smem <= 232448, (
+        stores = (32, 0) if case[0] == "fwd" else (0, 0)  # the wgrad's stores are all TMA
+        assert stack == 0 and setmaxnreg and (wide, narrow) == stores and smem <= 232448, (
             case, stack, setmaxnreg, wide, narrow, smem)

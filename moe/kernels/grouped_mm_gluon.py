@@ -54,8 +54,9 @@ CONSUMER_REGS = (65536 - 128 * PRODUCER_REGS) // (128 * 2) // 8 * 8  # 240
 MAX_NREG = 65536 // (128 * 3) // 8 * 8  # the launch's share: 3 warpgroups' worth of threads
 TABLE_BLOCK = 256
 ENABLED = True
-"""Whether ``grouped_mm_forward`` routes the calls ``gluon_ok`` accepts here (the benches' A/B
-switch: off, they take ``grouped_mm_tma``)."""
+"""Whether the grouped GEMM's launchers route what the Gluon kernels accept to them (this
+forward/dgrad where ``gluon_ok``, ``grouped_mm_wgrad_gluon`` where ``wgrad_gluon_ok``): the
+benches' A/B switch; off, those calls take the Triton TMA kernels."""
 
 
 @triton.jit
@@ -251,7 +252,8 @@ def tile_table(offsets_J: torch.Tensor, tile_end: torch.Tensor, M: int, N: int, 
     return table
 
 
-def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A host TMA descriptor of ``t`` in ``block`` blocks, in the default swizzled layout."""
     layout = gl.NVMMASharedLayout.get_default_for(block, GLUON_DTYPES[t.dtype])
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
@@ -267,12 +269,12 @@ def grouped_mm_gluon(a_MI: torch.Tensor, b_LIN: torch.Tensor, offsets_J: torch.T
     b_trans = b_LIN.stride(2) != 1
     tile_end = segment_tiles(offsets_J, y, M, N)
     table = tile_table(offsets_J, tile_end, M, N, L)
-    a_desc = _descriptor(a_MI, [TILE_M, BLOCK_K])
+    a_desc = descriptor(a_MI, [TILE_M, BLOCK_K])
     if b_trans:
-        b_desc = _descriptor(b_LIN.transpose(1, 2), [1, TILE_N, BLOCK_K])
+        b_desc = descriptor(b_LIN.transpose(1, 2), [1, TILE_N, BLOCK_K])
     else:
-        b_desc = _descriptor(b_LIN, [1, BLOCK_K, TILE_N])
-    y_desc = _descriptor(y, [WG_M, TILE_N])
+        b_desc = descriptor(b_LIN, [1, BLOCK_K, TILE_N])
+    y_desc = descriptor(y, [WG_M, TILE_N])
     _grouped_mm_gluon_kernel[(programs or sm_count(a_MI.device),)](
         a_desc, b_desc, y_desc, y, table, tile_end, J, table.shape[0], N, I, y.stride(0),
         B_TRANS=b_trans, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,

@@ -1,0 +1,136 @@
+"""Benchmark: the Gluon grouped GEMM kernels against the Triton TMA kernels they replace on sm_90,
+and both against ``torch._grouped_mm`` (cuBLAS), kernel by kernel; then the whole ``MoELayer``
+fwd+bwd with the Gluon kernels on and off (``moe.kernels.grouped_mm_gluon.ENABLED``).
+
+Kernels (bf16, tokens routed by uniform random top-k, so group sizes are ragged): each expert
+projection of the SwiGLU MLP, up ``x(M, D) @ w1[e](D, 2F)`` and down ``h(M, F) @ w2[e](F, D)``, as
+- ``fwd``: the forward GEMM (Gluon ``grouped_mm_gluon`` / TMA ``grouped_mm_tma``);
+- ``dgrad``: ``dy(M, N) @ w[e]ᵀ``, the same kernels on the transposed weight, read as stored;
+- ``wgrad``: ``x_eᵀ @ dy_e`` (``grouped_mm_wgrad_gluon`` / ``grouped_mm_wgrad_tma``).
+FLOPs ``2·M·I·N`` each. Each row also says whether the Gluon output equals the TMA kernel's bit
+for bit. The layer rows time ``torch.autograd.grad`` of the layer for x and every weight, and
+say whether those gradients are bit-equal with the Gluon kernels on and off.
+
+Protocol (bench/common.py): rounds alternating Gluon, TMA, the anchor and Gluon again, each
+``do_bench(warmup=100, rep=200)`` median; ratios are medians over rounds (> 1: Gluon faster);
+A-vs-A is Gluon over Gluon again.
+
+    python bench/grouped_gemm_gluon.py [--rounds 5] [--what kernels layer]
+"""
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parent))
+from common import alternate, header, median_ratio, write_results  # noqa: E402
+from moe_layer import SHAPES as LAYER_SHAPES, _setup, ours_forward  # noqa: E402
+
+from kernel_floor import use_tensor_descriptors  # noqa: E402
+from moe.kernels import grouped_mm_gluon  # noqa: E402
+from moe.kernels.grouped_mm_tma import grouped_mm_tma  # noqa: E402
+from moe.kernels.grouped_mm_wgrad_gluon import grouped_mm_wgrad_gluon  # noqa: E402
+from moe.kernels.grouped_mm_wgrad_tma import grouped_mm_wgrad_tma  # noqa: E402
+
+# name, experts E, model dim D, expert hidden F, tokens T, top-k K (bench/grouped_gemm.py's)
+SHAPES = [("Mixtral", 8, 4096, 14336, 8192, 2), ("OLMoE", 64, 2048, 1024, 16384, 8),
+          ("Qwen3-A3B", 128, 2048, 768, 16384, 8), ("DeepSeek-V3", 256, 7168, 2048, 8192, 8)]
+
+
+def _cases(E, D, F, T, K):
+    """(projection, what, ``{impl: fn}``, flops, bit-equal) per kernel case of one shape."""
+    M = T * K
+    offsets = torch.bincount(torch.randint(0, E, (M,), device="cuda"), minlength=E).cumsum(0).to(torch.int32)
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    for proj, I, N in (("up", D, 2 * F), ("down", F, D)):
+        w = torch.randn(E, I, N, **bf16) / I**0.5
+        for what in ("fwd", "dgrad"):
+            a, b, n = (torch.randn(M, I, **bf16), w, N) if what == "fwd" else (torch.randn(M, N, **bf16), w.transpose(1, 2), I)
+            y_gluon, y_tma = torch.empty(M, n, **bf16), torch.empty(M, n, **bf16)
+            fns = {"gluon": lambda a=a, b=b, y=y_gluon: grouped_mm_gluon.grouped_mm_gluon(a, b, offsets, y),
+                   "tma": lambda a=a, b=b, y=y_tma: grouped_mm_tma(a, b, offsets, y, None, 0),
+                   "anchor": lambda a=a, b=b: torch._grouped_mm(a, b, offs=offsets)}
+            use_tensor_descriptors()
+            fns["gluon"](), fns["tma"]()
+            yield proj, what, fns, 2 * M * I * N, torch.equal(y_gluon, y_tma)
+        x, dy = torch.randn(M, I, **bf16), torch.randn(M, N, **bf16)
+        dw_gluon, dw_tma = torch.empty(E, I, N, **bf16), torch.empty(E, I, N, **bf16)
+        fns = {"gluon": lambda: grouped_mm_wgrad_gluon(x, dy, offsets, dw_gluon),
+               "tma": lambda: grouped_mm_wgrad_tma(x, dy, offsets, dw_tma),
+               "anchor": lambda: torch._grouped_mm(x.t(), dy, offs=offsets)}
+        fns["gluon"](), fns["tma"]()
+        yield proj, "wgrad", fns, 2 * M * I * N, torch.equal(dw_gluon, dw_tma)
+
+
+def bench_kernels(rounds):
+    rows = []
+    for name, *shape in SHAPES:
+        torch.manual_seed(0)
+        for proj, what, fns, flops, same in _cases(*shape):
+            t = alternate({**fns, "gluon_again": fns["gluon"]}, rounds)
+            rows.append(f"| {name} {proj} | {what} | {flops / statistics.median(t['gluon']) / 1e9:.0f} | "
+                        f"{flops / statistics.median(t['tma']) / 1e9:.0f} | "
+                        f"{flops / statistics.median(t['anchor']) / 1e9:.0f} | "
+                        f"{median_ratio(t['tma'], t['gluon']):.3f}x | {median_ratio(t['anchor'], t['gluon']):.3f}x | "
+                        f"{median_ratio(t['anchor'], t['tma']):.3f}x | {median_ratio(t['gluon_again'], t['gluon']):.3f} | "
+                        f"{'yes' if same else 'NO'} |")
+            print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
+    return ["| shape | what | Gluon TFLOP/s | TMA TFLOP/s | torch._grouped_mm TFLOP/s | TMA / Gluon time "
+            "| anchor / Gluon | anchor / TMA | A-vs-A | bit-equal to TMA |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |", *rows]
+
+
+def bench_layer(rounds):
+    rows = []
+    for name, E, D, F, T, K in LAYER_SHAPES:
+        layer, params, x_TD, dy_TD = _setup(E, D, F, T, K)
+        forward = ours_forward(layer)
+
+        def grads(on):
+            def run():
+                grouped_mm_gluon.ENABLED = on
+                return torch.autograd.grad(forward(x_TD)[0], [x_TD, *params], dy_TD)
+            return run
+        try:
+            same = all(torch.equal(p, q) for p, q in zip(grads(True)(), grads(False)()))
+            t = alternate({"gluon": grads(True), "tma": grads(False), "gluon_again": grads(True)}, rounds)
+        finally:
+            grouped_mm_gluon.ENABLED = True
+        flops = 3 * 6 * T * K * D * F
+        rows.append(f"| {name} | {flops / statistics.median(t['gluon']) / 1e9:.0f} | "
+                    f"{flops / statistics.median(t['tma']) / 1e9:.0f} | {median_ratio(t['tma'], t['gluon']):.3f}x | "
+                    f"{median_ratio(t['gluon_again'], t['gluon']):.3f} | {'yes' if same else 'NO'} |")
+        print(rows[-1], flush=True)
+        del layer, params, x_TD, dy_TD
+        torch.cuda.empty_cache()
+    return ["| layer fwd+bwd | Gluon on TFLOP/s | off (TMA kernels) TFLOP/s | off / on time | A-vs-A "
+            "| gradients bit-equal |", "| --- | ---: | ---: | ---: | ---: | --- |", *rows]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--what", nargs="+", choices=("kernels", "layer"), default=["kernels", "layer"])
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "grouped_gemm_gluon.md"))
+    args = p.parse_args()
+    md = header("Gluon grouped GEMM kernels vs the Triton TMA kernels and torch._grouped_mm",
+                "bench/grouped_gemm_gluon.py",
+                f"{args.rounds} rounds of do_bench(warmup=100, rep=200) median, alternating Gluon / TMA / "
+                "anchor / Gluon again; ratios = median over rounds of the other's time over Gluon's (> 1: Gluon faster)",
+                "bf16; kernels: M = T·K rows routed by uniform random top-k; layer: bench/moe_layer.py's shapes, "
+                "fwd+bwd TFLOP/s of the expert GEMMs")
+    if "kernels" in args.what:
+        md += bench_kernels(args.rounds) + [""]
+    if "layer" in args.what:
+        md += bench_layer(args.rounds) + [""]
+    write_results(args.out, "\n".join(md))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Hopper weight gradient of the grouped matmul in Gluon, one row segment per group:
+``dw[g] = x_gᵀ @ dy_g`` with a producer warp, two consumer warpgroups and a TMA-store epilogue
+that is not waited for.
+
+The same arrangement as the forward's Gluon kernel (``grouped_mm_gluon``), for the other
+reduction: a tile is 128 rows of ``dw[g]`` (two 64-row halves, one per consumer) by 256 columns,
+reduced over the group's rows in chunks of 64.
+
+- **The producer** walks the tiles ``pid, pid + #CTAs, ...`` of all groups in order (every
+  group has the same ``cdiv(I, 128) · cdiv(N, 256)`` tiles, so a tile's group is a division, and
+  the CTAs at work together share one or two groups' rows in L2). Per tile it builds two
+  tensor descriptors on the device whose row bound is the group's end, so rows of the next
+  group load as zeros (as ``grouped_mm_wgrad_tma`` does), then loads each chunk's two 64×64
+  halves of x and its 64×256 block of dy into a ``STAGES``-deep ring. Unlike the Triton kernel,
+  whose software pipeline restarts at every group (its row count changes the loop), it runs
+  ahead across tiles and groups, so no restart is exposed: the Triton kernel needed teams of
+  programs and two pipeline depths to hide them.
+- **Each consumer** multiplies its half of x's chunk, transposed in shared memory (wgmma reads
+  16-bit A either way), by the dy block: one asynchronous wgmma a chunk, a slot freed as soon
+  as its wgmma is done.
+- **The epilogue**: the 64×256 tile half goes to its own shared-memory buffer and out by TMA
+  through a 3-D descriptor over dw (clipped at I and N, so no masked tail), waited for only
+  before that buffer is written again, a tile later. A group with no rows stores zeros.
+
+Scope (``wgrad_gluon_ok``): sm_90, bf16/fp16 operands and dw in their dtype (the fp32 master
+gradient's store-or-add epilogue stays ``grouped_mm_wgrad_tma``'s), one segment per group,
+TMA-addressable operands.
+"""
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+from kernel_floor import GLUON_DTYPES, band_swizzle, capability, sm_count, use_tensor_descriptors
+from moe.kernels.grouped_mm_gluon import CONSUMER_REGS, MAX_NREG, PRODUCER_REGS, WG_M, descriptor
+
+BLOCK_K = 2 * WG_M  # rows of dw[g] a tile: one 64-row half per consumer
+BLOCK_N = 256
+BLOCK_M = 64  # the reduction chunk: rows of x and dy
+GROUP_K = gl.constexpr(8)  # bands of 8 row tiles of dw[g], as the Triton wgrad
+STAGES = 3  # 3 × (16 + 32) KB of ring + 2 × 32 KB of store buffers, as the forward's
+
+
+@gluon.jit
+def _group_rows(offsets_ptr, g):
+    row_start = gl.load(offsets_ptr + g - 1, mask=g > 0, other=0).to(gl.int32)
+    return row_start, gl.load(offsets_ptr + g).to(gl.int32) - row_start
+
+
+@gluon.jit
+def _producer(a):
+    (x_ptr, dy_ptr, dw_desc, offsets_ptr, n_tiles_total, tiles_per_group, k_tiles, n_tiles, K, N,
+     stride_xm, stride_dym, x_smem, dy_smem, c_smem, ready, empty) = a
+    NSTAGE: gl.constexpr = dy_smem.type.shape[0]
+    ROWS: gl.constexpr = x_smem.type.shape[1]
+    HALF: gl.constexpr = x_smem.type.shape[2]
+    BN: gl.constexpr = dy_smem.type.shape[2]
+    it = 0
+    for t in range(gl.program_id(0), n_tiles_total, gl.num_programs(0)):
+        g = t // tiles_per_group
+        tile_k, tile_n = band_swizzle(t - g * tiles_per_group, k_tiles, n_tiles, GROUP_K)
+        row_start, rows = _group_rows(offsets_ptr, g)
+        x_desc = tma.make_tensor_descriptor(x_ptr + row_start.to(gl.int64) * stride_xm,
+                                            [gl.maximum(rows, 1), K], [stride_xm, 1], [ROWS, HALF],
+                                            x_smem.type.layout)
+        dy_desc = tma.make_tensor_descriptor(dy_ptr + row_start.to(gl.int64) * stride_dym,
+                                             [gl.maximum(rows, 1), N], [stride_dym, 1], [ROWS, BN],
+                                             dy_smem.type.layout)
+        k0 = tile_k * 2 * HALF
+        for mt in range(gl.cdiv(rows, ROWS)):
+            s = it % NSTAGE
+            mbarrier.wait(empty.index(s), ((it // NSTAGE) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), 2 * x_desc.block_type.nbytes + dy_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [mt * ROWS, k0], ready.index(s),
+                                            x_smem.index(2 * s))
+            tma.async_copy_global_to_shared(x_desc, [mt * ROWS, k0 + HALF], ready.index(s),
+                                            x_smem.index(2 * s + 1))
+            tma.async_copy_global_to_shared(dy_desc, [mt * ROWS, tile_n * BN], ready.index(s),
+                                            dy_smem.index(s))
+            it += 1
+
+
+@gluon.jit
+def _consumer(a, WG: gl.constexpr):
+    (x_ptr, dy_ptr, dw_desc, offsets_ptr, n_tiles_total, tiles_per_group, k_tiles, n_tiles, K, N,
+     stride_xm, stride_dym, x_smem, dy_smem, c_smem, ready, empty) = a
+    NSTAGE: gl.constexpr = dy_smem.type.shape[0]
+    ROWS: gl.constexpr = x_smem.type.shape[1]
+    HALF: gl.constexpr = x_smem.type.shape[2]
+    BN: gl.constexpr = dy_smem.type.shape[2]
+    dtype: gl.constexpr = dw_desc.dtype
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN, 16])
+    buf = c_smem.index(WG)
+    it = 0
+    for t in range(gl.program_id(0), n_tiles_total, gl.num_programs(0)):
+        g = t // tiles_per_group
+        tile_k, tile_n = band_swizzle(t - g * tiles_per_group, k_tiles, n_tiles, GROUP_K)
+        _, rows = _group_rows(offsets_ptr, g)
+        acc = gl.zeros([HALF, BN], gl.float32, layout=acc_layout)
+        chunks = gl.cdiv(rows, ROWS)
+        for mt in range(chunks):
+            s = it % NSTAGE
+            mbarrier.wait(ready.index(s), (it // NSTAGE) & 1)
+            acc = warpgroup_mma(x_smem.index(2 * s + WG).permute((1, 0)), dy_smem.index(s), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            mbarrier.arrive(empty.index((it + NSTAGE - 1) % NSTAGE), count=1, pred=mt > 0)
+            it += 1
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(empty.index((it + NSTAGE - 1) % NSTAGE), count=1, pred=chunks > 0)
+        # The previous tile's store from this buffer is done before it is written again (each
+        # thread waits for its own copies; the barrier makes that every thread's knowledge).
+        tma.store_wait(0)
+        gl.thread_barrier()
+        buf.reshape([HALF, BN]).store(acc.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dw_desc, [g, tile_k * 2 * HALF + WG * HALF, tile_n * BN], buf)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer_0(a):
+    _consumer(a, 0)
+
+
+@gluon.jit
+def _consumer_1(a):
+    _consumer(a, 1)
+
+
+@gluon.jit
+def _grouped_mm_wgrad_gluon_kernel(x_ptr, dy_ptr, dw_desc, offsets_ptr, G, K, N, stride_xm,
+                                   stride_dym, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr,
+                                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """dw_desc over dw (G, K, N) in (1, BLOCK_K / 2, BLOCK_N) blocks; x (M, K) and dy (M, N)
+    row-major with 16-byte aligned rows."""
+    dtype: gl.constexpr = dw_desc.dtype
+    HALF: gl.constexpr = BLOCK_K // 2
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], dtype)
+    dy_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+    x_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_M, HALF], x_layout)  # slot s: 2s, 2s+1
+    dy_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_N], dy_layout)
+    c_smem = gl.allocate_shared_memory(dtype, [2, 1, HALF, BLOCK_N], dw_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # a slot is free once both consumers are done
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    n_tiles = gl.cdiv(N, BLOCK_N)
+    a = (x_ptr, dy_ptr, dw_desc, offsets_ptr, G * k_tiles * n_tiles, k_tiles * n_tiles, k_tiles,
+         n_tiles, K, N, stride_xm, stride_dym, x_smem, dy_smem, c_smem, ready, empty)
+    gl.warp_specialize([(_consumer_0, (a, )), (_consumer_1, (a, )), (_producer, (a, ))], [4, 1],
+                       [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# Where it wins. Against grouped_mm_wgrad_tma, same bits out (H200, bf16, 5 alternating rounds,
+# bench/results/grouped_gemm_gluon.md), up / down projection: OLMoE (64 groups of ~2048 rows)
+# 1.068 / 1.041x, Qwen3-A3B (128 of ~1024) 1.002 / 1.046x; but Mixtral (8 of ~8192) 0.980 /
+# 0.975x and DeepSeek-V3 (256 of ~256 rows: 4 chunks a tile, against a tile's descriptor builds
+# and its 32 KB store a consumer) 0.876 / 0.894x. Why Mixtral loses is not profiled.
+MIN_GROUPS = 16
+MIN_ROWS_PER_GROUP = 512
+
+
+def wgrad_gluon_ok(x_MI: torch.Tensor, dw_LIN: torch.Tensor) -> bool:
+    """Whether ``grouped_mm_wgrad_gluon`` serves this weight gradient (the caller has checked
+    what ``grouped_mm_wgrad_tma`` needs: 16-bit, aligned rows, one segment per group): an sm_90
+    GPU, dw in the operands' dtype, and the measured range where it beats the Triton kernel: at
+    least ``MIN_GROUPS`` groups of ``MIN_ROWS_PER_GROUP`` rows on average (x's rows over the
+    groups, padding included: the group sizes are on the device)."""
+    L = dw_LIN.shape[0]
+    return (x_MI.is_cuda and capability(x_MI.device) == (9, 0) and x_MI.dtype in GLUON_DTYPES
+            and dw_LIN.dtype == x_MI.dtype and L >= MIN_GROUPS and x_MI.shape[0] >= MIN_ROWS_PER_GROUP * L)
+
+
+def grouped_mm_wgrad_gluon(x_MI: torch.Tensor, dy_MN: torch.Tensor, offsets_J: torch.Tensor,
+                           dw_LIN: torch.Tensor, programs: int | None = None) -> None:
+    """Fill ``dw_LIN`` (L, I, N), contiguous, in x's dtype, for operands ``wgrad_gluon_ok``
+    accepts. ``programs``: CTAs to launch (default one per SM; tests take fewer)."""
+    L, I, N = dw_LIN.shape
+    tiles = L * triton.cdiv(I, BLOCK_K) * triton.cdiv(N, BLOCK_N)
+    use_tensor_descriptors()  # the device-built descriptors' scratch
+    _grouped_mm_wgrad_gluon_kernel[(min(programs or sm_count(x_MI.device), tiles),)](
+        x_MI, dy_MN, descriptor(dw_LIN, [1, WG_M, BLOCK_N]), offsets_J, L, I, N, x_MI.stride(0),
+        dy_MN.stride(0), BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, STAGES=STAGES,
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAX_NREG)
