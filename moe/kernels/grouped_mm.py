@@ -8,12 +8,13 @@ J = L is the usual grouped matmul (rows sorted by group), and what the dispatche
 (expert-parallel ones too: ``parallel.token_rows`` says why); J = G·L takes rows in a (source
 rank, local expert) order unchanged, for a caller that has them so.
 Forward: one persistent Triton GEMM (on Hopper with aligned rows after a tiny launch that lists
-the tiles on the device, see ``grouped_mm_tma``; GELU fused into its epilogue; SwiGLU as one more
+the tiles on the device, see ``grouped_mm_tma``, or on sm_90 without an activation its
+warp-specialized Gluon counterpart, ``grouped_mm_gluon``; GELU fused into its epilogue; SwiGLU as one more
 elementwise Triton pass over its output, see ``grouped_mm_fwd``), pre-activation saved when a
 gradient is needed. Backward: the activation's elementwise backward (one Triton
 pass, ``dz``), then dgrad ``dx = dz @ w[g]ᵀ`` (the forward kernel on ``w`` with swapped strides)
 and wgrad ``dw[g] = x_gᵀ @ dz_g`` (its own kernels, reduction over the group's rows, see
-``grouped_mm_wgrad`` and ``grouped_mm_wgrad_tma``).
+``grouped_mm_wgrad``, ``grouped_mm_wgrad_tma`` and ``grouped_mm_wgrad_gluon``).
 
 Host syncs: none once tuned (checked on an H100 with ``torch.cuda.set_sync_debug_mode("error")``
 in tests/test_grouped_mm.py). Group sizes are only read by the kernels on the device; the
