@@ -394,7 +394,7 @@ def test_gpu_wgrad_tma_both_pipelines(I, N, sizes, deep):
     x = torch.randn(sum(sizes) + 9, I, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(x.shape[0], N, device="cuda", dtype=torch.bfloat16)
     dw = torch.full((len(sizes), I, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-    grouped_mm_wgrad_tma(x, dy, offsets, dw)  # directly: grouped_mm_wgrad takes Gluon on sm_90
+    grouped_mm_wgrad_tma(x, dy, offsets, dw)  # directly: its own kernel, whatever the routing
     _check_bf16_dw(dw, x, dy, offsets, sizes)
 
 
@@ -547,12 +547,15 @@ print(json.dumps(out))
     ([700, 0, 1, 1347], 0, 64, 512, torch.float16, 2),  # half a row tile
     ([0, 0, 2500, 0], 16, 384, 256, torch.bfloat16, None),  # every row to one group
     ("random", 7, 192, 256, torch.bfloat16, None),  # 130 groups: many groups a CTA
+    ([1, 0, 2, 70, 5, 64, 3] * 20, 0, 256, 512, torch.bfloat16, 7),  # tiny groups: a new group
+    # (and new descriptors) every few chunks, against the previous tile's loads in flight
 ])
 def test_gpu_gluon_wgrad_matches_reference(sizes, padding, I, N, dtype, programs):
     """The Gluon weight gradient against the float64 reference on NaN-poisoned dw (every element
     written), empty groups exactly zero; padding rows (not zero in dy) and the next group's rows
     in a ragged chunk (the device-built descriptors' row bound) contribute nothing."""
     from moe.kernels.grouped_mm_wgrad_gluon import grouped_mm_wgrad_gluon
+    from moe.kernels.grouped_mm_wgrad_tma import grouped_mm_wgrad_tma
     if sizes == "random":
         sizes = torch.randint(0, 300, (130,)).tolist()
     offsets = _offsets(sizes, "cuda", torch.int32)
@@ -560,6 +563,9 @@ def test_gpu_gluon_wgrad_matches_reference(sizes, padding, I, N, dtype, programs
     dy = torch.randn(x.shape[0], N, device="cuda").to(dtype)
     dw = torch.full((len(sizes), I, N), float("nan"), device="cuda", dtype=dtype)
     grouped_mm_wgrad_gluon(x, dy, offsets, dw, programs=programs)
+    dw_tma = torch.full_like(dw, float("nan"))
+    grouped_mm_wgrad_tma(x, dy, offsets, dw_tma)
+    assert torch.equal(dw, dw_tma)  # the same chunks and wgmma order: bit for bit (H200)
     start = 0
     for g, rows in enumerate(sizes):
         ref = x[start:start + rows].double().T @ dy[start:start + rows].double()

@@ -2,7 +2,9 @@
 
 With one segment per group, 16-bit operands and tensor descriptors available, the launcher
 hands over to ``moe.kernels.grouped_mm_wgrad_tma`` (group-major loops, flattened tile loop), or
-on sm_90 with dw in the operands' dtype to ``moe.kernels.grouped_mm_wgrad_gluon`` (warp-specialized,
+on sm_90 with dw in the operands' dtype and at least 16 groups of 512 rows on average (where it
+measured faster: ``wgrad_gluon_ok``; off for now, see its ``ROUTED``) to
+``moe.kernels.grouped_mm_wgrad_gluon`` (warp-specialized,
 its loads running ahead across groups); the kernel here serves the rest (J = G·L segments, fp32, unaligned rows, pre-Hopper).
 
 Legend: M packed rows in J row segments, I input width, N output width, L weight groups
