@@ -46,10 +46,8 @@ output matches the Triton forward's contract (O in q's dtype and strides, base-2
 scores), so the Triton backward consumes it unchanged.
 """
 
-import functools
 from dataclasses import dataclass
 
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -57,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernel_floor import GLUON_DTYPES, cached_launch, capability, sm_count, tma_ok
+from kernel_floor import GLUON_DTYPES, cached_launch, capability, gluon_layout, sm_count, tma_ok
 
 WG_M = 64  # query rows per consumer warpgroup: one m64 wgmma row block
 PRODUCER_REGS = 24
@@ -434,13 +432,6 @@ def hopper_forward_ok(q, k, v, causal, window) -> bool:
     return gluon_case(q, k, causal, window, MIN_SCORES, HEAD_DIMS, q, k, v)
 
 
-@functools.lru_cache(maxsize=None)
-def _smem_layout(rows, head_dim, dtype):
-    """The swizzled shared-memory layout of a (1, 1, rows, Hd) tile; cached: building it took
-    4.5 µs of the launch's host time."""
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], GLUON_DTYPES[dtype])
-
-
 def unchecked_descriptor(t, block_shape, layout):
     """A TMA descriptor of ``t`` built without the dataclass's own checks, 2 of its 3.3 µs of
     host time (H100 host). For the callers' tensors: q, k, v and dO were checked by their
@@ -455,7 +446,7 @@ def unchecked_descriptor(t, block_shape, layout):
 def _descriptor(t, rows):
     """The TMA descriptor of ``t`` (B, heads, S, Hd) in (1, 1, rows, Hd) blocks."""
     Hd = t.shape[3]
-    return unchecked_descriptor(t, [1, 1, rows, Hd], _smem_layout(rows, Hd, t.dtype))
+    return unchecked_descriptor(t, [1, 1, rows, Hd], gluon_layout((1, 1, rows, Hd), GLUON_DTYPES[t.dtype]))
 
 
 def hopper_forward(q, k, v, o, lse, causal, scale_log2):

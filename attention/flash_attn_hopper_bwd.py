@@ -52,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from attention.flash_attn_hopper import _descriptor, gluon_case, unchecked_descriptor
-from kernel_floor import cached_launch, sm_count
+from kernel_floor import cached_launch, gluon_layout, sm_count
 
 # The order in which a CTA (one key block j) walks its query blocks, and so the fixed order of the
 # key blocks' adds into each dQ block (``_turn``); ``_walk`` picks one per call.
@@ -424,12 +424,6 @@ def walk_possible(walk, causal) -> bool:
     return walk in (WALK_DESCENDING.value, other.value)
 
 
-@functools.lru_cache(maxsize=None)
-def _acc_layout(head_dim):
-    """The shared-memory layout of the fp32 dQ accumulator's blocks (cached, like _smem_layout)."""
-    return gl.NVMMASharedLayout.get_default_for([BLOCK_M[head_dim], head_dim], gl.float32)
-
-
 def hopper_turn_counters(q):
     """The deterministic mode's turn counters, one per (b, h, TURN_ROWS query rows), not zeroed:
     the Δ kernel that runs first zeros them (``flash_attn._delta``), one launch fewer."""
@@ -457,7 +451,7 @@ def hopper_backward(do, q, k, v, lse, delta, sem, dq, dk, dv, causal, scale, sca
     # Deterministic: each block's first adder stores, so every row (the padding too) is written.
     dq_acc = (torch.empty if deterministic else torch.zeros)(B * H * s_pad, Hd, device=q.device,
                                                              dtype=torch.float32)
-    dq_desc = unchecked_descriptor(dq_acc, [block_m, Hd], _acc_layout(Hd))
+    dq_desc = unchecked_descriptor(dq_acc, [block_m, Hd], gluon_layout((block_m, Hd), gl.float32))
     walk = _walk(causal, n_k, q.device)
     assert walk_possible(walk, causal), (walk, causal)
     args = (_descriptor(q, block_m), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),

@@ -86,28 +86,32 @@ def bench_kernels(rounds):
             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |", *rows]
 
 
+def _layer_row(name, E, D, F, T, K, rounds):
+    """One layer's row: fwd+bwd with the Gluon kernels on and off."""
+    layer, params, x_TD, dy_TD = _setup(E, D, F, T, K)
+    forward = ours_forward(layer)
+
+    def grads(on):
+        def run():
+            grouped_mm_gluon.ENABLED = on
+            return torch.autograd.grad(forward(x_TD)[0], [x_TD, *params], dy_TD)
+        return run
+    try:
+        same = all(torch.equal(p, q) for p, q in zip(grads(True)(), grads(False)()))
+        t = alternate({"gluon": grads(True), "tma": grads(False), "gluon_again": grads(True)}, rounds)
+    finally:
+        grouped_mm_gluon.ENABLED = True
+    flops = 3 * 6 * T * K * D * F
+    return (f"| {name} | {flops / statistics.median(t['gluon']) / 1e9:.0f} | "
+            f"{flops / statistics.median(t['tma']) / 1e9:.0f} | {median_ratio(t['tma'], t['gluon']):.3f}x | "
+            f"{median_ratio(t['gluon_again'], t['gluon']):.3f} | {'yes' if same else 'NO'} |")
+
+
 def bench_layer(rounds):
     rows = []
-    for name, E, D, F, T, K in LAYER_SHAPES:
-        layer, params, x_TD, dy_TD = _setup(E, D, F, T, K)
-        forward = ours_forward(layer)
-
-        def grads(on):
-            def run():
-                grouped_mm_gluon.ENABLED = on
-                return torch.autograd.grad(forward(x_TD)[0], [x_TD, *params], dy_TD)
-            return run
-        try:
-            same = all(torch.equal(p, q) for p, q in zip(grads(True)(), grads(False)()))
-            t = alternate({"gluon": grads(True), "tma": grads(False), "gluon_again": grads(True)}, rounds)
-        finally:
-            grouped_mm_gluon.ENABLED = True
-        flops = 3 * 6 * T * K * D * F
-        rows.append(f"| {name} | {flops / statistics.median(t['gluon']) / 1e9:.0f} | "
-                    f"{flops / statistics.median(t['tma']) / 1e9:.0f} | {median_ratio(t['tma'], t['gluon']):.3f}x | "
-                    f"{median_ratio(t['gluon_again'], t['gluon']):.3f} | {'yes' if same else 'NO'} |")
+    for shape in LAYER_SHAPES:
+        rows.append(_layer_row(*shape, rounds))
         print(rows[-1], flush=True)
-        del layer, params, x_TD, dy_TD
         torch.cuda.empty_cache()
     return ["| layer fwd+bwd | Gluon on TFLOP/s | off (TMA kernels) TFLOP/s | off / on time | A-vs-A "
             "| gradients bit-equal |", "| --- | ---: | ---: | ---: | ---: | --- |", *rows]

@@ -8,6 +8,7 @@ input checks that several launchers share, and a launch that skips the JIT's per
 :mod:`kernel_floor`; none of them keeps a private copy.
 """
 
+import functools
 import os
 
 import torch
@@ -40,6 +41,14 @@ BACKENDS = ("auto", "triton", "reference")
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 GLUON_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 """The 16-bit operand types of the Gluon (Hopper wgmma) kernels."""
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_layout(block: tuple[int, ...], dtype) -> gl.NVMMASharedLayout:
+    """The default swizzled shared-memory layout of a TMA block of ``block`` elements of the Gluon
+    dtype ``dtype``; cached: building it took 4.5 µs of an attention launch's host time (H100)
+    and ~6 µs a grouped-GEMM descriptor."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
 
 
 def grid_programs(tiles: int, max_programs: int | None = None) -> int:

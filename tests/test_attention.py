@@ -567,6 +567,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 import attention.flash_attn_hopper as fah
 import attention.flash_attn_hopper_bwd as fab
+from kernel_floor import GLUON_DTYPES, gluon_layout
 
 bin_dir = triton.__file__.rsplit("/", 1)[0] + "/backends/nvidia/bin/"
 out = []
@@ -574,7 +575,7 @@ for kind, causal, deterministic, head_d, dtype, walk, seq_len in json.loads(sys.
     name = "bf16" if dtype == "bfloat16" else "fp16"
 
     def desc(rows):
-        return f"tensordesc<{name}[1,1,{rows},{head_d}],{fah._smem_layout(rows, head_d, getattr(torch, dtype))!r}>"
+        return f"tensordesc<{name}[1,1,{rows},{head_d}],{gluon_layout((1, 1, rows, head_d), GLUON_DTYPES[getattr(torch, dtype)])!r}>"
     if kind == "fwd":
         plan = fah.plan(head_d, seq_len)
         signature = {"q_desc": desc(fah.WG_M), "k_desc": desc(plan.block_n),

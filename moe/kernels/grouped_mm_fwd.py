@@ -58,8 +58,7 @@ import triton.language as tl
 
 from kernel_floor import AUTOTUNE, INTERPRET, band_swizzle, check_segments, fixed_config, sm_count, tma_ok
 from moe.kernels.activation import ACTIVATIONS, gelu_tanh, swiglu_forward
-from moe.kernels import grouped_mm_gluon
-from moe.kernels.grouped_mm_gluon import gluon_ok
+from moe.kernels.grouped_mm_gluon import gluon_ok, grouped_mm_gluon
 from moe.kernels.grouped_mm_tma import TILE_M, grouped_mm_tma
 
 def _prune_configs(configs, named_args, **kwargs):
@@ -267,8 +266,8 @@ def grouped_mm_forward(
     b_trans = b_LIN.stride(2) != 1
     # b must have one unit stride for tensor descriptors: (L, I, N) row-major or its transpose.
     if (b_LIN.stride(1) == 1 if b_trans else True) and tma_ok(a_MI, b_LIN):
-        if grouped_mm_gluon.ENABLED and gluon_ok(a_MI, b_LIN, y, activation, save_z):
-            grouped_mm_gluon.grouped_mm_gluon(a_MI, b_LIN, offsets_J, y)
+        if gluon_ok(a_MI, b_LIN, y, activation, save_z):
+            grouped_mm_gluon(a_MI, b_LIN, offsets_J, y)
         else:
             grouped_mm_tma(a_MI, b_LIN, offsets_J, y, z, ACTIVATIONS[activation])
         block_m = TILE_M

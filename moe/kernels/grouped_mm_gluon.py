@@ -40,8 +40,6 @@ Scope (``gluon_ok``): sm_90, bf16/fp16, no activation (the SwiGLU layer's four G
 activation-free: its SwiGLU is a separate pass), TMA-addressable operands and output.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -51,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernel_floor import GLUON_DTYPES, aligned16, band_swizzle, capability, sm_count
+from kernel_floor import GLUON_DTYPES, aligned16, band_swizzle, capability, gluon_layout, sm_count
 from moe.kernels.grouped_mm_tma import TILE_M, TILE_N, _GROUP_M, segment_tiles
 
 BLOCK_K = 64
@@ -242,8 +240,8 @@ def gluon_ok(a_MI: torch.Tensor, b_LIN: torch.Tensor, y: torch.Tensor, activatio
     no pre-activation output, operands ``grouped_mm_tma`` reads (checked by the caller) and a y
     whose rows TMA can write (16-byte aligned base and row stride, unit column stride; a
     one-column y has unit strides that ``tma_ok`` would pass, and no 16-byte rows; N a multiple
-    of 8, which the masked tail's 16-byte stores assume)."""
-    return (a_MI.is_cuda and capability(a_MI.device) == (9, 0) and a_MI.dtype in GLUON_DTYPES
+    of 8, which the masked tail's 16-byte stores assume); and ``ENABLED``."""
+    return (ENABLED and a_MI.is_cuda and capability(a_MI.device) == (9, 0) and a_MI.dtype in GLUON_DTYPES
             and activation is None and not save_z and a_MI.shape[1] > 0 and y.shape[1] % 8 == 0
             and y.stride(1) == 1 and y.stride(0) * y.element_size() % 16 == 0 and aligned16(y))
 
@@ -260,15 +258,10 @@ def tile_table(offsets_J: torch.Tensor, tile_end: torch.Tensor, M: int, N: int, 
     return table
 
 
-@functools.lru_cache(maxsize=None)
-def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
-    """Cached: building the layout took ~6 µs of host time a descriptor."""
-    return gl.NVMMASharedLayout.get_default_for(list(block), GLUON_DTYPES[dtype])
-
-
 def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """A host TMA descriptor of ``t`` in ``block`` blocks, in the default swizzled layout."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _smem_layout(tuple(block), t.dtype))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
+                            gluon_layout(tuple(block), GLUON_DTYPES[t.dtype]))
 
 
 def grouped_mm_gluon(a_MI: torch.Tensor, b_LIN: torch.Tensor, offsets_J: torch.Tensor, y: torch.Tensor,

@@ -4,8 +4,8 @@ With one segment per group, 16-bit operands and tensor descriptors available, th
 hands over to ``moe.kernels.grouped_mm_wgrad_tma`` (group-major loops, flattened tile loop), or
 on sm_90 with dw in the operands' dtype and at least 16 groups of 512 rows on average (where it
 measured faster: ``wgrad_gluon_ok``; off for now, see its ``ROUTED``) to
-``moe.kernels.grouped_mm_wgrad_gluon`` (warp-specialized,
-its loads running ahead across groups); the kernel here serves the rest (J = G·L segments, fp32, unaligned rows, pre-Hopper).
+``moe.kernels.grouped_mm_wgrad_gluon`` (warp-specialized, its loads running ahead across
+groups); the kernel here serves the rest (J = G·L segments, fp32, unaligned rows, pre-Hopper).
 
 Legend: M packed rows in J row segments, I input width, N output width, L weight groups
 (J a multiple of L; segment s belongs to weight group s % L, see ``grouped_mm_fwd``). The
@@ -34,7 +34,6 @@ import triton.language as tl
 from kernel_floor import (
     AUTOTUNE, INTERPRET, band_swizzle, check_segments, fixed_config, sm_count, tma_ok, use_tensor_descriptors,
 )
-from moe.kernels import grouped_mm_gluon
 from moe.kernels.grouped_mm_wgrad_gluon import grouped_mm_wgrad_gluon, wgrad_gluon_ok
 from moe.kernels.grouped_mm_wgrad_tma import grouped_mm_wgrad_tma, segment_descriptors
 
@@ -187,7 +186,7 @@ def grouped_mm_wgrad(x_MI: torch.Tensor, dy_MN: torch.Tensor, offsets_J: torch.T
         return dw
     tma = tma_ok(x_MI, dy_MN, dw)
     if tma and J == L and x_MI.dtype != torch.float32:
-        if grouped_mm_gluon.ENABLED and wgrad_gluon_ok(x_MI, dw):
+        if wgrad_gluon_ok(x_MI, dw):
             grouped_mm_wgrad_gluon(x_MI, dy_MN, offsets_J, dw)
         else:
             grouped_mm_wgrad_tma(x_MI, dy_MN, offsets_J, dw)

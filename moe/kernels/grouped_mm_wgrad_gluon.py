@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from kernel_floor import GLUON_DTYPES, band_swizzle, capability, sm_count, use_tensor_descriptors
+from moe.kernels import grouped_mm_gluon
 from moe.kernels.grouped_mm_gluon import CONSUMER_REGS, MAX_NREG, PRODUCER_REGS, WG_M, descriptor
 
 BLOCK_K = 2 * WG_M  # rows of dw[g] a tile: one 64-row half per consumer
@@ -46,9 +47,13 @@ STAGES = 3  # 3 × (16 + 32) KB of ring + 2 × 32 KB of store buffers, as the fo
 
 
 @gluon.jit
-def _group_rows(offsets_ptr, g):
+def _tile(t, offsets_ptr, tiles_per_group, k_tiles, n_tiles):
+    """Tile ``t``: its group, row tile of dw[g], column tile, and the group's first row and
+    row count."""
+    g = t // tiles_per_group
+    tile_k, tile_n = band_swizzle(t - g * tiles_per_group, k_tiles, n_tiles, GROUP_K)
     row_start = gl.load(offsets_ptr + g - 1, mask=g > 0, other=0).to(gl.int32)
-    return row_start, gl.load(offsets_ptr + g).to(gl.int32) - row_start
+    return g, tile_k, tile_n, row_start, gl.load(offsets_ptr + g).to(gl.int32) - row_start
 
 
 @gluon.jit
@@ -61,9 +66,7 @@ def _producer(a):
     BN: gl.constexpr = dy_smem.type.shape[2]
     it = 0
     for t in range(gl.program_id(0), n_tiles_total, gl.num_programs(0)):
-        g = t // tiles_per_group
-        tile_k, tile_n = band_swizzle(t - g * tiles_per_group, k_tiles, n_tiles, GROUP_K)
-        row_start, rows = _group_rows(offsets_ptr, g)
+        g, tile_k, tile_n, row_start, rows = _tile(t, offsets_ptr, tiles_per_group, k_tiles, n_tiles)
         # The descriptors are rebuilt in the same global scratch every tile (Gluon keeps one
         # copy), so the previous tile's loads, which read them, must have landed first: wait for
         # the last NSTAGE chunks' (earlier ones were consumed). Triton's own pipeliner keeps
@@ -105,9 +108,7 @@ def _consumer(a, WG: gl.constexpr):
     buf = c_smem.index(WG)
     it = 0
     for t in range(gl.program_id(0), n_tiles_total, gl.num_programs(0)):
-        g = t // tiles_per_group
-        tile_k, tile_n = band_swizzle(t - g * tiles_per_group, k_tiles, n_tiles, GROUP_K)
-        _, rows = _group_rows(offsets_ptr, g)
+        g, tile_k, tile_n, _, rows = _tile(t, offsets_ptr, tiles_per_group, k_tiles, n_tiles)
         acc = gl.zeros([HALF, BN], gl.float32, layout=acc_layout)
         chunks = gl.cdiv(rows, ROWS)
         for mt in range(chunks):
@@ -186,10 +187,12 @@ def wgrad_gluon_ok(x_MI: torch.Tensor, dw_LIN: torch.Tensor) -> bool:
     what ``grouped_mm_wgrad_tma`` needs: 16-bit, aligned rows, one segment per group): an sm_90
     GPU, dw in the operands' dtype, and the measured range where it beats the Triton kernel: at
     least ``MIN_GROUPS`` groups of ``MIN_ROWS_PER_GROUP`` rows on average (x's rows over the
-    groups, padding included: the group sizes are on the device); and ``ROUTED``."""
+    groups, padding included: the group sizes are on the device); and ``ROUTED`` and
+    ``grouped_mm_gluon.ENABLED``."""
     L = dw_LIN.shape[0]
-    return (ROUTED and x_MI.is_cuda and capability(x_MI.device) == (9, 0) and x_MI.dtype in GLUON_DTYPES
-            and dw_LIN.dtype == x_MI.dtype and L >= MIN_GROUPS and x_MI.shape[0] >= MIN_ROWS_PER_GROUP * L)
+    return (ROUTED and grouped_mm_gluon.ENABLED and x_MI.is_cuda and capability(x_MI.device) == (9, 0)
+            and x_MI.dtype in GLUON_DTYPES and dw_LIN.dtype == x_MI.dtype and L >= MIN_GROUPS
+            and x_MI.shape[0] >= MIN_ROWS_PER_GROUP * L)
 
 
 def grouped_mm_wgrad_gluon(x_MI: torch.Tensor, dy_MN: torch.Tensor, offsets_J: torch.Tensor,
