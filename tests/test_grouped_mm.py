@@ -549,6 +549,8 @@ print(json.dumps(out))
     ("random", 7, 192, 256, torch.bfloat16, None),  # 130 groups: many groups a CTA
     ([1, 0, 2, 70, 5, 64, 3] * 20, 0, 256, 512, torch.bfloat16, 7),  # tiny groups: a new group
     # (and new descriptors) every few chunks, against the previous tile's loads in flight
+    ([3000, 5, 0, 1200], 3, 1024, 520, torch.bfloat16, 3),  # 24 tiles a group: each CTA keeps its
+    # group's descriptors for about 8 tiles, then builds the next group's
 ])
 def test_gpu_gluon_wgrad_matches_reference(sizes, padding, I, N, dtype, programs):
     """The Gluon weight gradient against the float64 reference on NaN-poisoned dw (every element
