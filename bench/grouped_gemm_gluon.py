@@ -1,6 +1,7 @@
 """Benchmark: the Gluon grouped GEMM kernels against the Triton TMA kernels they replace on sm_90,
 and both against ``torch._grouped_mm`` (cuBLAS), kernel by kernel; then the whole ``MoELayer``
-fwd+bwd with the Gluon kernels on and off (``moe.kernels.grouped_mm_gluon.ENABLED``).
+fwd+bwd with the Gluon kernels as shipped, with the Gluon weight gradient routed too
+(``grouped_mm_wgrad_gluon.ROUTED``) and off (``moe.kernels.grouped_mm_gluon.ENABLED``).
 
 Kernels (bf16, tokens routed by uniform random top-k, so group sizes are ragged): each expert
 projection of the SwiGLU MLP, up ``x(M, D) @ w1[e](D, 2F)`` and down ``h(M, F) @ w2[e](F, D)``, as
@@ -34,7 +35,7 @@ from moe_layer import SHAPES as LAYER_SHAPES, _setup, ours_forward  # noqa: E402
 from kernel_floor import use_tensor_descriptors  # noqa: E402
 from moe.kernels import grouped_mm_gluon  # noqa: E402
 from moe.kernels.grouped_mm_tma import grouped_mm_tma  # noqa: E402
-from moe.kernels.grouped_mm_wgrad_gluon import grouped_mm_wgrad_gluon  # noqa: E402
+from moe.kernels import grouped_mm_wgrad_gluon  # noqa: E402
 from moe.kernels.grouped_mm_wgrad_tma import grouped_mm_wgrad_tma  # noqa: E402
 
 # name, experts E, model dim D, expert hidden F, tokens T, top-k K (bench/grouped_gemm.py's)
@@ -60,7 +61,7 @@ def _cases(E, D, F, T, K):
             yield proj, what, fns, 2 * M * I * N, torch.equal(y_gluon, y_tma)
         x, dy = torch.randn(M, I, **bf16), torch.randn(M, N, **bf16)
         dw_gluon, dw_tma = torch.empty(E, I, N, **bf16), torch.empty(E, I, N, **bf16)
-        fns = {"gluon": lambda: grouped_mm_wgrad_gluon(x, dy, offsets, dw_gluon),
+        fns = {"gluon": lambda: grouped_mm_wgrad_gluon.grouped_mm_wgrad_gluon(x, dy, offsets, dw_gluon),
                "tma": lambda: grouped_mm_wgrad_tma(x, dy, offsets, dw_tma),
                "anchor": lambda: torch._grouped_mm(x.t(), dy, offs=offsets)}
         fns["gluon"](), fns["tma"]()
@@ -87,23 +88,29 @@ def bench_kernels(rounds):
 
 
 def _layer_row(name, E, D, F, T, K, rounds):
-    """One layer's row: fwd+bwd with the Gluon kernels on and off."""
+    """One layer's row: fwd+bwd with the Gluon kernels as shipped, with the Gluon weight gradient
+    also routed (``grouped_mm_wgrad_gluon.ROUTED``; still by ``wgrad_gluon_ok``'s size rule), and
+    off."""
     layer, params, x_TD, dy_TD = _setup(E, D, F, T, K)
     forward = ours_forward(layer)
+    shipped = grouped_mm_wgrad_gluon.ROUTED
 
-    def grads(on):
+    def grads(on, wgrad):
         def run():
-            grouped_mm_gluon.ENABLED = on
+            grouped_mm_gluon.ENABLED, grouped_mm_wgrad_gluon.ROUTED = on, wgrad
             return torch.autograd.grad(forward(x_TD)[0], [x_TD, *params], dy_TD)
         return run
+    fns = {"gluon": grads(True, shipped), "wgrad": grads(True, True), "tma": grads(False, shipped),
+           "gluon_again": grads(True, shipped)}
     try:
-        same = all(torch.equal(p, q) for p, q in zip(grads(True)(), grads(False)()))
-        t = alternate({"gluon": grads(True), "tma": grads(False), "gluon_again": grads(True)}, rounds)
+        same = all(all(torch.equal(p, q) for p, q in zip(fns["gluon"](), fns[other]())) for other in ("wgrad", "tma"))
+        t = alternate(fns, rounds)
     finally:
-        grouped_mm_gluon.ENABLED = True
+        grouped_mm_gluon.ENABLED, grouped_mm_wgrad_gluon.ROUTED = True, shipped
     flops = 3 * 6 * T * K * D * F
-    return (f"| {name} | {flops / statistics.median(t['gluon']) / 1e9:.0f} | "
-            f"{flops / statistics.median(t['tma']) / 1e9:.0f} | {median_ratio(t['tma'], t['gluon']):.3f}x | "
+    tflops = {n: flops / statistics.median(t[n]) / 1e9 for n in ("gluon", "wgrad", "tma")}
+    return (f"| {name} | {tflops['gluon']:.0f} | {tflops['wgrad']:.0f} | {tflops['tma']:.0f} | "
+            f"{median_ratio(t['tma'], t['gluon']):.3f}x | {median_ratio(t['gluon'], t['wgrad']):.3f}x | "
             f"{median_ratio(t['gluon_again'], t['gluon']):.3f} | {'yes' if same else 'NO'} |")
 
 
@@ -113,8 +120,9 @@ def bench_layer(rounds):
         rows.append(_layer_row(*shape, rounds))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
-    return ["| layer fwd+bwd | Gluon on TFLOP/s | off (TMA kernels) TFLOP/s | off / on time | A-vs-A "
-            "| gradients bit-equal |", "| --- | ---: | ---: | ---: | ---: | --- |", *rows]
+    return ["| layer fwd+bwd | Gluon as shipped TFLOP/s | + Gluon wgrad routed TFLOP/s | off (TMA kernels) TFLOP/s "
+            "| off / shipped time | shipped / + wgrad time | A-vs-A | gradients bit-equal (all three) |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |", *rows]
 
 
 def main():
