@@ -534,8 +534,12 @@ for kind, b_trans, name in json.loads(sys.argv[1]):
             f.write(kernel.asm["cubin"])
         usage = subprocess.run([bin_dir + "cuobjdump", "--dump-resource-usage", tmp + "/k.cubin"],
                                capture_output=True, text=True, check=True).stdout
+    # device-built descriptors: each copied to its global slot, then fenced before a load reads it
+    fenced = len(re.findall(r"tensormap\\.cp_fenceproxy\\S* \\[ (%rd\\d+) \\+ 0 \\][^\\n]*\\n(?:[^\\n]*//[^\\n]*\\n)*"
+                            r"\\s*(?:@%p\\d+ )?fence\\.proxy\\.tensormap::generic\\.acquire\\.gpu \\[ \\1 \\+ 0 \\]", ptx))
     out.append([int(re.search(r"STACK:(\\d+)", usage).group(1)), "setmaxnreg" in ptx,
-                ptx.count("st.global.v4"), ptx.count("st.global.b16"), kernel.metadata.shared])
+                ptx.count("st.global.v4"), ptx.count("st.global.b16"), kernel.metadata.shared,
+                ptx.count("tensormap.cp_fenceproxy"), fenced, kernel.metadata.global_scratch_size])
 print(json.dumps(out))
 """
 
@@ -546,11 +550,17 @@ print(json.dumps(out))
     ([0, 1, 63, 64, 65, 300, 0, 129], 9, 200, 264, torch.bfloat16, 3),  # ragged chunks and tiles
     ([700, 0, 1, 1347], 0, 64, 512, torch.float16, 2),  # half a row tile
     ([0, 0, 2500, 0], 16, 384, 256, torch.bfloat16, None),  # every row to one group
-    ("random", 7, 192, 256, torch.bfloat16, None),  # 130 groups: many groups a CTA
+    ("random", 7, 192, 256, torch.bfloat16, None),  # 130 groups of 2 tiles: a new group each tile
     ([1, 0, 2, 70, 5, 64, 3] * 20, 0, 256, 512, torch.bfloat16, 7),  # tiny groups: a new group
     # (and new descriptors) every few chunks, against the previous tile's loads in flight
     ([3000, 5, 0, 1200], 3, 1024, 520, torch.bfloat16, 3),  # 24 tiles a group: each CTA keeps its
     # group's descriptors for about 8 tiles, then builds the next group's
+    ([1, 0, 2, 70, 5, 64, 3] * 4, 0, 256, 512, torch.bfloat16, 1),  # one CTA keeps each group 4
+    # tiles; its groups of 1-2 chunks make a build wait for the loads of the group before
+    ([3000, 5, 70, 0, 1200], 3, 1024, 520, torch.bfloat16, 5),  # 5 CTAs keep a group 4 or 5
+    # tiles and enter groups at different offsets
+    ([0, 300, 1, 64], 0, 1024, 520, torch.bfloat16, 4),  # every CTA's first group empty: the
+    # first change comes before any load
 ])
 def test_gpu_gluon_wgrad_matches_reference(sizes, padding, I, N, dtype, programs):
     """The Gluon weight gradient against the float64 reference on NaN-poisoned dw (every element
@@ -596,7 +606,13 @@ def test_gluon_kernel_compiles_for_sm90_without_spills():
     run = subprocess.run([sys.executable, "-c", _GLUON_SM90, json.dumps(cases)], env=env, cwd=root,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    for case, (stack, setmaxnreg, wide, narrow, smem) in zip(cases, json.loads(run.stdout.splitlines()[-1])):
+    for case, (stack, setmaxnreg, wide, narrow, smem, builds, fenced, scratch) in zip(
+            cases, json.loads(run.stdout.splitlines()[-1])):
         stores = (32, 0) if case[0] == "fwd" else (0, 0)  # the wgrad's stores are all TMA
-        assert stack == 0 and setmaxnreg and (wide, narrow) == stores and smem <= 232448, (
-            case, stack, setmaxnreg, wide, narrow, smem)
+        # The wgrad builds x and dy descriptors at three call sites (the first group's, then
+        # alternately a and b), and relies on each having its own 128-byte global slot: a build
+        # overwrites only the pair the group before the last one used.
+        descriptors = (0, 0) if case[0] == "fwd" else (6, 6 * 128)
+        assert (stack == 0 and setmaxnreg and (wide, narrow) == stores and smem <= 232448
+                and (builds, scratch) == descriptors and fenced == builds), (
+            case, stack, setmaxnreg, wide, narrow, smem, builds, fenced, scratch)

@@ -13,11 +13,9 @@ reduced over the group's rows in chunks of 64.
   group load as zeros (as ``grouped_mm_wgrad_tma`` does), then loads each chunk's two 64×64
   halves of x and its 64×256 block of dy into a ``STAGES``-deep ring. Unlike the Triton kernel,
   whose software pipeline restarts at every group (its row count changes the loop), it runs
-  ahead across tiles and groups; only a rebuild waits for the loads in flight to land (they
-  read the descriptors from the one global slot the new ones overwrite), while the consumers
-  still have up to ``STAGES`` chunks loaded. A CTA keeps its group for about
-  ``tiles_per_group / #CTAs`` tiles (the tiles of a group are consecutive), so it rebuilds
-  every tile only where a group has fewer tiles than there are CTAs.
+  ahead across tiles and groups: the builds alternate between two global slots, so a build
+  overwrites the descriptors of the group before the last one, whose loads have landed unless
+  the last group had fewer than ``STAGES`` chunks (only then the build waits for them).
 - **Each consumer** multiplies its half of x's chunk, transposed in shared memory (wgmma reads
   16-bit A either way), by the dy block: one asynchronous wgmma a chunk, the previous chunk's
   slot freed once only the newest wgmma is still running.
@@ -59,11 +57,11 @@ def _tile(t, offsets_ptr, tiles_per_group, k_tiles, n_tiles):
 
 
 @gluon.jit
-def _descriptors(x_ptr, dy_ptr, offsets_ptr, g, K, N, stride_xm, stride_dym, x_smem, dy_smem):
-    """Group ``g``'s x and dy as tensor descriptors built on the device, their row bound the
-    group's end (so rows of the next group load as zeros), in the ring's block shapes."""
-    row_start = gl.load(offsets_ptr + g - 1, mask=g > 0, other=0).to(gl.int32)
-    rows = gl.maximum(gl.load(offsets_ptr + g).to(gl.int32) - row_start, 1)
+def _descriptors(x_ptr, dy_ptr, row_start, rows, K, N, stride_xm, stride_dym, x_smem, dy_smem):
+    """A group's x and dy (``rows`` rows from ``row_start``) as tensor descriptors built on the
+    device, their row bound the group's end (so rows of the next group load as zeros), in the
+    ring's block shapes."""
+    rows = gl.maximum(rows, 1)
     x_desc = tma.make_tensor_descriptor(x_ptr + row_start.to(gl.int64) * stride_xm, [rows, K],
                                         [stride_xm, 1], [x_smem.type.shape[1], x_smem.type.shape[2]],
                                         x_smem.type.layout)
@@ -81,25 +79,42 @@ def _producer(a):
     ROWS: gl.constexpr = x_smem.type.shape[1]
     HALF: gl.constexpr = x_smem.type.shape[2]
     BN: gl.constexpr = dy_smem.type.shape[2]
-    # The CTA's first group's descriptors; later ones are built when the group changes (on
-    # 132 SMs every 3.4 tiles on DeepSeek-V3's down projection, 27 on Mixtral's up).
-    cur = gl.program_id(0) // tiles_per_group
-    x_desc, dy_desc = _descriptors(x_ptr, dy_ptr, offsets_ptr, cur, K, N, stride_xm, stride_dym,
-                                   x_smem, dy_smem)
+    # The descriptors are built on the device when the group changes (on 132 SMs every 3.4 tiles
+    # on DeepSeek-V3's down projection, 27 on Mixtral's up, every tile where a group has fewer
+    # tiles than there are CTAs: OLMoE, Qwen3-A3B). Each call site writes one global slot (Gluon
+    # keeps one copy a call site), and a load in flight reads its descriptor there, so the builds
+    # alternate between two call sites, a and b: a build overwrites the pair the group before
+    # the last one used, whose loads have landed unless the last group issued fewer than
+    # NSTAGE chunks (then the build waits for them). Triton's own pipeliner keeps several copies
+    # of a descriptor built in a loop for the same reason. (The host launches at most one CTA a
+    # tile, so tile program_id exists.)
+    cur, _, _, row_start, rows = _tile(gl.program_id(0), offsets_ptr, tiles_per_group, k_tiles, n_tiles)
+    x_a, dy_a = _descriptors(x_ptr, dy_ptr, row_start, rows, K, N, stride_xm, stride_dym, x_smem,
+                             dy_smem)
+    x_b, dy_b = x_a, dy_a
+    use_b = False
+    switched = 0  # chunks issued before the last change of group
     it = 0
     for t in range(gl.program_id(0), n_tiles_total, gl.num_programs(0)):
-        g, tile_k, tile_n, _, rows = _tile(t, offsets_ptr, tiles_per_group, k_tiles, n_tiles)
+        g, tile_k, tile_n, row_start, rows = _tile(t, offsets_ptr, tiles_per_group, k_tiles, n_tiles)
         if g != cur:
-            # A rebuild writes the same global scratch every time (Gluon keeps one copy a call
-            # site), so the loads in flight, which read the descriptors there, must have landed
-            # first: wait for the last NSTAGE chunks' (earlier ones were consumed). Triton's own
-            # pipeliner keeps several copies of a descriptor built in a loop for this reason.
-            for j in gl.static_range(NSTAGE):
+            for j in gl.static_range(NSTAGE):  # the chunks in flight that may use the slot rebuilt
                 prev = it - 1 - j
-                mbarrier.wait(ready.index((prev + NSTAGE) % NSTAGE), (prev // NSTAGE) & 1, pred=prev >= 0)
-            x_desc, dy_desc = _descriptors(x_ptr, dy_ptr, offsets_ptr, g, K, N, stride_xm, stride_dym,
-                                           x_smem, dy_smem)
+                mbarrier.wait(ready.index((prev + NSTAGE) % NSTAGE), (prev // NSTAGE) & 1,
+                              pred=(prev >= 0) & (prev < switched))
+            use_b = not use_b
+            if use_b:
+                x_b, dy_b = _descriptors(x_ptr, dy_ptr, row_start, rows, K, N, stride_xm, stride_dym,
+                                         x_smem, dy_smem)
+            else:
+                x_a, dy_a = _descriptors(x_ptr, dy_ptr, row_start, rows, K, N, stride_xm, stride_dym,
+                                         x_smem, dy_smem)
+            switched = it
             cur = g
+        if use_b:
+            x_desc, dy_desc = x_b, dy_b
+        else:
+            x_desc, dy_desc = x_a, dy_a
         k0 = tile_k * 2 * HALF
         for mt in range(gl.cdiv(rows, ROWS)):
             s = it % NSTAGE
@@ -191,15 +206,16 @@ def _grouped_mm_wgrad_gluon_kernel(x_ptr, dy_ptr, dw_desc, offsets_ptr, G, K, N,
 # Where it wins. Against grouped_mm_wgrad_tma, same bits out (H200, bf16, 5 alternating rounds,
 # bench/results/grouped_gemm_gluon.md), up / down projection: OLMoE (64 groups of ~2048 rows)
 # 1.068 / 1.041x, Qwen3-A3B (128 of ~1024) 1.002 / 1.046x; but Mixtral (8 of ~8192) 0.980 /
-# 0.975x and DeepSeek-V3 (256 of ~256 rows: 4 chunks a tile, against a tile's descriptor builds
-# and its 32 KB store a consumer) 0.876 / 0.894x. Why Mixtral loses is not profiled.
+# 0.975x and DeepSeek-V3 (256 of ~256 rows: 4 chunks a tile, against a tile's descriptor builds,
+# then every tile, and its 32 KB store a consumer) 0.876 / 0.894x. Why Mixtral loses is not
+# profiled.
 MIN_GROUPS = 16
 MIN_ROWS_PER_GROUP = 512
 # Off until the kernel as it stands has run on a GPU: those measurements were taken when the
-# producer rebuilt the descriptors every tile without waiting for the loads in flight (a race a
-# review found: they read the global slot the new descriptors overwrite; never observed, every
-# output bit-equal); it now waits, and rebuilds only when the group changes. The GPU tests
-# launch the kernel directly either way.
+# producer rebuilt the descriptors every tile in one slot, without waiting for the loads in
+# flight (a race a review found: they read the slot the new descriptors overwrite; never
+# observed, every output bit-equal); it now builds per change of group into two alternating
+# slots. The GPU tests launch the kernel directly either way.
 ROUTED = False
 
 
