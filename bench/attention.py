@@ -237,7 +237,10 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="S in {1k, 4k, 16k} only")
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--modes", nargs="+", choices=("fwd", "fwd+bwd"), default=["fwd", "fwd+bwd"])
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--a-vs-a-everywhere", action="store_true",
+                   help="time ours against itself on every row (default: the S 4k rows)")
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--rep", type=int, default=200)
     p.add_argument("--sass", action="store_true")
@@ -272,9 +275,9 @@ def main():
     for Hd in args.head_dims:
         for causal in (False, True):
             for S in lengths:
-                for mode in ("fwd", "fwd+bwd"):
+                for mode in args.modes:
                     row = bench_row(Hd, S, causal, mode, args.rounds, args.warmup, args.rep,
-                                    a_vs_a=S == 4096)
+                                    a_vs_a=S == 4096 or args.a_vs_a_everywhere)
                     rows.append(row)
                     print(f"Hd={Hd} S={S} causal={causal} {mode}: " + " ".join(
                         f"{n}={v:.0f}" for n, v in row["tflops"].items()) + " | " + " ".join(
