@@ -516,11 +516,11 @@ for kind, b_trans, name in json.loads(sys.argv[1]):
         constexprs = {"B_TRANS": b_trans, "STAGES": g.STAGES}
         fn, pointers = g._grouped_mm_gluon_kernel, (3, 4, 5)
     else:
-        signature = {"x_ptr": f"*{short}", "dy_ptr": f"*{short}", "dw_desc": desc([1, w.WG_M, w.BLOCK_N]),
-                     "offsets_ptr": "*i32", "G": "i32", "K": "i32", "N": "i32", "stride_xm": "i32",
-                     "stride_dym": "i32"}
-        constexprs = {"BLOCK_K": w.BLOCK_K, "BLOCK_N": w.BLOCK_N, "BLOCK_M": w.BLOCK_M, "STAGES": w.STAGES}
-        fn, pointers = w._grouped_mm_wgrad_gluon_kernel, (0, 1, 3)
+        signature = {"x_desc": desc([1, 1, w.BLOCK_M, w.WG_M]), "dy_desc": desc([1, 1, w.BLOCK_M, w.BLOCK_N]),
+                     "dw_desc": desc([1, w.WG_M, w.BLOCK_N]), "offsets_ptr": "*i32", "G": "i32", "K": "i32",
+                     "N": "i32"}
+        constexprs = {"BLOCK_K": w.BLOCK_K, "BLOCK_N": w.BLOCK_N, "STAGES": w.STAGES}
+        fn, pointers = w._grouped_mm_wgrad_gluon_kernel, (3, )
     constexprs.update({"CONSUMER_REGS": g.CONSUMER_REGS, "PRODUCER_REGS": g.PRODUCER_REGS})
     signature.update({k: "constexpr" for k in constexprs})
     # the pointers as the JIT sees torch's allocations: 16-byte aligned
@@ -534,12 +534,9 @@ for kind, b_trans, name in json.loads(sys.argv[1]):
             f.write(kernel.asm["cubin"])
         usage = subprocess.run([bin_dir + "cuobjdump", "--dump-resource-usage", tmp + "/k.cubin"],
                                capture_output=True, text=True, check=True).stdout
-    # device-built descriptors: each copied to its global slot, then fenced before a load reads it
-    fenced = len(re.findall(r"tensormap\\.cp_fenceproxy\\S* \\[ (%rd\\d+) \\+ 0 \\][^\\n]*\\n(?:[^\\n]*//[^\\n]*\\n)*"
-                            r"\\s*(?:@%p\\d+ )?fence\\.proxy\\.tensormap::generic\\.acquire\\.gpu \\[ \\1 \\+ 0 \\]", ptx))
     out.append([int(re.search(r"STACK:(\\d+)", usage).group(1)), "setmaxnreg" in ptx,
                 ptx.count("st.global.v4"), ptx.count("st.global.b16"), kernel.metadata.shared,
-                ptx.count("tensormap.cp_fenceproxy"), fenced, kernel.metadata.global_scratch_size])
+                ptx.count("tensormap.cp_fenceproxy"), kernel.metadata.global_scratch_size])
 print(json.dumps(out))
 """
 
@@ -552,20 +549,18 @@ print(json.dumps(out))
     ([0, 0, 2500, 0], 16, 384, 256, torch.bfloat16, None),  # every row to one group
     ("random", 7, 192, 256, torch.bfloat16, None),  # 130 groups of 2 tiles: a new group each tile
     ([1, 0, 2, 70, 5, 64, 3] * 20, 0, 256, 512, torch.bfloat16, 7),  # tiny groups: a new group
-    # (and new descriptors) every few chunks, against the previous tile's loads in flight
-    ([3000, 5, 0, 1200], 3, 1024, 520, torch.bfloat16, 3),  # 24 tiles a group: each CTA keeps its
-    # group's descriptors for about 8 tiles, then builds the next group's
-    ([1, 0, 2, 70, 5, 64, 3] * 4, 0, 256, 512, torch.bfloat16, 1),  # one CTA keeps each group 4
-    # tiles; its groups of 1-2 chunks make a build wait for the loads of the group before
-    ([3000, 5, 70, 0, 1200], 3, 1024, 520, torch.bfloat16, 5),  # 5 CTAs keep a group 4 or 5
+    # every few chunks, the ring holding chunks of two or three groups at once
+    ([3000, 5, 0, 1200], 3, 1024, 520, torch.bfloat16, 3),  # 24 tiles a group: each CTA stays
+    # in a group for about 8 tiles, then moves on
+    ([1, 0, 2, 70, 5, 64, 3] * 4, 0, 256, 512, torch.bfloat16, 1),  # one CTA walks every tile
+    ([3000, 5, 70, 0, 1200], 3, 1024, 520, torch.bfloat16, 5),  # 5 CTAs stay in a group 4 or 5
     # tiles and enter groups at different offsets
-    ([0, 300, 1, 64], 0, 1024, 520, torch.bfloat16, 4),  # every CTA's first group empty: the
-    # first change comes before any load
+    ([0, 300, 1, 64], 0, 1024, 520, torch.bfloat16, 4),  # every CTA's first group empty
 ])
 def test_gpu_gluon_wgrad_matches_reference(sizes, padding, I, N, dtype, programs):
     """The Gluon weight gradient against the float64 reference on NaN-poisoned dw (every element
-    written), empty groups exactly zero; padding rows (not zero in dy) and the next group's rows
-    in a ragged chunk (the device-built descriptors' row bound) contribute nothing."""
+    written), empty groups exactly zero; padding rows (NaN in x and dy) and the next group's rows
+    in a ragged chunk (the ragged view's row bound) contribute nothing."""
     from moe.kernels.grouped_mm_wgrad_gluon import grouped_mm_wgrad_gluon
     from moe.kernels.grouped_mm_wgrad_tma import grouped_mm_wgrad_tma
     if sizes == "random":
@@ -573,6 +568,7 @@ def test_gpu_gluon_wgrad_matches_reference(sizes, padding, I, N, dtype, programs
     offsets = _offsets(sizes, "cuda", torch.int32)
     x = torch.randn(sum(sizes) + padding, I, device="cuda").to(dtype)
     dy = torch.randn(x.shape[0], N, device="cuda").to(dtype)
+    x[sum(sizes):], dy[sum(sizes):] = float("nan"), float("nan")  # read, they would poison dw
     dw = torch.full((len(sizes), I, N), float("nan"), device="cuda", dtype=dtype)
     grouped_mm_wgrad_gluon(x, dy, offsets, dw, programs=programs)
     dw_tma = torch.full_like(dw, float("nan"))
@@ -606,13 +602,21 @@ def test_gluon_kernel_compiles_for_sm90_without_spills():
     run = subprocess.run([sys.executable, "-c", _GLUON_SM90, json.dumps(cases)], env=env, cwd=root,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    for case, (stack, setmaxnreg, wide, narrow, smem, builds, fenced, scratch) in zip(
+    for case, (stack, setmaxnreg, wide, narrow, smem, builds, scratch) in zip(
             cases, json.loads(run.stdout.splitlines()[-1])):
         stores = (32, 0) if case[0] == "fwd" else (0, 0)  # the wgrad's stores are all TMA
-        # The wgrad builds x and dy descriptors at three call sites (the first group's, then
-        # alternately a and b), and relies on each having its own 128-byte global slot: a build
-        # overwrites only the pair the group before the last one used.
-        descriptors = (0, 0) if case[0] == "fwd" else (6, 6 * 128)
+        # Both read through host descriptors only: none is built on the device (in global
+        # scratch, which loads in flight read: the race an earlier weight gradient had)
         assert (stack == 0 and setmaxnreg and (wide, narrow) == stores and smem <= 232448
-                and (builds, scratch) == descriptors and fenced == builds), (
-            case, stack, setmaxnreg, wide, narrow, smem, builds, fenced, scratch)
+                and (builds, scratch) == (0, 0)), (case, stack, setmaxnreg, wide, narrow, smem, builds, scratch)
+
+
+def test_gluon_wgrad_ragged_view_refuses_rows_it_cannot_address():
+    """The weight gradient's ragged view counts a group's rows below 2^30: more rows is one clear
+    error before any launch (a view of one row, expanded: nothing is allocated)."""
+    from moe.kernels.grouped_mm_wgrad_gluon import RAGGED_ROWS, ragged_descriptor
+    row = torch.zeros(1, 64, dtype=torch.bfloat16)
+    desc = ragged_descriptor(row, [64, 64])
+    assert desc.shape[2:] == [RAGGED_ROWS, 64] and desc.strides == [2**34 - 64, 64, 64, 1]
+    with pytest.raises(ValueError, match="rows, over the ragged view"):
+        ragged_descriptor(row.expand(RAGGED_ROWS + 1, 64), [64, 64])

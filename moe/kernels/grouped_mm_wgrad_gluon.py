@@ -8,14 +8,19 @@ reduced over the group's rows in chunks of 64.
 
 - **The producer** walks the tiles ``pid, pid + #CTAs, ...`` of all groups in order (every
   group has the same ``cdiv(I, 128) · cdiv(N, 256)`` tiles, so a tile's group is a division, and
-  the CTAs at work together share a few groups' rows in L2). When its group changes it builds
-  two tensor descriptors on the device whose row bound is the group's end, so rows of the next
-  group load as zeros (as ``grouped_mm_wgrad_tma`` does), then loads each chunk's two 64×64
+  the CTAs at work together share a few groups' rows in L2), and loads each chunk's two 64×64
   halves of x and its 64×256 block of dy into a ``STAGES``-deep ring. Unlike the Triton kernel,
   whose software pipeline restarts at every group (its row count changes the loop), it runs
-  ahead across tiles and groups: the builds alternate between two global slots, so a build
-  overwrites the descriptors of the group before the last one, whose loads have landed unless
-  the last group had fewer than ``STAGES`` chunks (only then the build waits for them).
+  ahead across tiles and groups.
+- **A group's rows through one host descriptor** (``ragged_descriptor``, Triton's
+  ``triton.tools.ragged_tma`` scheme, which QuACK's varlen-K GEMM also took up): x and dy are seen
+  as 4-D tensors whose two leading coordinates move the base to the group's end through 64-bit
+  address wraparound, so the third, the row within the group, runs up to the group's row count
+  and a chunk's rows past it load as zeros (TMA's out-of-bounds fill), not the next group's.
+  Nothing is built on the device. An earlier version built each tile's descriptors there, in a
+  global slot that the loads in flight read (a race a review found), and lost to the Triton
+  kernel where groups are short (DeepSeek-V3, 0.88×), those builds the suspected cause (not
+  profiled).
 - **Each consumer** multiplies its half of x's chunk, transposed in shared memory (wgmma reads
   16-bit A either way), by the dy block: one asynchronous wgmma a chunk, the previous chunk's
   slot freed once only the newest wgmma is still running.
@@ -34,8 +39,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernel_floor import GLUON_DTYPES, band_swizzle, capability, sm_count, use_tensor_descriptors
+from kernel_floor import GLUON_DTYPES, band_swizzle, capability, gluon_layout, sm_count
 from moe.kernels import grouped_mm_gluon
 from moe.kernels.grouped_mm_gluon import CONSUMER_REGS, MAX_NREG, PRODUCER_REGS, WG_M, descriptor
 
@@ -44,6 +50,8 @@ BLOCK_N = 256
 BLOCK_M = 64  # the reduction chunk: rows of x and dy
 GROUP_K = gl.constexpr(8)  # bands of 8 row tiles of dw[g], as the Triton wgrad
 STAGES = 3  # 3 × (16 + 32) KB of ring + 2 × 32 KB of store buffers, as the forward's
+RAGGED_ROWS = 1 << 30  # the ragged view's row bound: more rows than any x may have
+_RAGGED = gl.constexpr(RAGGED_ROWS)
 
 
 @gluon.jit
@@ -57,86 +65,43 @@ def _tile(t, offsets_ptr, tiles_per_group, k_tiles, n_tiles):
 
 
 @gluon.jit
-def _descriptors(x_ptr, dy_ptr, row_start, rows, K, N, stride_xm, stride_dym, x_smem, dy_smem):
-    """A group's x and dy (``rows`` rows from ``row_start``) as tensor descriptors built on the
-    device, their row bound the group's end (so rows of the next group load as zeros), in the
-    ring's block shapes."""
-    rows = gl.maximum(rows, 1)
-    x_desc = tma.make_tensor_descriptor(x_ptr + row_start.to(gl.int64) * stride_xm, [rows, K],
-                                        [stride_xm, 1], [x_smem.type.shape[1], x_smem.type.shape[2]],
-                                        x_smem.type.layout)
-    dy_desc = tma.make_tensor_descriptor(dy_ptr + row_start.to(gl.int64) * stride_dym, [rows, N],
-                                         [stride_dym, 1], [dy_smem.type.shape[1], dy_smem.type.shape[2]],
-                                         dy_smem.type.layout)
-    return x_desc, dy_desc
-
-
-@gluon.jit
 def _producer(a):
-    (x_ptr, dy_ptr, dw_desc, offsets_ptr, n_tiles_total, tiles_per_group, k_tiles, n_tiles, K, N,
-     stride_xm, stride_dym, x_smem, dy_smem, c_smem, ready, empty) = a
+    (x_desc, dy_desc, dw_desc, offsets_ptr, n_tiles_total, tiles_per_group, k_tiles, n_tiles,
+     x_smem, dy_smem, c_smem, ready, empty) = a
     NSTAGE: gl.constexpr = dy_smem.type.shape[0]
-    ROWS: gl.constexpr = x_smem.type.shape[1]
-    HALF: gl.constexpr = x_smem.type.shape[2]
-    BN: gl.constexpr = dy_smem.type.shape[2]
-    # The descriptors are built on the device when the group changes (on 132 SMs every 3.4 tiles
-    # on DeepSeek-V3's down projection, 27 on Mixtral's up, every tile where a group has fewer
-    # tiles than there are CTAs: OLMoE, Qwen3-A3B). Each call site writes one global slot (Gluon
-    # keeps one copy a call site), and a load in flight reads its descriptor there, so the builds
-    # alternate between two call sites, a and b: a build overwrites the pair the group before
-    # the last one used, whose loads have landed unless the last group issued fewer than
-    # NSTAGE chunks (then the build waits for them). Triton's own pipeliner keeps several copies
-    # of a descriptor built in a loop for the same reason. (The host launches at most one CTA a
-    # tile, so tile program_id exists.)
-    cur, _, _, row_start, rows = _tile(gl.program_id(0), offsets_ptr, tiles_per_group, k_tiles, n_tiles)
-    x_a, dy_a = _descriptors(x_ptr, dy_ptr, row_start, rows, K, N, stride_xm, stride_dym, x_smem,
-                             dy_smem)
-    x_b, dy_b = x_a, dy_a
-    use_b = False
-    switched = 0  # chunks issued before the last change of group
+    ROWS: gl.constexpr = x_smem.type.shape[3]
+    HALF: gl.constexpr = x_smem.type.shape[4]
+    BN: gl.constexpr = dy_smem.type.shape[4]
     it = 0
     for t in range(gl.program_id(0), n_tiles_total, gl.num_programs(0)):
         g, tile_k, tile_n, row_start, rows = _tile(t, offsets_ptr, tiles_per_group, k_tiles, n_tiles)
-        if g != cur:
-            for j in gl.static_range(NSTAGE):  # the chunks in flight that may use the slot rebuilt
-                prev = it - 1 - j
-                mbarrier.wait(ready.index((prev + NSTAGE) % NSTAGE), (prev // NSTAGE) & 1,
-                              pred=(prev >= 0) & (prev < switched))
-            use_b = not use_b
-            if use_b:
-                x_b, dy_b = _descriptors(x_ptr, dy_ptr, row_start, rows, K, N, stride_xm, stride_dym,
-                                         x_smem, dy_smem)
-            else:
-                x_a, dy_a = _descriptors(x_ptr, dy_ptr, row_start, rows, K, N, stride_xm, stride_dym,
-                                         x_smem, dy_smem)
-            switched = it
-            cur = g
-        if use_b:
-            x_desc, dy_desc = x_b, dy_b
-        else:
-            x_desc, dy_desc = x_a, dy_a
+        # ragged coordinates (triton.tools.ragged_tma.to_ragged_indices): the group's end, then
+        # its row r as RAGGED_ROWS - rows + r, out of bounds (zeros) from r = rows on
+        end = row_start + rows
+        first = _RAGGED - rows
         k0 = tile_k * 2 * HALF
         for mt in range(gl.cdiv(rows, ROWS)):
             s = it % NSTAGE
             mbarrier.wait(empty.index(s), ((it // NSTAGE) & 1) ^ 1)
             mbarrier.expect(ready.index(s), 2 * x_desc.block_type.nbytes + dy_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(x_desc, [mt * ROWS, k0], ready.index(s),
+            row = first + mt * ROWS
+            tma.async_copy_global_to_shared(x_desc, [_RAGGED, end, row, k0], ready.index(s),
                                             x_smem.index(2 * s))
-            tma.async_copy_global_to_shared(x_desc, [mt * ROWS, k0 + HALF], ready.index(s),
+            tma.async_copy_global_to_shared(x_desc, [_RAGGED, end, row, k0 + HALF], ready.index(s),
                                             x_smem.index(2 * s + 1))
-            tma.async_copy_global_to_shared(dy_desc, [mt * ROWS, tile_n * BN], ready.index(s),
+            tma.async_copy_global_to_shared(dy_desc, [_RAGGED, end, row, tile_n * BN], ready.index(s),
                                             dy_smem.index(s))
             it += 1
 
 
 @gluon.jit
 def _consumer(a, WG: gl.constexpr):
-    (x_ptr, dy_ptr, dw_desc, offsets_ptr, n_tiles_total, tiles_per_group, k_tiles, n_tiles, K, N,
-     stride_xm, stride_dym, x_smem, dy_smem, c_smem, ready, empty) = a
+    (x_desc, dy_desc, dw_desc, offsets_ptr, n_tiles_total, tiles_per_group, k_tiles, n_tiles,
+     x_smem, dy_smem, c_smem, ready, empty) = a
     NSTAGE: gl.constexpr = dy_smem.type.shape[0]
-    ROWS: gl.constexpr = x_smem.type.shape[1]
-    HALF: gl.constexpr = x_smem.type.shape[2]
-    BN: gl.constexpr = dy_smem.type.shape[2]
+    ROWS: gl.constexpr = x_smem.type.shape[3]
+    HALF: gl.constexpr = x_smem.type.shape[4]
+    BN: gl.constexpr = dy_smem.type.shape[4]
     dtype: gl.constexpr = dw_desc.dtype
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
@@ -149,8 +114,8 @@ def _consumer(a, WG: gl.constexpr):
         for mt in range(chunks):
             s = it % NSTAGE
             mbarrier.wait(ready.index(s), (it // NSTAGE) & 1)
-            acc = warpgroup_mma(x_smem.index(2 * s + WG).permute((1, 0)), dy_smem.index(s), acc,
-                                is_async=True)
+            acc = warpgroup_mma(x_smem.index(2 * s + WG).reshape([ROWS, HALF]).permute((1, 0)),
+                                dy_smem.index(s).reshape([ROWS, BN]), acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc, ))
             mbarrier.arrive(empty.index((it + NSTAGE - 1) % NSTAGE), count=1, pred=mt > 0)
             it += 1
@@ -177,18 +142,19 @@ def _consumer_1(a):
 
 
 @gluon.jit
-def _grouped_mm_wgrad_gluon_kernel(x_ptr, dy_ptr, dw_desc, offsets_ptr, G, K, N, stride_xm,
-                                   stride_dym, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr,
-                                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """dw_desc over dw (G, K, N) in (1, BLOCK_K / 2, BLOCK_N) blocks; x (M, K) and dy (M, N)
-    row-major with 16-byte aligned rows."""
+def _grouped_mm_wgrad_gluon_kernel(x_desc, dy_desc, dw_desc, offsets_ptr, G, K, N,
+                                   BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr,
+                                   STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                   PRODUCER_REGS: gl.constexpr):
+    """x_desc, dy_desc: ``ragged_descriptor`` of x (M, K) in (BLOCK_M, BLOCK_K / 2) blocks and of
+    dy (M, N) in (BLOCK_M, BLOCK_N) blocks; dw_desc over dw (G, K, N) in (1, BLOCK_K / 2,
+    BLOCK_N) blocks."""
     dtype: gl.constexpr = dw_desc.dtype
+    # slot s of the ring: x halves 2s and 2s + 1, dy block s, each in its descriptor's 4-D block
+    ROWS: gl.constexpr = x_desc.block_type.shape[2]
     HALF: gl.constexpr = BLOCK_K // 2
-    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], dtype)
-    dy_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
-    x_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_M, HALF], x_layout)  # slot s: 2s, 2s+1
-    dy_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_N], dy_layout)
+    x_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, 1, 1, ROWS, HALF], x_desc.layout)
+    dy_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, ROWS, BLOCK_N], dy_desc.layout)
     c_smem = gl.allocate_shared_memory(dtype, [2, 1, HALF, BLOCK_N], dw_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -197,8 +163,8 @@ def _grouped_mm_wgrad_gluon_kernel(x_ptr, dy_ptr, dw_desc, offsets_ptr, G, K, N,
         mbarrier.init(empty.index(i), count=2)  # a slot is free once both consumers are done
     k_tiles = gl.cdiv(K, BLOCK_K)
     n_tiles = gl.cdiv(N, BLOCK_N)
-    a = (x_ptr, dy_ptr, dw_desc, offsets_ptr, G * k_tiles * n_tiles, k_tiles * n_tiles, k_tiles,
-         n_tiles, K, N, stride_xm, stride_dym, x_smem, dy_smem, c_smem, ready, empty)
+    a = (x_desc, dy_desc, dw_desc, offsets_ptr, G * k_tiles * n_tiles, k_tiles * n_tiles, k_tiles,
+         n_tiles, x_smem, dy_smem, c_smem, ready, empty)
     gl.warp_specialize([(_consumer_0, (a, )), (_consumer_1, (a, )), (_producer, (a, ))], [4, 1],
                        [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -212,10 +178,10 @@ def _grouped_mm_wgrad_gluon_kernel(x_ptr, dy_ptr, dw_desc, offsets_ptr, G, K, N,
 MIN_GROUPS = 16
 MIN_ROWS_PER_GROUP = 512
 # Off until the kernel as it stands has run on a GPU: those measurements were taken when the
-# producer rebuilt the descriptors every tile in one slot, without waiting for the loads in
-# flight (a race a review found: they read the slot the new descriptors overwrite; never
-# observed, every output bit-equal); it now builds per change of group into two alternating
-# slots. The GPU tests launch the kernel directly either way.
+# producer built each tile's descriptors on the device in one global slot, without waiting for
+# the loads in flight that read it (a race a review found; never observed, every output
+# bit-equal); it now reads x and dy through host-built ragged descriptors. The GPU tests launch
+# the kernel directly either way.
 ROUTED = False
 
 
@@ -224,12 +190,29 @@ def wgrad_gluon_ok(x_MI: torch.Tensor, dw_LIN: torch.Tensor) -> bool:
     what ``grouped_mm_wgrad_tma`` needs: 16-bit, aligned rows, one segment per group): an sm_90
     GPU, dw in the operands' dtype, and the measured range where it beats the Triton kernel: at
     least ``MIN_GROUPS`` groups of ``MIN_ROWS_PER_GROUP`` rows on average (x's rows over the
-    groups, padding included: the group sizes are on the device); and ``ROUTED`` and
-    ``grouped_mm_gluon.ENABLED``."""
+    groups, padding included: the group sizes are on the device), rows the ragged view can
+    address; and ``ROUTED`` and ``grouped_mm_gluon.ENABLED``."""
     L = dw_LIN.shape[0]
     return (ROUTED and grouped_mm_gluon.ENABLED and x_MI.is_cuda and capability(x_MI.device) == (9, 0)
             and x_MI.dtype in GLUON_DTYPES and dw_LIN.dtype == x_MI.dtype and L >= MIN_GROUPS
-            and x_MI.shape[0] >= MIN_ROWS_PER_GROUP * L)
+            and MIN_ROWS_PER_GROUP * L <= x_MI.shape[0] <= RAGGED_ROWS)
+
+
+def ragged_descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A host TMA descriptor of the rows of ``t`` (M, C), s elements apart, as a concatenation of
+    row segments, in (1, 1, *block) blocks of the default swizzled layout: the block at
+    ``[RAGGED_ROWS, start + rows, RAGGED_ROWS - rows + r, c]`` holds rows start + r, ... of the
+    segment of ``rows`` rows from ``start``, and zeros past its end (``triton.tools.ragged_tma``).
+    Addresses wrap mod 2^64: the first axis (stride 2^34 - s elements of 16 bits, and
+    RAGGED_ROWS · 2^34 · 2 bytes is 2^65) adds -RAGGED_ROWS · s, the second and third (stride s)
+    add (start + rows) · s and (RAGGED_ROWS - rows + r) · s, together row start + r; the third
+    axis's bound, RAGGED_ROWS, puts r >= rows out of bounds."""
+    if t.shape[0] > RAGGED_ROWS:
+        raise ValueError(f"grouped_mm_wgrad_gluon: {t.shape[0]} rows, over the ragged view's {RAGGED_ROWS}")
+    stride = t.stride(0)
+    return TensorDescriptor(t, [0x7FFF0000, 0x7FFF0000, RAGGED_ROWS, t.shape[1]],
+                            [(1 << 34) - stride, stride, stride, 1], [1, 1, *block],
+                            gluon_layout((1, 1, *block), GLUON_DTYPES[t.dtype]))
 
 
 def grouped_mm_wgrad_gluon(x_MI: torch.Tensor, dy_MN: torch.Tensor, offsets_J: torch.Tensor,
@@ -238,8 +221,8 @@ def grouped_mm_wgrad_gluon(x_MI: torch.Tensor, dy_MN: torch.Tensor, offsets_J: t
     accepts. ``programs``: CTAs to launch (default one per SM; tests take fewer)."""
     L, I, N = dw_LIN.shape
     tiles = L * triton.cdiv(I, BLOCK_K) * triton.cdiv(N, BLOCK_N)
-    use_tensor_descriptors()  # the device-built descriptors' scratch
     _grouped_mm_wgrad_gluon_kernel[(min(programs or sm_count(x_MI.device), tiles),)](
-        x_MI, dy_MN, descriptor(dw_LIN, [1, WG_M, BLOCK_N]), offsets_J, L, I, N, x_MI.stride(0),
-        dy_MN.stride(0), BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M, STAGES=STAGES,
-        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAX_NREG)
+        ragged_descriptor(x_MI, [BLOCK_M, WG_M]), ragged_descriptor(dy_MN, [BLOCK_M, BLOCK_N]),
+        descriptor(dw_LIN, [1, WG_M, BLOCK_N]), offsets_J, L, I, N, BLOCK_K=BLOCK_K,
+        BLOCK_N=BLOCK_N, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=4, maxnreg=MAX_NREG)
