@@ -23,7 +23,8 @@ reduced over the group's rows in chunks of 64.
   profiled).
 - **Each consumer** multiplies its half of x's chunk, transposed in shared memory (wgmma reads
   16-bit A either way), by the dy block: one asynchronous wgmma a chunk, the previous chunk's
-  slot freed once only the newest wgmma is still running.
+  slot freed once only the newest wgmma is still running; a group's last, partial chunk only
+  over its rows rounded up to 16 (``_last_chunk_mma``), not over the zeros past them.
 - **The epilogue**: the 64×256 tile half goes to its own shared-memory buffer and out by TMA
   through a 3-D descriptor over dw (clipped at I and N, so no masked tail), waited for only
   before that buffer is written again, a tile later. A group with no rows stores zeros.
@@ -95,6 +96,25 @@ def _producer(a):
 
 
 @gluon.jit
+def _last_chunk_mma(x_tile, dy_tile, acc, left):
+    """acc + x_tileᵀ · dy_tile over the chunk's first ``left`` (1 ... 64) rows, rounded up to 16:
+    the rows past the group's end are zeros (the ragged view), and multiplying them is waste a
+    whole-chunk wgmma pays, on average half a chunk a tile (a quarter of DeepSeek-V3's ~4-chunk
+    tiles; CUTLASS and the Triton kernel pay it too). Synchronous: the epilogue needs it next.
+    Adding the zeros would change no bit (save a zero's sign), so the output is the same."""
+    gl.static_assert(x_tile.type.shape[0] == 64, "four 16-row k-steps a chunk")
+    if left > 48:
+        acc = warpgroup_mma(x_tile.permute((1, 0)), dy_tile, acc)
+    elif left > 16:  # 32 rows, then 16 more past 32 (slices are powers of two)
+        acc = warpgroup_mma(x_tile.slice(0, 32).permute((1, 0)), dy_tile.slice(0, 32), acc)
+        if left > 32:
+            acc = warpgroup_mma(x_tile.slice(32, 16).permute((1, 0)), dy_tile.slice(32, 16), acc)
+    else:
+        acc = warpgroup_mma(x_tile.slice(0, 16).permute((1, 0)), dy_tile.slice(0, 16), acc)
+    return acc
+
+
+@gluon.jit
 def _consumer(a, WG: gl.constexpr):
     (x_desc, dy_desc, dw_desc, offsets_ptr, n_tiles_total, tiles_per_group, k_tiles, n_tiles,
      x_smem, dy_smem, c_smem, ready, empty) = a
@@ -110,8 +130,8 @@ def _consumer(a, WG: gl.constexpr):
     for t in range(gl.program_id(0), n_tiles_total, gl.num_programs(0)):
         g, tile_k, tile_n, _, rows = _tile(t, offsets_ptr, tiles_per_group, k_tiles, n_tiles)
         acc = gl.zeros([HALF, BN], gl.float32, layout=acc_layout)
-        chunks = gl.cdiv(rows, ROWS)
-        for mt in range(chunks):
+        full = rows // ROWS
+        for mt in range(full):
             s = it % NSTAGE
             mbarrier.wait(ready.index(s), (it // NSTAGE) & 1)
             acc = warpgroup_mma(x_smem.index(2 * s + WG).reshape([ROWS, HALF]).permute((1, 0)),
@@ -120,7 +140,14 @@ def _consumer(a, WG: gl.constexpr):
             mbarrier.arrive(empty.index((it + NSTAGE - 1) % NSTAGE), count=1, pred=mt > 0)
             it += 1
         acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(empty.index((it + NSTAGE - 1) % NSTAGE), count=1, pred=chunks > 0)
+        mbarrier.arrive(empty.index((it + NSTAGE - 1) % NSTAGE), count=1, pred=full > 0)
+        if rows > full * ROWS:
+            s = it % NSTAGE
+            mbarrier.wait(ready.index(s), (it // NSTAGE) & 1)
+            acc = _last_chunk_mma(x_smem.index(2 * s + WG).reshape([ROWS, HALF]),
+                                  dy_smem.index(s).reshape([ROWS, BN]), acc, rows - full * ROWS)
+            mbarrier.arrive(empty.index(s), count=1)
+            it += 1
         # The previous tile's store from this buffer is done before it is written again (each
         # thread waits for its own copies; the barrier makes that every thread's knowledge).
         tma.store_wait(0)
