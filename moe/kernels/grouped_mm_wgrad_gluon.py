@@ -127,8 +127,8 @@ def _consumer(a, WG: gl.constexpr):
                                                          instr_shape=[16, BN, 16])
     buf = c_smem.index(WG)
     it = 0
+    g, tile_k, tile_n, _, rows = _tile(gl.program_id(0), offsets_ptr, tiles_per_group, k_tiles, n_tiles)
     for t in range(gl.program_id(0), n_tiles_total, gl.num_programs(0)):
-        g, tile_k, tile_n, _, rows = _tile(t, offsets_ptr, tiles_per_group, k_tiles, n_tiles)
         acc = gl.zeros([HALF, BN], gl.float32, layout=acc_layout)
         full = rows // ROWS
         for mt in range(full):
@@ -148,6 +148,13 @@ def _consumer(a, WG: gl.constexpr):
                                   dy_smem.index(s).reshape([ROWS, BN]), acc, rows - full * ROWS)
             mbarrier.arrive(empty.index(s), count=1)
             it += 1
+        # The next tile's coordinates (the last tile's again after the last), loaded before this
+        # tile's epilogue: their dependent global loads then wait behind it, not between the
+        # next tile's start and its first wgmma, which a short group's tile (~4 chunks on
+        # DeepSeek-V3) would feel.
+        t_next = gl.minimum(t + gl.num_programs(0), n_tiles_total - 1)
+        g_next, tile_k_next, tile_n_next, _, rows_next = _tile(t_next, offsets_ptr, tiles_per_group,
+                                                               k_tiles, n_tiles)
         # The previous tile's store from this buffer is done before it is written again (each
         # thread waits for its own copies; the barrier makes that every thread's knowledge).
         tma.store_wait(0)
@@ -155,6 +162,7 @@ def _consumer(a, WG: gl.constexpr):
         buf.reshape([HALF, BN]).store(acc.to(dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(dw_desc, [g, tile_k * 2 * HALF + WG * HALF, tile_n * BN], buf)
+        g, tile_k, tile_n, rows = g_next, tile_k_next, tile_n_next, rows_next
     tma.store_wait(0)
 
 
