@@ -99,9 +99,10 @@ def _producer(a):
 def _last_chunk_mma(x_tile, dy_tile, acc, left):
     """acc + x_tileᵀ · dy_tile over the chunk's first ``left`` (1 ... 64) rows, rounded up to 16:
     the rows past the group's end are zeros (the ragged view), and multiplying them is waste a
-    whole-chunk wgmma pays, on average half a chunk a tile (a quarter of DeepSeek-V3's ~4-chunk
-    tiles; CUTLASS and the Triton kernel pay it too). Synchronous: the epilogue needs it next.
-    Adding the zeros would change no bit (save a zero's sign), so the output is the same."""
+    whole-chunk wgmma pays: half a chunk a tile on average, of DeepSeek-V3's ~4.5 (CUTLASS and
+    the Triton kernel pay it too); 16-row steps leave an eighth of one. Synchronous: the
+    epilogue needs it next. The accumulator starts at +0 and the skipped products are exact
+    zeros, so the output is the whole chunk's, bit for bit."""
     gl.static_assert(x_tile.type.shape[0] == 64, "four 16-row k-steps a chunk")
     if left > 48:
         acc = warpgroup_mma(x_tile.permute((1, 0)), dy_tile, acc)
@@ -127,6 +128,7 @@ def _consumer(a, WG: gl.constexpr):
                                                          instr_shape=[16, BN, 16])
     buf = c_smem.index(WG)
     it = 0
+    # (tile program_id exists: the host launches at most one CTA a tile)
     g, tile_k, tile_n, _, rows = _tile(gl.program_id(0), offsets_ptr, tiles_per_group, k_tiles, n_tiles)
     for t in range(gl.program_id(0), n_tiles_total, gl.num_programs(0)):
         acc = gl.zeros([HALF, BN], gl.float32, layout=acc_layout)
