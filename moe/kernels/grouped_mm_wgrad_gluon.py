@@ -41,6 +41,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.tools.ragged_tma import create_ragged_descriptor
 
 from kernel_floor import GLUON_DTYPES, band_swizzle, capability, gluon_layout, sm_count
 from moe.kernels import grouped_mm_gluon
@@ -51,7 +52,7 @@ BLOCK_N = 256
 BLOCK_M = 64  # the reduction chunk: rows of x and dy
 GROUP_K = gl.constexpr(8)  # bands of 8 row tiles of dw[g], as the Triton wgrad
 STAGES = 3  # 3 × (16 + 32) KB of ring + 2 × 32 KB of store buffers, as the forward's
-RAGGED_ROWS = 1 << 30  # the ragged view's row bound: more rows than any x may have
+RAGGED_ROWS = 1 << 30  # the ragged view's row bound (triton.tools.ragged_tma's): more than any x has
 _RAGGED = gl.constexpr(RAGGED_ROWS)
 
 
@@ -236,20 +237,20 @@ def wgrad_gluon_ok(x_MI: torch.Tensor, dw_LIN: torch.Tensor) -> bool:
 
 
 def ragged_descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    """A host TMA descriptor of the rows of ``t`` (M, C), s elements apart, as a concatenation of
-    row segments, in (1, 1, *block) blocks of the default swizzled layout: the block at
-    ``[RAGGED_ROWS, start + rows, RAGGED_ROWS - rows + r, c]`` holds rows start + r, ... of the
-    segment of ``rows`` rows from ``start``, and zeros past its end (``triton.tools.ragged_tma``).
-    Addresses wrap mod 2^64: the first axis (stride 2^34 - s elements of 16 bits, and
-    RAGGED_ROWS · 2^34 · 2 bytes is 2^65) adds -RAGGED_ROWS · s, the second and third (stride s)
-    add (start + rows) · s and (RAGGED_ROWS - rows + r) · s, together row start + r; the third
-    axis's bound, RAGGED_ROWS, puts r >= rows out of bounds."""
+    """Triton's ragged view of the rows of ``t`` (M, C) (``triton.tools.ragged_tma``: shape
+    [0x7FFF0000, 0x7FFF0000, RAGGED_ROWS, C], strides [2^34 - s, s, s, 1] for rows s elements
+    apart) as a Gluon descriptor in (1, 1, *block) blocks of the default swizzled layout: the
+    block at ``[RAGGED_ROWS, start + rows, RAGGED_ROWS - rows + r, c]`` (its
+    ``to_ragged_indices``) holds rows start + r, ... of the segment of ``rows`` rows from
+    ``start``, and zeros past its end. Addresses wrap mod 2^64: the first axis adds
+    -RAGGED_ROWS · s (RAGGED_ROWS · 2^34 elements of 16 bits is 2^65 bytes), the second and third
+    (start + rows) · s and (RAGGED_ROWS - rows + r) · s, together row start + r; the third axis's
+    bound, RAGGED_ROWS, puts r >= rows out of bounds."""
     if t.shape[0] > RAGGED_ROWS:
         raise ValueError(f"grouped_mm_wgrad_gluon: {t.shape[0]} rows, over the ragged view's {RAGGED_ROWS}")
-    stride = t.stride(0)
-    return TensorDescriptor(t, [0x7FFF0000, 0x7FFF0000, RAGGED_ROWS, t.shape[1]],
-                            [(1 << 34) - stride, stride, stride, 1], [1, 1, *block],
-                            gluon_layout((1, 1, *block), GLUON_DTYPES[t.dtype]))
+    view = create_ragged_descriptor(t, block)
+    return TensorDescriptor(t, view.shape, view.strides, view.block_shape,
+                            gluon_layout(tuple(view.block_shape), GLUON_DTYPES[t.dtype]))
 
 
 def grouped_mm_wgrad_gluon(x_MI: torch.Tensor, dy_MN: torch.Tensor, offsets_J: torch.Tensor,
