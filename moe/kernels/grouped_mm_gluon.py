@@ -133,8 +133,7 @@ def _producer(a, B_TRANS: gl.constexpr):
 @gluon.jit
 def _consumer(a, WG: gl.constexpr, B_TRANS: gl.constexpr):
     """Rows m0 + 64·WG ... + 63 of each tile. Rows past the segment's end (the next segment's)
-    are multiplied and not stored, as in the Triton kernel, unless all 64 are: then this
-    warpgroup skips the tile's matmuls."""
+    are multiplied and not stored, as in the Triton kernel."""
     (a_desc, b_desc, y_desc, y_ptr, table_ptr, tile_end_ptr, S, capacity, N, K, stride_ym,
      a_smem, b_smem, c_smem, ready, empty) = a
     NSTAGE: gl.constexpr = a_smem.type.shape[0]
@@ -160,33 +159,21 @@ def _consumer(a, WG: gl.constexpr, B_TRANS: gl.constexpr):
         n0 = gl.load(table_ptr + 4 * t + 1) * BN
         left = gl.load(table_ptr + 4 * t + 3) - WG * ROWS
         acc = gl.zeros([ROWS, BN], gl.float32, layout=acc_layout)
-        if left > 0:
-            for kt in range(k_tiles):
-                s = it % NSTAGE
-                mbarrier.wait(ready.index(s), (it // NSTAGE) & 1)
-                a_tile = a_smem.index(s).slice(WG * ROWS, ROWS)
-                if B_TRANS:
-                    b_tile = b_smem.index(s).reshape([BN, BK]).permute((1, 0))
-                else:
-                    b_tile = b_smem.index(s).reshape([BK, BN])
-                acc = warpgroup_mma(a_tile, b_tile, acc, is_async=True)
-                # The previous chunk's wgmma is done once at most this one is in flight: free
-                # its slot.
-                acc = warpgroup_mma_wait(1, deps=(acc, ))
-                mbarrier.arrive(empty.index((it + NSTAGE - 1) % NSTAGE), count=1, pred=kt > 0)
-                it += 1
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(empty.index((it + NSTAGE - 1) % NSTAGE), count=1)
-        else:
-            # None of this warpgroup's rows is in the segment (its last tile holds 64 rows or
-            # fewer): nothing to multiply, and the other consumer has the tensor cores alone.
-            # Each slot is still released, once loaded: an arrival before its load could count
-            # towards the slot's previous use.
-            for kt in range(k_tiles):
-                s = it % NSTAGE
-                mbarrier.wait(ready.index(s), (it // NSTAGE) & 1)
-                mbarrier.arrive(empty.index(s), count=1)
-                it += 1
+        for kt in range(k_tiles):
+            s = it % NSTAGE
+            mbarrier.wait(ready.index(s), (it // NSTAGE) & 1)
+            a_tile = a_smem.index(s).slice(WG * ROWS, ROWS)
+            if B_TRANS:
+                b_tile = b_smem.index(s).reshape([BN, BK]).permute((1, 0))
+            else:
+                b_tile = b_smem.index(s).reshape([BK, BN])
+            acc = warpgroup_mma(a_tile, b_tile, acc, is_async=True)
+            # The previous chunk's wgmma is done once at most this one is in flight: free its slot.
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            mbarrier.arrive(empty.index((it + NSTAGE - 1) % NSTAGE), count=1, pred=kt > 0)
+            it += 1
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(empty.index((it + NSTAGE - 1) % NSTAGE), count=1)
 
         # The previous tile's store from this buffer is done (each thread waits for the copies
         # it issued; the barrier makes that every thread's knowledge) before the buffer is
