@@ -2,8 +2,8 @@
 
 With one segment per group, 16-bit operands and tensor descriptors available, the launcher
 hands over to ``moe.kernels.grouped_mm_wgrad_tma`` (group-major loops, flattened tile loop), or
-on sm_90 with dw in the operands' dtype and at least 16 groups of 512 rows on average (where it
-measured faster: ``wgrad_gluon_ok``; off for now, see its ``ROUTED``) to
+on sm_90 with dw in the operands' dtype and at least 128 rows a group on average (where it
+measured faster: ``wgrad_gluon_ok``) to
 ``moe.kernels.grouped_mm_wgrad_gluon`` (warp-specialized, its loads running ahead across
 groups); the kernel here serves the rest (J = G·L segments, fp32, unaligned rows, pre-Hopper).
 

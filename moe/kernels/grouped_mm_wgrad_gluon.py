@@ -103,16 +103,21 @@ def _last_chunk_mma(x_tile, dy_tile, acc, left):
     whole-chunk wgmma pays: half a chunk a tile on average, of DeepSeek-V3's ~4.5 (CUTLASS and
     the Triton kernel pay it too); 16-row steps leave an eighth of one. Synchronous: the
     epilogue needs it next. The accumulator starts at +0 and the skipped products are exact
-    zeros, so the output is the whole chunk's, bit for bit."""
+    zeros, so the output is the whole chunk's, bit for bit.
+
+    Only 16-row slices: with a 32-row one (``slice(0, 32)``) every group whose last chunk had
+    17-48 rows came out wrong on an H200 (triton 3.6; relative error 0.02-0.7, on all of dw[g]'s
+    rows but its first 64, for I = 200, 256 and 1024), where two 16-row slices in its place are
+    bit-equal to the whole-chunk wgmma (2026-12-02; tests/test_grouped_mm.py's 16-row edges)."""
     gl.static_assert(x_tile.type.shape[0] == 64, "four 16-row k-steps a chunk")
     if left > 48:
         acc = warpgroup_mma(x_tile.permute((1, 0)), dy_tile, acc)
-    elif left > 16:  # 32 rows, then 16 more past 32 (slices are powers of two)
-        acc = warpgroup_mma(x_tile.slice(0, 32).permute((1, 0)), dy_tile.slice(0, 32), acc)
-        if left > 32:
-            acc = warpgroup_mma(x_tile.slice(32, 16).permute((1, 0)), dy_tile.slice(32, 16), acc)
     else:
         acc = warpgroup_mma(x_tile.slice(0, 16).permute((1, 0)), dy_tile.slice(0, 16), acc)
+        if left > 16:
+            acc = warpgroup_mma(x_tile.slice(16, 16).permute((1, 0)), dy_tile.slice(16, 16), acc)
+        if left > 32:
+            acc = warpgroup_mma(x_tile.slice(32, 16).permute((1, 0)), dy_tile.slice(32, 16), acc)
     return acc
 
 
@@ -208,19 +213,14 @@ def _grouped_mm_wgrad_gluon_kernel(x_desc, dy_desc, dw_desc, offsets_ptr, G, K, 
 
 
 # Where it wins. Against grouped_mm_wgrad_tma, same bits out (H200, bf16, 5 alternating rounds,
-# bench/results/grouped_gemm_gluon.md), up / down projection: OLMoE (64 groups of ~2048 rows)
-# 1.068 / 1.041x, Qwen3-A3B (128 of ~1024) 1.002 / 1.046x; but Mixtral (8 of ~8192) 0.980 /
-# 0.975x and DeepSeek-V3 (256 of ~256 rows: 4 chunks a tile, against a tile's descriptor builds,
-# then every tile, and its 32 KB store a consumer) 0.876 / 0.894x. Why Mixtral loses is not
-# profiled.
-MIN_GROUPS = 16
-MIN_ROWS_PER_GROUP = 512
-# Off until the kernel as it stands has run on a GPU: those measurements were taken when the
-# producer built each tile's descriptors on the device in one global slot, without waiting for
-# the loads in flight that read it (a race a review found; never observed, every output
-# bit-equal); it now reads x and dy through host-built ragged descriptors. The GPU tests launch
-# the kernel directly either way.
-ROUTED = False
+# bench/results/grouped_gemm_gluon.md, 2026-12-02), up / down projection: Mixtral (8 groups of
+# ~4096 rows) 1.038 / 1.043x, OLMoE (64 of ~2048) 1.140 / 1.101x, Qwen3-A3B (128 of ~1024)
+# 1.109 / 1.112x, DeepSeek-V3 (256 of ~256) 1.063 / 1.128x; the whole layer's fwd+bwd 1.004-1.040x
+# faster with it. So every group count; below 128 rows a group on average (half a tile's
+# chunks) it was not measured, and the Triton kernel keeps those.
+MIN_GROUPS = 1
+MIN_ROWS_PER_GROUP = 128
+ROUTED = True
 
 
 def wgrad_gluon_ok(x_MI: torch.Tensor, dw_LIN: torch.Tensor) -> bool:
