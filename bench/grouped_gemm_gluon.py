@@ -7,7 +7,9 @@ Kernels (bf16, tokens routed by uniform random top-k, so group sizes are ragged)
 projection of the SwiGLU MLP, up ``x(M, D) @ w1[e](D, 2F)`` and down ``h(M, F) @ w2[e](F, D)``, as
 - ``fwd``: the forward GEMM (Gluon ``grouped_mm_gluon`` / TMA ``grouped_mm_tma``);
 - ``dgrad``: ``dy(M, N) @ w[e]ᵀ``, the same kernels on the transposed weight, read as stored;
-- ``wgrad``: ``x_eᵀ @ dy_e`` (``grouped_mm_wgrad_gluon`` / ``grouped_mm_wgrad_tma``).
+- ``wgrad``: ``x_eᵀ @ dy_e`` (``grouped_mm_wgrad_gluon`` / ``grouped_mm_wgrad_tma``);
+- ``wgrad += fp32``: the same added into an fp32 dw (the master gradient's epilogue; the anchor
+  adds cuBLAS's bf16 dw in a second pass).
 FLOPs ``2·M·I·N`` each. Each row also says whether the Gluon output equals the TMA kernel's bit
 for bit. The layer rows time ``torch.autograd.grad`` of the layer for x and every weight, and
 say whether those gradients are bit-equal with the Gluon kernels on and off.
@@ -16,7 +18,7 @@ Protocol (bench/common.py): rounds alternating Gluon, TMA, the anchor and Gluon 
 ``do_bench(warmup=100, rep=200)`` median; ratios are medians over rounds (> 1: Gluon faster);
 A-vs-A is Gluon over Gluon again.
 
-    python bench/grouped_gemm_gluon.py [--rounds 5] [--what kernels layer] [--shapes DeepSeek-V3 ...]
+    python bench/grouped_gemm_gluon.py [--rounds 5] [--what kernels layer] [--shapes DeepSeek-V3 ...] [--fp32-only]
 """
 
 import argparse
@@ -66,15 +68,37 @@ def _cases(E, D, F, T, K):
                "anchor": lambda: torch._grouped_mm(x.t(), dy, offs=offsets)}
         fns["gluon"](), fns["tma"]()
         yield proj, "wgrad", fns, 2 * M * I * N, torch.equal(dw_gluon, dw_tma)
+        dw_gluon = dw_tma = None  # freed (the caller timed them) before the fp32 dw is allocated
+        yield proj, "wgrad += fp32", *_fp32_add_case(x, dy, offsets, E, I, N)
 
 
-def bench_kernels(rounds, names):
+def _fp32_add_case(x, dy, offsets, E, I, N):
+    """The master gradient's weight gradient, added into an fp32 dw: the Gluon and TMA kernels'
+    fp32 add epilogue, the anchor ``torch._grouped_mm``'s bf16 dw then added (two passes). All
+    three add into one buffer (DeepSeek-V3's fp32 dw is 30 GB); bit-equality is checked on the
+    first 16 groups (Mixtral's 8), each kernel into its own buffer."""
+    sub = offsets[:16]
+    parts = [torch.zeros(len(sub), I, N, device="cuda") for _ in range(2)]
+    grouped_mm_wgrad_gluon.grouped_mm_wgrad_gluon(x, dy, sub, parts[0], accumulate=True)
+    grouped_mm_wgrad_tma(x, dy, sub, parts[1], accumulate=True)
+    same = torch.equal(*parts)
+    del parts
+    dw = torch.zeros(E, I, N, device="cuda")
+    fns = {"gluon": lambda: grouped_mm_wgrad_gluon.grouped_mm_wgrad_gluon(x, dy, offsets, dw, accumulate=True),
+           "tma": lambda: grouped_mm_wgrad_tma(x, dy, offsets, dw, accumulate=True),
+           "anchor": lambda: dw.add_(torch._grouped_mm(x.t(), dy, offs=offsets))}
+    return fns, 2 * x.shape[0] * I * N, same
+
+
+def bench_kernels(rounds, names, fp32_only):
     rows = []
     for name, *shape in SHAPES:
         if name not in names:
             continue
         torch.manual_seed(0)
         for proj, what, fns, flops, same in _cases(*shape):
+            if fp32_only and what != "wgrad += fp32":
+                continue
             t = alternate({**fns, "gluon_again": fns["gluon"]}, rounds)
             rows.append(f"| {name} {proj} | {what} | {flops / statistics.median(t['gluon']) / 1e9:.0f} | "
                         f"{flops / statistics.median(t['tma']) / 1e9:.0f} | "
@@ -133,6 +157,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--what", nargs="+", choices=("kernels", "layer"), default=["kernels", "layer"])
+    p.add_argument("--fp32-only", action="store_true", help="of the kernel rows, only the fp32 master-gradient add")
     names = sorted({s[0] for s in SHAPES} | {s[0] for s in LAYER_SHAPES})
     p.add_argument("--shapes", nargs="+", choices=names, default=names)
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "grouped_gemm_gluon.md"))
@@ -144,7 +169,7 @@ def main():
                 "bf16; kernels: M = T·K rows routed by uniform random top-k; layer: bench/moe_layer.py's shapes, "
                 "fwd+bwd TFLOP/s of the expert GEMMs")
     if "kernels" in args.what:
-        md += bench_kernels(args.rounds, args.shapes) + [""]
+        md += bench_kernels(args.rounds, args.shapes, args.fp32_only) + [""]
     if "layer" in args.what:
         md += bench_layer(args.rounds, args.shapes) + [""]
     write_results(args.out, "\n".join(md))

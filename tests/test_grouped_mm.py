@@ -519,15 +519,18 @@ for kind, b_trans, name in json.loads(sys.argv[1]):
                      "capacity": "i32", "N": "i32", "K": "i32", "stride_ym": "i32"}
         constexprs = {"B_TRANS": b_trans, "STAGES": g.STAGES}
         fn, pointers = g._grouped_mm_gluon_kernel, (3, 4, 5)
-    else:
+    else:  # b_trans: the weight gradient's EPILOGUE (0: 16-bit TMA store, 1: fp32 store, 2: fp32 add)
         signature = {"x_desc": desc([1, 1, w.BLOCK_M, w.WG_M]), "dy_desc": desc([1, 1, w.BLOCK_M, w.BLOCK_N]),
-                     "dw_desc": desc([1, w.WG_M, w.BLOCK_N]), "offsets_ptr": "*i32", "G": "i32", "K": "i32",
+                     "dw_desc": "constexpr" if b_trans else desc([1, w.WG_M, w.BLOCK_N]),
+                     "dw_ptr": "*fp32" if b_trans else f"*{short}", "offsets_ptr": "*i32", "G": "i32", "K": "i32",
                      "N": "i32"}
-        constexprs = {"BLOCK_K": w.BLOCK_K, "BLOCK_N": w.BLOCK_N, "STAGES": w.STAGES}
-        fn, pointers = w._grouped_mm_wgrad_gluon_kernel, (3, )
+        constexprs = {"BLOCK_K": w.BLOCK_K, "BLOCK_N": w.BLOCK_N, "STAGES": w.FP32_STAGES if b_trans else w.STAGES,
+                      "EPILOGUE": b_trans, **({"dw_desc": None} if b_trans else {})}
+        # dw_ptr, offsets_ptr, and K, N: the JIT marks ints divisible by 16 so, as the shapes are
+        fn, pointers = w._grouped_mm_wgrad_gluon_kernel, (3, 4, 6, 7)
     constexprs.update({"CONSUMER_REGS": g.CONSUMER_REGS, "PRODUCER_REGS": g.PRODUCER_REGS})
     signature.update({k: "constexpr" for k in constexprs})
-    # the pointers as the JIT sees torch's allocations: 16-byte aligned
+    # the pointers as the JIT sees torch's allocations: 16-byte aligned (and the wgrad's sizes)
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}
     kernel = triton.compile(GluonASTSource(fn, signature, constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
@@ -540,7 +543,8 @@ for kind, b_trans, name in json.loads(sys.argv[1]):
                                capture_output=True, text=True, check=True).stdout
     out.append([int(re.search(r"STACK:(\\d+)", usage).group(1)), "setmaxnreg" in ptx,
                 ptx.count("st.global.v4"), ptx.count("st.global.b16"), kernel.metadata.shared,
-                ptx.count("tensormap.cp_fenceproxy"), kernel.metadata.global_scratch_size])
+                ptx.count("tensormap.cp_fenceproxy"), kernel.metadata.global_scratch_size,
+                ptx.count("st.global.v2.b32"), ptx.count("ld.global.v2.b32")])
 print(json.dumps(out))
 """
 
@@ -591,11 +595,57 @@ def test_gpu_gluon_wgrad_matches_reference(sizes, padding, I, N, dtype, programs
         start += rows
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the Gluon grouped GEMM is sm_90's")
+@pytest.mark.parametrize("sizes, padding, I, N, dtype, programs", [
+    ([0, 1, 63, 64, 65, 300, 0, 129], 9, 200, 264, torch.bfloat16, 3),  # ragged chunks, clipped tiles
+    ([16, 17, 32, 33, 48, 49, 64 + 17, 128 + 33, 0, 1], 5, 256, 512, torch.float16, 3),  # 16-row edges
+    ("random", 7, 192, 256, torch.bfloat16, None),  # 130 groups: a new group each tile
+    ([3000, 5, 70, 0, 1200], 3, 1024, 520, torch.bfloat16, 5),  # long groups, odd N
+])
+def test_gpu_gluon_wgrad_fp32_equals_tma_kernel(sizes, padding, I, N, dtype, programs, monkeypatch):
+    """The Gluon weight gradient's fp32 epilogue (the master gradient's: stored from registers,
+    or added to what is there) against the Triton TMA kernel's fp32 one, bit for bit: a store
+    over NaN (every element written, empty groups +0), then an add into random values (empty
+    groups leave them as they were); and ``accumulate_wgrad_`` routed to it (first micro-batch
+    writes ``.grad``, the next adds) equal to it routed to the TMA kernel."""
+    from moe.kernels import grouped_mm_wgrad_gluon as w
+    from moe.kernels.grouped_mm_wgrad_tma import grouped_mm_wgrad_tma
+    from moe.kernels.master_grad import accumulate_wgrad_
+    if sizes == "random":
+        sizes = torch.randint(0, 300, (130,)).tolist()
+    offsets = _offsets(sizes, "cuda", torch.int32)
+    x = torch.randn(sum(sizes) + padding, I, device="cuda").to(dtype)
+    dy = torch.randn(x.shape[0], N, device="cuda").to(dtype)
+    x[sum(sizes):], dy[sum(sizes):] = float("nan"), float("nan")
+    for accumulate in (False, True):
+        start = torch.full((len(sizes), I, N), float("nan"), device="cuda")
+        if accumulate:
+            start.normal_()
+        dw, dw_tma = start.clone(), start.clone()
+        w.grouped_mm_wgrad_gluon(x, dy, offsets, dw, programs=programs, accumulate=accumulate)
+        grouped_mm_wgrad_tma(x, dy, offsets, dw_tma, accumulate=accumulate)
+        assert torch.equal(dw.view(torch.int32), dw_tma.view(torch.int32)), accumulate
+    ref = torch.stack([x[a:b].double().T @ dy[a:b].double() for a, b in zip([0, *offsets[:-1].tolist()], offsets.tolist())])
+    assert _rel_err(dw_tma - start, ref) < TOLERANCE[dtype]
+    grads = []
+    for routed in (True, False):
+        monkeypatch.setattr(w, "FP32_ROUTED", routed)
+        monkeypatch.setattr(w, "FP32_MIN_GROUPS", 1)
+        monkeypatch.setattr(w, "FP32_MIN_ROWS_PER_GROUP", 0)
+        master = torch.zeros(len(sizes), I, N, device="cuda", requires_grad=True)
+        accumulate_wgrad_(master, x, dy, offsets)
+        accumulate_wgrad_(master, x, dy.flip(1), offsets)
+        grads.append(master.grad)
+    assert torch.equal(grads[0].view(torch.int32), grads[1].view(torch.int32))
+
+
 def test_gluon_kernel_compiles_for_sm90_without_spills():
     """The Gluon grouped GEMMs compile for sm_90 on CPU (Gluon has no interpreter) with their
     register plan (``setmaxnreg``, no stack), the forward's 16-byte tail stores (the 2-byte ones
     a table version once compiled to were 256 stores a slice instead of 32) and shared memory
-    within Hopper's 227 KB: the forward for its b and the dgrad's, and the weight gradient."""
+    within Hopper's 227 KB: the forward for its b and the dgrad's, and the weight gradient with
+    each epilogue (16-bit TMA store, fp32 store, fp32 add: the master gradient's)."""
     import json
     import os
     import subprocess
@@ -605,18 +655,22 @@ def test_gluon_kernel_compiles_for_sm90_without_spills():
         pytest.skip("compiles for sm_90 on CPU; on a GPU the GPU tests run the kernel")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cases = [["fwd", False, "bfloat16"], ["fwd", True, "float16"], ["wgrad", False, "bfloat16"],
-             ["wgrad", False, "float16"]]
+    cases = [["fwd", False, "bfloat16"], ["fwd", True, "float16"], ["wgrad", 0, "bfloat16"], ["wgrad", 0, "float16"],
+             ["wgrad", 1, "bfloat16"], ["wgrad", 2, "bfloat16"]]
     run = subprocess.run([sys.executable, "-c", _GLUON_SM90, json.dumps(cases)], env=env, cwd=root,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    for case, (stack, setmaxnreg, wide, narrow, smem, builds, scratch) in zip(
+    for case, (stack, setmaxnreg, wide, narrow, smem, builds, scratch, st_f32, ld_f32) in zip(
             cases, json.loads(run.stdout.splitlines()[-1])):
-        stores = (32, 0) if case[0] == "fwd" else (0, 0)  # the wgrad's stores are all TMA
+        # the forward's tail stores; the weight gradient's 16-bit stores are all TMA, its fp32
+        # ones each consumer's 64 pairs of columns a thread, 8 bytes each (and as many loads to
+        # add to): the JIT's K, N divisible by 16 make them pairs, not 256 4-byte stores
+        stores = (32, 0, 0, 0) if case[0] == "fwd" else (0, 0, 128 if case[1] else 0, 128 if case[1] == 2 else 0)
         # Both read through host descriptors only: none is built on the device (in global
         # scratch, which loads in flight read: the race an earlier weight gradient had)
-        assert (stack == 0 and setmaxnreg and (wide, narrow) == stores and smem <= 232448
-                and (builds, scratch) == (0, 0)), (case, stack, setmaxnreg, wide, narrow, smem, builds, scratch)
+        assert (stack == 0 and setmaxnreg and (wide, narrow, st_f32, ld_f32) == stores and smem <= 232448
+                and (builds, scratch) == (0, 0)), (case, stack, setmaxnreg, wide, narrow, st_f32, ld_f32, smem,
+                                                   builds, scratch)
 
 
 def test_gluon_wgrad_ragged_view_refuses_rows_it_cannot_address():

@@ -29,9 +29,13 @@ reduced over the group's rows in chunks of 64.
   through a 3-D descriptor over dw (clipped at I and N, so no masked tail), waited for only
   before that buffer is written again, a tile later. A group with no rows stores zeros.
 
-Scope (``wgrad_gluon_ok``): sm_90, bf16/fp16 operands and dw in their dtype (the fp32 master
-gradient's store-or-add epilogue stays ``grouped_mm_wgrad_tma``'s), one segment per group,
-TMA-addressable operands.
+  An fp32 dw (the master gradient's, ``moe.kernels.master_grad.accumulate_wgrad_``) is stored,
+  or added to, straight from the accumulator's registers instead (``_store_fp32``): an fp32
+  half would take 64 KB of shared memory a consumer; the 16-bit store buffers' 64 KB go to a
+  fourth ring stage instead (``FP32_STAGES``).
+
+Scope (``wgrad_gluon_ok``): sm_90, bf16/fp16 operands, dw in their dtype or fp32, one segment
+per group, TMA-addressable operands.
 """
 
 import torch
@@ -52,6 +56,7 @@ BLOCK_N = 256
 BLOCK_M = 64  # the reduction chunk: rows of x and dy
 GROUP_K = gl.constexpr(8)  # bands of 8 row tiles of dw[g], as the Triton wgrad
 STAGES = 3  # 3 × (16 + 32) KB of ring + 2 × 32 KB of store buffers, as the forward's
+FP32_STAGES = 4  # the fp32 epilogue stores from registers: its 64 KB of buffers go to a 4th stage
 RAGGED_ROWS = 1 << 30  # the ragged view's row bound (triton.tools.ragged_tma's): more than any x has
 _RAGGED = gl.constexpr(RAGGED_ROWS)
 
@@ -68,7 +73,7 @@ def _tile(t, offsets_ptr, tiles_per_group, k_tiles, n_tiles):
 
 @gluon.jit
 def _producer(a):
-    (x_desc, dy_desc, dw_desc, offsets_ptr, n_tiles_total, tiles_per_group, k_tiles, n_tiles,
+    (x_desc, dy_desc, dw_desc, dw_ptr, offsets_ptr, K, N, n_tiles_total, tiles_per_group, k_tiles, n_tiles,
      x_smem, dy_smem, c_smem, ready, empty) = a
     NSTAGE: gl.constexpr = dy_smem.type.shape[0]
     ROWS: gl.constexpr = x_smem.type.shape[3]
@@ -122,17 +127,46 @@ def _last_chunk_mma(x_tile, dy_tile, acc, left):
 
 
 @gluon.jit
-def _consumer(a, WG: gl.constexpr):
-    (x_desc, dy_desc, dw_desc, offsets_ptr, n_tiles_total, tiles_per_group, k_tiles, n_tiles,
+def _store_fp32(dw_g, acc, row0, col0, K, N, ADD: gl.constexpr):
+    """Store (ADD: add into) the fp32 tile half ``acc`` at rows ``row0 ...``, columns ``col0 ...``
+    of the fp32 (K, N) ``dw_g``, straight from the accumulator's registers (a thread's pairs of
+    columns, 8 bytes, four threads a 32-byte sector of a row): an fp32 half through shared memory
+    would take 64 KB a consumer beside the ring. A quarter of the columns at a time, so that the
+    values added to (ADD) hold 32 registers, not 128, beside the accumulator's 128 (the splits
+    are the accumulator's own registers: each thread holds columns of every quarter)."""
+    Q: gl.constexpr = acc.shape[1] // 4
+    left, right = acc.reshape([acc.shape[0], 2, 2 * Q]).permute((0, 2, 1)).split()
+    l0, l1 = left.reshape([acc.shape[0], 2, Q]).permute((0, 2, 1)).split()
+    r0, r1 = right.reshape([acc.shape[0], 2, Q]).permute((0, 2, 1)).split()
+    _store_fp32_part(dw_g, l0, row0, col0, K, N, ADD)
+    _store_fp32_part(dw_g, l1, row0, col0 + Q, K, N, ADD)
+    _store_fp32_part(dw_g, r0, row0, col0 + 2 * Q, K, N, ADD)
+    _store_fp32_part(dw_g, r1, row0, col0 + 3 * Q, K, N, ADD)
+
+
+@gluon.jit
+def _store_fp32_part(dw_g, part, row0, col0, K, N, ADD: gl.constexpr):
+    layout: gl.constexpr = part.type.layout
+    rows = row0 + gl.arange(0, part.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = col0 + gl.arange(0, part.shape[1], layout=gl.SliceLayout(0, layout))
+    ptrs = dw_g + gl.expand_dims(rows.to(gl.int64) * N, 1) + gl.expand_dims(cols, 0)
+    mask = gl.expand_dims(rows < K, 1) & gl.expand_dims(cols < N, 0)
+    if ADD:
+        part += gl.load(ptrs, mask=mask, other=0.0)
+    gl.store(ptrs, part, mask=mask)
+
+
+@gluon.jit
+def _consumer(a, WG: gl.constexpr, EPILOGUE: gl.constexpr):
+    (x_desc, dy_desc, dw_desc, dw_ptr, offsets_ptr, K, N, n_tiles_total, tiles_per_group, k_tiles, n_tiles,
      x_smem, dy_smem, c_smem, ready, empty) = a
     NSTAGE: gl.constexpr = dy_smem.type.shape[0]
     ROWS: gl.constexpr = x_smem.type.shape[3]
     HALF: gl.constexpr = x_smem.type.shape[4]
     BN: gl.constexpr = dy_smem.type.shape[4]
-    dtype: gl.constexpr = dw_desc.dtype
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
-    buf = c_smem.index(WG)
+    buf = c_smem.index(WG)  # (the 16-bit epilogue's)
     it = 0
     # (tile program_id exists: the host launches at most one CTA a tile)
     g, tile_k, tile_n, _, rows = _tile(gl.program_id(0), offsets_ptr, tiles_per_group, k_tiles, n_tiles)
@@ -163,42 +197,51 @@ def _consumer(a, WG: gl.constexpr):
         t_next = gl.minimum(t + gl.num_programs(0), n_tiles_total - 1)
         g_next, tile_k_next, tile_n_next, _, rows_next = _tile(t_next, offsets_ptr, tiles_per_group,
                                                                k_tiles, n_tiles)
-        # The previous tile's store from this buffer is done before it is written again (each
-        # thread waits for its own copies; the barrier makes that every thread's knowledge).
-        tma.store_wait(0)
-        gl.thread_barrier()
-        buf.reshape([HALF, BN]).store(acc.to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(dw_desc, [g, tile_k * 2 * HALF + WG * HALF, tile_n * BN], buf)
+        row0 = tile_k * 2 * HALF + WG * HALF
+        if EPILOGUE == 0:
+            # The previous tile's store from this buffer is done before it is written again (each
+            # thread waits for its own copies; the barrier makes that every thread's knowledge).
+            tma.store_wait(0)
+            gl.thread_barrier()
+            buf.reshape([HALF, BN]).store(acc.to(dw_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(dw_desc, [g, row0, tile_n * BN], buf)
+        else:
+            _store_fp32(dw_ptr + g.to(gl.int64) * K * N, acc, row0, tile_n * BN, K, N, EPILOGUE == 2)
         g, tile_k, tile_n, rows = g_next, tile_k_next, tile_n_next, rows_next
-    tma.store_wait(0)
+    if EPILOGUE == 0:
+        tma.store_wait(0)
 
 
 @gluon.jit
-def _consumer_0(a):
-    _consumer(a, 0)
+def _consumer_0(a, EPILOGUE: gl.constexpr):
+    _consumer(a, 0, EPILOGUE)
 
 
 @gluon.jit
-def _consumer_1(a):
-    _consumer(a, 1)
+def _consumer_1(a, EPILOGUE: gl.constexpr):
+    _consumer(a, 1, EPILOGUE)
 
 
 @gluon.jit
-def _grouped_mm_wgrad_gluon_kernel(x_desc, dy_desc, dw_desc, offsets_ptr, G, K, N,
+def _grouped_mm_wgrad_gluon_kernel(x_desc, dy_desc, dw_desc, dw_ptr, offsets_ptr, G, K, N,
                                    BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr,
-                                   STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                   PRODUCER_REGS: gl.constexpr):
+                                   STAGES: gl.constexpr, EPILOGUE: gl.constexpr,
+                                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """x_desc, dy_desc: ``ragged_descriptor`` of x (M, K) in (BLOCK_M, BLOCK_K / 2) blocks and of
-    dy (M, N) in (BLOCK_M, BLOCK_N) blocks; dw_desc over dw (G, K, N) in (1, BLOCK_K / 2,
-    BLOCK_N) blocks."""
-    dtype: gl.constexpr = dw_desc.dtype
+    dy (M, N) in (BLOCK_M, BLOCK_N) blocks. EPILOGUE 0: dw_desc over dw (G, K, N) in (1,
+    BLOCK_K / 2, BLOCK_N) blocks receives the tiles in the operands' dtype; 1: the fp32 tiles are
+    stored at ``dw_ptr`` (fp32 (G, K, N), contiguous); 2: added to what is there."""
+    dtype: gl.constexpr = x_desc.dtype
     # slot s of the ring: x halves 2s and 2s + 1, dy block s, each in its descriptor's 4-D block
     ROWS: gl.constexpr = x_desc.block_type.shape[2]
     HALF: gl.constexpr = BLOCK_K // 2
     x_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, 1, 1, ROWS, HALF], x_desc.layout)
     dy_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, ROWS, BLOCK_N], dy_desc.layout)
-    c_smem = gl.allocate_shared_memory(dtype, [2, 1, HALF, BLOCK_N], dw_desc.layout)
+    if EPILOGUE == 0:
+        c_smem = gl.allocate_shared_memory(dtype, [2, 1, HALF, BLOCK_N], dw_desc.layout)
+    else:
+        c_smem = x_smem  # not used: the fp32 epilogue stores from registers
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -206,9 +249,9 @@ def _grouped_mm_wgrad_gluon_kernel(x_desc, dy_desc, dw_desc, offsets_ptr, G, K, 
         mbarrier.init(empty.index(i), count=2)  # a slot is free once both consumers are done
     k_tiles = gl.cdiv(K, BLOCK_K)
     n_tiles = gl.cdiv(N, BLOCK_N)
-    a = (x_desc, dy_desc, dw_desc, offsets_ptr, G * k_tiles * n_tiles, k_tiles * n_tiles, k_tiles,
+    a = (x_desc, dy_desc, dw_desc, dw_ptr, offsets_ptr, K, N, G * k_tiles * n_tiles, k_tiles * n_tiles, k_tiles,
          n_tiles, x_smem, dy_smem, c_smem, ready, empty)
-    gl.warp_specialize([(_consumer_0, (a, )), (_consumer_1, (a, )), (_producer, (a, ))], [4, 1],
+    gl.warp_specialize([(_consumer_0, (a, EPILOGUE)), (_consumer_1, (a, EPILOGUE)), (_producer, (a, ))], [4, 1],
                        [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -221,19 +264,35 @@ def _grouped_mm_wgrad_gluon_kernel(x_desc, dy_desc, dw_desc, offsets_ptr, G, K, 
 MIN_GROUPS = 1
 MIN_ROWS_PER_GROUP = 128
 ROUTED = True
+# The fp32 add epilogue (the master gradient's: from registers, 4 ring stages) against
+# grouped_mm_wgrad_tma's, same bits out (H200, 5 alternating rounds, 2026-12-02,
+# bench/results/grouped_gemm_gluon.md's "wgrad += fp32" rows), up / down: OLMoE (64 groups of
+# ~2048 rows) 1.060 / 1.036x, Qwen3-A3B (128 of ~1024) 1.001 / 1.015x, but Mixtral (8 of ~4096)
+# 0.962 / 0.950x and DeepSeek-V3 (256 of ~256: the 30 GB fp32 dw read and written against ~4
+# chunks a tile) 0.897 / 0.867x. Why it loses there is not profiled (each quarter's loads are
+# waited for before the next quarter's, where the TMA kernel's 8 warps hide more of them: a
+# guess). So from 16 groups of 1024 rows on average.
+FP32_ROUTED = True
+FP32_MIN_GROUPS = 16
+FP32_MIN_ROWS_PER_GROUP = 1024
 
 
 def wgrad_gluon_ok(x_MI: torch.Tensor, dw_LIN: torch.Tensor) -> bool:
     """Whether ``grouped_mm_wgrad_gluon`` serves this weight gradient (the caller has checked
     what ``grouped_mm_wgrad_tma`` needs: 16-bit, aligned rows, one segment per group): an sm_90
-    GPU, dw in the operands' dtype, and the measured range where it beats the Triton kernel: at
-    least ``MIN_GROUPS`` groups of ``MIN_ROWS_PER_GROUP`` rows on average (x's rows over the
-    groups, padding included: the group sizes are on the device), rows the ragged view can
-    address; and ``ROUTED`` and ``grouped_mm_gluon.ENABLED``."""
-    L = dw_LIN.shape[0]
+    GPU, rows the ragged view can address, ``ROUTED`` and ``grouped_mm_gluon.ENABLED``, and the
+    measured range where it beats the Triton kernel, by x's rows over the groups (padding
+    included: the group sizes are on the device): for dw in the operands' dtype at least
+    ``MIN_GROUPS`` groups of ``MIN_ROWS_PER_GROUP`` rows on average; for a contiguous fp32 dw
+    (the master gradient's, with ``FP32_ROUTED``) ``FP32_MIN_GROUPS`` of ``FP32_MIN_ROWS_PER_GROUP``."""
+    L, M = dw_LIN.shape[0], x_MI.shape[0]
+    if dw_LIN.dtype == x_MI.dtype:
+        size_ok = L >= MIN_GROUPS and MIN_ROWS_PER_GROUP * L <= M
+    else:
+        size_ok = (FP32_ROUTED and dw_LIN.dtype == torch.float32 and dw_LIN.is_contiguous()
+                   and L >= FP32_MIN_GROUPS and FP32_MIN_ROWS_PER_GROUP * L <= M)
     return (ROUTED and grouped_mm_gluon.ENABLED and x_MI.is_cuda and capability(x_MI.device) == (9, 0)
-            and x_MI.dtype in GLUON_DTYPES and dw_LIN.dtype == x_MI.dtype and L >= MIN_GROUPS
-            and MIN_ROWS_PER_GROUP * L <= x_MI.shape[0] <= RAGGED_ROWS)
+            and x_MI.dtype in GLUON_DTYPES and size_ok and M <= RAGGED_ROWS)
 
 
 def ragged_descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -254,13 +313,19 @@ def ragged_descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
 
 
 def grouped_mm_wgrad_gluon(x_MI: torch.Tensor, dy_MN: torch.Tensor, offsets_J: torch.Tensor,
-                           dw_LIN: torch.Tensor, programs: int | None = None) -> None:
-    """Fill ``dw_LIN`` (L, I, N), contiguous, in x's dtype, for operands ``wgrad_gluon_ok``
-    accepts. ``programs``: CTAs to launch (default one per SM; tests take fewer)."""
+                           dw_LIN: torch.Tensor, programs: int | None = None, accumulate: bool = False) -> None:
+    """Fill ``dw_LIN`` (L, I, N), contiguous, for operands ``wgrad_gluon_ok`` accepts: in x's
+    dtype, or fp32 (the sums unrounded), with ``accumulate`` added to its contents
+    (``moe.kernels.master_grad.accumulate_wgrad_``). ``programs``: CTAs to launch (default one
+    per SM; tests take fewer)."""
     L, I, N = dw_LIN.shape
+    fp32 = dw_LIN.dtype == torch.float32
+    if accumulate and not fp32:
+        raise ValueError(f"accumulate needs an fp32 dw_LIN, got {dw_LIN.dtype}")
     tiles = L * triton.cdiv(I, BLOCK_K) * triton.cdiv(N, BLOCK_N)
     _grouped_mm_wgrad_gluon_kernel[(min(programs or sm_count(x_MI.device), tiles),)](
         ragged_descriptor(x_MI, [BLOCK_M, WG_M]), ragged_descriptor(dy_MN, [BLOCK_M, BLOCK_N]),
-        descriptor(dw_LIN, [1, WG_M, BLOCK_N]), offsets_J, L, I, N, BLOCK_K=BLOCK_K,
-        BLOCK_N=BLOCK_N, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=4, maxnreg=MAX_NREG)
+        None if fp32 else descriptor(dw_LIN, [1, WG_M, BLOCK_N]), dw_LIN, offsets_J, L, I, N,
+        BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, STAGES=FP32_STAGES if fp32 else STAGES,
+        EPILOGUE=(2 if accumulate else 1) if fp32 else 0, CONSUMER_REGS=CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAX_NREG)

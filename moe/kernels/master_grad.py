@@ -29,6 +29,7 @@ import triton.language as tl
 
 from kernel_floor import INTERPRET, tma_ok
 from moe.kernels.grouped_mm_wgrad import grouped_mm_wgrad
+from moe.kernels.grouped_mm_wgrad_gluon import grouped_mm_wgrad_gluon, wgrad_gluon_ok
 from moe.kernels.grouped_mm_wgrad_tma import grouped_mm_wgrad_tma
 
 _BLOCK = 128 if INTERPRET else 4096
@@ -70,8 +71,9 @@ def accumulate_wgrad_(master: torch.Tensor, x_MI: torch.Tensor, dy_MN: torch.Ten
     """``master.grad += dw`` with ``dw[l] = x[rows of l]ᵀ @ dy[rows of l]`` (``grouped_mm_wgrad``
     with one segment per group), in fp32.
 
-    Where the Hopper wgrad kernel runs (16-bit rows, tensor descriptors, J = L, an fp32
-    row-major master and gradient) its epilogue adds the fp32 sums into ``.grad`` (writes them
+    Where the Hopper wgrad kernels run (16-bit rows, tensor descriptors, J = L, an fp32
+    row-major master and gradient; the Gluon one where ``wgrad_gluon_ok``) their epilogue adds
+    the fp32 sums into ``.grad`` (writes them
     when ``.grad`` is None): no 16-bit ``dw`` is written and read again, and the sums are not
     rounded to 16 bits on the way (so the result is closer to the fp32 truth than
     ``accumulate_master_grad_(master, grouped_mm_wgrad(...))``, not bit-equal to it). Elsewhere
@@ -94,7 +96,10 @@ def accumulate_wgrad_(master: torch.Tensor, x_MI: torch.Tensor, dy_MN: torch.Ten
         accumulate_master_grad_(master, grouped_mm_wgrad(x_MI, dy_MN, offsets_J, L))
         return
     with _fp32_grad(master) as (dst, first):
-        grouped_mm_wgrad_tma(x_MI, dy_MN, offsets_J, dst, accumulate=not first)
+        if wgrad_gluon_ok(x_MI, dst):
+            grouped_mm_wgrad_gluon(x_MI, dy_MN, offsets_J, dst, accumulate=not first)
+        else:
+            grouped_mm_wgrad_tma(x_MI, dy_MN, offsets_J, dst, accumulate=not first)
 
 
 def _fp32_grad_ok(master: torch.Tensor, device: torch.device) -> bool:
