@@ -609,7 +609,7 @@ def test_gpu_gluon_wgrad_fp32_equals_tma_kernel(sizes, padding, I, N, dtype, pro
     over NaN (every element written, empty groups +0), then an add into random values (empty
     groups leave them as they were); and ``accumulate_wgrad_`` routed to it (first micro-batch
     writes ``.grad``, the next adds) equal to it routed to the TMA kernel."""
-    from moe.kernels import grouped_mm_wgrad_gluon as w
+    from moe.kernels import grouped_mm_wgrad_gluon as w, master_grad
     from moe.kernels.grouped_mm_wgrad_tma import grouped_mm_wgrad_tma
     from moe.kernels.master_grad import accumulate_wgrad_
     if sizes == "random":
@@ -628,15 +628,19 @@ def test_gpu_gluon_wgrad_fp32_equals_tma_kernel(sizes, padding, I, N, dtype, pro
         assert torch.equal(dw.view(torch.int32), dw_tma.view(torch.int32)), accumulate
     ref = torch.stack([x[a:b].double().T @ dy[a:b].double() for a, b in zip([0, *offsets[:-1].tolist()], offsets.tolist())])
     assert _rel_err(dw_tma - start, ref) < TOLERANCE[dtype]
-    grads = []
+    grads, calls = [], []
+    gluon = master_grad.grouped_mm_wgrad_gluon
+    monkeypatch.setattr(master_grad, "grouped_mm_wgrad_gluon", lambda *a, **k: calls.append(k) or gluon(*a, **k))
+    monkeypatch.setattr(w, "FP32_MIN_GROUPS", 1)
+    monkeypatch.setattr(w, "FP32_MIN_ROWS_PER_GROUP", 0)
     for routed in (True, False):
         monkeypatch.setattr(w, "FP32_ROUTED", routed)
-        monkeypatch.setattr(w, "FP32_MIN_GROUPS", 1)
-        monkeypatch.setattr(w, "FP32_MIN_ROWS_PER_GROUP", 0)
         master = torch.zeros(len(sizes), I, N, device="cuda", requires_grad=True)
         accumulate_wgrad_(master, x, dy, offsets)
         accumulate_wgrad_(master, x, dy.flip(1), offsets)
         grads.append(master.grad)
+    # the Gluon kernel wrote .grad, then added (I and N multiples of 16), or the TMA one did
+    assert calls == ([{"accumulate": False}, {"accumulate": True}] if I % 16 == N % 16 == 0 else [])
     assert torch.equal(grads[0].view(torch.int32), grads[1].view(torch.int32))
 
 

@@ -31,8 +31,8 @@ reduced over the group's rows in chunks of 64.
 
   An fp32 dw (the master gradient's, ``moe.kernels.master_grad.accumulate_wgrad_``) is stored,
   or added to, straight from the accumulator's registers instead (``_store_fp32``): an fp32
-  half would take 64 KB of shared memory a consumer; the 16-bit store buffers' 64 KB go to a
-  fourth ring stage instead (``FP32_STAGES``).
+  half would take 64 KB of shared memory a consumer; the 16-bit store buffers' 64 KB make room
+  for a fourth ring stage (48 KB, ``FP32_STAGES``).
 
 Scope (``wgrad_gluon_ok``): sm_90, bf16/fp16 operands, dw in their dtype or fp32, one segment
 per group, TMA-addressable operands.
@@ -56,7 +56,7 @@ BLOCK_N = 256
 BLOCK_M = 64  # the reduction chunk: rows of x and dy
 GROUP_K = gl.constexpr(8)  # bands of 8 row tiles of dw[g], as the Triton wgrad
 STAGES = 3  # 3 × (16 + 32) KB of ring + 2 × 32 KB of store buffers, as the forward's
-FP32_STAGES = 4  # the fp32 epilogue stores from registers: its 64 KB of buffers go to a 4th stage
+FP32_STAGES = 4  # the fp32 epilogue stores from registers: the store buffers' room takes a 4th stage
 RAGGED_ROWS = 1 << 30  # the ragged view's row bound (triton.tools.ragged_tma's): more than any x has
 _RAGGED = gl.constexpr(RAGGED_ROWS)
 
@@ -257,21 +257,23 @@ def _grouped_mm_wgrad_gluon_kernel(x_desc, dy_desc, dw_desc, dw_ptr, offsets_ptr
 
 # Where it wins. Against grouped_mm_wgrad_tma, same bits out (H200, bf16, 5 alternating rounds,
 # bench/results/grouped_gemm_gluon.md, 2026-12-02), up / down projection: Mixtral (8 groups of
-# ~4096 rows) 1.038 / 1.043x, OLMoE (64 of ~2048) 1.140 / 1.101x, Qwen3-A3B (128 of ~1024)
-# 1.109 / 1.112x, DeepSeek-V3 (256 of ~256) 1.063 / 1.128x; the whole layer's fwd+bwd 1.004-1.040x
-# faster with it. So every group count; below 128 rows a group on average (half a tile's
-# chunks) it was not measured, and the Triton kernel keeps those.
+# ~2048 rows, dw[g] 4096 x 28672 / 14336 x 4096) 1.038 / 1.043x, OLMoE (64 of ~2048) 1.140 /
+# 1.101x, Qwen3-A3B (128 of ~1024) 1.109 / 1.112x, DeepSeek-V3 (256 of ~256) 1.063 / 1.128x; the
+# whole layer's fwd+bwd 1.004-1.040x faster with it. So every group count; below 128 rows a group
+# on average (half a tile's chunks) it was not measured, and the Triton kernel keeps those.
 MIN_GROUPS = 1
 MIN_ROWS_PER_GROUP = 128
 ROUTED = True
 # The fp32 add epilogue (the master gradient's: from registers, 4 ring stages) against
-# grouped_mm_wgrad_tma's, same bits out (H200, 5 alternating rounds, 2026-12-02,
-# bench/results/grouped_gemm_gluon.md's "wgrad += fp32" rows), up / down: OLMoE (64 groups of
-# ~2048 rows) 1.060 / 1.036x, Qwen3-A3B (128 of ~1024) 1.001 / 1.015x, but Mixtral (8 of ~4096)
-# 0.962 / 0.950x and DeepSeek-V3 (256 of ~256: the 30 GB fp32 dw read and written against ~4
-# chunks a tile) 0.897 / 0.867x. Why it loses there is not profiled (each quarter's loads are
-# waited for before the next quarter's, where the TMA kernel's 8 warps hide more of them: a
-# guess). So from 16 groups of 1024 rows on average.
+# grouped_mm_wgrad_tma's, same values out (same run, the "wgrad += fp32" rows), up / down: OLMoE
+# 1.060 / 1.036x, Qwen3-A3B 1.001 / 1.015x (parity: A-vs-A 1.011-1.012), but Mixtral 0.962 /
+# 0.950x and DeepSeek-V3 0.897 / 0.867x (its 30 GB fp32 dw read and written, about 12 ms of HBM
+# traffic, against about 8 ms of matmul). Why it loses on those is not profiled (a guess: each
+# quarter's loads are waited for before the next quarter's, where the TMA kernel's 8 warps a
+# tile hide more of them). So from 16 groups (Mixtral's 8 lose, at as many rows a group as
+# OLMoE's that win: the count stands for "not Mixtral", nothing more is known) of 1024 rows on
+# average (DeepSeek-V3's 256 lose), with I and N multiples of 16 (otherwise the stores are
+# 4-byte ones and the add spills: sm_90 compile, not measured).
 FP32_ROUTED = True
 FP32_MIN_GROUPS = 16
 FP32_MIN_ROWS_PER_GROUP = 1024
@@ -281,16 +283,18 @@ def wgrad_gluon_ok(x_MI: torch.Tensor, dw_LIN: torch.Tensor) -> bool:
     """Whether ``grouped_mm_wgrad_gluon`` serves this weight gradient (the caller has checked
     what ``grouped_mm_wgrad_tma`` needs: 16-bit, aligned rows, one segment per group): an sm_90
     GPU, rows the ragged view can address, ``ROUTED`` and ``grouped_mm_gluon.ENABLED``, and the
-    measured range where it beats the Triton kernel, by x's rows over the groups (padding
+    measured range where it beats (fp32: matches or beats) the Triton kernel, by x's rows over the groups (padding
     included: the group sizes are on the device): for dw in the operands' dtype at least
     ``MIN_GROUPS`` groups of ``MIN_ROWS_PER_GROUP`` rows on average; for a contiguous fp32 dw
-    (the master gradient's, with ``FP32_ROUTED``) ``FP32_MIN_GROUPS`` of ``FP32_MIN_ROWS_PER_GROUP``."""
+    (the master gradient's, with ``FP32_ROUTED``) ``FP32_MIN_GROUPS`` of ``FP32_MIN_ROWS_PER_GROUP``,
+    I and N multiples of 16."""
     L, M = dw_LIN.shape[0], x_MI.shape[0]
     if dw_LIN.dtype == x_MI.dtype:
         size_ok = L >= MIN_GROUPS and MIN_ROWS_PER_GROUP * L <= M
     else:
         size_ok = (FP32_ROUTED and dw_LIN.dtype == torch.float32 and dw_LIN.is_contiguous()
-                   and L >= FP32_MIN_GROUPS and FP32_MIN_ROWS_PER_GROUP * L <= M)
+                   and L >= FP32_MIN_GROUPS and FP32_MIN_ROWS_PER_GROUP * L <= M
+                   and dw_LIN.shape[1] % 16 == 0 and dw_LIN.shape[2] % 16 == 0)
     return (ROUTED and grouped_mm_gluon.ENABLED and x_MI.is_cuda and capability(x_MI.device) == (9, 0)
             and x_MI.dtype in GLUON_DTYPES and size_ok and M <= RAGGED_ROWS)
 
@@ -322,6 +326,8 @@ def grouped_mm_wgrad_gluon(x_MI: torch.Tensor, dy_MN: torch.Tensor, offsets_J: t
     fp32 = dw_LIN.dtype == torch.float32
     if accumulate and not fp32:
         raise ValueError(f"accumulate needs an fp32 dw_LIN, got {dw_LIN.dtype}")
+    if fp32 and not dw_LIN.is_contiguous():  # the fp32 epilogue addresses dw by its shape
+        raise ValueError(f"an fp32 dw_LIN must be contiguous, got strides {dw_LIN.stride()}")
     tiles = L * triton.cdiv(I, BLOCK_K) * triton.cdiv(N, BLOCK_N)
     _grouped_mm_wgrad_gluon_kernel[(min(programs or sm_count(x_MI.device), tiles),)](
         ragged_descriptor(x_MI, [BLOCK_M, WG_M]), ragged_descriptor(dy_MN, [BLOCK_M, BLOCK_N]),
