@@ -71,6 +71,11 @@ def write_row(path: str, md: list[str], row: str, append: bool) -> None:
     if append and os.path.exists(path):
         with open(path) as f:
             md = f.read().rstrip("\n").split("\n")
+        rules = [line for line in md if line.startswith("|---") or line.startswith("| ---")]
+        if not rules or rules[-1].count("|") != row.count("|"):
+            raise ValueError(f"--append: the last table in {path} has "
+                             f"{rules[-1].count('|') - 1 if rules else 0} columns, this row "
+                             f"{row.count('|') - 1}; write a new table (no --append) or another --out")
     write_results(path, "\n".join([*md, row]) + "\n")
 
 

@@ -2,7 +2,9 @@
 weights cast once per optimizer step, gradients added into ``.grad`` in one pass or, for the
 SwiGLU MLP on Hopper, in the wgrad kernel's epilogue) against the plain per-micro-batch
 ``w.to(bf16)``, in one trainer, alternated; ``two-pass``: the master-weight step without that
-epilogue (the 16-bit weight gradient written, then added by a second pass).
+epilogue (the 16-bit weight gradient written, then added by a second pass); ``tma-fp32``: the
+epilogue always in the Triton TMA kernel (``grouped_mm_wgrad_gluon.FP32_ROUTED`` off), where
+``wgrad_gluon_ok`` would route it to the Gluon one.
 
     torchrun --standalone --nproc_per_node=1 bench/master_weights.py --accum 16 --rounds 5 [--append] \
         --model.n_layers=6 --parallel.ep=1 --data.tokenizer=bytes
@@ -32,6 +34,7 @@ from moe import master_weight_step  # noqa: E402
 
 # the module, not the function moe.kernels re-exports under the same name
 grouped_mm_module = importlib.import_module("moe.kernels.grouped_mm")
+wgrad_gluon_module = importlib.import_module("moe.kernels.grouped_mm_wgrad_gluon")
 
 
 @contextlib.contextmanager
@@ -47,7 +50,20 @@ def two_pass_step(model):
         grouped_mm_module.master_of = plain_master_of
 
 
-VARIANTS = {"anchor": lambda model: contextlib.nullcontext(), "two_pass": two_pass_step, "ours": master_weight_step}
+@contextlib.contextmanager
+def tma_fp32_step(model):
+    """``master_weight_step`` with the fp32 master-gradient epilogue kept in the Triton TMA kernel."""
+    routed = wgrad_gluon_module.FP32_ROUTED
+    wgrad_gluon_module.FP32_ROUTED = False
+    try:
+        with master_weight_step(model):
+            yield
+    finally:
+        wgrad_gluon_module.FP32_ROUTED = routed
+
+
+VARIANTS = {"anchor": lambda model: contextlib.nullcontext(), "two_pass": two_pass_step, "tma_fp32": tma_fp32_step,
+            "ours": master_weight_step}
 
 
 def main() -> None:
@@ -63,12 +79,12 @@ def main() -> None:
 
     md = header("Experts' master-weight step vs the per-micro-batch cast, training steps", "bench/master_weights.py",
                 f"model: {args.config} with {' '.join(extra) or 'no overrides'}",
-                f"{args.rounds} rounds alternating anchor / two-pass / ours, {args.steps} timed optimizer steps each (one "
+                f"{args.rounds} rounds alternating anchor / two-pass / tma-fp32 / ours, {args.steps} timed optimizer steps each (one "
                 "untimed step before), one trainer; ratio = median over rounds of the other's / ours step time (> 1: "
                 "ours faster)")
-    md += ["| grad accum | tokens/step | anchor ms/step | two-pass ms/step | ours ms/step | anchor / ours | two-pass / ours "
-           "| A-vs-A | ours tokens/s | ours MFU | peak GB |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    md += ["| grad accum | tokens/step | anchor ms/step | two-pass ms/step | tma-fp32 ms/step | ours ms/step | anchor / ours "
+           "| two-pass / ours | tma-fp32 / ours | A-vs-A | ours tokens/s | ours MFU | peak GB |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     trainer = bench_trainer(args.config, 1_000_000, [f"--train.grad_accum={args.accum}", *extra])
     for _ in range(2):  # autotuning and allocator warm-up
         trainer.train_step()
@@ -80,8 +96,9 @@ def main() -> None:
             times[name].append(timed_steps(trainer, args.steps) / 1e3)
     c = step_cells(trainer, times["anchor"], times["ours"])
     two_pass = step_cells(trainer, times["two_pass"], times["ours"])
-    row = (f"| {args.accum} | {trainer.tokens_per_step:,} | {c['anchor']} | {two_pass['anchor']} | {c['ours']} | "
-           f"{c['ratio']} | {two_pass['ratio']} | {c['a_vs_a']} | {c['tokens_s']} | {c['mfu']} | "
+    tma_fp32 = step_cells(trainer, times["tma_fp32"], times["ours"])
+    row = (f"| {args.accum} | {trainer.tokens_per_step:,} | {c['anchor']} | {two_pass['anchor']} | {tma_fp32['anchor']} | "
+           f"{c['ours']} | {c['ratio']} | {two_pass['ratio']} | {tma_fp32['ratio']} | {c['a_vs_a']} | {c['tokens_s']} | {c['mfu']} | "
            f"{torch.cuda.max_memory_allocated() / 1e9:.1f} |")
     write_row(args.out, md, row, args.append)
 
