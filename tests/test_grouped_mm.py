@@ -609,7 +609,7 @@ def test_gpu_gluon_wgrad_fp32_equals_tma_kernel(sizes, padding, I, N, dtype, pro
     over NaN (every element written, empty groups +0), then an add into random values (empty
     groups leave them as they were); and ``accumulate_wgrad_`` routed to it (first micro-batch
     writes ``.grad``, the next adds) equal to it routed to the TMA kernel."""
-    from moe.kernels import grouped_mm_wgrad_gluon as w, master_grad
+    from moe.kernels import grouped_mm_wgrad, grouped_mm_wgrad_gluon as w
     from moe.kernels.grouped_mm_wgrad_tma import grouped_mm_wgrad_tma
     from moe.kernels.master_grad import accumulate_wgrad_
     if sizes == "random":
@@ -629,8 +629,8 @@ def test_gpu_gluon_wgrad_fp32_equals_tma_kernel(sizes, padding, I, N, dtype, pro
     ref = torch.stack([x[a:b].double().T @ dy[a:b].double() for a, b in zip([0, *offsets[:-1].tolist()], offsets.tolist())])
     assert _rel_err(dw_tma - start, ref) < TOLERANCE[dtype]
     grads, calls = [], []
-    gluon = master_grad.grouped_mm_wgrad_gluon
-    monkeypatch.setattr(master_grad, "grouped_mm_wgrad_gluon", lambda *a, **k: calls.append(k) or gluon(*a, **k))
+    gluon = grouped_mm_wgrad.grouped_mm_wgrad_gluon  # hopper_wgrad_'s, which accumulate_wgrad_ calls
+    monkeypatch.setattr(grouped_mm_wgrad, "grouped_mm_wgrad_gluon", lambda *a, **k: calls.append(k) or gluon(*a, **k))
     monkeypatch.setattr(w, "FP32_MIN_GROUPS", 1)
     monkeypatch.setattr(w, "FP32_MIN_ROWS_PER_GROUP", 0)
     for routed in (True, False):

@@ -152,6 +152,17 @@ def grouped_mm_wgrad_kernel(
             tl.store(dw_ptrs, out, mask=(offs_kt < K)[:, None] & (offs_nt < N)[None, :])
 
 
+def hopper_wgrad_(x_MI: torch.Tensor, dy_MN: torch.Tensor, offsets_J: torch.Tensor, dw_LIN: torch.Tensor,
+                  accumulate: bool = False) -> None:
+    """Fill ``dw_LIN`` (16-bit, or fp32 and with ``accumulate`` added into) with one segment per
+    group: ``grouped_mm_wgrad_gluon`` where ``wgrad_gluon_ok``, else ``grouped_mm_wgrad_tma``, for
+    operands the latter takes (checked by the caller: 16-bit, TMA-addressable, J = L)."""
+    if wgrad_gluon_ok(x_MI, dw_LIN):
+        grouped_mm_wgrad_gluon(x_MI, dy_MN, offsets_J, dw_LIN, accumulate=accumulate)
+    else:
+        grouped_mm_wgrad_tma(x_MI, dy_MN, offsets_J, dw_LIN, accumulate=accumulate)
+
+
 def grouped_mm_wgrad(x_MI: torch.Tensor, dy_MN: torch.Tensor, offsets_J: torch.Tensor,
                      num_groups: int | None = None) -> torch.Tensor:
     """``dw[l] = Σ_{s % L = l} x[rows of s]ᵀ @ dy[rows of s]``; groups with no rows give zeros.
@@ -186,10 +197,7 @@ def grouped_mm_wgrad(x_MI: torch.Tensor, dy_MN: torch.Tensor, offsets_J: torch.T
         return dw
     tma = tma_ok(x_MI, dy_MN, dw)
     if tma and J == L and x_MI.dtype != torch.float32:
-        if wgrad_gluon_ok(x_MI, dw):
-            grouped_mm_wgrad_gluon(x_MI, dy_MN, offsets_J, dw)
-        else:
-            grouped_mm_wgrad_tma(x_MI, dy_MN, offsets_J, dw)
+        hopper_wgrad_(x_MI, dy_MN, offsets_J, dw)
         return dw
     if tma:
         use_tensor_descriptors()

@@ -28,9 +28,7 @@ import triton
 import triton.language as tl
 
 from kernel_floor import INTERPRET, tma_ok
-from moe.kernels.grouped_mm_wgrad import grouped_mm_wgrad
-from moe.kernels.grouped_mm_wgrad_gluon import grouped_mm_wgrad_gluon, wgrad_gluon_ok
-from moe.kernels.grouped_mm_wgrad_tma import grouped_mm_wgrad_tma
+from moe.kernels.grouped_mm_wgrad import grouped_mm_wgrad, hopper_wgrad_
 
 _BLOCK = 128 if INTERPRET else 4096
 
@@ -96,10 +94,7 @@ def accumulate_wgrad_(master: torch.Tensor, x_MI: torch.Tensor, dy_MN: torch.Ten
         accumulate_master_grad_(master, grouped_mm_wgrad(x_MI, dy_MN, offsets_J, L))
         return
     with _fp32_grad(master) as (dst, first):
-        if wgrad_gluon_ok(x_MI, dst):
-            grouped_mm_wgrad_gluon(x_MI, dy_MN, offsets_J, dst, accumulate=not first)
-        else:
-            grouped_mm_wgrad_tma(x_MI, dy_MN, offsets_J, dst, accumulate=not first)
+        hopper_wgrad_(x_MI, dy_MN, offsets_J, dst, accumulate=not first)
 
 
 def _fp32_grad_ok(master: torch.Tensor, device: torch.device) -> bool:
