@@ -45,14 +45,20 @@ SHAPES = [("Mixtral", 8, 4096, 14336, 8192, 2), ("OLMoE", 64, 2048, 1024, 16384,
           ("Qwen3-A3B", 128, 2048, 768, 16384, 8), ("DeepSeek-V3", 256, 7168, 2048, 8192, 8)]
 
 
-def _cases(E, D, F, T, K):
-    """(projection, what, ``{impl: fn}``, flops, bit-equal) per kernel case of one shape."""
+KERNEL_CASES = ("fwd", "dgrad", "wgrad", "wgrad += fp32")
+
+
+def _cases(E, D, F, T, K, whats=KERNEL_CASES):
+    """(projection, what, ``{impl: fn}``, flops, bit-equal) per kernel case of one shape, for the
+    cases in ``whats``."""
     M = T * K
     offsets = torch.bincount(torch.randint(0, E, (M,), device="cuda"), minlength=E).cumsum(0).to(torch.int32)
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     for proj, I, N in (("up", D, 2 * F), ("down", F, D)):
-        w = torch.randn(E, I, N, **bf16) / I**0.5
+        w = torch.randn(E, I, N, **bf16) / I**0.5 if {"fwd", "dgrad"} & set(whats) else None
         for what in ("fwd", "dgrad"):
+            if what not in whats:
+                continue
             a, b, n = (torch.randn(M, I, **bf16), w, N) if what == "fwd" else (torch.randn(M, N, **bf16), w.transpose(1, 2), I)
             y_gluon, y_tma = torch.empty(M, n, **bf16), torch.empty(M, n, **bf16)
             fns = {"gluon": lambda a=a, b=b, y=y_gluon: grouped_mm_gluon.grouped_mm_gluon(a, b, offsets, y),
@@ -61,15 +67,18 @@ def _cases(E, D, F, T, K):
             use_tensor_descriptors()
             fns["gluon"](), fns["tma"]()
             yield proj, what, fns, 2 * M * I * N, torch.equal(y_gluon, y_tma)
+        w = None
         x, dy = torch.randn(M, I, **bf16), torch.randn(M, N, **bf16)
-        dw_gluon, dw_tma = torch.empty(E, I, N, **bf16), torch.empty(E, I, N, **bf16)
-        fns = {"gluon": lambda: grouped_mm_wgrad_gluon.grouped_mm_wgrad_gluon(x, dy, offsets, dw_gluon),
-               "tma": lambda: grouped_mm_wgrad_tma(x, dy, offsets, dw_tma),
-               "anchor": lambda: torch._grouped_mm(x.t(), dy, offs=offsets)}
-        fns["gluon"](), fns["tma"]()
-        yield proj, "wgrad", fns, 2 * M * I * N, torch.equal(dw_gluon, dw_tma)
-        dw_gluon = dw_tma = None  # freed (the caller timed them) before the fp32 dw is allocated
-        yield proj, "wgrad += fp32", *_fp32_add_case(x, dy, offsets, E, I, N)
+        if "wgrad" in whats:
+            dw_gluon, dw_tma = torch.empty(E, I, N, **bf16), torch.empty(E, I, N, **bf16)
+            fns = {"gluon": lambda: grouped_mm_wgrad_gluon.grouped_mm_wgrad_gluon(x, dy, offsets, dw_gluon),
+                   "tma": lambda: grouped_mm_wgrad_tma(x, dy, offsets, dw_tma),
+                   "anchor": lambda: torch._grouped_mm(x.t(), dy, offs=offsets)}
+            fns["gluon"](), fns["tma"]()
+            yield proj, "wgrad", fns, 2 * M * I * N, torch.equal(dw_gluon, dw_tma)
+            dw_gluon = dw_tma = None  # freed (the caller timed them) before the fp32 dw is allocated
+        if "wgrad += fp32" in whats:
+            yield proj, "wgrad += fp32", *_fp32_add_case(x, dy, offsets, E, I, N)
 
 
 def _fp32_add_case(x, dy, offsets, E, I, N):
@@ -96,9 +105,7 @@ def bench_kernels(rounds, names, fp32_only):
         if name not in names:
             continue
         torch.manual_seed(0)
-        for proj, what, fns, flops, same in _cases(*shape):
-            if fp32_only and what != "wgrad += fp32":
-                continue
+        for proj, what, fns, flops, same in _cases(*shape, ("wgrad += fp32", ) if fp32_only else KERNEL_CASES):
             t = alternate({**fns, "gluon_again": fns["gluon"]}, rounds)
             rows.append(f"| {name} {proj} | {what} | {flops / statistics.median(t['gluon']) / 1e9:.0f} | "
                         f"{flops / statistics.median(t['tma']) / 1e9:.0f} | "
