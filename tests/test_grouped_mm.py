@@ -549,6 +549,19 @@ print(json.dumps(out))
 """
 
 
+def _wgrad_operands(sizes, padding, I, N, dtype):
+    """The Gluon weight-gradient tests' operands on the GPU: group sizes ("random": 130 of 0-299
+    rows), their int32 offsets, and x (M, I), dy (M, N) with ``padding`` rows of NaN past the
+    groups (were they read, they would poison dw)."""
+    if sizes == "random":
+        sizes = torch.randint(0, 300, (130,)).tolist()
+    offsets = _offsets(sizes, "cuda", torch.int32)
+    x = torch.randn(sum(sizes) + padding, I, device="cuda").to(dtype)
+    dy = torch.randn(x.shape[0], N, device="cuda").to(dtype)
+    x[sum(sizes):], dy[sum(sizes):] = float("nan"), float("nan")
+    return sizes, offsets, x, dy
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="the Gluon grouped GEMM is sm_90's")
 @pytest.mark.parametrize("sizes, padding, I, N, dtype, programs", [
@@ -573,12 +586,7 @@ def test_gpu_gluon_wgrad_matches_reference(sizes, padding, I, N, dtype, programs
     in a ragged chunk (the ragged view's row bound) contribute nothing."""
     from moe.kernels.grouped_mm_wgrad_gluon import grouped_mm_wgrad_gluon
     from moe.kernels.grouped_mm_wgrad_tma import grouped_mm_wgrad_tma
-    if sizes == "random":
-        sizes = torch.randint(0, 300, (130,)).tolist()
-    offsets = _offsets(sizes, "cuda", torch.int32)
-    x = torch.randn(sum(sizes) + padding, I, device="cuda").to(dtype)
-    dy = torch.randn(x.shape[0], N, device="cuda").to(dtype)
-    x[sum(sizes):], dy[sum(sizes):] = float("nan"), float("nan")  # read, they would poison dw
+    sizes, offsets, x, dy = _wgrad_operands(sizes, padding, I, N, dtype)
     dw = torch.full((len(sizes), I, N), float("nan"), device="cuda", dtype=dtype)
     grouped_mm_wgrad_gluon(x, dy, offsets, dw, programs=programs)
     dw_tma = torch.full_like(dw, float("nan"))
@@ -612,12 +620,7 @@ def test_gpu_gluon_wgrad_fp32_equals_tma_kernel(sizes, padding, I, N, dtype, pro
     from moe.kernels import grouped_mm_wgrad, grouped_mm_wgrad_gluon as w
     from moe.kernels.grouped_mm_wgrad_tma import grouped_mm_wgrad_tma
     from moe.kernels.master_grad import accumulate_wgrad_
-    if sizes == "random":
-        sizes = torch.randint(0, 300, (130,)).tolist()
-    offsets = _offsets(sizes, "cuda", torch.int32)
-    x = torch.randn(sum(sizes) + padding, I, device="cuda").to(dtype)
-    dy = torch.randn(x.shape[0], N, device="cuda").to(dtype)
-    x[sum(sizes):], dy[sum(sizes):] = float("nan"), float("nan")
+    sizes, offsets, x, dy = _wgrad_operands(sizes, padding, I, N, dtype)
     for accumulate in (False, True):
         start = torch.full((len(sizes), I, N), float("nan"), device="cuda")
         if accumulate:
