@@ -21,10 +21,11 @@ nothing on Hopper (same registers and spills, no ``setmaxnreg``), and tensor-des
 - Operands stay in shared memory (K and V as wgmma's B operand, Q as A); P goes to the P·V matmul
   from registers. The output reuses Q's slot for its TMA store.
 - **Persistent.** One CTA per SM walks work units (one tile; causal: the tiles m and n_m − 1 − m
-  together, so every unit costs the same). Q has two buffers: the producer loads the next tile's
-  Q and K/V while the consumers finish the current one, and a tile's output store runs while
-  the consumers wait for the next tile's Q. One loop serves all of a tile's key blocks, masked or
-  not (``_consumer`` says why). Against the one-CTA-per-tile version (H100, 5 alternating rounds,
+  together, so every unit costs the same). Q has two buffers (three for ``cross_tile``): the
+  producer loads the next tile's Q and K/V while the consumers finish the current one, and a
+  tile's output store runs while the consumers work on. One loop serves all of a tile's key
+  blocks, masked or not (``_consumer`` says why); at Hd 128 on short sequences it serves all of
+  the CTA's tiles, a tile's last P·V hidden behind the next tile's first softmax (``plan``). Against the one-CTA-per-tile version (H100, 5 alternating rounds,
   same bits out), against cuDNN: S 1024 0.93 → 1.00–1.02× non-causal, 0.89 → 0.98× causal; S 2048
   0.95 → 0.98–1.01×, 0.94 → 1.04–1.06×; S 4096 0.97 → 0.99–1.03×, 0.98 → 1.07–1.08×.
 
@@ -69,6 +70,8 @@ class Plan:
     warpgroups: int
     block_n: int = 128
     stages: int = 2
+    q_buffers: int = 2  # Q (and output) buffers: _consumer says why cross_tile takes three
+    cross_tile: bool = False  # the CTA's tiles as one stream of block steps (_consumer)
     half_diagonal: bool = False  # consumer 0's diagonal step over half the keys (_consumer; causal only)
 
     @property
@@ -105,10 +108,27 @@ WIDE_HD64_FROM = 4096
 # 4k. Why is not profiled: there the matmuls rather than the 64×128 softmax bound a step, so the
 # saved quarter block buys less, against the consumers' uneven tiles and consumer 0's larger code.
 # Only the two-consumer tiling can take it (tile = one key block).
+
+# The CTA's tiles as one stream of block steps (``cross_tile``, three Q buffers) against a loop per
+# tile, same bits out (H200, bf16, B·S 16k, H 16, forward, 5 alternating rounds, probe 2026-12-02;
+# bench/results/attention.md), the stream's speed: Hd 128 S 1k 1.020× causal and 1.015×
+# non-causal, S 2k 0.997 / 1.005, S 4k 0.983 / 1.008, S 16k 0.981 / 0.976 (A-vs-A 0.983–1.006).
+# A tile's fixed costs (its first S awaited alone, its last P·V and output store with the tensor
+# cores idle, both consumers at once) weigh where tiles are short; the stream's larger loop (the
+# output code sits in it) costs a little on every step. At Hd 64 the stream lost 2–12 % at every
+# length (its loop 926 SASS instructions against 684 at three consumers; and consumer 0's half
+# diagonal cannot be taken in it).
+CROSS_TILE_HD128_TO = 2048
+
+
 def plan(head_dim: int, seq_len: int) -> Plan:
     """The tiling ``hopper_forward`` launches for this head dim and length."""
-    wide = head_dim == 64 and seq_len >= WIDE_HD64_FROM
-    return Plan(warpgroups=3 if wide else 2, half_diagonal=head_dim == 64 and not wide)
+    if head_dim == 128:
+        if seq_len <= CROSS_TILE_HD128_TO:
+            return Plan(warpgroups=2, q_buffers=3, cross_tile=True)
+        return Plan(warpgroups=2)
+    wide = seq_len >= WIDE_HD64_FROM
+    return Plan(warpgroups=3 if wide else 2, half_diagonal=not wide)
 
 
 # Small calls are bound by host time, so the cheaper launch wins. Since this kernel launches
@@ -164,11 +184,13 @@ def _tile(u, t, n_m, H, GROUP, SK, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
 @gluon.jit
 def _producer(a, CAUSAL: gl.constexpr):
     """One warp: for each tile, its Q slots, then every K/V block through the ring. It runs
-    ahead into the next tile (Q has two buffers) while the consumers finish the current one."""
+    ahead into the next tile (Q has two or three buffers) while the consumers finish the current
+    one."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
      k_empty, v_empty, LSE, H, GROUP, SQ, SK, n_m, n_units, qk_scale) = a
     NSTAGE: gl.constexpr = k_smem.type.shape[0]
-    NWG: gl.constexpr = q_smem.type.shape[0] // 2
+    NQ: gl.constexpr = q_empty.type.shape[0]
+    NWG: gl.constexpr = q_smem.type.shape[0] // NQ
     ROWS: gl.constexpr = q_smem.type.shape[3]
     BN: gl.constexpr = k_smem.type.shape[3]
     tc = 0  # tiles done by this CTA: picks the Q buffer and its phase
@@ -177,10 +199,10 @@ def _producer(a, CAUSAL: gl.constexpr):
         for t in range(_unit_tiles(u, n_m, CAUSAL)):
             b, h, hk, _, start_m, n_blocks = _tile(u, t, n_m, H, GROUP, SK, CAUSAL, NWG * ROWS,
                                                    BN)
-            qb = tc % 2
+            qb = tc % NQ
             # A fresh mbarrier counts as having completed the phase before 0, so the first use
             # of each buffer (and the first pass through the ring) does not wait.
-            mbarrier.wait(q_empty.index(qb), ((tc // 2) & 1) ^ 1)
+            mbarrier.wait(q_empty.index(qb), ((tc // NQ) & 1) ^ 1)
             for w in gl.static_range(NWG):
                 mbarrier.expect(q_bars.index(NWG * qb + w), q_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [b, h, start_m + w * ROWS, 0],
@@ -202,17 +224,61 @@ def _producer(a, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _kv_step(a, q_tile, p, m_i, l_i, acc, it, j, my_m, CAUSAL: gl.constexpr, s_zero,
-             s_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr):
-    """Key block ``j`` of the tile, ``it`` of the ring (the CTA's count): S = Q·Kᵀ runs beside
-    the previous block's O += P·V, whose softmax it follows. Returns this block's P, already the
-    16-bit P·V operand, and the updated m, l and O. S covers the block's first ``s_zero.shape[1]``
-    keys (all of them, or the half a diagonal block shows consumer 0: ``_consumer``); m and l
-    come and go in the caller's row layout.
+def _store_tile(a, acc, m_i, l_i, tile, WG: gl.constexpr, CAUSAL: gl.constexpr,
+                row_s: gl.constexpr, row_o: gl.constexpr):
+    """Consumer ``WG``'s rows of a finished tile (``tile``: its unit, its index in the unit and
+    the CTA's count of tiles before it): O = acc / l out through the tile's Q slot (its Q is no
+    longer read) by a TMA store left in flight, and the base-2 LSE by plain stores. The tile's
+    head is recomputed here rather than held in registers through the loop."""
+    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
+     k_empty, v_empty, LSE, H, GROUP, SQ, SK, n_m, n_units, qk_scale) = a
+    NQ: gl.constexpr = q_empty.type.shape[0]
+    NWG: gl.constexpr = q_smem.type.shape[0] // NQ
+    ROWS: gl.constexpr = q_smem.type.shape[3]
+    HEAD_D: gl.constexpr = q_smem.type.shape[4]
+    BN: gl.constexpr = k_smem.type.shape[3]
+    u, t, tc = tile
+    b, h, _, bh, start_m, _ = _tile(u, t, n_m, H, GROUP, SK, CAUSAL, NWG * ROWS, BN)
+    my_m = start_m + WG * ROWS
+    slot = NWG * (tc % NQ) + WG
+    seen = l_i > 0
+    l_safe = gl.where(seen, l_i, 1.0)
+    o_tile = q_smem.index(slot).reshape([ROWS, HEAD_D])
+    # One reciprocal a row, not a division an element: the division's SASS sequence (64 of them
+    # a thread) inside the block loop's code doubled the loop, and three consumers' loops then
+    # overflow the instruction cache (module docstring).
+    o_tile.store((acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]).to(q_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, my_m, 0], q_smem.index(slot))
+    offs_m = my_m + gl.arange(0, ROWS, layout=row_s)
+    gl.store(LSE + bh.to(gl.int64) * SQ + offs_m,
+             gl.where(seen, m_i + gl.log2(l_safe), float("inf")), mask=offs_m < SQ)
 
-    - At ``j == 0`` there is no previous block: ``p`` is zero and multiplies this block's own V
-      (loaded data), a product that adds nothing (unless V holds inf or NaN, which any masked
-      entry's zero would meet too); its slot is released by the real one.
+
+@gluon.jit
+def _kv_step(a, q_tile, p, m_i, l_i, acc, it, j, my_m, prev, pv_acc, WG: gl.constexpr,
+             CAUSAL: gl.constexpr, CROSS_TILE: gl.constexpr, s_zero, s_layout: gl.constexpr,
+             p_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Key block ``j`` of the tile, ``it`` of the ring (the CTA's count, across its tiles):
+    S = Q·K(it)ᵀ runs beside the previous block's O += P·V, whose softmax it follows. Returns
+    this block's P, already the 16-bit P·V operand, and the updated m, l and O. S covers the
+    block's first ``s_zero.shape[1]`` keys (all of them, or the half a diagonal block shows
+    consumer 0: ``_consumer``); m and l come and go in the caller's row layout.
+
+    - ``CROSS_TILE``: the previous block may be the previous tile's last. At ``j == 0`` the P·V
+      just issued finished that tile (``prev``: its unit, its tile in the unit and the CTA's
+      tile count), so its rows leave here (``_store_tile``), after this tile's first softmax:
+      a tile's last P·V hides behind the next tile's first S and softmax. A tile's O starts in
+      its first P·V (``pv_acc`` false: the block before was its tile's first), not from zeros
+      written at ``j == 0``: O passes no branch or select, which made ptxas copy the
+      accumulator around every wgmma (SASS: 32 warpgroup waits and 168 moves in the loop
+      against 4 and 6; 0.78–0.87× the forward before, H200). So O holds garbage after
+      ``j == 0``, never read. Only the CTA's first step has no previous block: its P is zero
+      and multiplies this block's own V, a product that is discarded.
+    - Without it the caller starts each tile with zero O and P and ends it with the last P·V;
+      at ``j == 0`` the zero P multiplies this block's own V (loaded data), a product that
+      adds nothing (unless V holds inf or NaN, which any masked entry's zero would meet too);
+      its slot is released by the real one.
     - The mask costs only where a block crosses the sequence end or the warpgroup's diagonal,
       a uniform branch around the select; the softmax after it is one copy for every block. No
       running max stays -inf past block 0 (Sq == Sk and no window: every row sees key 0), so
@@ -228,15 +294,19 @@ def _kv_step(a, q_tile, p, m_i, l_i, acc, it, j, my_m, CAUSAL: gl.constexpr, s_z
     KEYS: gl.constexpr = s_zero.shape[1]
     row_in: gl.constexpr = m_i.type.layout
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     s = it % NSTAGE
     mbarrier.wait(k_ready.index(s), (it // NSTAGE) & 1)
     k_tile = k_smem.index(s).reshape([BN, HEAD_D]).slice(0, KEYS)
     s_acc = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    vit = it - (j > 0).to(gl.int32)
+    if CROSS_TILE:
+        vit = it - (it > 0).to(gl.int32)
+    else:
+        vit = it - (j > 0).to(gl.int32)
     vs = vit % NSTAGE
     mbarrier.wait(v_ready.index(vs), (vit // NSTAGE) & 1)
     v_tile = v_smem.index(vs).reshape([BN, HEAD_D])
-    acc = warpgroup_mma(p, v_tile, acc, is_async=True)
+    acc = warpgroup_mma(p, v_tile, acc, use_acc=pv_acc, is_async=True)
     s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))
     mbarrier.arrive(k_empty.index(s), count=1)
     start_n = j * BN
@@ -250,20 +320,32 @@ def _kv_step(a, q_tile, p, m_i, l_i, acc, it, j, my_m, CAUSAL: gl.constexpr, s_z
             rows = my_m + gl.arange(0, s_acc.shape[0], layout=gl.SliceLayout(1, s_layout))
             keep = keep & (rows[:, None] >= cols[None, :])
         s_acc = gl.where(keep, s_acc, float("-inf"))
-    m_i = gl.convert_layout(m_i, row_s)  # no-ops: a row's threads do not depend on S's width
-    m_new = gl.maximum(m_i, gl.max(s_acc, 1) * qk_scale)
+    m_old = gl.convert_layout(m_i, row_s)  # no-ops: a row's threads do not depend on S's width
+    l_old = gl.convert_layout(l_i, row_s)
+    if CROSS_TILE:
+        m_old_run = gl.where(j > 0, m_old, float("-inf"))  # a new tile's rows have seen nothing
+    else:
+        m_old_run = m_old  # the caller's fresh -inf at j == 0
+    m_new = gl.maximum(m_old_run, gl.max(s_acc, 1) * qk_scale)
     p32 = gl.exp2(s_acc * qk_scale - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    l_i = gl.convert_layout(l_i, row_s) * alpha + gl.sum(p32, 1)
+    alpha = gl.exp2(m_old_run - m_new)  # 0 at j == 0, where (CROSS_TILE) l_old is the last tile's
+    l_new = l_old * alpha + gl.sum(p32, 1)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
-    mbarrier.arrive(v_empty.index(vs), count=1, pred=j > 0)
+    if CROSS_TILE:
+        mbarrier.arrive(v_empty.index(vs), count=1, pred=it > 0)
+        if j == 0:
+            if it > 0:
+                _store_tile(a, acc, m_old, l_old, prev, WG, CAUSAL, row_s, row_o)
+    else:
+        mbarrier.arrive(v_empty.index(vs), count=1, pred=j > 0)
     p = gl.convert_layout(p32.to(q_desc.dtype), p_layout)
-    return (p, gl.convert_layout(m_new, row_in), gl.convert_layout(l_i, row_in),
+    return (p, gl.convert_layout(m_new, row_in), gl.convert_layout(l_new, row_in),
             acc * gl.convert_layout(alpha, row_o)[:, None])
 
 
 @gluon.jit
-def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, HALF_DIAGONAL: gl.constexpr):
+def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexpr,
+              HALF_DIAGONAL: gl.constexpr):
     """One warpgroup: for each tile, query rows start_m + 64·WG ... + 63 against its key blocks.
     Every consumer walks all of the tile's blocks (the ring's slots are released by all), so a
     block past a warpgroup's diagonal is computed and masked away, FlashAttention-3's choice too,
@@ -278,17 +360,26 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, HALF_DIAGONAL: gl.const
     42 % of its stalls waiting for instructions (ncu, H100). One loop: 69 KB, 0.94×. The half
     diagonal step is the one other copy, in consumer 0 only (+416 SASS instructions, 6.7 KB).
 
+    ``CROSS_TILE`` (the plan's choice) runs the CTA's tiles as one stream of block steps: a
+    tile's last P·V and its output store happen in the next tile's first step (``_kv_step``).
+    Then a tile's Q buffer returns to the producer at the end of the next tile, once that store
+    has read it, so the producer loads Q two tiles ahead (``Plan.q_buffers`` three: a one-block
+    tile of a causal pair does not wait for its Q). Without it, a tile ends with its last P·V
+    and its store, and its buffer returns at the next tile's start.
+
     The half step relies on Sq == Sk (``gluon_case``): a 128-row causal tile then has key blocks
     0 ... m, the last one its diagonal. The skipped keys were masked to exp2(-inf) = 0, so the
     output is bit for bit the full step's for finite inputs (a non-finite V there made consumer
-    0's rows NaN before and no longer does)."""
+    0's rows NaN before and no longer does). It is not taken with ``CROSS_TILE``, whose next
+    step would multiply the half P."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
      k_empty, v_empty, LSE, H, GROUP, SQ, SK, n_m, n_units, qk_scale) = a
-    NSTAGE: gl.constexpr = k_smem.type.shape[0]
-    NWG: gl.constexpr = q_smem.type.shape[0] // 2
+    NQ: gl.constexpr = q_empty.type.shape[0]
+    NWG: gl.constexpr = q_smem.type.shape[0] // NQ
     ROWS: gl.constexpr = q_smem.type.shape[3]
     HEAD_D: gl.constexpr = q_smem.type.shape[4]
     BN: gl.constexpr = k_smem.type.shape[3]
+    NSTAGE: gl.constexpr = k_smem.type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BN, 16])
@@ -299,77 +390,104 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, HALF_DIAGONAL: gl.const
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_zero = gl.zeros([ROWS, BN], gl.float32, layout=s_layout)
     # consumer 0 of a one-block-tall tile: its ROWS rows see the diagonal block's first ROWS keys
-    HALF_DIAG: gl.constexpr = CAUSAL and HALF_DIAGONAL and WG == 0 and NWG * ROWS == BN
+    HALF_DIAG: gl.constexpr = (CAUSAL and HALF_DIAGONAL and not CROSS_TILE and WG == 0
+                               and NWG * ROWS == BN)
     half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                           instr_shape=[16, ROWS, 16])
     half_zero = gl.zeros([ROWS, ROWS], gl.float32, layout=half_layout)
 
     tc = 0
     kv = 0
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
+    acc = gl.zeros([ROWS, HEAD_D], gl.float32, layout=o_layout)
+    p = gl.zeros([ROWS, BN], dtype, layout=p_layout)
+    u_prev = 0  # CROSS_TILE: the previous tile's unit, tile in it and key blocks
+    t_prev = 0
+    n_prev = 1
     for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
         for t in range(_unit_tiles(u, n_m, CAUSAL)):
             _, _, _, _, start_m, n_blocks = _tile(u, t, n_m, H, GROUP, SK, CAUSAL, NWG * ROWS,
                                                   BN)
-            qb = tc % 2
+            slot = NWG * (tc % NQ) + WG
             my_m = start_m + WG * ROWS
-            m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
-            l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
-            acc = gl.zeros([ROWS, HEAD_D], gl.float32, layout=o_layout)
-            p = gl.zeros([ROWS, BN], dtype, layout=p_layout)
-            q_tile = q_smem.index(NWG * qb + WG).reshape([ROWS, HEAD_D])
-            mbarrier.wait(q_bars.index(NWG * qb + WG), (tc // 2) & 1)
-            if tc > 0:
-                # The previous tile's output has left the other Q buffer by now (its TMA store
-                # ran while this tile's Q was awaited): hand that buffer back to the producer.
-                tma.store_wait(0)
-                mbarrier.arrive(q_empty.index(1 - qb), count=1)
+            q_tile = q_smem.index(slot).reshape([ROWS, HEAD_D])
+            mbarrier.wait(q_bars.index(slot), (tc // NQ) & 1)
+            if not CROSS_TILE:
+                if tc > 0:
+                    # The previous tile's output has left its buffer by now (its TMA store ran
+                    # while this tile's Q was awaited): hand that buffer back to the producer.
+                    tma.store_wait(0)
+                    mbarrier.arrive(q_empty.index((tc - 1) % NQ), count=1)
+                m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
+                l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
+                acc = gl.zeros([ROWS, HEAD_D], gl.float32, layout=o_layout)
+                p = gl.zeros([ROWS, BN], dtype, layout=p_layout)
             n_full = n_blocks
             if HALF_DIAG:
                 n_full = n_blocks - 1
             for j in range(n_full):
-                p, m_i, l_i, acc = _kv_step(a, q_tile, p, m_i, l_i, acc, kv + j, j, my_m, CAUSAL,
-                                            s_zero, s_layout, p_layout, row_o)
-            if HALF_DIAG:
-                j = n_blocks - 1
-                p_last, m_i, l_i, acc = _kv_step(a, q_tile, p, m_i, l_i, acc, kv + j, j, my_m,
-                                                 CAUSAL, half_zero, half_layout, p_layout, row_o)
+                if CROSS_TILE:
+                    # This step's P·V is of the block before: the last tile's last at j == 0.
+                    pv_acc = (j > 1) | ((j == 0) & (n_prev > 1))
+                else:
+                    pv_acc = True
+                p, m_i, l_i, acc = _kv_step(a, q_tile, p, m_i, l_i, acc, kv + j, j, my_m,
+                                            (u_prev, t_prev, tc - 1), pv_acc, WG, CAUSAL,
+                                            CROSS_TILE, s_zero, s_layout, p_layout, o_layout)
+            if CROSS_TILE:
+                if tc > 0:
+                    # The previous tile's output, stored in this tile's first step, has left
+                    # its buffer by now: hand that buffer back to the producer.
+                    tma.store_wait(0)
+                    mbarrier.arrive(q_empty.index((tc - 1) % NQ), count=1)
             else:
-                p_last = p
-            last = (kv + n_blocks - 1) % NSTAGE
-            mbarrier.wait(v_ready.index(last), ((kv + n_blocks - 1) // NSTAGE) & 1)
-            v_tile = v_smem.index(last).reshape([BN, HEAD_D]).slice(0, p_last.shape[1])
-            acc = warpgroup_mma(p_last, v_tile, acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(v_empty.index(last), count=1)
-
-            # The tile's head, recomputed here rather than held in registers through the loop.
-            b, h, _, bh, _, _ = _tile(u, t, n_m, H, GROUP, SK, CAUSAL, NWG * ROWS, BN)
-            seen = l_i > 0
-            l_safe = gl.where(seen, l_i, 1.0)
-            q_tile.store((acc / gl.convert_layout(l_safe, row_o)[:, None]).to(dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [b, h, my_m, 0], q_smem.index(NWG * qb + WG))
-            offs_m = my_m + gl.arange(0, ROWS, layout=row_s)
-            gl.store(LSE + bh.to(gl.int64) * SQ + offs_m,
-                     gl.where(seen, m_i + gl.log2(l_safe), float("inf")), mask=offs_m < SQ)
+                if HALF_DIAG:
+                    j = n_blocks - 1
+                    p_last, m_i, l_i, acc = _kv_step(a, q_tile, p, m_i, l_i, acc, kv + j, j,
+                                                     my_m, (u, t, tc), True, WG, CAUSAL,
+                                                     CROSS_TILE, half_zero, half_layout,
+                                                     p_layout, o_layout)
+                else:
+                    p_last = p
+                last = (kv + n_blocks - 1) % NSTAGE
+                mbarrier.wait(v_ready.index(last), ((kv + n_blocks - 1) // NSTAGE) & 1)
+                v_tile = v_smem.index(last).reshape([BN, HEAD_D]).slice(0, p_last.shape[1])
+                acc = warpgroup_mma(p_last, v_tile, acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(v_empty.index(last), count=1)
+                _store_tile(a, acc, m_i, l_i, (u, t, tc), WG, CAUSAL, row_s, row_o)
+            u_prev = u
+            t_prev = t
+            n_prev = n_blocks
             tc += 1
             kv += n_blocks
+    if CROSS_TILE:
+        if tc > 0:
+            # The last tile's last P·V, which no next tile's first step issues.
+            last = (kv - 1) % NSTAGE
+            mbarrier.wait(v_ready.index(last), ((kv - 1) // NSTAGE) & 1)
+            acc = warpgroup_mma(p, v_smem.index(last).reshape([BN, HEAD_D]), acc,
+                                use_acc=n_prev > 1, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(v_empty.index(last), count=1)
+            _store_tile(a, acc, m_i, l_i, (u_prev, t_prev, tc - 1), WG, CAUSAL, row_s, row_o)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _consumer_0(a, CAUSAL: gl.constexpr, HALF_DIAGONAL: gl.constexpr):
-    _consumer(a, 0, CAUSAL, HALF_DIAGONAL)
+def _consumer_0(a, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexpr, HALF_DIAGONAL: gl.constexpr):
+    _consumer(a, 0, CAUSAL, CROSS_TILE, HALF_DIAGONAL)
 
 
 @gluon.jit
-def _consumer_1(a, CAUSAL: gl.constexpr, HALF_DIAGONAL: gl.constexpr):
-    _consumer(a, 1, CAUSAL, HALF_DIAGONAL)
+def _consumer_1(a, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexpr, HALF_DIAGONAL: gl.constexpr):
+    _consumer(a, 1, CAUSAL, CROSS_TILE, HALF_DIAGONAL)
 
 
 @gluon.jit
-def _consumer_2(a, CAUSAL: gl.constexpr, HALF_DIAGONAL: gl.constexpr):
-    _consumer(a, 2, CAUSAL, HALF_DIAGONAL)
+def _consumer_2(a, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexpr, HALF_DIAGONAL: gl.constexpr):
+    _consumer(a, 2, CAUSAL, CROSS_TILE, HALF_DIAGONAL)
 
 
 # Launched through cached_launch, so nothing but the constexprs and dtypes may pick the binary.
@@ -379,23 +497,25 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, SQ, S
                             qk_scale, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                            Q_BUFFERS: gl.constexpr, CROSS_TILE: gl.constexpr,
                             HALF_DIAGONAL: gl.constexpr):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]  # WG_M
     NWG: gl.constexpr = BLOCK_M // ROWS
     dtype: gl.constexpr = q_desc.dtype
-    # Q: two buffers × one slot per consumer; a slot's output goes out through it.
-    q_smem = gl.allocate_shared_memory(dtype, [2 * NWG, 1, 1, ROWS, HEAD_D], q_desc.layout)
+    # Q: Q_BUFFERS buffers × one slot per consumer; a slot's output goes out through it.
+    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * NWG, 1, 1, ROWS, HEAD_D],
+                                       q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
-    q_bars = gl.allocate_shared_memory(gl.int64, [2 * NWG, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * NWG, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2 * NWG):
+    for i in gl.static_range(Q_BUFFERS * NWG):
         mbarrier.init(q_bars.index(i), count=1)
-    for i in gl.static_range(2):
+    for i in gl.static_range(Q_BUFFERS):
         mbarrier.init(q_empty.index(i), count=NWG)  # every consumer's output has left it
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
@@ -405,13 +525,15 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, SQ, S
     a = (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready,
          v_ready, k_empty, v_empty, LSE, H, GROUP, SQ, SK, gl.cdiv(SQ, BLOCK_M), n_units, qk_scale)
     if NWG == 2:
-        gl.warp_specialize([(_consumer_0, (a, CAUSAL, HALF_DIAGONAL)),
-                            (_consumer_1, (a, CAUSAL, HALF_DIAGONAL)), (_producer, (a, CAUSAL))],
+        gl.warp_specialize([(_consumer_0, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL)),
+                            (_consumer_1, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL)),
+                            (_producer, (a, CAUSAL))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_consumer_0, (a, CAUSAL, HALF_DIAGONAL)),
-                            (_consumer_1, (a, CAUSAL, HALF_DIAGONAL)),
-                            (_consumer_2, (a, CAUSAL, HALF_DIAGONAL)), (_producer, (a, CAUSAL))],
+        gl.warp_specialize([(_consumer_0, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL)),
+                            (_consumer_1, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL)),
+                            (_consumer_2, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL)),
+                            (_producer, (a, CAUSAL))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -463,5 +585,6 @@ def hopper_forward(q, k, v, o, lse, causal, scale_log2):
         _descriptor(o, WG_M), lse, H, H // k.shape[1], S, S, n_units, scale_log2,
         CAUSAL=causal, BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, HEAD_D=Hd,
         STAGES=tiling.stages, CONSUMER_REGS=tiling.consumer_regs, PRODUCER_REGS=PRODUCER_REGS,
+        Q_BUFFERS=tiling.q_buffers, CROSS_TILE=tiling.cross_tile,
         HALF_DIAGONAL=tiling.half_diagonal, num_warps=4, maxnreg=tiling.max_nreg)
     return o, lse

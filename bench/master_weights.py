@@ -38,31 +38,32 @@ wgrad_gluon_module = importlib.import_module("moe.kernels.grouped_mm_wgrad_gluon
 
 
 @contextlib.contextmanager
-def two_pass_step(model):
+def two_pass_step(model, keep_copies=False):
     """``master_weight_step`` with the SwiGLU MLP's weight gradients rounded to 16 bits and then
     added by a second pass, as before the wgrad kernel's master-gradient epilogue."""
     plain_master_of = grouped_mm_module.master_of
     grouped_mm_module.master_of = lambda copy: None
     try:
-        with master_weight_step(model):
+        with master_weight_step(model, keep_copies=keep_copies):
             yield
     finally:
         grouped_mm_module.master_of = plain_master_of
 
 
 @contextlib.contextmanager
-def tma_fp32_step(model):
+def tma_fp32_step(model, keep_copies=False):
     """``master_weight_step`` with the fp32 master-gradient epilogue kept in the Triton TMA kernel."""
     routed = wgrad_gluon_module.FP32_ROUTED
     wgrad_gluon_module.FP32_ROUTED = False
     try:
-        with master_weight_step(model):
+        with master_weight_step(model, keep_copies=keep_copies):
             yield
     finally:
         wgrad_gluon_module.FP32_ROUTED = routed
 
 
-VARIANTS = {"anchor": lambda model: contextlib.nullcontext(), "two_pass": two_pass_step, "tma_fp32": tma_fp32_step,
+# Each is called as the trainer calls master_weight_step (train/trainer.py: keep_copies given).
+VARIANTS = {"anchor": lambda model, keep_copies=False: contextlib.nullcontext(), "two_pass": two_pass_step, "tma_fp32": tma_fp32_step,
             "ours": master_weight_step}
 
 
