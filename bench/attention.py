@@ -26,6 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.append(os.path.dirname(__file__))  # after the repo root: bench/attention.py must not shadow the package
+import attention.flash_attn_hopper as fah  # noqa: E402
 from attention import flash_attention  # noqa: E402
 from common import alternate, header, median_ratio, write_results  # noqa: E402
 
@@ -205,6 +206,13 @@ def tune_report(cases):
                 f" {t[0] if isinstance(t, list) else t:.3f}ms" for c, t in ranked), flush=True)
 
 
+def _tiling(Hd, S, causal):
+    """The Gluon forward's plan for a row, as the table names it."""
+    plan = fah.plan(Hd, S)
+    return ", ".join([f"{plan.warpgroups} WG"] + ["stream"] * plan.cross_tile
+                     + ["half diagonal"] * (plan.half_diagonal and causal))
+
+
 def to_markdown(rows, args):
     out = header(
         "FlashAttention (Triton, Gluon on Hopper) vs scaled_dot_product_attention", "bench/attention.py",
@@ -213,15 +221,17 @@ def to_markdown(rows, args):
         "TFLOP/s = FLOPs / median time; FLOPs 4·B·H·S²·Hd fwd, /2 causal, ×3.5 fwd+bwd",
         "ratio = median over rounds of (anchor time / our time): > 1 means ours is faster",
         "ours: on an sm_90 GPU the warp-specialized Gluon kernels run the forward "
-        "(attention/flash_attn_hopper.py; every row here: two consumer warpgroups, three at Hd 64 "
-        "from S 4096) and the 5-matmul backward (attention/flash_attn_hopper_bwd.py; every row "
-        "here: 64-row query steps at Hd 128, 128-row at Hd 64), deterministic by default",
+        "(attention/flash_attn_hopper.py; its plan in the tiling column: consumer warpgroups, "
+        "'stream' where the CTA's tiles run as one stream of block steps, 'half diagonal' where "
+        "consumer 0 takes half of a causal diagonal block) and the 5-matmul backward "
+        "(attention/flash_attn_hopper_bwd.py; every row here: 64-row query steps at Hd 128, "
+        "128-row at Hd 64), deterministic by default",
         "nondet: the backward's opt-in deterministic=False mode (dQ parts added in arrival "
         "order); its ratio to cuDNN in the last column",
     ) + [
         "| Hd | S | B×H | causal | mode | ours | SDPA-FLASH | SDPA-cuDNN | vs FLASH | vs cuDNN |"
-        " A-vs-A | nondet vs cuDNN |",
-        "|---:|---:|---:|:---:|:---|---:|---:|---:|---:|---:|---:|---:|",
+        " A-vs-A | nondet vs cuDNN | tiling |",
+        "|---:|---:|---:|:---:|:---|---:|---:|---:|---:|---:|---:|---:|:---|",
     ]
     for r in rows:
         t, q = r["tflops"], r["ratios"]
@@ -229,7 +239,8 @@ def to_markdown(rows, args):
         nd = f"{q['nondet_vs_cudnn']:.2f}" if "nondet_vs_cudnn" in q else ""
         out.append(f"| {r['Hd']} | {r['S']} | {r['B']}×{r['H']} | {'yes' if r['causal'] else 'no'}"
                    f" | {r['mode']} | {t['ours']:.0f} | {t['sdpa_flash']:.0f} | "
-                   f"{t['sdpa_cudnn']:.0f} | {q['sdpa_flash']:.2f} | {q['sdpa_cudnn']:.2f} | {aa} | {nd} |")
+                   f"{t['sdpa_cudnn']:.0f} | {q['sdpa_flash']:.2f} | {q['sdpa_cudnn']:.2f} | {aa} | {nd} |"
+                   f" {_tiling(r['Hd'], r['S'], r['causal'])} |")
     return "\n".join(out) + "\n"
 
 
