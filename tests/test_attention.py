@@ -752,6 +752,7 @@ def _on_sm90():
     (2, 8, 8, 129, 128, False, torch.bfloat16, "BHSD"),
     (4, 2, 2, 64, 128, True, torch.float16, "BSHD"),
     (1, 1, 1, 1, 128, True, torch.bfloat16, "BHSD"),
+    (8, 32, 32, 64, 128, True, torch.bfloat16, "BHSD"),  # 256 one-block tiles: CTAs run two in a row
     # Hd 64: two consumers below WIDE_HD64_FROM keys, three (192-row tiles, so a causal tile's
     # diagonal crosses two key blocks) from there.
     (2, 32, 32, 4096, 64, True, torch.bfloat16, "BSHD"),
