@@ -236,21 +236,21 @@ def _store_tile(a, acc, m_i, l_i, tile, WG: gl.constexpr, CAUSAL: gl.constexpr,
     head is recomputed here rather than held in registers through the loop."""
     (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
      k_empty, v_empty, LSE, H, GROUP, SQ, SK, n_m, n_units, qk_scale) = a
+    ROWS: gl.constexpr = acc.shape[0]
     NQ: gl.constexpr = q_empty.type.shape[0]
     NWG: gl.constexpr = q_smem.type.shape[0] // NQ
-    ROWS: gl.constexpr = q_smem.type.shape[3]
-    HEAD_D: gl.constexpr = q_smem.type.shape[4]
-    BN: gl.constexpr = k_smem.type.shape[3]
     u, t, tc = tile
-    b, h, _, bh, start_m, _ = _tile(u, t, n_m, H, GROUP, SK, CAUSAL, NWG * ROWS, BN)
+    b, h, _, bh, start_m, _ = _tile(u, t, n_m, H, GROUP, SK, CAUSAL, NWG * ROWS,
+                                    k_smem.type.shape[3])
     my_m = start_m + WG * ROWS
     slot = NWG * (tc % NQ) + WG
     seen = l_i > 0
     l_safe = gl.where(seen, l_i, 1.0)
-    o_tile = q_smem.index(slot).reshape([ROWS, HEAD_D])
-    # One reciprocal a row, not a division an element: the division's SASS sequence (64 of them
-    # a thread) inside the block loop's code doubled the loop, and three consumers' loops then
-    # overflow the instruction cache (module docstring).
+    o_tile = q_smem.index(slot).reshape(acc.shape)
+    # One reciprocal a row, not a division an element: with the stream (``_kv_step``) this code
+    # sits in the block loop, and the divisions' SASS (64 a thread) made that loop 1,075
+    # instructions against 890. With them the stream ran 0.971 / 0.992× main's kernel at Hd 128
+    # S 16k (non-causal / causal), without them 0.983 / 0.997× (H200 probes, 2026-12-02).
     o_tile.store((acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]).to(q_desc.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [b, h, my_m, 0], q_smem.index(slot))
@@ -276,7 +276,7 @@ def _kv_step(a, q_tile, p, m_i, l_i, acc, it, j, my_m, prev, pv_acc, WG: gl.cons
       its first P·V (``pv_acc`` false: the block before was its tile's first), not from zeros
       written at ``j == 0``: O passes no branch or select, which made ptxas copy the
       accumulator around every wgmma (SASS: 32 warpgroup waits and 168 moves in the loop
-      against 4 and 6; 0.78–0.87× the forward before, H200). So O holds garbage after
+      against 4 and 6; 0.75–0.87× the forward before, H200). So O holds garbage after
       ``j == 0``, never read. Only the CTA's first step has no previous block: its P is zero
       and multiplies this block's own V, a product that is discarded.
     - Without it the caller starts each tile with zero O and P and ends it with the last P·V;
