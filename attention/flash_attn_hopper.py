@@ -25,9 +25,10 @@ nothing on Hopper (same registers and spills, no ``setmaxnreg``), and tensor-des
   producer loads the next tile's Q and K/V while the consumers finish the current one, and a
   tile's output store runs while the consumers work on. One loop serves all of a tile's key
   blocks, masked or not (``_consumer`` says why); at Hd 128 on short sequences it serves all of
-  the CTA's tiles, a tile's last P·V hidden behind the next tile's first softmax (``plan``). Against the one-CTA-per-tile version (H100, 5 alternating rounds,
-  same bits out), against cuDNN: S 1024 0.93 → 1.00–1.02× non-causal, 0.89 → 0.98× causal; S 2048
-  0.95 → 0.98–1.01×, 0.94 → 1.04–1.06×; S 4096 0.97 → 0.99–1.03×, 0.98 → 1.07–1.08×.
+  the CTA's tiles, a tile's last P·V hidden behind the next tile's first softmax (``plan``).
+  Against the one-CTA-per-tile version (H100, 5 alternating rounds, same bits out), against
+  cuDNN: S 1024 0.93 → 1.00–1.02× non-causal, 0.89 → 0.98× causal; S 2048 0.95 → 0.98–1.01×,
+  0.94 → 1.04–1.06×; S 4096 0.97 → 0.99–1.03×, 0.98 → 1.07–1.08×.
 
 Measured on an H100 (bf16, B·S = 16k, H 16 at Hd 128 and 32 at Hd 64; 3 alternating rounds of
 do_bench, probe run 2026-11-24), ms against cuDNN through SDPA: Hd 128 S 4096 0.956 vs 0.925
@@ -260,6 +261,23 @@ def _store_tile(a, acc, m_i, l_i, tile, WG: gl.constexpr, CAUSAL: gl.constexpr,
 
 
 @gluon.jit
+def _finish_tile(a, p, acc, m_i, l_i, it, use_acc, tile, WG: gl.constexpr, CAUSAL: gl.constexpr,
+                 row_s: gl.constexpr, row_o: gl.constexpr):
+    """A tile's last P·V, P of ring block ``it`` (over the first ``p.shape[1]`` keys), on O
+    (``use_acc`` false: O starts here), then its rows out (``_store_tile``)."""
+    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
+     k_empty, v_empty, LSE, H, GROUP, SQ, SK, n_m, n_units, qk_scale) = a
+    NSTAGE: gl.constexpr = k_smem.type.shape[0]
+    last = it % NSTAGE
+    mbarrier.wait(v_ready.index(last), (it // NSTAGE) & 1)
+    v_tile = v_smem.index(last).reshape([v_smem.type.shape[3], v_smem.type.shape[4]])
+    acc = warpgroup_mma(p, v_tile.slice(0, p.shape[1]), acc, use_acc=use_acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    mbarrier.arrive(v_empty.index(last), count=1)
+    _store_tile(a, acc, m_i, l_i, tile, WG, CAUSAL, row_s, row_o)
+
+
+@gluon.jit
 def _kv_step(a, q_tile, p, m_i, l_i, acc, it, j, my_m, prev, pv_acc, WG: gl.constexpr,
              CAUSAL: gl.constexpr, CROSS_TILE: gl.constexpr, s_zero, s_layout: gl.constexpr,
              p_layout: gl.constexpr, o_layout: gl.constexpr):
@@ -385,7 +403,6 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
     ROWS: gl.constexpr = q_smem.type.shape[3]
     HEAD_D: gl.constexpr = q_smem.type.shape[4]
     BN: gl.constexpr = k_smem.type.shape[3]
-    NSTAGE: gl.constexpr = k_smem.type.shape[0]
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BN, 16])
@@ -456,13 +473,8 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
                                                      p_layout, o_layout)
                 else:
                     p_last = p
-                last = (kv + n_blocks - 1) % NSTAGE
-                mbarrier.wait(v_ready.index(last), ((kv + n_blocks - 1) // NSTAGE) & 1)
-                v_tile = v_smem.index(last).reshape([BN, HEAD_D]).slice(0, p_last.shape[1])
-                acc = warpgroup_mma(p_last, v_tile, acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-                mbarrier.arrive(v_empty.index(last), count=1)
-                _store_tile(a, acc, m_i, l_i, (u, t, tc), WG, CAUSAL, row_s, row_o)
+                _finish_tile(a, p_last, acc, m_i, l_i, kv + n_blocks - 1, True, (u, t, tc), WG,
+                             CAUSAL, row_s, row_o)
             u_prev = u
             t_prev = t
             n_prev = n_blocks
@@ -471,13 +483,8 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
     if CROSS_TILE:
         if tc > 0:
             # The last tile's last P·V, which no next tile's first step issues.
-            last = (kv - 1) % NSTAGE
-            mbarrier.wait(v_ready.index(last), ((kv - 1) // NSTAGE) & 1)
-            acc = warpgroup_mma(p, v_smem.index(last).reshape([BN, HEAD_D]), acc,
-                                use_acc=n_prev > 1, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(v_empty.index(last), count=1)
-            _store_tile(a, acc, m_i, l_i, (u_prev, t_prev, tc - 1), WG, CAUSAL, row_s, row_o)
+            _finish_tile(a, p, acc, m_i, l_i, kv - 1, n_prev > 1, (u_prev, t_prev, tc - 1), WG,
+                         CAUSAL, row_s, row_o)
     tma.store_wait(0)
 
 
