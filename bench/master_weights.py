@@ -20,6 +20,7 @@ with another ``--accum`` wrote (its header keeps that run's command).
 
 import argparse
 import contextlib
+import functools
 import importlib
 import os
 import sys
@@ -38,33 +39,26 @@ wgrad_gluon_module = importlib.import_module("moe.kernels.grouped_mm_wgrad_gluon
 
 
 @contextlib.contextmanager
-def two_pass_step(model, keep_copies=False):
-    """``master_weight_step`` with the SwiGLU MLP's weight gradients rounded to 16 bits and then
-    added by a second pass, as before the wgrad kernel's master-gradient epilogue."""
-    plain_master_of = grouped_mm_module.master_of
-    grouped_mm_module.master_of = lambda copy: None
+def patched_step(module, name, value, model, keep_copies=False):
+    """``master_weight_step`` with ``module.name`` set to ``value`` inside (a variant's switch)."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
     try:
         with master_weight_step(model, keep_copies=keep_copies):
             yield
     finally:
-        grouped_mm_module.master_of = plain_master_of
-
-
-@contextlib.contextmanager
-def tma_fp32_step(model, keep_copies=False):
-    """``master_weight_step`` with the fp32 master-gradient epilogue kept in the Triton TMA kernel."""
-    routed = wgrad_gluon_module.FP32_ROUTED
-    wgrad_gluon_module.FP32_ROUTED = False
-    try:
-        with master_weight_step(model, keep_copies=keep_copies):
-            yield
-    finally:
-        wgrad_gluon_module.FP32_ROUTED = routed
+        setattr(module, name, saved)
 
 
 # Each is called as the trainer calls master_weight_step (train/trainer.py: keep_copies given).
-VARIANTS = {"anchor": lambda model, keep_copies=False: contextlib.nullcontext(), "two_pass": two_pass_step, "tma_fp32": tma_fp32_step,
-            "ours": master_weight_step}
+VARIANTS = {
+    "anchor": lambda model, keep_copies=False: contextlib.nullcontext(),
+    # the SwiGLU MLP's weight gradients rounded to 16 bits, then added by a second pass
+    "two_pass": functools.partial(patched_step, grouped_mm_module, "master_of", lambda copy: None),
+    # the fp32 master-gradient epilogue kept in the Triton TMA kernel
+    "tma_fp32": functools.partial(patched_step, wgrad_gluon_module, "FP32_ROUTED", False),
+    "ours": master_weight_step,
+}
 
 
 def main() -> None:
