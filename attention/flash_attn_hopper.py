@@ -39,7 +39,14 @@ left out; so were 64-wide key blocks (5–15 % slower) and three stages (within 
 loop (a later change) then moved Hd 128 causal S 1k from 0.95 to 1.00× cuDNN and S 4k from 1.10
 to 1.05×, the rest within 1 %; it is what made three consumers pay at Hd 64, where the Triton
 forward had been 0.85–0.96× (probe, 5 rounds, 2026-11-24; bench/results/attention.md has the
-table).
+table). A quarter of the softmax's exp2 on the FMA pipe (a cubic polynomial and an exponent
+shift, FlashAttention-4's Blackwell trick; at Hd 64 the MUFU's exp2 time equals the matmuls')
+took the Hd 64 loop's MUFU ops from 66 to 50 and ran 0.92–0.97× the MUFU-only kernel at every
+row, Hd 128 too (H200, 5 alternating rounds, probe 2026-12-02). Not profiled; the likely cost is
+its 114 added instructions a block step. Also slower in that probe: 256-key blocks at Hd 64 with
+two consumers (0.78–0.80×; ptxas spills 48 bytes), a third Q buffer for the loop per tile at Hd
+128 non-causal (0.990–0.993× at S 4k and 8k); key blocks of 160 (FlashAttention-3 takes 176 at
+Hd 128 non-causal) do not compile, since Gluon's tensors take power-of-two shapes only.
 
 Scope: the plain case only (Sq == Sk, no window), Hd 64 and 128, fp16/bf16, an sm_90 GPU and
 TMA-compatible strides (``hopper_forward_ok``), and a positive softmax scale (the caller's check:
@@ -103,8 +110,15 @@ HEAD_DIMS = (64, 128)
 # once tiles are many, and loses where the 192-row tiles' padding and causal diagonals weigh.
 # Against cuDNN, H100, bf16, B·S 16k, H 32, two / three consumers (probe, 5 alternating rounds,
 # 2026-11-24): causal S 1k 0.94 / 0.67, 2k 1.01 / 0.87, 4k 0.99 / 0.99, 16k 1.01 / 1.09;
-# non-causal S 1k 0.99 / 0.95, 4k 0.98 / 1.05, 16k 0.99 / 1.11.
+# non-causal S 1k 0.99 / 0.95, 4k 0.98 / 1.05, 16k 0.99 / 1.11. Non-causal S 2k, not measured then
+# (H200, 5 alternating rounds, probe 2026-12-02): two consumers 0.993× cuDNN, three 1.033×, three
+# 1.034× two's speed; at S 1k three 0.948× two's (causal S 2k: 0.882×). Without the causal
+# diagonals the 192-row tiles pay from a shorter length. Their unit count may help too: at this
+# bench's B·H·S a two-consumer launch has 4,096 units, 31.03 rounds of 132 SMs, so its last round
+# runs 4 CTAs (about 3 % of the time idle), a three-consumer one 2,816 (21.3 rounds); not
+# separated by a probe.
 WIDE_HD64_FROM = 4096
+WIDE_HD64_NONCAUSAL_FROM = 2048
 
 
 # Consumer 0's half-width diagonal step, against every consumer's full one, same bits out (H200,
@@ -126,13 +140,13 @@ WIDE_HD64_FROM = 4096
 CROSS_TILE_HD128_TO = 2048
 
 
-def plan(head_dim: int, seq_len: int) -> Plan:
-    """The tiling ``hopper_forward`` launches for this head dim and length."""
+def plan(head_dim: int, seq_len: int, causal: bool) -> Plan:
+    """The tiling ``hopper_forward`` launches for this head dim, length and mask."""
     if head_dim == 128:
         if seq_len <= CROSS_TILE_HD128_TO:
             return Plan(warpgroups=2, q_buffers=3, cross_tile=True)
         return Plan(warpgroups=2)
-    wide = seq_len >= WIDE_HD64_FROM
+    wide = seq_len >= (WIDE_HD64_FROM if causal else WIDE_HD64_NONCAUSAL_FROM)
     return Plan(warpgroups=3 if wide else 2, half_diagonal=not wide)
 
 
@@ -589,7 +603,7 @@ def hopper_forward(q, k, v, o, lse, causal, scale_log2):
     scale · log2(e). Fills ``o`` and ``lse`` as ``flash_attn.attention_forward`` allocates them
     and returns them."""
     B, H, S, Hd = q.shape
-    tiling = plan(Hd, S)
+    tiling = plan(Hd, S, causal)
     n_m = triton.cdiv(S, tiling.block_m)
     n_units = B * H * ((n_m + 1) // 2 if causal else n_m)
     cached_launch(

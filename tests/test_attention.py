@@ -577,7 +577,7 @@ for kind, causal, deterministic, head_d, dtype, walk, seq_len in json.loads(sys.
     def desc(rows):
         return f"tensordesc<{name}[1,1,{rows},{head_d}],{gluon_layout((1, 1, rows, head_d), GLUON_DTYPES[getattr(torch, dtype)])!r}>"
     if kind == "fwd":
-        plan = fah.plan(head_d, seq_len)
+        plan = fah.plan(head_d, seq_len, causal)
         signature = {"q_desc": desc(fah.WG_M), "k_desc": desc(plan.block_n),
                      "v_desc": desc(plan.block_n), "o_desc": desc(fah.WG_M), "LSE": "*fp32",
                      "H": "i32", "GROUP": "i32", "SQ": "i32", "SK": "i32", "n_units": "i32",
@@ -653,15 +653,16 @@ def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
     import json
 
     walks = [int(fab.WALK_DESCENDING), int(fab.WALK_CYCLIC), int(fab.WALK_ASCENDING)]
-    # The forward at each tiling: two consumers, and three (Hd 64 from WIDE_HD64_FROM keys); at
-    # Hd 128 a loop per tile and (to CROSS_TILE_HD128_TO keys) one stream of the CTA's tiles.
+    # The forward at each tiling: two consumers, and three (Hd 64 from WIDE_HD64_FROM keys, or
+    # WIDE_HD64_NONCAUSAL_FROM without the causal mask); at Hd 128 a loop per tile and (to
+    # CROSS_TILE_HD128_TO keys) one stream of the CTA's tiles.
     cases = [["fwd", True, False, 128, "bfloat16", None, 4096],
              ["fwd", False, False, 128, "float16", None, 4096],
              ["fwd", True, False, 128, "bfloat16", None, fah.CROSS_TILE_HD128_TO],
              ["fwd", False, False, 128, "float16", None, 1024],
              ["fwd", True, False, 64, "bfloat16", None, 1024],
              ["fwd", True, False, 64, "bfloat16", None, fah.WIDE_HD64_FROM],
-             ["fwd", False, False, 64, "float16", None, fah.WIDE_HD64_FROM],
+             ["fwd", False, False, 64, "float16", None, fah.WIDE_HD64_NONCAUSAL_FROM],
              ["bwd", False, False, 128, "float16", walks[0], None],
              ["bwd", False, False, 64, "float16", walks[0], None]]
     # The walks a call can take.
@@ -676,7 +677,7 @@ def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
         # per step (measured worth it: fab.BLOCK_M); anything more is a changed register plan.
         stack_bytes, reloads = (24, 1) if case[0] == "bwd" and case[3] == 64 else (0, 0)
         assert (regs <= budget and stack <= stack_bytes and moves and not serialized
-                and loops >= (fah.plan(case[3], case[6]).warpgroups if case[0] == "fwd" else 1)
+                and loops >= (fah.plan(case[3], case[6], case[1]).warpgroups if case[0] == "fwd" else 1)
                 and spills_in_loops <= reloads), (
             case, regs, stack, moves, serialized, loops, spills_in_loops)
         # 2 wgmma groups a forward step and 5 matmuls a backward step, as measured; the forward
@@ -753,8 +754,8 @@ def _on_sm90():
     (4, 2, 2, 64, 128, True, torch.float16, "BSHD"),
     (1, 1, 1, 1, 128, True, torch.bfloat16, "BHSD"),
     (8, 32, 32, 64, 128, True, torch.bfloat16, "BHSD"),  # 256 one-block tiles: CTAs run two in a row
-    # Hd 64: two consumers below WIDE_HD64_FROM keys, three (192-row tiles, so a causal tile's
-    # diagonal crosses two key blocks) from there.
+    # Hd 64: two consumers below WIDE_HD64_FROM keys (WIDE_HD64_NONCAUSAL_FROM non-causal), three
+    # (192-row tiles, so a causal tile's diagonal crosses two key blocks) from there.
     (2, 32, 32, 4096, 64, True, torch.bfloat16, "BSHD"),
     (1, 8, 2, 4097, 64, False, torch.bfloat16, "BHSD"),
     (3, 4, 1, 1000, 64, True, torch.float16, "BSHD"),
@@ -762,6 +763,7 @@ def _on_sm90():
     (2, 8, 8, 192, 64, True, torch.bfloat16, "BHSD"),  # three consumers: one whole tile
     (2, 8, 8, 193, 64, True, torch.bfloat16, "BHSD"),  # three consumers: a one-row second tile
     (1, 4, 4, 200, 64, False, torch.bfloat16, "BHSD"),
+    (1, 4, 2, 2048, 64, False, torch.bfloat16, "BSHD"),  # three consumers, non-causal only
     (2, 4, 2, 384, 64, True, torch.float16, "BHSD"),
     (1, 4, 4, 1050, 64, True, torch.bfloat16, "BHSD"),  # the end cuts a diagonal's first half
     (1, 1, 1, 1, 64, True, torch.bfloat16, "BHSD"),
@@ -777,10 +779,11 @@ def test_gpu_hopper_forward_matches_triton_forward(B, H, Hkv, S, Hd, causal, dty
     if tiling == "other":
         if Hd == 64:
             monkeypatch.setattr(fah, "WIDE_HD64_FROM", 0)
+            monkeypatch.setattr(fah, "WIDE_HD64_NONCAUSAL_FROM", 0)
         else:
-            streamed = fah.plan(Hd, S).cross_tile
+            streamed = fah.plan(Hd, S, causal).cross_tile
             monkeypatch.setattr(fah, "CROSS_TILE_HD128_TO", 0 if streamed else 1 << 30)
-            assert fah.plan(Hd, S).cross_tile != streamed
+            assert fah.plan(Hd, S, causal).cross_tile != streamed
 
     q, k, v = (_gpu_heads(B, h, S, Hd, dtype, layout) for h in (H, Hkv, Hkv))
     monkeypatch.setattr(fah, "MIN_SCORES", 0)  # small cases too: the kernel, not the dispatch
