@@ -41,7 +41,7 @@ to 1.05×, the rest within 1 %; it is what made three consumers pay at Hd 64, wh
 forward had been 0.85–0.96× (probe, 5 rounds, 2026-11-24; bench/results/attention.md has the
 table). A quarter of the softmax's exp2 on the FMA pipe (a cubic polynomial and an exponent
 shift, FlashAttention-4's Blackwell trick; at Hd 64 the MUFU's exp2 time equals the matmuls')
-took the Hd 64 loop's MUFU ops from 66 to 50 and ran 0.92–0.97× the MUFU-only kernel at every
+took the Hd 64 loop's MUFU ops from 66 to 50 and ran 0.91–0.97× the MUFU-only kernel at every
 row, Hd 128 too (H200, 5 alternating rounds, probe 2026-12-02). Not profiled; the likely cost is
 its 114 added instructions a block step. Also slower in that probe: 256-key blocks at Hd 64 with
 two consumers (0.78–0.80×; ptxas spills 48 bytes), a third Q buffer for the loop per tile at Hd
@@ -113,10 +113,9 @@ HEAD_DIMS = (64, 128)
 # non-causal S 1k 0.99 / 0.95, 4k 0.98 / 1.05, 16k 0.99 / 1.11. Non-causal S 2k, not measured then
 # (H200, 5 alternating rounds, probe 2026-12-02): two consumers 0.993× cuDNN, three 1.033×, three
 # 1.034× two's speed; at S 1k three 0.948× two's (causal S 2k: 0.882×). Without the causal
-# diagonals the 192-row tiles pay from a shorter length. Their unit count may help too: at this
-# bench's B·H·S a two-consumer launch has 4,096 units, 31.03 rounds of 132 SMs, so its last round
-# runs 4 CTAs (about 3 % of the time idle), a three-consumer one 2,816 (21.3 rounds); not
-# separated by a probe.
+# diagonals the 192-row tiles pay from a shorter length. (Not their unit count: at this bench's
+# B·H·S both leave about 3 % of the launch idle in its last round, 4,096 units in 31.03 rounds of
+# 132 SMs against 2,816 in 21.3.)
 WIDE_HD64_FROM = 4096
 WIDE_HD64_NONCAUSAL_FROM = 2048
 
@@ -147,7 +146,7 @@ def plan(head_dim: int, seq_len: int, causal: bool) -> Plan:
             return Plan(warpgroups=2, q_buffers=3, cross_tile=True)
         return Plan(warpgroups=2)
     wide = seq_len >= (WIDE_HD64_FROM if causal else WIDE_HD64_NONCAUSAL_FROM)
-    return Plan(warpgroups=3 if wide else 2, half_diagonal=not wide)
+    return Plan(warpgroups=3 if wide else 2, half_diagonal=causal and not wide)
 
 
 # Small calls are bound by host time, so the cheaper launch wins. Since this kernel launches

@@ -210,7 +210,7 @@ def _tiling(Hd, S, causal):
     """The Gluon forward's plan for a row, as the table names it."""
     plan = fah.plan(Hd, S, causal)
     return ", ".join([f"{plan.warpgroups} WG"] + ["stream"] * plan.cross_tile
-                     + ["half diagonal"] * (plan.half_diagonal and causal))
+                     + ["half diagonal"] * plan.half_diagonal)
 
 
 def to_markdown(rows, args):

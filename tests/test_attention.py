@@ -773,13 +773,15 @@ def test_gpu_hopper_forward_matches_triton_forward(B, H, Hkv, S, Hd, causal, dty
                                                    tiling, monkeypatch):
     """O and LSE of the Gluon forward against the Triton forward (forced) on the same inputs:
     long and odd lengths, GQA, both layouts. The backward consumes either one's LSE.
-    ``tiling="other"`` runs each case in the tiling its length does not get: three consumers
-    (192-row tiles) for every Hd 64 case, which long sequences get anyway; at Hd 128 a loop per
-    tile where the plan streams the CTA's tiles, and the stream where it does not."""
+    ``tiling="other"`` runs each case in the tiling its length and mask do not get: at Hd 64 two
+    consumers where the plan takes three (192-row tiles) and three where it takes two; at Hd 128 a
+    loop per tile where the plan streams the CTA's tiles, and the stream where it does not."""
     if tiling == "other":
         if Hd == 64:
-            monkeypatch.setattr(fah, "WIDE_HD64_FROM", 0)
-            monkeypatch.setattr(fah, "WIDE_HD64_NONCAUSAL_FROM", 0)
+            wide = fah.plan(Hd, S, causal).warpgroups == 3
+            for name in ("WIDE_HD64_FROM", "WIDE_HD64_NONCAUSAL_FROM"):
+                monkeypatch.setattr(fah, name, 1 << 30 if wide else 0)
+            assert (fah.plan(Hd, S, causal).warpgroups == 3) != wide
         else:
             streamed = fah.plan(Hd, S, causal).cross_tile
             monkeypatch.setattr(fah, "CROSS_TILE_HD128_TO", 0 if streamed else 1 << 30)
