@@ -102,6 +102,14 @@ class Plan:
         (the default partition, consumer 0, takes what is left: 240 or 168)."""
         return (65536 - 128 * PRODUCER_REGS) // (128 * self.warpgroups) // 8 * 8
 
+    def constexprs(self, head_dim: int, causal: bool) -> dict:
+        """The forward kernel's constexpr arguments in this tiling: what ``hopper_forward``
+        launches and the sm_90 compile test (tests/test_attention.py) compiles."""
+        return dict(CAUSAL=causal, BLOCK_M=self.block_m, BLOCK_N=self.block_n, HEAD_D=head_dim,
+                    STAGES=self.stages, CONSUMER_REGS=self.consumer_regs,
+                    PRODUCER_REGS=PRODUCER_REGS, Q_BUFFERS=self.q_buffers,
+                    CROSS_TILE=self.cross_tile, HALF_DIAGONAL=self.half_diagonal)
+
 
 HEAD_DIMS = (64, 128)
 # Two consumers (240 registers each) by default. At Hd 64 a 64×128×64 product takes half the
@@ -609,8 +617,5 @@ def hopper_forward(q, k, v, o, lse, causal, scale_log2):
         _attn_fwd_hopper_kernel, (min(n_units, sm_count(q.device)), ), q.dtype,
         _descriptor(q, WG_M), _descriptor(k, tiling.block_n), _descriptor(v, tiling.block_n),
         _descriptor(o, WG_M), lse, H, H // k.shape[1], S, S, n_units, scale_log2,
-        CAUSAL=causal, BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, HEAD_D=Hd,
-        STAGES=tiling.stages, CONSUMER_REGS=tiling.consumer_regs, PRODUCER_REGS=PRODUCER_REGS,
-        Q_BUFFERS=tiling.q_buffers, CROSS_TILE=tiling.cross_tile,
-        HALF_DIAGONAL=tiling.half_diagonal, num_warps=4, maxnreg=tiling.max_nreg)
+        **tiling.constexprs(Hd, causal), num_warps=4, maxnreg=tiling.max_nreg)
     return o, lse

@@ -582,10 +582,7 @@ for kind, causal, deterministic, head_d, dtype, walk, seq_len in json.loads(sys.
                      "v_desc": desc(plan.block_n), "o_desc": desc(fah.WG_M), "LSE": "*fp32",
                      "H": "i32", "GROUP": "i32", "SQ": "i32", "SK": "i32", "n_units": "i32",
                      "qk_scale": "fp32"}
-        constexprs = {"CAUSAL": causal, "BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "HEAD_D": head_d,
-                      "STAGES": plan.stages, "CONSUMER_REGS": plan.consumer_regs,
-                      "PRODUCER_REGS": fah.PRODUCER_REGS, "Q_BUFFERS": plan.q_buffers,
-                      "CROSS_TILE": plan.cross_tile, "HALF_DIAGONAL": plan.half_diagonal}
+        constexprs = plan.constexprs(head_d, causal)
         fn, warps, max_nreg = fah._attn_fwd_hopper_kernel, 4, plan.max_nreg
     else:
         block_m = fab.BLOCK_M[head_d]

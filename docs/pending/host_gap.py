@@ -22,11 +22,11 @@ print("ratio cuDNN/ours", round(median_ratio(t["sdpa_cudnn"], t["ours"]), 3),
 print(ba.host_split(Hd, S, causal), flush=True)
 cache = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
 for name, fn in fns.items():
-    for i in range(20):
+    for _ in range(20):
         cache.zero_(); fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i in range(6):
+        for _ in range(6):
             cache.zero_(); fn()
         torch.cuda.synchronize()
     ev = prof.events()
