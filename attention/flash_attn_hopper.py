@@ -387,6 +387,14 @@ def _kv_step(a, q_tile, p, m_i, l_i, acc, it, j, my_m, prev, pv_acc, WG: gl.cons
 
 
 @gluon.jit
+def _release_q(q_empty, tc):
+    """Hand tile ``tc``'s Q buffer back to the producer once the tile's output, stored from it,
+    has left it (this warpgroup's one TMA store in flight)."""
+    tma.store_wait(0)
+    mbarrier.arrive(q_empty.index(tc % q_empty.type.shape[0]), count=1)
+
+
+@gluon.jit
 def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexpr,
               HALF_DIAGONAL: gl.constexpr):
     """One warpgroup: for each tile, query rows start_m + 64·WG ... + 63 against its key blocks.
@@ -459,10 +467,8 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
             mbarrier.wait(q_bars.index(slot), (tc // NQ) & 1)
             if not CROSS_TILE:
                 if tc > 0:
-                    # The previous tile's output has left its buffer by now (its TMA store ran
-                    # while this tile's Q was awaited): hand that buffer back to the producer.
-                    tma.store_wait(0)
-                    mbarrier.arrive(q_empty.index((tc - 1) % NQ), count=1)
+                    # The previous tile's output store ran while this tile's Q was awaited.
+                    _release_q(q_empty, tc - 1)
                 m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
                 l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
                 acc = gl.zeros([ROWS, HEAD_D], gl.float32, layout=o_layout)
@@ -481,10 +487,8 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
                                             CROSS_TILE, s_zero, s_layout, p_layout, o_layout)
             if CROSS_TILE:
                 if tc > 0:
-                    # The previous tile's output, stored in this tile's first step, has left
-                    # its buffer by now: hand that buffer back to the producer.
-                    tma.store_wait(0)
-                    mbarrier.arrive(q_empty.index((tc - 1) % NQ), count=1)
+                    # The previous tile's output was stored in this tile's first step.
+                    _release_q(q_empty, tc - 1)
             else:
                 if HALF_DIAG:
                     j = n_blocks - 1
