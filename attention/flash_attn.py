@@ -54,7 +54,7 @@ import triton.language as tl
 from attention.flash_attn_hopper import hopper_forward, hopper_forward_ok
 from attention.flash_attn_hopper_bwd import (TURN_ROWS, hopper_backward, hopper_backward_ok,
                                              hopper_turn_counters)
-from kernel_floor import INTERPRET, aligned16, cached_launch
+from kernel_floor import INTERPRET, aligned16, cached_launch, cdiv, next_power_of_2
 
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8
@@ -109,7 +109,7 @@ def _s_bucket(S):
     """Autotune key for the length: 1024, 2048, 4096 or 8192 (all multiples of 16, so they share
     one compiled specialisation), so tests at odd lengths and long benchmarks tune separately
     without a re-tune per length."""
-    return min(max(triton.next_power_of_2(S), 1024), 8192)
+    return min(max(next_power_of_2(S), 1024), 8192)
 
 
 @triton.jit
@@ -534,7 +534,7 @@ def _path_args(q, k, causal, window):
 
 
 def _head_dim_args(Hd):
-    return {"HEAD_DIM": Hd, "BLOCK_D": max(16, triton.next_power_of_2(Hd))}
+    return {"HEAD_DIM": Hd, "BLOCK_D": max(16, next_power_of_2(Hd))}
 
 
 def attention_forward(q, k, v, causal=True, scale=None, window=None):
@@ -561,7 +561,7 @@ def attention_forward(q, k, v, causal=True, scale=None, window=None):
     # The Gluon forward masks scores before scaling them (-inf · 0 is NaN): a positive scale only.
     if scale > 0 and hopper_forward_ok(q, k, v, causal, window):
         return hopper_forward(q, k, v, o, lse, causal, scale * _LOG2E)
-    grid = lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * H)  # noqa: E731
+    grid = lambda meta: (cdiv(Sq, meta["BLOCK_M"]), B * H)  # noqa: E731
     _attn_fwd_kernel[grid](
         q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         H, H // k.shape[1], *_launch_args(q, k, causal, window), scale * _LOG2E,
@@ -575,7 +575,7 @@ def _delta(o, do, delta, sem):
     backward's turn counters, one per (b, h, TURN_ROWS-row query block), so one per program here,
     which saves that backward a launch."""
     B, H, Sq, Hd = o.shape
-    cached_launch(_attn_bwd_delta_kernel, (triton.cdiv(Sq, TURN_ROWS), B * H), (o.dtype, do.dtype),
+    cached_launch(_attn_bwd_delta_kernel, (cdiv(Sq, TURN_ROWS), B * H), (o.dtype, do.dtype),
                   o, do, delta, delta if sem is None else sem, *_strides(o), *_strides(do), H, Sq,
                   ZERO_SEM=sem is not None, ALIGNED=aligned16(o, do), BLOCK_M=TURN_ROWS,
                   **_head_dim_args(Hd))
@@ -607,11 +607,11 @@ def attention_backward(do, q, k, v, o, lse, causal=True, scale=None, window=None
     common = (H, H // Hkv, *_launch_args(q, k, causal, window), scale * _LOG2E, scale)
     constexprs = {**_path_args(q, k, causal, window), **_head_dim_args(Hd)}
     if Sk > 0:
-        _attn_bwd_dkdv_kernel[lambda meta: (triton.cdiv(Sk, meta["BLOCK_N"]), B * Hkv)](
+        _attn_bwd_dkdv_kernel[lambda meta: (cdiv(Sk, meta["BLOCK_N"]), B * Hkv)](
             q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v),
             *_strides(do), *_strides(dk), *_strides(dv), *common, **constexprs,
         )
-    _attn_bwd_dq_kernel[lambda meta: (triton.cdiv(Sq, meta["BLOCK_M"]), B * H)](
+    _attn_bwd_dq_kernel[lambda meta: (cdiv(Sq, meta["BLOCK_M"]), B * H)](
         q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         *_strides(dq), *common, **constexprs,
     )

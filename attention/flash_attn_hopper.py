@@ -57,14 +57,13 @@ scores), so the Triton backward consumes it unchanged.
 
 from dataclasses import dataclass
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernel_floor import GLUON_DTYPES, cached_launch, capability, gluon_layout, sm_count, tma_ok
+from kernel_floor import GLUON_DTYPES, cached_launch, capability, cdiv, gluon_layout, sm_count, tma_ok
 
 WG_M = 64  # query rows per consumer warpgroup: one m64 wgmma row block
 PRODUCER_REGS = 24
@@ -615,7 +614,7 @@ def hopper_forward(q, k, v, o, lse, causal, scale_log2):
     and returns them."""
     B, H, S, Hd = q.shape
     tiling = plan(Hd, S, causal)
-    n_m = triton.cdiv(S, tiling.block_m)
+    n_m = cdiv(S, tiling.block_m)
     n_units = B * H * ((n_m + 1) // 2 if causal else n_m)
     cached_launch(
         _attn_fwd_hopper_kernel, (min(n_units, sm_count(q.device)), ), q.dtype,

@@ -43,7 +43,6 @@ import functools
 import os
 
 import torch
-import triton
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -52,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from attention.flash_attn_hopper import _descriptor, gluon_case, unchecked_descriptor
-from kernel_floor import cached_launch, gluon_layout, sm_count
+from kernel_floor import cached_launch, cdiv, gluon_layout, sm_count
 
 # The order in which a CTA (one key block j) walks its query blocks, and so the fixed order of the
 # key blocks' adds into each dQ block (``_turn``); ``_walk`` picks one per call.
@@ -427,7 +426,7 @@ def walk_possible(walk, causal) -> bool:
 def hopper_turn_counters(q):
     """The deterministic mode's turn counters, one per (b, h, TURN_ROWS query rows), not zeroed:
     the Δ kernel that runs first zeros them (``flash_attn._delta``), one launch fewer."""
-    return torch.empty(q.shape[0] * q.shape[1], triton.cdiv(q.shape[2], TURN_ROWS),
+    return torch.empty(q.shape[0] * q.shape[1], cdiv(q.shape[2], TURN_ROWS),
                        device=q.device, dtype=torch.int32)
 
 
@@ -445,8 +444,8 @@ def hopper_backward(do, q, k, v, lse, delta, sem, dq, dk, dv, causal, scale, sca
     B, H, S, Hd = q.shape
     Hkv = k.shape[1]
     block_m = BLOCK_M[Hd]
-    n_k = triton.cdiv(S, BLOCK_N)
-    s_pad = triton.cdiv(S, block_m) * block_m  # no TMA block spills into the next head's rows
+    n_k = cdiv(S, BLOCK_N)
+    s_pad = cdiv(S, block_m) * block_m  # no TMA block spills into the next head's rows
     deterministic = sem is not None
     # Deterministic: each block's first adder stores, so every row (the padding too) is written.
     dq_acc = (torch.empty if deterministic else torch.zeros)(B * H * s_pad, Hd, device=q.device,

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_floor import use_reference
+from kernel_floor import cdiv, next_power_of_2, use_reference
 
 _BLOCK_ROWS = 32
 
@@ -59,9 +59,9 @@ def _rope_triton(x_BSHHd: torch.Tensor, cos_table: torch.Tensor, sin_table: torc
     out = torch.empty(B, S, H, Hd, dtype=x_BSHHd.dtype, device=x_BSHHd.device)
     rows = B * S * H
     if rows:
-        _rope_kernel[(triton.cdiv(rows, _BLOCK_ROWS),)](
+        _rope_kernel[(cdiv(rows, _BLOCK_ROWS),)](
             x_BSHHd, out, cos_table, sin_table, rows, S, H, *x_BSHHd.stride()[:3],
-            HALF=Hd // 2, BLOCK_HALF=triton.next_power_of_2(Hd // 2), BLOCK_ROWS=_BLOCK_ROWS, SIGN=sign, num_warps=4)
+            HALF=Hd // 2, BLOCK_HALF=next_power_of_2(Hd // 2), BLOCK_ROWS=_BLOCK_ROWS, SIGN=sign, num_warps=4)
     return out
 
 

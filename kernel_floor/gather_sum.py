@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_floor.runtime import ROW_BLOCK_D, ROW_BLOCK_T, grid_programs, tl_dtype
+from kernel_floor.runtime import ROW_BLOCK_D, ROW_BLOCK_T, cdiv, grid_programs, tl_dtype
 
 
 @triton.jit
@@ -124,7 +124,7 @@ def _scatter_rows_kernel(x_ptr, dst_ptr, w_ptr, ya_ptr, yb_ptr, dw_ptr, idx0_ptr
 
 
 def _grid(T: int, max_programs: int | None, block_t: int) -> tuple[int]:
-    return (grid_programs(triton.cdiv(T, block_t), max_programs),)
+    return (grid_programs(cdiv(T, block_t), max_programs),)
 
 
 def gather_sum(T: int, D: int, locate, idx0: torch.Tensor, idx1: torch.Tensor | None, me: int, n: int,

@@ -59,8 +59,8 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
 from kernel_floor import (
-    INTERPRET, ROW_BLOCK_D, check_pair_weights, check_rows, gather_sum, gather_sum_reference, grid_programs,
-    scatter_rows, scatter_rows_reference, tl_dtype,
+    INTERPRET, ROW_BLOCK_D, cdiv, check_pair_weights, check_rows, gather_sum, gather_sum_reference,
+    grid_programs, next_power_of_2, scatter_rows, scatter_rows_reference, tl_dtype,
 )
 from moe.config import check_positive_int
 
@@ -359,10 +359,10 @@ def dispatch_rows(x_TD: torch.Tensor, w_TK: torch.Tensor, order_P: torch.Tensor,
         raise ValueError(f"out must be (T, K) = ({T}, {K}), ({T}, {K}), ({L},) and ({T}, {K}) tensors")
     if store_rows:  # the tickets of the row stores
         lead_TG.zero_()
-    GP, LP = triton.next_power_of_2(G), triton.next_power_of_2(L)
+    GP, LP = next_power_of_2(G), next_power_of_2(L)
     _exchange_counts_kernel[(1,)](counts_E, cnt_ptrs_G, flag_ptrs_G, state, counts_GE, flag, timeout_ms * 1_000_000, me,
-                                  G, L, E, R_cap, GP=GP, LP=LP, BLOCK_E=triton.next_power_of_2(E), num_warps=1)
-    grid = grid_programs(triton.cdiv(P, _BLOCK_ROWS), _MAX_PROGRAMS)
+                                  G, L, E, R_cap, GP=GP, LP=LP, BLOCK_E=next_power_of_2(E), num_warps=1)
+    grid = grid_programs(cdiv(P, _BLOCK_ROWS), _MAX_PROGRAMS)
     _dispatch_rows_kernel[(grid,)](
         x_TD.contiguous(), order_P, counts_GE, row_TK, dest_TK, offsets_J, recv_ptrs_G, src_ptrs_G, w_TK.contiguous(),
         w_ptrs_G, lead_TG, tokrow_TK, tok_ptrs_G, T_cap, me, G, L, E, P, K, P_cap, R_cap, D,
@@ -415,7 +415,7 @@ def expand_rows(tok_MD: torch.Tensor, of_R: torch.Tensor, n_rows: torch.Tensor, 
                              f"({tok_MD.dtype}) and a block within its {tok_MD.shape[0]} rows")
     out = tok_MD.new_empty((of_R.shape[0], D))
     if of_R.shape[0]:
-        grid = grid_programs(triton.cdiv(of_R.shape[0], _BLOCK_ROWS), _MAX_PROGRAMS)
+        grid = grid_programs(cdiv(of_R.shape[0], _BLOCK_ROWS), _MAX_PROGRAMS)
         own = own_TD is not None and own_TD.numel() > 0
         _expand_rows_kernel[(grid,)](tok_MD, of_R, n_rows, out, own_TD if own else tok_MD, own_start if own else 0,
                                      own_TD.shape[0] if own else 0, D, OWN=own, BLOCK_R=_BLOCK_ROWS,
@@ -504,7 +504,7 @@ def push_back(y_RD: torch.Tensor | None, src_R: torch.Tensor, n_rows: torch.Tens
         _check_ptrs("ret_g_ptrs_G", ret_g_ptrs_G)
         if g_R.dtype != torch.float32 or g_R.dim() != 1 or g_R.shape[0] < R or not g_R.is_contiguous():
             raise ValueError(f"g_R must be a contiguous fp32 vector of ≥ {R} entries, got {g_R.dtype} {tuple(g_R.shape)}")
-    grid = grid_programs(triton.cdiv(R, _BLOCK_ROWS), _MAX_PROGRAMS)
+    grid = grid_programs(cdiv(R, _BLOCK_ROWS), _MAX_PROGRAMS)
     _push_back_kernel[(grid,)](y_RD if y_RD is not None else g_R, src_R, n_rows, ret_ptrs_G,
                                g_R if g_R is not None else src_R,
                                ret_g_ptrs_G if ret_g_ptrs_G is not None else ret_ptrs_G, flag_ptrs_G, expect, me,

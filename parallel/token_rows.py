@@ -52,7 +52,8 @@ import triton
 import triton.language as tl
 
 from kernel_floor import (
-    check_rows, gather_sum, gather_sum_reference, scatter_rows, scatter_rows_reference, use_reference,
+    cdiv, check_rows, gather_sum, gather_sum_reference, next_power_of_2, scatter_rows,
+    scatter_rows_reference, use_reference,
 )
 
 
@@ -194,7 +195,7 @@ def write_headers(place_TK: torch.Tensor, dest_TK: torch.Tensor, w_TK: torch.Ten
     if T == 0 or G == 0:
         return
     BLOCK_T = 128
-    _headers_kernel[(triton.cdiv(T, BLOCK_T),)](place_TK, dest_TK, w_TK, sent_TG, place_MK, weight_MK, T,
+    _headers_kernel[(cdiv(T, BLOCK_T),)](place_TK, dest_TK, w_TK, sent_TG, place_MK, weight_MK, T,
                                                 place_MK.stride(0), K=K, G=G, BLOCK_T=BLOCK_T, num_warps=4)
 
 
@@ -258,7 +259,7 @@ def locate_pairs(pos_TK: torch.Tensor, ends_G: torch.Tensor, me: int, backend: s
     has_GT = pos_TK.new_empty((G, T))
     if T:
         BLOCK_T = 128
-        _locate_pairs_kernel[(triton.cdiv(T, BLOCK_T),)](pos_TK, ends_G.contiguous(), dest_TK, place_TK, own_TK,
+        _locate_pairs_kernel[(cdiv(T, BLOCK_T),)](pos_TK, ends_G.contiguous(), dest_TK, place_TK, own_TK,
                                                          has_GT, T, me, K=K, G=G, BLOCK_T=BLOCK_T, num_warps=4)
     return dest_TK, place_TK, own_TK, has_GT
 
@@ -359,9 +360,9 @@ def expert_rows(place_TK: torch.Tensor, recv_counts: torch.Tensor, source: int |
     T, K = place_TK.shape
     rows_TK = torch.empty((T, K), dtype=torch.int64, device=place_TK.device)
     if T and K:
-        GP, LP = triton.next_power_of_2(G), triton.next_power_of_2(L)
+        GP, LP = next_power_of_2(G), next_power_of_2(L)
         BLOCK_T = max(16, 4096 // (GP * LP))  # the [token, source, expert] selection: ~4096 elements
-        _expert_rows_kernel[(triton.cdiv(T, BLOCK_T),)](
+        _expert_rows_kernel[(cdiv(T, BLOCK_T),)](
             place_TK, recv_counts, rows_TK, T, place_TK.stride(0), -1 if source is None else source,
             *(blocks or (0, 0)), G, L,
             K=K, GP=GP, LP=LP, BLOCK_T=BLOCK_T, num_warps=4)

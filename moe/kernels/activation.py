@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernel_floor import cdiv
+
 ACTIVATIONS = {None: 0, "swiglu": 1, "gelu": 2}
 
 
@@ -74,7 +76,7 @@ def swiglu_forward(z_MN: torch.Tensor, w_M: torch.Tensor | None = None) -> torch
     if h.numel() == 0:
         return h
     block_m, block_f = 32, 128
-    grid = (triton.cdiv(M, block_m), triton.cdiv(f, block_f))
+    grid = (cdiv(M, block_m), cdiv(f, block_f))
     _swiglu_fwd_kernel[grid](z_MN, h if w_M is None else w_M, h, M, f, z_MN.stride(0), h.stride(0),
                              WEIGHTED=w_M is not None, BLOCK_M=block_m, BLOCK_F=block_f, num_warps=4)
     return h
@@ -179,7 +181,7 @@ def activation_backward(z_MN: torch.Tensor, dh: torch.Tensor, activation: str, r
     dw = torch.empty_like(w_M) if w_M is not None else None
     if dz.numel():
         block_m, block_f = 32, 128
-        grid = (triton.cdiv(M, block_m), 1 if w_M is not None else triton.cdiv(f, block_f))
+        grid = (cdiv(M, block_m), 1 if w_M is not None else cdiv(f, block_f))
         _activation_bwd_kernel[grid](
             z_MN, dh, dz if w_M is None else w_M, dz, dz if h is None else h, dz if dw is None else dw, M, f,
             z_MN.stride(0), dh.stride(0), dz.stride(0), 0 if h is None else h.stride(0),

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from kernel_floor import INTERPRET
+from kernel_floor import INTERPRET, cdiv, next_power_of_2
 
 
 @triton.jit
@@ -63,9 +63,9 @@ def _launch(x_TE: torch.Tensor, seq_len: int, backward: bool) -> torch.Tensor:
     T, E = x_TE.shape
     x_TE = x_TE.contiguous()
     y_TE = torch.empty_like(x_TE)
-    block_e = min(triton.next_power_of_2(E), 16)
+    block_e = min(next_power_of_2(E), 16)
     block_s = 32 if INTERPRET else 128
-    grid = (T // seq_len, triton.cdiv(E, block_e))
+    grid = (T // seq_len, cdiv(E, block_e))
     _centre_kernel[grid](x_TE, y_TE, seq_len, E, BACKWARD=backward, BLOCK_S=block_s,
                          BLOCK_E=block_e, num_warps=4)
     return y_TE

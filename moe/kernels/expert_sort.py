@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_floor import INTERPRET, use_reference
+from kernel_floor import INTERPRET, cdiv, next_power_of_2, use_reference
 
 MAX_BINS = 1025  # the plan's keys: E experts (≤ 1024 here) and one more for the dropped pairs
 
@@ -78,7 +78,7 @@ def _scatter_kernel(KEY, COUNT, START, ORDER, P, B, BLOCK_P: tl.constexpr, BLOCK
 def _blocks(num_bins: int) -> tuple[int, int]:
     """(BLOCK_P, BLOCK_B): the one-hot tile BLOCK_P × BLOCK_B at 16k int32 (64 a thread at 8
     warps); the interpreter's at 512, so small tests walk several blocks."""
-    block_b = triton.next_power_of_2(num_bins)
+    block_b = next_power_of_2(num_bins)
     tile = 512 if INTERPRET else 16384
     return max(16, min(1024, tile // block_b)), block_b
 
@@ -107,7 +107,7 @@ def sort_by_key(key_P: torch.Tensor, num_bins: int, backend: str = "auto") -> tu
         return sort_by_key_reference(key_P, num_bins)
     P = key_P.numel()
     block_p, block_b = _blocks(num_bins)
-    N = triton.cdiv(P, block_p)
+    N = cdiv(P, block_p)
     dev = key_P.device
     order = torch.empty(P, dtype=torch.int64, device=dev)
     total = torch.empty(num_bins, dtype=torch.int64, device=dev)

@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernel_floor import GLUON_DTYPES, aligned16, band_swizzle, capability, gluon_layout, sm_count
+from kernel_floor import GLUON_DTYPES, aligned16, band_swizzle, capability, cdiv, gluon_layout, sm_count
 from moe.kernels.grouped_mm_tma import TILE_M, TILE_N, _GROUP_M, segment_tiles
 
 BLOCK_K = 64
@@ -250,10 +250,10 @@ def tile_table(offsets_J: torch.Tensor, tile_end: torch.Tensor, M: int, N: int, 
     """The (capacity, 4) int32 tile table of ``_tile_table_kernel`` (no host sync: the capacity
     bounds the tile count, ``Σ cdiv(rows_s, 128) ≤ cdiv(M, 128) + J`` m-tiles)."""
     J = offsets_J.shape[0]
-    capacity = (triton.cdiv(M, TILE_M) + J) * triton.cdiv(N, TILE_N)
+    capacity = (cdiv(M, TILE_M) + J) * cdiv(N, TILE_N)
     table = torch.empty(capacity, 4, dtype=torch.int32, device=offsets_J.device)
-    _tile_table_kernel[(triton.cdiv(capacity, TABLE_BLOCK),)](
-        tile_end, offsets_J, table, J, L, triton.cdiv(N, TILE_N), capacity,
+    _tile_table_kernel[(cdiv(capacity, TABLE_BLOCK),)](
+        tile_end, offsets_J, table, J, L, cdiv(N, TILE_N), capacity,
         LOG_S=max(J.bit_length(), 1), BLOCK_M=TILE_M, GROUP_M=_GROUP_M, BLOCK=TABLE_BLOCK)
     return table
 

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernel_floor import INTERPRET, band_swizzle, sm_count
+from kernel_floor import INTERPRET, band_swizzle, cdiv, next_power_of_2, sm_count
 from moe.kernels.activation import gelu_tanh
 
 # Output tile (BLOCK_M x BLOCK_N) and reduction chunk per operand width. The interpreter runs
@@ -134,9 +134,9 @@ def segment_tiles(offsets_J: torch.Tensor, y: torch.Tensor, M: int, N: int) -> t
     tiles and zeroes y's rows ``offsets[-1]:M``."""
     J = offsets_J.shape[0]
     tile_end = torch.empty(J, dtype=torch.int32, device=offsets_J.device)
-    _segment_tiles_kernel[(1 + triton.cdiv(M, _ZERO_ROWS),)](
-        offsets_J, tile_end, y, J, M, N, triton.cdiv(N, TILE_N), y.stride(0),
-        BLOCK_M=TILE_M, BLOCK_S=triton.next_power_of_2(J), ZERO_ROWS=_ZERO_ROWS, ZERO_COLS=_ZERO_COLS)
+    _segment_tiles_kernel[(1 + cdiv(M, _ZERO_ROWS),)](
+        offsets_J, tile_end, y, J, M, N, cdiv(N, TILE_N), y.stride(0),
+        BLOCK_M=TILE_M, BLOCK_S=next_power_of_2(J), ZERO_ROWS=_ZERO_ROWS, ZERO_COLS=_ZERO_COLS)
     return tile_end
 
 

@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from kernel_floor import (
-    AUTOTUNE, INTERPRET, band_swizzle, check_segments, fixed_config, sm_count, tma_ok, use_tensor_descriptors,
+    AUTOTUNE, INTERPRET, band_swizzle, cdiv, check_segments, fixed_config, sm_count, tma_ok,
+    use_tensor_descriptors,
 )
 from moe.kernels.grouped_mm_wgrad_gluon import grouped_mm_wgrad_gluon, wgrad_gluon_ok
 from moe.kernels.grouped_mm_wgrad_tma import grouped_mm_wgrad_tma, segment_descriptors
@@ -204,7 +205,7 @@ def grouped_mm_wgrad(x_MI: torch.Tensor, dy_MN: torch.Tensor, offsets_J: torch.T
     num_sms = sm_count(x_MI.device)
 
     def grid(meta):
-        tiles = L * triton.cdiv(I, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"])
+        tiles = L * cdiv(I, meta["BLOCK_K"]) * cdiv(N, meta["BLOCK_N"])
         return (min(tiles, num_sms) if meta["PERSISTENT"] else tiles,)
 
     grouped_mm_wgrad_kernel[grid](

@@ -39,7 +39,6 @@ per group, TMA-addressable operands.
 """
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
@@ -47,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.tools.ragged_tma import create_ragged_descriptor
 
-from kernel_floor import GLUON_DTYPES, band_swizzle, capability, gluon_layout, sm_count
+from kernel_floor import GLUON_DTYPES, band_swizzle, capability, cdiv, gluon_layout, sm_count
 from moe.kernels import grouped_mm_gluon
 from moe.kernels.grouped_mm_gluon import CONSUMER_REGS, MAX_NREG, PRODUCER_REGS, WG_M, descriptor
 
@@ -328,7 +327,7 @@ def grouped_mm_wgrad_gluon(x_MI: torch.Tensor, dy_MN: torch.Tensor, offsets_J: t
         raise ValueError(f"accumulate needs an fp32 dw_LIN, got {dw_LIN.dtype}")
     if fp32 and not dw_LIN.is_contiguous():  # the fp32 epilogue addresses dw by its shape
         raise ValueError(f"an fp32 dw_LIN must be contiguous, got strides {dw_LIN.stride()}")
-    tiles = L * triton.cdiv(I, BLOCK_K) * triton.cdiv(N, BLOCK_N)
+    tiles = L * cdiv(I, BLOCK_K) * cdiv(N, BLOCK_N)
     _grouped_mm_wgrad_gluon_kernel[(min(programs or sm_count(x_MI.device), tiles),)](
         ragged_descriptor(x_MI, [BLOCK_M, WG_M]), ragged_descriptor(dy_MN, [BLOCK_M, BLOCK_N]),
         None if fp32 else descriptor(dw_LIN, [1, WG_M, BLOCK_N]), dw_LIN, offsets_J, L, I, N,

@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernel_floor import INTERPRET, band_swizzle, sm_count, use_tensor_descriptors
+from kernel_floor import INTERPRET, band_swizzle, cdiv, sm_count, use_tensor_descriptors
 
 # (BLOCK_K, BLOCK_N, BLOCK_M, GROUP_K): the general kernel's winning tile on the H100;
 # the interpreter walks small tiles so that tests at sizes <= 128 run several of each loop.
@@ -140,7 +140,7 @@ def _store_fp32(row_ptrs, cols, part, row_ok, N, ADD: tl.constexpr):
 def wgrad_tma_plan(L: int, I: int, N: int, device: torch.device) -> tuple[int, int, bool]:
     """(programs per team, teams, deep pipeline) for ``dw`` of shape (L, I, N)."""
     block_k, block_n = _TILE[:2]
-    group_size = triton.cdiv(I, block_k) * triton.cdiv(N, block_n)
+    group_size = cdiv(I, block_k) * cdiv(N, block_n)
     grid = min(sm_count(device), L * group_size)
     n_teams = max(1, min(_MAX_TEAMS, round(_TILES_PER_PROGRAM * grid / group_size), grid))
     return grid // n_teams, n_teams, n_teams >= _DEEP_FROM_TEAMS

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_floor import INTERPRET, tma_ok
+from kernel_floor import INTERPRET, cdiv, tma_ok
 from moe.kernels.grouped_mm_wgrad import grouped_mm_wgrad, hopper_wgrad_
 
 _BLOCK = 128 if INTERPRET else 4096
@@ -62,7 +62,7 @@ def accumulate_master_grad_(master: torch.Tensor, grad: torch.Tensor) -> None:
     with _fp32_grad(master) as (dst, first):
         n = grad.numel()
         if n:
-            _accumulate_kernel[(triton.cdiv(n, _BLOCK),)](dst, grad, n, FIRST=first, BLOCK=_BLOCK, num_warps=8)
+            _accumulate_kernel[(cdiv(n, _BLOCK),)](dst, grad, n, FIRST=first, BLOCK=_BLOCK, num_warps=8)
 
 
 def accumulate_wgrad_(master: torch.Tensor, x_MI: torch.Tensor, dy_MN: torch.Tensor, offsets_J: torch.Tensor) -> None:

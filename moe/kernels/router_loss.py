@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from kernel_floor import INTERPRET, use_reference
+from kernel_floor import INTERPRET, cdiv, next_power_of_2, use_reference
 from moe.kernels.router_topk import MAX_EXPERTS
 from moe.losses import load_balancing_loss, router_z_loss, token_mean
 
@@ -107,7 +107,7 @@ class RouterLossFn(torch.autograd.Function):
         E, T = prob_sum_E.numel(), lse_T.numel()
         lb, z, loss, mean_entropy = (torch.empty((), device=prob_sum_E.device, dtype=torch.float32) for _ in range(4))
         nt, n_host, on_host = _count_args(num_tokens, prob_sum_E)
-        block_e = triton.next_power_of_2(E)
+        block_e = next_power_of_2(E)
         _router_loss_fwd_kernel[(1,)](
             routed_E, prob_sum_E, nt, n_host, lse_T, entropy_T, lb, z, loss, mean_entropy, T, float(max(T, 1)), E,
             top_k, aux_coef, z_coef, N_ON_HOST=on_host, BLOCK_E=block_e, BLOCK_T=_BLOCK_T, num_warps=4)
@@ -129,11 +129,11 @@ class RouterLossFn(torch.autograd.Function):
         d_prob = torch.empty(E, device=lse_T.device, dtype=torch.float32)
         d_lse = torch.empty_like(lse_T)
         nt = device_count[0] if device_count else d_prob
-        _router_loss_bwd_kernel[(max(1, triton.cdiv(T, _BLOCK_T)),)](
+        _router_loss_bwd_kernel[(max(1, cdiv(T, _BLOCK_T)),)](
             routed_E, nt, n_host, lse_T, *(g if g is not None else anything for g in (g_lb, g_z, g_loss)),
             d_prob, d_lse, T, float(max(T, 1)), E, top_k, aux_coef, z_coef, N_ON_HOST=on_host,
             HAS_GLB=g_lb is not None, HAS_GZ=g_z is not None, HAS_GLOSS=g_loss is not None,
-            BLOCK_E=triton.next_power_of_2(E), BLOCK_T=_BLOCK_T, num_warps=4)
+            BLOCK_E=next_power_of_2(E), BLOCK_T=_BLOCK_T, num_warps=4)
         return None, d_prob, None, d_lse, None, None, None, None
 
 

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernel_floor import AUTOTUNE, INTERPRET, band_swizzle, fixed_config, sm_count, use_reference
+from kernel_floor import AUTOTUNE, INTERPRET, band_swizzle, cdiv, fixed_config, next_power_of_2, sm_count, use_reference
 
 
 def _configs():
@@ -63,7 +63,7 @@ def _prune(configs, named_args, **kwargs):
 
 def _bucket(n: int) -> int:
     """Autotune key for a length that varies between calls (tokens): its power-of-2 bucket."""
-    return min(max(triton.next_power_of_2(n), 256), 1 << 16)
+    return min(max(next_power_of_2(n), 256), 1 << 16)
 
 
 @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K_BUCKET"],
@@ -104,14 +104,14 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, splits: in
     many slices summed in order after the kernel."""
     M, K = a.shape
     N = b.shape[1]
-    k_per_split = triton.cdiv(triton.cdiv(K, splits), 128) * 128  # a multiple of every BLOCK_K
-    splits = triton.cdiv(K, k_per_split) if K else 1
+    k_per_split = cdiv(cdiv(K, splits), 128) * 128  # a multiple of every BLOCK_K
+    splits = cdiv(K, k_per_split) if K else 1
     c = torch.empty(splits, M, N, device=a.device, dtype=torch.float32 if splits > 1 else out_dtype)
     if M == 0 or N == 0:
         return c.sum(0).to(out_dtype)
     if K == 0:
         return c.zero_().sum(0).to(out_dtype)
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), splits)  # noqa: E731
+    grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]), splits)  # noqa: E731
     _mm_3xtf32_kernel[grid](a, b, c, M, N, K, k_per_split, _bucket(M), _bucket(K),
                             a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                             c.stride(0), c.stride(1), c.stride(2), PRECISION=precision)
@@ -120,8 +120,8 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, splits: in
 
 def _weight_grad_splits(E: int, D: int, T: int, device: torch.device) -> int:
     """Slices of T for ``dw``: enough programs for two waves counted in the largest (128x128) tiles."""
-    tiles = max(triton.cdiv(E, 128) * triton.cdiv(D, 128), 1)
-    return max(1, min(triton.cdiv(2 * sm_count(device), tiles), triton.cdiv(T, 1024)))
+    tiles = max(cdiv(E, 128) * cdiv(D, 128), 1)
+    return max(1, min(cdiv(2 * sm_count(device), tiles), cdiv(T, 1024)))
 
 
 class RouterLogitsFn(torch.autograd.Function):

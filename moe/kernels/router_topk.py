@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from kernel_floor import INTERPRET
+from kernel_floor import INTERPRET, cdiv, next_power_of_2
 
 MAX_EXPERTS = 1024
 # the top-k is K unrolled rounds over the token block: compiling K = 64 at E = 1024 took minutes
@@ -171,9 +171,9 @@ def _router_topk_bwd_kernel(L, LSE, EXPERTS, PRIORITY, G_S, gs_stride_t, gs_stri
 def _blocks(E: int, K: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_E, BLOCK_K): the token block holds 4k scores (32 a thread at 4 warps); the
     interpreter's 256, so small tests walk several blocks."""
-    block_e = triton.next_power_of_2(E)
+    block_e = next_power_of_2(E)
     block_t = max(1, min(128, (256 if INTERPRET else 4096) // block_e))
-    return block_t, block_e, triton.next_power_of_2(K)
+    return block_t, block_e, next_power_of_2(K)
 
 
 def _flat(grad: torch.Tensor | None, absent: torch.Tensor) -> torch.Tensor:
@@ -198,7 +198,7 @@ class RouterTopKFn(torch.autograd.Function):
         entropy = torch.empty(T, device=dev, dtype=torch.float32)
         block_t, block_e, block_k = _blocks(E, top_k)
         if T:
-            _router_topk_fwd_kernel[(triton.cdiv(T, block_t),)](
+            _router_topk_fwd_kernel[(cdiv(T, block_t),)](
                 logits_TE, bias_E if bias_E is not None else logits_TE, scores, experts, priority, weights,
                 lse, entropy, T, E, scale, K=top_k, SIGMOID=sigmoid, HAS_BIAS=bias_E is not None,
                 RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
@@ -219,7 +219,7 @@ class RouterTopKFn(torch.autograd.Function):
         dl = torch.empty_like(logits_TE)
         block_t, block_e, block_k = _blocks(E, top_k)
         if T:
-            _router_topk_bwd_kernel[(triton.cdiv(T, block_t),)](
+            _router_topk_bwd_kernel[(cdiv(T, block_t),)](
                 logits_TE, lse, experts, priority, g_scores if g_scores is not None else logits_TE,
                 *(g_scores.stride() if g_scores is not None else (0, 0)), _flat(g_priority, logits_TE),
                 _flat(g_weights, logits_TE), _flat(g_lse, logits_TE), dl, T, E, scale, K=top_k, SIGMOID=sigmoid,
