@@ -7,7 +7,8 @@ ones (odd lengths, pointers one element off alignment, a length of 1, an int64 p
 against PyTorch, and count that only the first launch per constexpr set compiles; a kernel that
 specializes is refused before it runs (on CPU too, in the interpreter). A GPU test checks the
 later launches' kept TMA maps (by address, shape and strides) and their fallback to Triton's
-runner while a launch hook is set.
+runner while a launch hook is set. The host-side grid arithmetic (``cdiv``, ``next_power_of_2``)
+is checked against Triton's functions, which it replaces on every launch path.
 """
 
 import pytest
@@ -17,7 +18,7 @@ import triton.language as tl
 from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernel_floor import cached_launch, runtime
+from kernel_floor import cached_launch, cdiv, next_power_of_2, runtime
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -128,3 +129,16 @@ def test_gpu_cached_launch_keeps_tma_maps_by_address_and_shape(monkeypatch):
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert seen == ["_scale_rows"] and len(raw_calls) == 4, (seen, raw_calls)
+
+
+def test_host_grid_arithmetic_equals_tritons():
+    """Same values as triton.cdiv / triton.next_power_of_2 (constexpr functions in Triton 3.6,
+    3-5 us a host call): zero, negatives, every n to 4100, powers of two and their neighbours
+    past 2^31."""
+    ns = list(range(-5, 4100)) + [p + d for p in (2**31, 2**33, 2**40) for d in (-1, 0, 1)]
+    for n in ns:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for y in (1, 3, 16, 64, 128, 1000):
+            assert cdiv(n, y) == triton.cdiv(n, y), (n, y)
+    assert [next_power_of_2(n) for n in (0, 1, 2, 3, 5, 129)] == [0, 1, 2, 4, 8, 256]
+    assert cdiv(1024, 64) == 16 and cdiv(1025, 64) == 17 and cdiv(0, 64) == 0
