@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from kernel_floor import cdiv
 from moe.capacity import RoutingPlan, max_received_rows, split_plan
 from moe.config import check_positive_int
 from moe.dispatch import Dispatcher, DispatchMeta, LocalDispatcher, LocalDispatchMeta, check_combine_weights
@@ -121,7 +122,7 @@ class ExpertParallelDispatcher(Dispatcher):
         self.max_tokens = max_tokens
         self.capacity_factor, self.capacity_groups = capacity_factor, capacity_groups
         # the most tokens of one dispatch: a chunk's share under run_experts' chunks
-        self.dispatch_tokens = -(-max_tokens // self.overlap_chunks)
+        self.dispatch_tokens = cdiv(max_tokens, self.overlap_chunks)
 
     def _check_dispatch_tokens(self, T: int) -> None:
         """Refuse a dispatch of more than :attr:`dispatch_tokens` tokens, which its buffers do

@@ -130,6 +130,7 @@ import math
 import sys
 from dataclasses import dataclass
 
+from kernel_floor import cdiv
 from moe.capacity import max_received_rows
 from parallel.grad_sync import BUCKET_BYTES
 from train.config import Config, ConfigError, load_config, validate
@@ -258,18 +259,14 @@ class Layout:
         return self.sharded and self.param_bytes == 2
 
 
-def _ceil_div(n: int, d: int) -> int:
-    return -(-n // d)
-
-
 def local_numel(group: str, shape: tuple[int, ...], lay: Layout) -> int:
     """Elements of one parameter a rank holds as its fp32 master (and gradient, and each AdamW
     moment). FSDP2 splits the sharded dimension in equal chunks, padding the last ones."""
     if group.endswith("experts"):
         L, rows, rest = shape[0] // lay.ep, shape[1], math.prod(shape[2:])
-        return L * (_ceil_div(rows, lay.edp) if lay.experts_sharded else rows) * rest
+        return L * (cdiv(rows, lay.edp) if lay.experts_sharded else rows) * rest
     if lay.sharded and not group.endswith("router"):  # the routers are ignored_params: replicated
-        return _ceil_div(shape[0], lay.world) * math.prod(shape[1:])
+        return cdiv(shape[0], lay.world) * math.prod(shape[1:])
     return math.prod(shape)
 
 
@@ -441,7 +438,7 @@ def block_parts(s: ModelShape, moe: bool, B: int, S: int, lay: Layout, num: Nume
         # parallel/dispatcher.py: the row tables (K + ep entries a token) and each pair's rank,
         # and the row table of the tokens received (at most one per token of each other rank;
         # padded: a block of T rows from each)
-        received = (lay.ep - 1) * (T if lay.padded else min(T, -(-rows.R // lay.ep)))
+        received = (lay.ep - 1) * (T if lay.padded else min(T, cdiv(rows.R, lay.ep)))
         parts += [Part("route: row tables and each pair's rank", (T * (s.K + lay.ep) + P) * 8, dispatch=True),
                   Part("row table of the received tokens", received * s.K * 8, dispatch=True)]
     else:  # parallel/p2p_dispatcher.py's _P2PRoute
@@ -624,7 +621,7 @@ def received_rows_cap(s: ModelShape, T: int, lay: Layout) -> int:
     of the padded NCCL exchange's experts' input, per dispatch: ep·T_c·K for a chunk of T_c =
     ceil(T / chunks) tokens, or the capacity's bound over the layer's T where smaller (a chunk may
     hold all of an expert's kept pairs)."""
-    T_c = _ceil_div(T, lay.chunks)
+    T_c = cdiv(T, lay.chunks)
     return min(lay.ep * T_c * s.K, max_received_rows(T, s.E, s.K, s.capacity_factor, s.capacity_groups, lay.ep))
 
 
@@ -636,14 +633,14 @@ def p2p_buffer_bytes(s: ModelShape, T: int, lay: Layout, row_bytes: int) -> int:
     casts the norm output to it). A chunk holds ceil(T / chunks) tokens."""
     if lay.transport != "p2p":
         return 0
-    T_c = _ceil_div(T, lay.chunks)
+    T_c = cdiv(T, lay.chunks)
     R_cap, P_cap = received_rows_cap(s, T, lay), T_c * s.K
     # a token's row crosses to a rank once each way: the receive, return and gradient buffers hold
     # one row per (rank, token)
     token_rows = lay.ep * T_c * s.D * row_bytes
     regions = [token_rows, token_rows, R_cap * 8, R_cap * 8, R_cap * 4, P_cap * 4, lay.ep * s.E * 8, 8, 8]
-    slot = sum(_ceil_div(n, 256) * 256 for n in regions)
-    return lay.chunks * (sum(s.moe_blocks) * slot + _ceil_div(token_rows, 256) * 256)
+    slot = sum(cdiv(n, 256) * 256 for n in regions)
+    return lay.chunks * (sum(s.moe_blocks) * slot + cdiv(token_rows, 256) * 256)
 
 
 COLUMNS = ("params", "grads", "optimizer", "activations", "dispatch", "weights", "transient")
