@@ -393,6 +393,19 @@ def _kv_step(a, q_tile, p, m_i, l_i, acc, it, j, my_m, prev, pv_acc, WG: gl.cons
 
 
 @gluon.jit
+def _finish_half_diagonal(a, q_tile, p, m_i, l_i, acc, kv, j, my_m, tile, WG: gl.constexpr,
+                          CAUSAL: gl.constexpr, half_zero, half_layout: gl.constexpr,
+                          p_layout: gl.constexpr, o_layout: gl.constexpr):
+    """A tile's last step, key block ``j``, over the first half of its keys (its rows see no
+    more: ``_consumer``), then the tile's last P·V and its rows out."""
+    p_last, m_i, l_i, acc = _kv_step(a, q_tile, p, m_i, l_i, acc, kv + j, j, my_m, tile, True, WG,
+                                     CAUSAL, False, half_zero, half_layout, p_layout, o_layout)
+    row_s: gl.constexpr = m_i.type.layout
+    _finish_tile(a, p_last, acc, m_i, l_i, kv + j, True, tile, WG, CAUSAL, row_s,
+                 gl.SliceLayout(1, o_layout))
+
+
+@gluon.jit
 def _release_q(q_empty, tc):
     """Hand tile ``tc``'s Q buffer back to the producer once the tile's output, stored from it,
     has left it (this warpgroup's one TMA store in flight)."""
@@ -448,8 +461,9 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_zero = gl.zeros([ROWS, BN], gl.float32, layout=s_layout)
     # consumer 0 of a one-block-tall tile: its ROWS rows see the diagonal block's first ROWS keys
+    # (one consumer: the tiles that start a key block, every other one)
     HALF_DIAG: gl.constexpr = (CAUSAL and HALF_DIAGONAL and not CROSS_TILE and WG == 0
-                               and NWG * ROWS == BN)
+                               and NWG <= 2 and 2 * ROWS == BN)
     half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                           instr_shape=[16, ROWS, 16])
     half_zero = gl.zeros([ROWS, ROWS], gl.float32, layout=half_layout)
@@ -482,7 +496,10 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
                 p = gl.zeros([ROWS, BN], dtype, layout=p_layout)
             n_full = n_blocks
             if HALF_DIAG:
-                n_full = n_blocks - 1
+                if NWG == 1:
+                    n_full = n_blocks - (start_m % BN == 0).to(gl.int32)
+                else:
+                    n_full = n_blocks - 1
             j0 = 0
             if PEEL:
                 if n_full > 0:
@@ -505,15 +522,21 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
                     _release_q(q_empty, tc - 1)
             else:
                 if HALF_DIAG:
-                    j = n_blocks - 1
-                    p_last, m_i, l_i, acc = _kv_step(a, q_tile, p, m_i, l_i, acc, kv + j, j,
-                                                     my_m, (u, t, tc), True, WG, CAUSAL,
-                                                     CROSS_TILE, half_zero, half_layout,
-                                                     p_layout, o_layout)
+                    if NWG == 1:
+                        if n_full < n_blocks:
+                            _finish_half_diagonal(a, q_tile, p, m_i, l_i, acc, kv, n_blocks - 1,
+                                                  my_m, (u, t, tc), WG, CAUSAL, half_zero,
+                                                  half_layout, p_layout, o_layout)
+                        else:
+                            _finish_tile(a, p, acc, m_i, l_i, kv + n_blocks - 1, True,
+                                         (u, t, tc), WG, CAUSAL, row_s, row_o)
+                    else:
+                        _finish_half_diagonal(a, q_tile, p, m_i, l_i, acc, kv, n_blocks - 1, my_m,
+                                              (u, t, tc), WG, CAUSAL, half_zero, half_layout,
+                                              p_layout, o_layout)
                 else:
-                    p_last = p
-                _finish_tile(a, p_last, acc, m_i, l_i, kv + n_blocks - 1, True, (u, t, tc), WG,
-                             CAUSAL, row_s, row_o)
+                    _finish_tile(a, p, acc, m_i, l_i, kv + n_blocks - 1, True, (u, t, tc), WG,
+                                 CAUSAL, row_s, row_o)
             u_prev = u
             t_prev = t
             n_prev = n_blocks

@@ -6,7 +6,8 @@ over ``--rounds`` rounds of do_bench(warmup=100, rep=200). Candidates:
 
 - ``peel``: a tile's first step without the P·V of a zero P (Plan.peel_first).
 - ``st3``: a three-deep K/V ring.
-- ``1wg_2cta``: one 64-row consumer a CTA, two CTAs an SM (each CTA its own K/V stream).
+- ``1wg_2cta``: one 64-row consumer a CTA, two CTAs an SM (each CTA its own K/V stream);
+  ``_half``: a tile that starts a key block takes half of its diagonal block (Plan.half_diagonal).
 - ``2wg_n64_2cta``: two consumers, 64-key blocks, two CTAs an SM (112 registers a consumer).
 
 Outputs: ``same bits`` against base (peel and st3 must be bit-equal), else the max |diff|.
@@ -38,6 +39,10 @@ def candidates(hd, S, causal):
     if hd == 64:
         out["1wg_2cta"] = fah.Plan(1, ctas_per_sm=2)
         out["1wg_2cta_peel"] = fah.Plan(1, ctas_per_sm=2, peel_first=True)
+        if causal:
+            out["1wg_2cta_half"] = fah.Plan(1, ctas_per_sm=2, half_diagonal=True)
+            out["1wg_2cta_half_peel"] = fah.Plan(1, ctas_per_sm=2, half_diagonal=True,
+                                                 peel_first=True)
         out["2wg_n64_2cta"] = fah.Plan(2, block_n=64, ctas_per_sm=2)
     return out
 
