@@ -80,8 +80,6 @@ class Plan:
     q_buffers: int = 2  # Q (and output) buffers: _consumer says why cross_tile takes three
     cross_tile: bool = False  # the CTA's tiles as one stream of block steps (_consumer)
     half_diagonal: bool = False  # consumer 0's diagonal step over half the keys (_consumer; causal only)
-    peel_first: bool = False  # a tile's first step without the P·V of a zero P (_consumer)
-    ctas_per_sm: int = 1  # CTAs resident on an SM: the register file split among them
 
     def __post_init__(self):
         if self.q_buffers < 2:  # one buffer: the producer would wait for the output it follows
@@ -95,13 +93,13 @@ class Plan:
     def max_nreg(self) -> int:
         """The launch's registers per thread: the 64K register file over the CTA's warps (the
         producer's single warp holds a whole warpgroup's share), rounded down to 8."""
-        return 65536 // (128 * (self.warpgroups + 1) * self.ctas_per_sm) // 8 * 8
+        return 65536 // (128 * (self.warpgroups + 1)) // 8 * 8
 
     @property
     def consumer_regs(self) -> int:
         """What ``setmaxnreg`` gives each worker consumer thread once the producer drops to 24
         (the default partition, consumer 0, takes what is left: 240 or 168)."""
-        return (65536 // self.ctas_per_sm - 128 * PRODUCER_REGS) // (128 * self.warpgroups) // 8 * 8
+        return (65536 - 128 * PRODUCER_REGS) // (128 * self.warpgroups) // 8 * 8
 
     def constexprs(self, head_dim: int, causal: bool) -> dict:
         """The forward kernel's constexpr arguments in this tiling: what ``hopper_forward``
@@ -109,8 +107,7 @@ class Plan:
         return dict(CAUSAL=causal, BLOCK_M=self.block_m, BLOCK_N=self.block_n, HEAD_D=head_dim,
                     STAGES=self.stages, CONSUMER_REGS=self.consumer_regs,
                     PRODUCER_REGS=PRODUCER_REGS, Q_BUFFERS=self.q_buffers,
-                    CROSS_TILE=self.cross_tile, HALF_DIAGONAL=self.half_diagonal,
-                    PEEL_FIRST=self.peel_first)
+                    CROSS_TILE=self.cross_tile, HALF_DIAGONAL=self.half_diagonal)
 
 
 HEAD_DIMS = (64, 128)
@@ -303,7 +300,7 @@ def _finish_tile(a, p, acc, m_i, l_i, it, use_acc, tile, WG: gl.constexpr, CAUSA
 @gluon.jit
 def _kv_step(a, q_tile, p, m_i, l_i, acc, it, j, my_m, prev, pv_acc, WG: gl.constexpr,
              CAUSAL: gl.constexpr, CROSS_TILE: gl.constexpr, s_zero, s_layout: gl.constexpr,
-             p_layout: gl.constexpr, o_layout: gl.constexpr, FIRST: gl.constexpr = False):
+             p_layout: gl.constexpr, o_layout: gl.constexpr):
     """Key block ``j`` of the tile, ``it`` of the ring (the CTA's count, across its tiles):
     S = Q·K(it)ᵀ runs beside the previous block's O += P·V, whose softmax it follows. Returns
     this block's P, already the 16-bit P·V operand, and the updated m, l and O. S covers the
@@ -344,18 +341,15 @@ def _kv_step(a, q_tile, p, m_i, l_i, acc, it, j, my_m, prev, pv_acc, WG: gl.cons
     mbarrier.wait(k_ready.index(s), (it // NSTAGE) & 1)
     k_tile = k_smem.index(s).reshape([BN, HEAD_D]).slice(0, KEYS)
     s_acc = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    if FIRST:
-        s_acc = warpgroup_mma_wait(0, deps=(s_acc, ))
+    if CROSS_TILE:
+        vit = it - (it > 0).to(gl.int32)
     else:
-        if CROSS_TILE:
-            vit = it - (it > 0).to(gl.int32)
-        else:
-            vit = it - (j > 0).to(gl.int32)
-        vs = vit % NSTAGE
-        mbarrier.wait(v_ready.index(vs), (vit // NSTAGE) & 1)
-        v_tile = v_smem.index(vs).reshape([BN, HEAD_D])
-        acc = warpgroup_mma(p, v_tile, acc, use_acc=pv_acc, is_async=True)
-        s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))
+        vit = it - (j > 0).to(gl.int32)
+    vs = vit % NSTAGE
+    mbarrier.wait(v_ready.index(vs), (vit // NSTAGE) & 1)
+    v_tile = v_smem.index(vs).reshape([BN, HEAD_D])
+    acc = warpgroup_mma(p, v_tile, acc, use_acc=pv_acc, is_async=True)
+    s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))
     mbarrier.arrive(k_empty.index(s), count=1)
     start_n = j * BN
     need = start_n + KEYS > SK
@@ -378,31 +372,17 @@ def _kv_step(a, q_tile, p, m_i, l_i, acc, it, j, my_m, prev, pv_acc, WG: gl.cons
     p32 = gl.exp2(s_acc * qk_scale - m_new[:, None])
     alpha = gl.exp2(m_old_run - m_new)  # 0 at j == 0, where (CROSS_TILE) l_old is the last tile's
     l_new = l_old * alpha + gl.sum(p32, 1)
-    if not FIRST:
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        if CROSS_TILE:
-            mbarrier.arrive(v_empty.index(vs), count=1, pred=it > 0)
-            if j == 0:
-                if it > 0:
-                    _store_tile(a, acc, m_old, l_old, prev, WG, CAUSAL, row_s, row_o)
-        else:
-            mbarrier.arrive(v_empty.index(vs), count=1, pred=j > 0)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    if CROSS_TILE:
+        mbarrier.arrive(v_empty.index(vs), count=1, pred=it > 0)
+        if j == 0:
+            if it > 0:
+                _store_tile(a, acc, m_old, l_old, prev, WG, CAUSAL, row_s, row_o)
+    else:
+        mbarrier.arrive(v_empty.index(vs), count=1, pred=j > 0)
     p = gl.convert_layout(p32.to(q_desc.dtype), p_layout)
-    return p, gl.convert_layout(m_new, row_in), gl.convert_layout(l_new, row_in), acc
-
-
-@gluon.jit
-def _finish_half_diagonal(a, q_tile, p, m_i, l_i, acc, kv, j, my_m, tile, WG: gl.constexpr,
-                          CAUSAL: gl.constexpr, half_zero, half_layout: gl.constexpr,
-                          p_layout: gl.constexpr, o_layout: gl.constexpr):
-    """A tile's last step, key block ``j``, over the first half of its keys (its rows see no
-    more: ``_consumer``), then the tile's last P·V and its rows out."""
-    p_last, m_i, l_i, acc = _kv_step(a, q_tile, p, m_i, l_i, acc, kv + j, j, my_m, tile, True, WG,
-                                     CAUSAL, False, half_zero, half_layout, p_layout, o_layout)
-    row_s: gl.constexpr = m_i.type.layout
-    _finish_tile(a, p_last, acc, m_i, l_i, kv + j, True, tile, WG, CAUSAL, row_s,
-                 gl.SliceLayout(1, o_layout))
+    return (p, gl.convert_layout(m_new, row_in), gl.convert_layout(l_new, row_in),
+            acc * gl.convert_layout(alpha, row_o)[:, None])
 
 
 @gluon.jit
@@ -415,7 +395,7 @@ def _release_q(q_empty, tc):
 
 @gluon.jit
 def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexpr,
-              HALF_DIAGONAL: gl.constexpr, PEEL_FIRST: gl.constexpr):
+              HALF_DIAGONAL: gl.constexpr):
     """One warpgroup: for each tile, query rows start_m + 64·WG ... + 63 against its key blocks.
     Every consumer walks all of the tile's blocks (the ring's slots are released by all), so a
     block past a warpgroup's diagonal is computed and masked away, FlashAttention-3's choice too,
@@ -461,13 +441,11 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     s_zero = gl.zeros([ROWS, BN], gl.float32, layout=s_layout)
     # consumer 0 of a one-block-tall tile: its ROWS rows see the diagonal block's first ROWS keys
-    # (one consumer: the tiles that start a key block, every other one)
     HALF_DIAG: gl.constexpr = (CAUSAL and HALF_DIAGONAL and not CROSS_TILE and WG == 0
-                               and NWG <= 2 and 2 * ROWS == BN)
+                               and NWG * ROWS == BN)
     half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                           instr_shape=[16, ROWS, 16])
     half_zero = gl.zeros([ROWS, ROWS], gl.float32, layout=half_layout)
-    PEEL: gl.constexpr = PEEL_FIRST and not CROSS_TILE
 
     tc = 0
     kv = 0
@@ -496,18 +474,8 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
                 p = gl.zeros([ROWS, BN], dtype, layout=p_layout)
             n_full = n_blocks
             if HALF_DIAG:
-                if NWG == 1:
-                    n_full = n_blocks - (start_m % BN == 0).to(gl.int32)
-                else:
-                    n_full = n_blocks - 1
-            j0 = 0
-            if PEEL:
-                if n_full > 0:
-                    p, m_i, l_i, acc = _kv_step(a, q_tile, p, m_i, l_i, acc, kv, 0, my_m,
-                                                (u, t, tc), True, WG, CAUSAL, CROSS_TILE, s_zero,
-                                                s_layout, p_layout, o_layout, True)
-                j0 = 1
-            for j in range(j0, n_full):
+                n_full = n_blocks - 1
+            for j in range(n_full):
                 if CROSS_TILE:
                     # This step's P·V is of the block before: the last tile's last at j == 0.
                     pv_acc = (j > 1) | ((j == 0) & (n_prev > 1))
@@ -522,21 +490,15 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
                     _release_q(q_empty, tc - 1)
             else:
                 if HALF_DIAG:
-                    if NWG == 1:
-                        if n_full < n_blocks:
-                            _finish_half_diagonal(a, q_tile, p, m_i, l_i, acc, kv, n_blocks - 1,
-                                                  my_m, (u, t, tc), WG, CAUSAL, half_zero,
-                                                  half_layout, p_layout, o_layout)
-                        else:
-                            _finish_tile(a, p, acc, m_i, l_i, kv + n_blocks - 1, True,
-                                         (u, t, tc), WG, CAUSAL, row_s, row_o)
-                    else:
-                        _finish_half_diagonal(a, q_tile, p, m_i, l_i, acc, kv, n_blocks - 1, my_m,
-                                              (u, t, tc), WG, CAUSAL, half_zero, half_layout,
-                                              p_layout, o_layout)
+                    j = n_blocks - 1
+                    p_last, m_i, l_i, acc = _kv_step(a, q_tile, p, m_i, l_i, acc, kv + j, j,
+                                                     my_m, (u, t, tc), True, WG, CAUSAL,
+                                                     CROSS_TILE, half_zero, half_layout,
+                                                     p_layout, o_layout)
                 else:
-                    _finish_tile(a, p, acc, m_i, l_i, kv + n_blocks - 1, True, (u, t, tc), WG,
-                                 CAUSAL, row_s, row_o)
+                    p_last = p
+                _finish_tile(a, p_last, acc, m_i, l_i, kv + n_blocks - 1, True, (u, t, tc), WG,
+                             CAUSAL, row_s, row_o)
             u_prev = u
             t_prev = t
             n_prev = n_blocks
@@ -551,21 +513,18 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
 
 
 @gluon.jit
-def _consumer_0(a, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexpr, HALF_DIAGONAL: gl.constexpr,
-                PEEL_FIRST: gl.constexpr):
-    _consumer(a, 0, CAUSAL, CROSS_TILE, HALF_DIAGONAL, PEEL_FIRST)
+def _consumer_0(a, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexpr, HALF_DIAGONAL: gl.constexpr):
+    _consumer(a, 0, CAUSAL, CROSS_TILE, HALF_DIAGONAL)
 
 
 @gluon.jit
-def _consumer_1(a, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexpr, HALF_DIAGONAL: gl.constexpr,
-                PEEL_FIRST: gl.constexpr):
-    _consumer(a, 1, CAUSAL, CROSS_TILE, HALF_DIAGONAL, PEEL_FIRST)
+def _consumer_1(a, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexpr, HALF_DIAGONAL: gl.constexpr):
+    _consumer(a, 1, CAUSAL, CROSS_TILE, HALF_DIAGONAL)
 
 
 @gluon.jit
-def _consumer_2(a, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexpr, HALF_DIAGONAL: gl.constexpr,
-                PEEL_FIRST: gl.constexpr):
-    _consumer(a, 2, CAUSAL, CROSS_TILE, HALF_DIAGONAL, PEEL_FIRST)
+def _consumer_2(a, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexpr, HALF_DIAGONAL: gl.constexpr):
+    _consumer(a, 2, CAUSAL, CROSS_TILE, HALF_DIAGONAL)
 
 
 # Launched through cached_launch, so nothing but the constexprs and dtypes may pick the binary.
@@ -576,7 +535,7 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, SQ, S
                             BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                             Q_BUFFERS: gl.constexpr, CROSS_TILE: gl.constexpr,
-                            HALF_DIAGONAL: gl.constexpr, PEEL_FIRST: gl.constexpr):
+                            HALF_DIAGONAL: gl.constexpr):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]  # WG_M
     NWG: gl.constexpr = BLOCK_M // ROWS
     dtype: gl.constexpr = q_desc.dtype
@@ -602,19 +561,15 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, SQ, S
         mbarrier.init(v_empty.index(i), count=NWG)
     a = (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready,
          v_ready, k_empty, v_empty, LSE, H, GROUP, SQ, SK, gl.cdiv(SQ, BLOCK_M), n_units, qk_scale)
-    if NWG == 1:
-        gl.warp_specialize([(_consumer_0, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL, PEEL_FIRST)),
-                            (_producer, (a, CAUSAL))],
-                           [1], [PRODUCER_REGS])
-    elif NWG == 2:
-        gl.warp_specialize([(_consumer_0, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL, PEEL_FIRST)),
-                            (_consumer_1, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL, PEEL_FIRST)),
+    if NWG == 2:
+        gl.warp_specialize([(_consumer_0, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL)),
+                            (_consumer_1, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL)),
                             (_producer, (a, CAUSAL))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_consumer_0, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL, PEEL_FIRST)),
-                            (_consumer_1, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL, PEEL_FIRST)),
-                            (_consumer_2, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL, PEEL_FIRST)),
+        gl.warp_specialize([(_consumer_0, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL)),
+                            (_consumer_1, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL)),
+                            (_consumer_2, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL)),
                             (_producer, (a, CAUSAL))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
@@ -662,7 +617,7 @@ def hopper_forward(q, k, v, o, lse, causal, scale_log2):
     n_m = cdiv(S, tiling.block_m)
     n_units = B * H * ((n_m + 1) // 2 if causal else n_m)
     cached_launch(
-        _attn_fwd_hopper_kernel, (min(n_units, tiling.ctas_per_sm * sm_count(q.device)), ), q.dtype,
+        _attn_fwd_hopper_kernel, (min(n_units, sm_count(q.device)), ), q.dtype,
         _descriptor(q, WG_M), _descriptor(k, tiling.block_n), _descriptor(v, tiling.block_n),
         _descriptor(o, WG_M), lse, H, H // k.shape[1], S, S, n_units, scale_log2,
         **tiling.constexprs(Hd, causal), num_warps=4, maxnreg=tiling.max_nreg)
