@@ -46,7 +46,10 @@ row, Hd 128 too (H200, 5 alternating rounds, probe 2026-12-02). Not profiled; th
 its 114 added instructions a block step. Also slower in that probe: 256-key blocks at Hd 64 with
 two consumers (0.78–0.80×; ptxas spills 48 bytes), a third Q buffer for the loop per tile at Hd
 128 non-causal (0.990–0.993× at S 4k and 8k); key blocks of 160 (FlashAttention-3 takes 176 at
-Hd 128 non-causal) do not compile, since Gluon's tensors take power-of-two shapes only.
+Hd 128 non-causal) do not compile, since Gluon's tensors take power-of-two shapes only. At Hd 64 S
+1k–2k causal, two CTAs an SM (one 64-row consumer each, or two with 64-key blocks; the register
+file split between them) ran 0.89–0.95× the plan, and a three-deep K/V ring 0.98–0.99× (H200, 5
+alternating rounds, probe 2026-12-02).
 
 Scope: the plain case only (Sq == Sk, no window), Hd 64 and 128, fp16/bf16, an sm_90 GPU and
 TMA-compatible strides (``hopper_forward_ok``), and a positive softmax scale (the caller's check:
@@ -80,6 +83,7 @@ class Plan:
     q_buffers: int = 2  # Q (and output) buffers: _consumer says why cross_tile takes three
     cross_tile: bool = False  # the CTA's tiles as one stream of block steps (_consumer)
     half_diagonal: bool = False  # consumer 0's diagonal step over half the keys (_consumer; causal only)
+    peel_first: bool = False  # a tile's first step without the P·V of a zero P (_consumer)
 
     def __post_init__(self):
         if self.q_buffers < 2:  # one buffer: the producer would wait for the output it follows
@@ -107,7 +111,8 @@ class Plan:
         return dict(CAUSAL=causal, BLOCK_M=self.block_m, BLOCK_N=self.block_n, HEAD_D=head_dim,
                     STAGES=self.stages, CONSUMER_REGS=self.consumer_regs,
                     PRODUCER_REGS=PRODUCER_REGS, Q_BUFFERS=self.q_buffers,
-                    CROSS_TILE=self.cross_tile, HALF_DIAGONAL=self.half_diagonal)
+                    CROSS_TILE=self.cross_tile, HALF_DIAGONAL=self.half_diagonal,
+                    PEEL_FIRST=self.peel_first)
 
 
 HEAD_DIMS = (64, 128)
@@ -145,15 +150,26 @@ WIDE_HD64_NONCAUSAL_FROM = 2048
 # diagonal cannot be taken in it).
 CROSS_TILE_HD128_TO = 2048
 
+# A tile's first step peeled (``peel_first``: S and its softmax without the P·V of the zero P)
+# against the loop's every step, same bits out (H200, bf16, B·S 16k, forward, 7 alternating
+# rounds, A-vs-A 0.994–1.002, docs/pending/peel_ab.py of 2026-12-03): non-causal Hd 64 S 1k / 2k /
+# 4k / 16k 1.043 / 1.050 / 1.044 / 1.035× (cuDNN: 0.967 → 1.005× at S 1k), Hd 128 S 4k / 16k
+# 1.015 / 1.010×. Causal it lost, Hd 64 S 1k 0.964× (0.981× with consumer 0's half-diagonal copy
+# left unpeeled), S 2k 1.000×; earlier (2026-12-02) Hd 128 S 4k 0.993×. Not profiled: the peeled
+# copy of the step also holds the mask (causal SASS at Hd 64 S 1k: 3216 → 4920 instructions; three
+# consumers at S 4k spill 176 bytes with it, none without), while a non-causal step is only the
+# matmuls and the softmax. The stream (``cross_tile``) has no zero P·V to drop but the CTA's first.
+
 
 def plan(head_dim: int, seq_len: int, causal: bool) -> Plan:
     """The tiling ``hopper_forward`` launches for this head dim, length and mask."""
     if head_dim == 128:
         if seq_len <= CROSS_TILE_HD128_TO:
             return Plan(warpgroups=2, q_buffers=3, cross_tile=True)
-        return Plan(warpgroups=2)
+        return Plan(warpgroups=2, peel_first=not causal)
     wide = seq_len >= (WIDE_HD64_FROM if causal else WIDE_HD64_NONCAUSAL_FROM)
-    return Plan(warpgroups=3 if wide else 2, half_diagonal=causal and not wide)
+    return Plan(warpgroups=3 if wide else 2, half_diagonal=causal and not wide,
+                peel_first=not causal)
 
 
 # Small calls are bound by host time, so the cheaper launch wins. Since this kernel launches
@@ -300,7 +316,7 @@ def _finish_tile(a, p, acc, m_i, l_i, it, use_acc, tile, WG: gl.constexpr, CAUSA
 @gluon.jit
 def _kv_step(a, q_tile, p, m_i, l_i, acc, it, j, my_m, prev, pv_acc, WG: gl.constexpr,
              CAUSAL: gl.constexpr, CROSS_TILE: gl.constexpr, s_zero, s_layout: gl.constexpr,
-             p_layout: gl.constexpr, o_layout: gl.constexpr):
+             p_layout: gl.constexpr, o_layout: gl.constexpr, FIRST: gl.constexpr = False):
     """Key block ``j`` of the tile, ``it`` of the ring (the CTA's count, across its tiles):
     S = Q·K(it)ᵀ runs beside the previous block's O += P·V, whose softmax it follows. Returns
     this block's P, already the 16-bit P·V operand, and the updated m, l and O. S covers the
@@ -320,7 +336,8 @@ def _kv_step(a, q_tile, p, m_i, l_i, acc, it, j, my_m, prev, pv_acc, WG: gl.cons
     - Without it the caller starts each tile with zero O and P and ends it with the last P·V;
       at ``j == 0`` the zero P multiplies this block's own V (loaded data), a product that
       adds nothing (unless V holds inf or NaN, which any masked entry's zero would meet too);
-      its slot is released by the real one.
+      its slot is released by the real one. ``FIRST`` (the plan's ``peel_first``, a second
+      copy of the step for ``j == 0``) issues S alone and leaves O the caller's zeros.
     - The mask costs only where a block crosses the sequence end or the warpgroup's diagonal,
       a uniform branch around the select; the softmax after it is one copy for every block. No
       running max stays -inf past block 0 (Sq == Sk and no window: every row sees key 0), so
@@ -341,15 +358,18 @@ def _kv_step(a, q_tile, p, m_i, l_i, acc, it, j, my_m, prev, pv_acc, WG: gl.cons
     mbarrier.wait(k_ready.index(s), (it // NSTAGE) & 1)
     k_tile = k_smem.index(s).reshape([BN, HEAD_D]).slice(0, KEYS)
     s_acc = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    if CROSS_TILE:
-        vit = it - (it > 0).to(gl.int32)
+    if FIRST:
+        s_acc = warpgroup_mma_wait(0, deps=(s_acc, ))
     else:
-        vit = it - (j > 0).to(gl.int32)
-    vs = vit % NSTAGE
-    mbarrier.wait(v_ready.index(vs), (vit // NSTAGE) & 1)
-    v_tile = v_smem.index(vs).reshape([BN, HEAD_D])
-    acc = warpgroup_mma(p, v_tile, acc, use_acc=pv_acc, is_async=True)
-    s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))
+        if CROSS_TILE:
+            vit = it - (it > 0).to(gl.int32)
+        else:
+            vit = it - (j > 0).to(gl.int32)
+        vs = vit % NSTAGE
+        mbarrier.wait(v_ready.index(vs), (vit // NSTAGE) & 1)
+        v_tile = v_smem.index(vs).reshape([BN, HEAD_D])
+        acc = warpgroup_mma(p, v_tile, acc, use_acc=pv_acc, is_async=True)
+        s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))
     mbarrier.arrive(k_empty.index(s), count=1)
     start_n = j * BN
     need = start_n + KEYS > SK
@@ -372,17 +392,21 @@ def _kv_step(a, q_tile, p, m_i, l_i, acc, it, j, my_m, prev, pv_acc, WG: gl.cons
     p32 = gl.exp2(s_acc * qk_scale - m_new[:, None])
     alpha = gl.exp2(m_old_run - m_new)  # 0 at j == 0, where (CROSS_TILE) l_old is the last tile's
     l_new = l_old * alpha + gl.sum(p32, 1)
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
-    if CROSS_TILE:
-        mbarrier.arrive(v_empty.index(vs), count=1, pred=it > 0)
-        if j == 0:
-            if it > 0:
-                _store_tile(a, acc, m_old, l_old, prev, WG, CAUSAL, row_s, row_o)
-    else:
-        mbarrier.arrive(v_empty.index(vs), count=1, pred=j > 0)
+    if not FIRST:
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        if CROSS_TILE:
+            mbarrier.arrive(v_empty.index(vs), count=1, pred=it > 0)
+            if j == 0:
+                if it > 0:
+                    _store_tile(a, acc, m_old, l_old, prev, WG, CAUSAL, row_s, row_o)
+        else:
+            mbarrier.arrive(v_empty.index(vs), count=1, pred=j > 0)
     p = gl.convert_layout(p32.to(q_desc.dtype), p_layout)
-    return (p, gl.convert_layout(m_new, row_in), gl.convert_layout(l_new, row_in),
-            acc * gl.convert_layout(alpha, row_o)[:, None])
+    m_new = gl.convert_layout(m_new, row_in)
+    l_new = gl.convert_layout(l_new, row_in)
+    if not FIRST:  # (FIRST: O is the caller's zeros, as alpha would make it)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    return p, m_new, l_new, acc
 
 
 @gluon.jit
@@ -395,7 +419,7 @@ def _release_q(q_empty, tc):
 
 @gluon.jit
 def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexpr,
-              HALF_DIAGONAL: gl.constexpr):
+              HALF_DIAGONAL: gl.constexpr, PEEL_FIRST: gl.constexpr):
     """One warpgroup: for each tile, query rows start_m + 64·WG ... + 63 against its key blocks.
     Every consumer walks all of the tile's blocks (the ring's slots are released by all), so a
     block past a warpgroup's diagonal is computed and masked away, FlashAttention-3's choice too,
@@ -407,8 +431,10 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
     One loop serves every block: the consumers are separate code (one copy per warpgroup), and
     an earlier version that peeled the first and the masked blocks into copies of the step held
     ~130 KB of instructions at Hd 64 with three consumers; causal S 1k then ran at 0.40× cuDNN,
-    42 % of its stalls waiting for instructions (ncu, H100). One loop: 69 KB, 0.94×. The half
-    diagonal step is the one other copy, in consumer 0 only (+416 SASS instructions, 6.7 KB).
+    42 % of its stalls waiting for instructions (ncu, H100). One loop: 69 KB, 0.94×. Two other
+    copies exist where they measured faster: the half diagonal step, in consumer 0 only (+416
+    SASS instructions, 6.7 KB), and without the causal mask the tile's first step (``PEEL``,
+    ``plan`` has the numbers: +1,232 instructions at Hd 64 S 1k).
 
     ``CROSS_TILE`` (the plan's choice) runs the CTA's tiles as one stream of block steps: a
     tile's last P·V and its output store happen in the next tile's first step (``_kv_step``).
@@ -446,6 +472,7 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
     half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                           instr_shape=[16, ROWS, 16])
     half_zero = gl.zeros([ROWS, ROWS], gl.float32, layout=half_layout)
+    PEEL: gl.constexpr = PEEL_FIRST and not CROSS_TILE
 
     tc = 0
     kv = 0
@@ -475,7 +502,14 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
             n_full = n_blocks
             if HALF_DIAG:
                 n_full = n_blocks - 1
-            for j in range(n_full):
+            j0 = 0
+            if PEEL:
+                if n_full > 0:
+                    p, m_i, l_i, acc = _kv_step(a, q_tile, p, m_i, l_i, acc, kv, 0, my_m,
+                                                (u, t, tc), True, WG, CAUSAL, CROSS_TILE, s_zero,
+                                                s_layout, p_layout, o_layout, True)
+                j0 = 1
+            for j in range(j0, n_full):
                 if CROSS_TILE:
                     # This step's P·V is of the block before: the last tile's last at j == 0.
                     pv_acc = (j > 1) | ((j == 0) & (n_prev > 1))
@@ -513,18 +547,21 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
 
 
 @gluon.jit
-def _consumer_0(a, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexpr, HALF_DIAGONAL: gl.constexpr):
-    _consumer(a, 0, CAUSAL, CROSS_TILE, HALF_DIAGONAL)
+def _consumer_0(a, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexpr, HALF_DIAGONAL: gl.constexpr,
+                PEEL_FIRST: gl.constexpr):
+    _consumer(a, 0, CAUSAL, CROSS_TILE, HALF_DIAGONAL, PEEL_FIRST)
 
 
 @gluon.jit
-def _consumer_1(a, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexpr, HALF_DIAGONAL: gl.constexpr):
-    _consumer(a, 1, CAUSAL, CROSS_TILE, HALF_DIAGONAL)
+def _consumer_1(a, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexpr, HALF_DIAGONAL: gl.constexpr,
+                PEEL_FIRST: gl.constexpr):
+    _consumer(a, 1, CAUSAL, CROSS_TILE, HALF_DIAGONAL, PEEL_FIRST)
 
 
 @gluon.jit
-def _consumer_2(a, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexpr, HALF_DIAGONAL: gl.constexpr):
-    _consumer(a, 2, CAUSAL, CROSS_TILE, HALF_DIAGONAL)
+def _consumer_2(a, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexpr, HALF_DIAGONAL: gl.constexpr,
+                PEEL_FIRST: gl.constexpr):
+    _consumer(a, 2, CAUSAL, CROSS_TILE, HALF_DIAGONAL, PEEL_FIRST)
 
 
 # Launched through cached_launch, so nothing but the constexprs and dtypes may pick the binary.
@@ -535,7 +572,7 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, SQ, S
                             BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                             Q_BUFFERS: gl.constexpr, CROSS_TILE: gl.constexpr,
-                            HALF_DIAGONAL: gl.constexpr):
+                            HALF_DIAGONAL: gl.constexpr, PEEL_FIRST: gl.constexpr):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]  # WG_M
     NWG: gl.constexpr = BLOCK_M // ROWS
     dtype: gl.constexpr = q_desc.dtype
@@ -562,14 +599,14 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, SQ, S
     a = (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready,
          v_ready, k_empty, v_empty, LSE, H, GROUP, SQ, SK, gl.cdiv(SQ, BLOCK_M), n_units, qk_scale)
     if NWG == 2:
-        gl.warp_specialize([(_consumer_0, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL)),
-                            (_consumer_1, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL)),
+        gl.warp_specialize([(_consumer_0, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL, PEEL_FIRST)),
+                            (_consumer_1, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL, PEEL_FIRST)),
                             (_producer, (a, CAUSAL))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_consumer_0, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL)),
-                            (_consumer_1, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL)),
-                            (_consumer_2, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL)),
+        gl.warp_specialize([(_consumer_0, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL, PEEL_FIRST)),
+                            (_consumer_1, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL, PEEL_FIRST)),
+                            (_consumer_2, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL, PEEL_FIRST)),
                             (_producer, (a, CAUSAL))],
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
