@@ -151,14 +151,15 @@ WIDE_HD64_NONCAUSAL_FROM = 2048
 CROSS_TILE_HD128_TO = 2048
 
 # A tile's first step peeled (``peel_first``: S and its softmax without the P·V of the zero P)
-# against the loop's every step, same bits out (H200, bf16, B·S 16k, forward, 7 alternating
-# rounds, A-vs-A 0.994–1.002, docs/pending/peel_ab.py of 2026-12-03): non-causal Hd 64 S 1k / 2k /
-# 4k / 16k 1.043 / 1.050 / 1.044 / 1.035× (cuDNN: 0.967 → 1.005× at S 1k), Hd 128 S 4k / 16k
-# 1.015 / 1.010×. Causal it lost, Hd 64 S 1k 0.964× (0.981× with consumer 0's half-diagonal copy
-# left unpeeled), S 2k 1.000×; earlier (2026-12-02) Hd 128 S 4k 0.993×. Not profiled: the peeled
-# copy of the step also holds the mask (causal SASS at Hd 64 S 1k: 3216 → 4920 instructions; three
-# consumers at S 4k spill 176 bytes with it, none without), while a non-causal step is only the
-# matmuls and the softmax. The stream (``cross_tile``) has no zero P·V to drop but the CTA's first.
+# against the loop's every step, same bits out (H200, bf16, B·S 16k, forward, 7 alternating rounds,
+# A-vs-A 0.994–1.002, 2026-12-03, docs/pending/peel_ab.py of 1f97923; bench/results/attention.md):
+# non-causal Hd 64 S 1k / 2k / 4k / 16k 1.043 / 1.050 / 1.044 / 1.035× (cuDNN: 0.967 → 1.005× at S
+# 1k), Hd 128 S 4k / 16k 1.015 / 1.010×. Causal it lost, Hd 64 S 1k 0.964× (0.981× with consumer 0's
+# half-diagonal copy left unpeeled), S 2k 1.000×; earlier (2026-12-02) Hd 128 S 4k 0.993×. Not
+# profiled: the peeled copy of the step also holds the mask (causal SASS at Hd 64 S 1k: 3216 → 4920
+# instructions; three consumers at S 4k spill 176 bytes with it, none without), while a non-causal
+# step is only the matmuls and the softmax. The stream (``cross_tile``) has no zero P·V to drop but
+# the CTA's first.
 
 
 def plan(head_dim: int, seq_len: int, causal: bool) -> Plan:

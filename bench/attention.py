@@ -210,7 +210,7 @@ def _tiling(Hd, S, causal):
     """The Gluon forward's plan for a row, as the table names it."""
     plan = fah.plan(Hd, S, causal)
     return ", ".join([f"{plan.warpgroups} WG"] + ["stream"] * plan.cross_tile
-                     + ["half diagonal"] * plan.half_diagonal)
+                     + ["half diagonal"] * plan.half_diagonal + ["peeled"] * plan.peel_first)
 
 
 def to_markdown(rows, args):
@@ -223,7 +223,8 @@ def to_markdown(rows, args):
         "ours: on an sm_90 GPU the warp-specialized Gluon kernels run the forward "
         "(attention/flash_attn_hopper.py; its plan in the tiling column: consumer warpgroups, "
         "'stream' where the CTA's tiles run as one stream of block steps, 'half diagonal' where "
-        "consumer 0 takes half of a causal diagonal block) and the 5-matmul backward "
+        "consumer 0 takes half of a causal diagonal block, 'peeled' where a tile's first key block "
+        "skips the P·V of the zero P) and the 5-matmul backward "
         "(attention/flash_attn_hopper_bwd.py; every row here: 64-row query steps at Hd 128, "
         "128-row at Hd 64), deterministic by default",
         "nondet: the backward's opt-in deterministic=False mode (dQ parts added in arrival "
