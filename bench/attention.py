@@ -240,7 +240,7 @@ def to_markdown(rows, args):
         nd = f"{q['nondet_vs_cudnn']:.2f}" if "nondet_vs_cudnn" in q else ""
         out.append(f"| {r['Hd']} | {r['S']} | {r['B']}×{r['H']} | {'yes' if r['causal'] else 'no'}"
                    f" | {r['mode']} | {t['ours']:.0f} | {t['sdpa_flash']:.0f} | "
-                   f"{t['sdpa_cudnn']:.0f} | {q['sdpa_flash']:.2f} | {q['sdpa_cudnn']:.2f} | {aa} | {nd} |"
+                   f"{t['sdpa_cudnn']:.0f} | {q['sdpa_flash']:.2f} | {q['sdpa_cudnn']:.3f} | {aa} | {nd} |"
                    f" {_tiling(r['Hd'], r['S'], r['causal'])} |")
     return "\n".join(out) + "\n"
 
