@@ -6,13 +6,13 @@ tail, ``tail_heads`` heads' tiles are dealt one by one, longest first, in a snak
 (``_tile``); the model in ``tail_heads`` picks how many (0: none) and expects 1.3-3.1 % at the
 bench's Hd 64 causal rows, nothing at Hd 128.
 
-1. Bits: the tail only moves tiles between CTAs, so O and LSE must equal the plan's bit for bit:
-   the bench shapes, and B·H 300, S 1000 with ``tail_heads`` forced to 1, 7, 150 and 300 (every
-   head in the tail).
-2. Speed: each Hd 64 causal row of bench/attention.py, the plan (base), the tail, cuDNN and the
-   plan again (A-vs-A), 7 alternating rounds of do_bench(warmup=100, rep=200).
+Each Hd 64 causal row of bench/attention.py: the bits of the tail against the plan's (it only
+moves tiles between CTAs, so O and LSE must be equal; forced tail heads at every tiling are the
+patch's ``test_gpu_hopper_forward_tail_same_bits``, run first), then the plan (base), the tail,
+cuDNN and the plan again (A-vs-A), 7 alternating rounds of do_bench(warmup=100, rep=200).
 
-    git apply docs/pending/fwd-tail.patch && PYTHONPATH=. python docs/pending/tail_ab.py
+    git apply docs/pending/fwd-tail.patch
+    timeout 300 pytest -q -m gpu tests/test_attention.py -k tail && PYTHONPATH=. python docs/pending/tail_ab.py
 """
 
 import dataclasses
@@ -26,41 +26,32 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attention.flash_attn_hopper as fah
 from attention.flash_attn import attention_forward
+from kernel_floor import sm_count
 
 sys.path.append("bench")
 from common import alternate, median_ratio  # noqa: E402
 
-real_plan, real_tail = fah.plan, fah.tail_heads
+real_plan = fah.plan
 
 
-def forward(q, k, v, tail, th=None):
-    """O and LSE through the Hopper forward, the plan with ``tail`` and, if given, ``th`` heads."""
+def forward(q, k, v, tail):
+    """O and LSE through the Hopper forward, the plan with ``tail``."""
     fah.plan = lambda *a: dataclasses.replace(real_plan(*a), tail=tail)
-    if th is not None:
-        fah.tail_heads = lambda *a, **kw: th
     try:
         return attention_forward(q, k, v, True, q.shape[-1] ** -0.5, None)
     finally:
-        fah.plan, fah.tail_heads = real_plan, real_tail
+        fah.plan = real_plan
 
 
 def main():
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 7
     torch.manual_seed(0)
-    checks = []
-    for hd in (64, 128):
-        q, k, v = (torch.randn(3, 100, 1000, hd, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        o0, l0 = forward(q, k, v, False)
-        for th in (1, 7, 150, 300):
-            o1, l1 = forward(q, k, v, True, th)
-            checks.append((hd, 1000, th, torch.equal(o0, o1) and torch.equal(l0, l1)))
-            print(checks[-1], flush=True)
     table = []
     for S in (1024, 2048, 4096, 8192, 16384):
         B, H, hd = 16384 // S, 32, 64
         q, k, v = (torch.randn(B, H, S, hd, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         p = real_plan(hd, S, True)
-        th = real_tail(S, B * H, p.block_m, p.block_n, torch.cuda.get_device_properties(0).multi_processor_count)
+        th = fah.tail_heads(S, B * H, p.block_m, p.block_n, sm_count(q.device))
         o0, l0 = forward(q, k, v, False)
         o1, l1 = forward(q, k, v, True)
         same = torch.equal(o0, o1) and torch.equal(l0, l1)
@@ -81,7 +72,6 @@ def main():
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
     for S, wg, th, b, tl, sp, bc, tc, aa, same in table:
         print(f"| 64 | {S} | {wg} | {th} | {b:.4f} | {tl:.4f} | {sp:.3f} | {bc:.3f} | {tc:.3f} | {aa:.3f} | {same} |")
-    print("forced tail heads, same bits:", checks)
 
 
 if __name__ == "__main__":
