@@ -51,7 +51,10 @@ two consumers (0.78–0.80×; ptxas spills 48 bytes), a third Q buffer for the l
 Hd 128 non-causal) do not compile, since Gluon's tensors take power-of-two shapes only. At Hd 64 S
 1k–2k causal, two CTAs an SM (one 64-row consumer each, or two with 64-key blocks; the register
 file split between them) ran 0.89–0.95× the plan, and a three-deep K/V ring 0.98–0.99× (H200, 5
-alternating rounds, probe 2026-12-02).
+alternating rounds, probe 2026-12-02). Dealing the causal launch's last heads tile by tile, longest
+first, so that the CTAs the pairs left a unit short take them, measured 1.002× at S 1k causal
+(A-vs-A 0.997; a host model of the idle round had expected 1.019×), 0.997–1.024× at S 2k–16k
+(H200, 7 rounds, probe 2026-12-03): not taken.
 
 Scope: the plain case only (Sq == Sk, no window), Hd 64 and 128, fp16/bf16, an sm_90 GPU and
 TMA-compatible strides (``hopper_forward_ok``), and a positive softmax scale (the caller's check:
