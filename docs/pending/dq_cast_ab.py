@@ -74,7 +74,6 @@ def main():
                               median_ratio(t["cudnn"], t["finish"]), median_ratio(t["base"], t["base_again"]),
                               same))
                 print(table[-1], flush=True)
-                del q, k, v, do, base, finish
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     print("| Hd | S | causal | base ms | finish ms | finish speed | base vs cuDNN | finish vs cuDNN | A-vs-A | same bits |")
     print("|---:|---:|:---:|---:|---:|---:|---:|---:|---:|:---:|")

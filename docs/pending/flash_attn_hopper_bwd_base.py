@@ -1,0 +1,470 @@
+"""The attention backward on Hopper (sm_90) in Gluon: five matmuls, dQ summed across key blocks.
+
+Why. The Triton backward makes dK/dV in one kernel (per key block: S = QKᵀ, dP = dO·Vᵀ, dV, dK)
+and dQ in a second (per query block: S and dP again, then dQ): seven matmuls where five suffice.
+At Hd 128 on an H100 its matmuls already ran at cuDNN's rate, so the two extra ones were the gap
+(2.34 + 1.21 ms against cuDNN's 2.48 ms at S 4096). This kernel follows FlashAttention-3's
+backward (Shah et al. 2024, appendix), written in Gluon:
+
+- **One CTA per (128-key block, K/V head).** K and V stay in shared memory. A producer warp
+  streams the Q and dO blocks (64 rows at Hd 128, 128 at Hd 64: ``BLOCK_M``) and their LSE and
+  Δ rows, of every query head in the group, through a ``STAGES``-deep ring (TMA, ready/empty
+  mbarriers). Two consumer warpgroups (one 8-warp partition at 240 registers) hold dK and dV
+  (128×Hd fp32 each) in registers.
+- **Transposed products.** Each step computes Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (keys × queries), so
+  Pᵀ and dSᵀ sit in registers as wgmma wants its A operand for dV += Pᵀ·dO and dK += dSᵀ·Q.
+- **dQ in the same kernel.** dSᵀ goes to shared memory once (double-buffered, one barrier per
+  step); dQ_i = dS·K is the fifth matmul. A writer warp adds its BLOCK_M×Hd fp32 partial into
+  an fp32 accumulator by TMA reduce-add (L2-resident: the CTAs of one head run together), and a
+  last pass casts it to q's dtype.
+- **Deterministic by default.** Float addition is not associative, so the order of the key blocks'
+  adds into one dQ block must not depend on timing. With ``deterministic=True`` a counter per
+  (query head, query block) makes a key block wait for its turn, after the blocks before it in
+  a fixed order have added theirs and their adds have completed (FA3's scheme). The order follows
+  the walk of the query blocks (``WALK_*``), chosen so that the block before in the order got
+  there a step earlier instead of just now: then no CTA trails the previous one by an add's
+  round trip at every block. The writer frees the shared-memory partial as soon as the TMA has
+  read it, and waits for the add's completion only to release the turn.
+
+Measured (H100, bench/results/attention.md, fwd+bwd against cuDNN through SDPA, Hd 128):
+0.98× / 0.98× non-causal at S 4k / 16k, 0.99× / 0.98× causal, deterministic; with
+``deterministic=False`` 0.98 / 0.98 / 0.99 / 1.01×. With one walk for all (DESCENDING) the turns
+cost 4–12 % (0.93 / 0.96 / 0.89 / 0.99×): a CTA trailed its predecessor by an add's round trip
+at every block. What did not work or mattered: a wgmma left running across the loop's
+back edge made ptxas serialize every wgmma of the kernel (C7515; 454 TFLOP/s instead of about
+520 at S 4096), now checked by tests/test_attention.py; LSE and Δ loaded by the consumers from
+global memory cost spills (they come through shared memory now).
+
+Scope as the forward: Sq == Sk, no window, Hd 64 or 128, fp16/bf16, sm_90, TMA strides, ≥ 2^27
+visible scores (``hopper_backward_ok``); the rest takes the Triton kernels.
+"""
+
+import functools
+import os
+
+import torch
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+from attention.flash_attn_hopper import _descriptor, gluon_case, unchecked_descriptor
+from kernel_floor import cached_launch, cdiv, gluon_layout, sm_count
+
+# The order in which a CTA (one key block j) walks its query blocks, and so the fixed order of the
+# key blocks' adds into each dQ block (``_turn``); ``_walk`` picks one per call.
+# - DESCENDING: every CTA from the last block down; key blocks add in order 0, 1, … Each CTA then
+#   trails its predecessor by one add's round trip (completion, release, poll) at every block.
+# - CYCLIC (non-causal): CTA j starts at block j − 1 and wraps round, so at each step the CTAs of
+#   a head sit on different blocks and the one before in a block's order got there a step earlier:
+#   no waiting. A CTA also waits for CTAs launched after it, so all n_k CTAs of a head must be
+#   resident at once.
+# - ASCENDING (causal): CTA j walks up from its diagonal and the grid launches high j first; block
+#   i's order is the nearest key block first, which reached it BLOCK_N / BLOCK_M steps earlier (CTA
+#   j+1 starts that many blocks higher: two at Hd 128, one at Hd 64). Waits only for CTAs launched
+#   before it, like DESCENDING.
+# H100, fwd+bwd against cuDNN, deterministic, B·S 16k, H 16 (a probe, 5 alternating do_bench rounds):
+# S 4096 0.916 → 0.975 non-causal, 0.893 → 0.974 causal; the non-deterministic mode gave
+# 0.973 / 0.988 in the same run. At S 16384 (n_k 128) DESCENDING was as fast (1.016 / 0.984).
+WALK_DESCENDING = gl.constexpr(0)
+WALK_CYCLIC = gl.constexpr(1)
+WALK_ASCENDING = gl.constexpr(2)
+# Query rows per step, by head dim. At Hd 64, dK and dV take 32 registers a thread each, which
+# leaves room for 128-column Sᵀ and dPᵀ tiles: half the steps per key block, so half the barriers
+# and dQ hand-overs. H100, fwd+bwd against cuDNN (a probe, 5 alternating rounds, S 1k–16k, causal
+# and not): 0.96–1.08× with 128 rows against 0.91–1.03× with 64 (and 0.90–0.98× for the Triton
+# backward). Its cost: ptxas keeps up to 6 scalars on the stack, one reloaded per step, beside the
+# wgmmas. At Hd 128 the 64-column tiles already fill the consumers' 240 registers.
+BLOCK_M = {64: 128, 128: 64}
+HEAD_DIMS = tuple(BLOCK_M)
+# One turn counter per TURN_ROWS query rows, the finest block: the Δ kernel zeroes them all, and a
+# kernel with coarser blocks uses the first B·H·⌈S / BLOCK_M⌉ (``hopper_turn_counters``).
+TURN_ROWS = min(BLOCK_M.values())
+BLOCK_N = 128  # keys per CTA: two warpgroups × 64
+STAGES = 2
+CONSUMER_REGS = 240
+PRODUCER_REGS = 24
+MAX_NREG = 168  # 12 warps (8 consumers, the producer's warpgroup) × 168 = the 64K register file
+# At 2^27 visible scores (B 16, H 16, S 1024, causal) the Triton backward was once faster (fwd+bwd
+# 1.042 against 1.068 ms), but that call is bound by host time, and this path's launches now cost
+# less of it (kernel_floor.cached_launch, the Δ kernel zeroing the turn counters): H100, do_bench
+# fwd+bwd, 0.845 against 0.937 ms (cuDNN 0.771), and 1.04 against 0.87× cuDNN on another host
+# (2026-11-24). Below 2^27 the two took turns (host-bound either way). Measured at Hd 128; Hd 64
+# takes the same threshold, unmeasured below it.
+MIN_SCORES = 1 << 27
+# A deterministic CTA that waits this long for its turn traps (``_wait_for_turn``): the longest
+# honest wait is a head's backward, milliseconds.
+STUCK_NS = 10 * 10**9
+
+
+@gluon.jit
+def _query_block(it, n_i, i_hi, j, WALK: gl.constexpr):
+    """Step ``it`` of the CTA's walk: (head within the group, query block)."""
+    g = it // n_i
+    r = it - g * n_i
+    if WALK == WALK_ASCENDING:
+        i = i_hi - n_i + 1 + r
+    elif WALK == WALK_CYCLIC:
+        i = (i_hi - r + j) % n_i
+    else:
+        i = i_hi - r
+    return g, i
+
+
+@gluon.jit
+def _turn(i, j, n_k, BM: gl.constexpr, BN: gl.constexpr, WALK: gl.constexpr):
+    """Key block j's place in the fixed order of adds into query block i (see the walks)."""
+    if WALK == WALK_ASCENDING:
+        t = gl.minimum((i * BM + BM - 1) // BN, n_k - 1) - j
+    elif WALK == WALK_CYCLIC:
+        # The CTAs past block i reached it after wrapping round, so they add first.
+        if j > i:
+            t = j - i - 1
+        else:
+            t = gl.maximum(n_k - i - 1, 0) + j
+    else:
+        t = j
+    return t
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA reduce-add of a shared-memory tile into global memory (cp.reduce.async.bulk.tensor).
+    Gluon 3.6's hopper ``tma`` module has only the plain copy; its builder has the reduce."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
+                                              coord, src.handle)
+
+
+@gluon.jit
+def _bulk_wait_all():
+    """``cp.async.bulk.wait_group 0``: this thread's bulk copies have completed their writes.
+    (``tma.store_wait`` is the ``.read`` form: only the shared-memory source is free.)"""
+    one_warp: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n mov.b32 $0, $1;", "=r,r",
+                              [gl.full([32], 0, gl.int32, layout=one_warp)], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _wait_for_turn(sem, turn, stuck_ns):
+    """Spin (acquire loads) until the counter at ``sem`` equals ``turn``. A CTA that waits longer
+    than ``stuck_ns`` traps: the kernel fails with an error instead of hanging the GPU, should a
+    CTA it waits for never run (CYCLIC with fewer SMs free than ``_walk`` assumed)."""
+    one_warp: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    lanes = gl.zeros([32], gl.int32, layout=one_warp)
+    gl.inline_asm_elementwise(
+        """{
+        .reg .pred ok, late;
+        .reg .u32 seen;
+        .reg .u64 start, now;
+        mov.u64 start, %globaltimer;
+        TURN_POLL:
+        ld.acquire.gpu.global.u32 seen, [$1];
+        setp.eq.u32 ok, seen, $2;
+        @ok bra TURN_DONE;
+        mov.u64 now, %globaltimer;
+        sub.u64 now, now, start;
+        setp.gt.u64 late, now, $3;
+        @late trap;
+        bra TURN_POLL;
+        TURN_DONE:
+        mov.u32 $0, seen;
+        }""", "=r,l,r,l", [sem + lanes, turn + lanes, stuck_ns + lanes.to(gl.int64)],
+        dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _bwd_producer(a, WALK: gl.constexpr):
+    """One warp: K and V once, then Q and dO of every step through the ring."""
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem,
+     ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, dq_full,
+     dq_empty, LSE, DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_i, i_hi, qk_scale, sm_scale) = a
+    NSTAGE: gl.constexpr = q_smem.type.shape[0]
+    BM: gl.constexpr = q_smem.type.shape[3]
+    BN: gl.constexpr = k_smem.type.shape[2]
+    row_layout: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [b, hk, j * BN, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [b, hk, j * BN, 0], kv_bar, v_smem)
+    for it in range(GROUP * n_i):
+        g, i = _query_block(it, n_i, i_hi, j, WALK)
+        h = hk * GROUP + g
+        s = it % NSTAGE
+        phase = (it // NSTAGE) & 1
+        # A fresh mbarrier counts as having completed the phase before 0: no wait on the first lap.
+        mbarrier.wait(qdo_empty.index(s), phase ^ 1)
+        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, i * BM, 0], q_ready.index(s),
+                                        q_smem.index(s))
+        mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [b, h, i * BM, 0], do_ready.index(s),
+                                        do_smem.index(s))
+        # LSE and Δ of the block's rows go through shared memory too: loaded by the consumers,
+        # their latency sat in every step, and their 16 columns per thread cost registers. A row
+        # past the end gets LSE +inf, so P = 0 there (its Q and dO rows are TMA zeros).
+        rows = i * BM + gl.arange(0, BM, layout=row_layout)
+        bh = (b * H + h).to(gl.int64)
+        lse_smem.index(s).store(gl.load(LSE + bh * SQ + rows, mask=rows < SQ, other=float("inf")))
+        delta_smem.index(s).store(gl.load(DELTA + bh * SQ + rows, mask=rows < SQ, other=0.0))
+        mbarrier.arrive(q_ready.index(s), count=1)
+
+
+@gluon.jit
+def _bwd_consumer(a, CAUSAL: gl.constexpr, WALK: gl.constexpr):
+    """Two warpgroups (8 warps): keys j·128 … +127 against every query block of the group."""
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem,
+     ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, dq_full,
+     dq_empty, LSE, DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_i, i_hi, qk_scale, sm_scale) = a
+    NSTAGE: gl.constexpr = q_smem.type.shape[0]
+    BM: gl.constexpr = q_smem.type.shape[3]
+    HEAD_D: gl.constexpr = q_smem.type.shape[4]
+    BN: gl.constexpr = k_smem.type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+    # Sᵀ and dPᵀ (BN × BM): each warpgroup owns 64 keys. dK and dV (BN × Hd) likewise.
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                        instr_shape=[16, BM, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                        instr_shape=[16, HEAD_D, 16])
+    # dQ (BM × Hd): one 64-row tile has the warpgroups split Hd; 128 rows, the rows.
+    if BM == 64:
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                            instr_shape=[16, HEAD_D // 2, 16])
+    else:
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                            instr_shape=[16, HEAD_D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    per_query: gl.constexpr = gl.SliceLayout(0, st_layout)
+
+    start_n = j * BN
+    keys = start_n + gl.arange(0, BN, layout=gl.SliceLayout(1, st_layout))
+    dk = gl.zeros([BN, HEAD_D], gl.float32, layout=kv_layout)
+    dv = gl.zeros([BN, HEAD_D], gl.float32, layout=kv_layout)
+    dq_zero = gl.zeros([BM, HEAD_D], gl.float32, layout=dq_layout)
+    st_zero = gl.zeros([BN, BM], gl.float32, layout=st_layout)
+    k_tile = k_smem.reshape([BN, HEAD_D])
+    v_tile = v_smem.reshape([BN, HEAD_D])
+    mbarrier.wait(kv_bar, 0)
+    for it in range(GROUP * n_i):
+        g, i = _query_block(it, n_i, i_hi, j, WALK)
+        start_m = i * BM
+        s = it % NSTAGE
+        phase = (it // NSTAGE) & 1
+        cols = start_m + gl.arange(0, BM, layout=per_query)
+        mbarrier.wait(q_ready.index(s), phase)
+        q_tile = q_smem.index(s).reshape([BM, HEAD_D])
+        st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(s), phase)
+        do_tile = do_smem.index(s).reshape([BM, HEAD_D])
+        dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(1, deps=(st, ))  # dPᵀ may still run
+        pt = gl.exp2(st * qk_scale - lse_smem.index(s).load(per_query)[None, :])
+        if CAUSAL:
+            if start_m < start_n + BN - 1:  # the block crosses the diagonal
+                pt = gl.where(cols[None, :] >= keys[:, None], pt, 0.0)
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_tile, dv, is_async=True)
+        dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # dV += Pᵀ·dO may still run
+        # dSᵀ = Pᵀ ∘ (dPᵀ − Δ), with the softmax scale folded in for both dK and dQ.
+        ds = (pt * (dpt - delta_smem.index(s).load(per_query)[None, :]) * sm_scale).to(dtype)
+        ds_buf = ds_smem.index(it % 2)
+        ds_buf.store(ds)
+        fence_async_shared()
+        # Both warpgroups' keys are in dSᵀ before either reads all of it. The buffer written here
+        # was last read by the dQ product two steps ago, which both warpgroups waited for in the
+        # previous step, before its barrier.
+        gl.thread_barrier()
+        dq = warpgroup_mma(ds_buf.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
+        dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_tile, dk, is_async=True)
+        # dQ goes before dK, so its hand-over to the writer overlaps the dK product. Every wgmma
+        # is waited for within its step: one still running across the loop's back edge made
+        # ptxas serialize all of them (C7515: 454 TFLOP/s at S 4096, each HGMMA waited on).
+        dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
+        mbarrier.wait(dq_empty, (it & 1) ^ 1)
+        dq_smem.store(dq)
+        fence_async_shared()
+        mbarrier.arrive(dq_full, count=1)
+        dk = warpgroup_mma_wait(0, deps=(dk, ))
+        mbarrier.arrive(qdo_empty.index(s), count=1)
+
+    k_tile.store(dk.to(dtype))
+    v_tile.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, hk, start_n, 0], k_smem)
+    tma.async_copy_shared_to_global(dv_desc, [b, hk, start_n, 0], v_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _bwd_dq_writer(a, DETERMINISTIC: gl.constexpr, WALK: gl.constexpr, stuck_ns):
+    """One warp: adds each step's dQ partial (shared memory, fp32) into the accumulator by TMA."""
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem,
+     ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, dq_full,
+     dq_empty, LSE, DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_i, i_hi, qk_scale, sm_scale) = a
+    BM: gl.constexpr = q_smem.type.shape[3]
+    BN: gl.constexpr = k_smem.type.shape[2]
+    n_k = gl.cdiv(SQ, BN)
+    for it in range(GROUP * n_i):
+        g, i = _query_block(it, n_i, i_hi, j, WALK)
+        bh = b * H + hk * GROUP + g
+        # The first in the fixed order stores instead of adding, so the accumulator need not be
+        # zeroed first (a 4·B·H·S·Hd-byte pass, ~4 % of fwd+bwd at S 1024).
+        first = False
+        if DETERMINISTIC:
+            # Wait for this block's turn before the partial is even ready: the poll's latency
+            # then hides behind the consumers' step instead of adding to the chain of turns.
+            sem = SEM + bh * (i_hi + 1) + i
+            turn = _turn(i, j, n_k, BM, BN, WALK)
+            _wait_for_turn(sem, turn, stuck_ns)
+            first = turn == 0
+        mbarrier.wait(dq_full, it & 1)
+        if first:
+            tma.async_copy_shared_to_global(dq_desc, [bh * SQ_PAD + i * BM, 0], dq_smem)
+        else:
+            _tma_reduce_add(dq_desc, [bh * SQ_PAD + i * BM, 0], dq_smem)
+        tma.store_wait(0)  # the partial has left shared memory: the consumers may write the next
+        mbarrier.arrive(dq_empty, count=1)
+        if DETERMINISTIC:
+            _bulk_wait_all()  # the adds have landed in L2, not only been read
+            gl.thread_barrier()
+            gl.atomic_add(sem, 1, sem="release")
+
+
+# Launched through cached_launch, so nothing but the constexprs and dtypes may pick the binary.
+@gluon.jit(do_not_specialize=["H", "GROUP", "SQ", "SQ_PAD", "stuck_ns"],
+           do_not_specialize_on_alignment=["LSE", "DELTA", "SEM"])
+def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE,
+                            DELTA, SEM, H, GROUP, SQ, SQ_PAD, qk_scale, sm_scale, stuck_ns,
+                            CAUSAL: gl.constexpr,
+                            DETERMINISTIC: gl.constexpr, WALK: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    if WALK == WALK_ASCENDING:
+        j = gl.cdiv(SQ, BLOCK_N) - 1 - gl.program_id(0)
+    else:
+        j = gl.program_id(0)  # key block; the fastest grid axis, so a head's CTAs start together
+    bhk = gl.program_id(1)
+    HKV = H // GROUP
+    b = bhk // HKV
+    hk = bhk % HKV
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_D], v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_D], dq_desc.layout)
+    row_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(dq_full, count=1)
+    mbarrier.init(dq_empty, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(s), count=2)  # Q's bytes, and the producer's LSE/Δ stores
+        mbarrier.init(do_ready.index(s), count=1)
+        mbarrier.init(qdo_empty.index(s), count=1)
+    n_q = gl.cdiv(SQ, BLOCK_M)
+    if CAUSAL:
+        i_lo = (j * BLOCK_N) // BLOCK_M  # earlier query blocks see none of these keys
+    else:
+        i_lo = 0
+    a = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem,
+         v_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty,
+         dq_full, dq_empty, LSE, DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_q - i_lo, n_q - 1,
+         qk_scale, sm_scale)
+    gl.warp_specialize([(_bwd_consumer, (a, CAUSAL, WALK)), (_bwd_producer, (a, WALK)),
+                        (_bwd_dq_writer, (a, DETERMINISTIC, WALK, stuck_ns))], [1, 1],
+                       [PRODUCER_REGS, PRODUCER_REGS])
+
+
+def hopper_backward_ok(q, k, v, do, causal, window) -> bool:
+    """Whether ``hopper_backward`` serves these inputs (else the Triton kernels do)."""
+    return (gluon_case(q, k, causal, window, MIN_SCORES, HEAD_DIMS, q, k, v, do)
+            # An expanded gradient (grad_outputs=w.expand(...)) has zero strides, which TMA
+            # descriptors were never tried with; the Triton kernels take any stride.
+            and 0 not in do.stride())
+
+
+@functools.lru_cache(maxsize=None)
+def _walk(causal, n_k, device):
+    """The walk for a call (see WALK_*). CYCLIC needs a head's n_k CTAs resident together (one per
+    SM: the kernel takes ~193 KB of shared memory). It is used only where they fit in half the
+    SMs, leaving room for kernels on other streams (NCCL), and not under an MPS thread limit set
+    in this process's environment. A limit set by the MPS daemon, or an SM partition, is not
+    visible here: should fewer than n_k SMs be free, the waiting CTAs trap after ``STUCK_NS``
+    (an error, not a hang); pass ``deterministic=False`` there. Past that size DESCENDING
+    measured as fast. The walk fixes the order of the adds, so dQ's bits depend on it, hence on
+    the device's SM count: repeats on one setup are bit-identical, an H100 SXM and PCIe may
+    differ in the last bits. Cached per (causal, n_k, device), the environment read once: its
+    8–16 µs of host time sat between the Δ and backward launches (H100 host)."""
+    if n_k > sm_count(device) // 2:
+        return int(WALK_DESCENDING)
+    if causal:
+        return int(WALK_ASCENDING)
+    if os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):
+        return int(WALK_DESCENDING)
+    return int(WALK_CYCLIC)
+
+
+def walk_possible(walk, causal) -> bool:
+    """Whether ``_walk`` can pick ``walk`` for this causality: DESCENDING either way, ASCENDING
+    causal only (it starts at the diagonal), CYCLIC non-causal only (it starts at block 0), as
+    ``_turn``'s orders assume."""
+    other = WALK_ASCENDING if causal else WALK_CYCLIC
+    return walk in (WALK_DESCENDING.value, other.value)
+
+
+def hopper_turn_counters(q):
+    """The deterministic mode's turn counters, one per (b, h, TURN_ROWS query rows), not zeroed:
+    the Δ kernel that runs first zeros them (``flash_attn._delta``), one launch fewer."""
+    return torch.empty(q.shape[0] * q.shape[1], cdiv(q.shape[2], TURN_ROWS),
+                       device=q.device, dtype=torch.int32)
+
+
+def hopper_backward(do, q, k, v, lse, delta, sem, dq, dk, dv, causal, scale, scale_log2):
+    """Prepares the fill of dq, dk, dv (allocated like q, k, v) from the forward's base-2 LSE and
+    ``flash_attn.attention_backward``'s delta (rowsum(dO ∘ O), fp32); ``scale_log2`` = scale ·
+    log2(e). Deterministic when given ``sem``, zeroed ``hopper_turn_counters``; None: dQ's parts
+    are added in arrival order.
+
+    Returns ``launch``, to call once the Δ kernel that fills ``delta`` (and zeros ``sem``) is
+    queued: it launches this kernel and returns (dq, dk, dv). The accumulator and the descriptors
+    are built before, so that the Δ kernel's run on the GPU covers only the launch's host time
+    (one-process A/B, H100: 1.07× fwd+bwd at B 16, H 16, S 1k causal, where the GPU waited for
+    the host; 1.00× where it did not)."""
+    B, H, S, Hd = q.shape
+    Hkv = k.shape[1]
+    block_m = BLOCK_M[Hd]
+    n_k = cdiv(S, BLOCK_N)
+    s_pad = cdiv(S, block_m) * block_m  # no TMA block spills into the next head's rows
+    deterministic = sem is not None
+    # Deterministic: each block's first adder stores, so every row (the padding too) is written.
+    dq_acc = (torch.empty if deterministic else torch.zeros)(B * H * s_pad, Hd, device=q.device,
+                                                             dtype=torch.float32)
+    dq_desc = unchecked_descriptor(dq_acc, [block_m, Hd], gluon_layout((block_m, Hd), gl.float32))
+    walk = _walk(causal, n_k, q.device)
+    assert walk_possible(walk, causal), (walk, causal)
+    args = (_descriptor(q, block_m), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
+            _descriptor(do, block_m), _descriptor(dk, BLOCK_N), _descriptor(dv, BLOCK_N), dq_desc,
+            lse, delta, delta if sem is None else sem,  # (SEM is not read unless deterministic)
+            H, H // Hkv, S, s_pad, scale_log2, scale, STUCK_NS)
+
+    def launch():
+        cached_launch(
+            _attn_bwd_hopper_kernel, (n_k, B * Hkv), (q.dtype, do.dtype), *args, CAUSAL=causal,
+            DETERMINISTIC=deterministic, WALK=walk, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD_D=Hd,
+            STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=8,
+            maxnreg=MAX_NREG)
+        acc = dq_acc.view(B, H, s_pad, Hd)
+        dq.copy_(acc if s_pad == S else acc[:, :, :S])  # (a slice is one more op's host time)
+        return dq, dk, dv
+    return launch
