@@ -15,8 +15,11 @@ backward (Shah et al. 2024, appendix), written in Gluon:
   Pᵀ and dSᵀ sit in registers as wgmma wants its A operand for dV += Pᵀ·dO and dK += dSᵀ·Q.
 - **dQ in the same kernel.** dSᵀ goes to shared memory once (double-buffered, one barrier per
   step); dQ_i = dS·K is the fifth matmul. A writer warp adds its BLOCK_M×Hd fp32 partial into
-  an fp32 accumulator by TMA reduce-add (L2-resident: the CTAs of one head run together), and a
-  last pass casts it to q's dtype.
+  an fp32 accumulator by TMA reduce-add (L2-resident: the CTAs of one head run together).
+  Deterministic, the key block that adds last into a dQ block knows it (its turn is the last),
+  so up to ``FINISH_DQ_TO`` keys it takes the others' sum from the accumulator by TMA instead,
+  adds its own and stores the block in q's dtype (``_finish_dq``); otherwise a pass after the
+  kernel casts the accumulator.
 - **Deterministic by default.** Float addition is not associative, so the order of the key blocks'
   adds into one dQ block must not depend on timing. With ``deterministic=True`` a counter per
   (query head, query block) makes a key block wait for its turn, after the blocks before it in
@@ -94,6 +97,17 @@ MAX_NREG = 168  # 12 warps (8 consumers, the producer's warpgroup) × 168 = the 
 # (2026-11-24). Below 2^27 the two took turns (host-bound either way). Measured at Hd 128; Hd 64
 # takes the same threshold, unmeasured below it.
 MIN_SCORES = 1 << 27
+# Up to this many keys the deterministic kernel finishes dQ itself (``FINISH_DQ``: the last adder
+# of each block takes the others' sum back and stores the block in q's dtype), instead of a pass
+# over the fp32 accumulator after it (48 µs of a 660 µs fwd+bwd at Hd 128 S 1k causal). The last
+# adder waits for that sum at its step, and it is one CTA a head for most blocks (the walks
+# order the adds by arrival), so the wait grows with the walk: H200, fwd+bwd against the pass,
+# 7 alternating rounds, same bits: S 1k 1.011 / 1.015× (Hd 128 causal / not), 1.061 / 1.023×
+# (Hd 64), and as shipped 1.040 / 1.009×, 1.052 / 1.014×; S 4k 1.005 / 0.975×, 1.018 / 1.003×;
+# S 16k 0.999 / 0.985×, 0.981 / 1.011× (2026-12-03, bench/results/attention.md). A version that
+# finished a step late, to hide the wait, lost more (0.967-0.992× at S 4k-16k) and broke the
+# repeat bits at Hd 64.
+FINISH_DQ_TO = 1024
 # A deterministic CTA that waits this long for its turn traps (``_wait_for_turn``): the longest
 # honest wait is a head's backward, milliseconds.
 STUCK_NS = 10 * 10**9
@@ -129,6 +143,16 @@ def _turn(i, j, n_k, BM: gl.constexpr, BN: gl.constexpr, WALK: gl.constexpr):
     return t
 
 
+@gluon.jit
+def _last_turn(i, n_k, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+    """The last place in query block i's order of adds: its key blocks less one (the causal
+    ones up to its last row's, as ``_turn`` counts them)."""
+    if CAUSAL:
+        return gl.minimum((i * BM + BM - 1) // BN, n_k - 1)
+    else:
+        return n_k - 1
+
+
 @builtin
 def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     """TMA reduce-add of a shared-memory tile into global memory (cp.reduce.async.bulk.tensor).
@@ -144,6 +168,16 @@ def _bulk_wait_all():
     (``tma.store_wait`` is the ``.read`` form: only the shared-memory source is free.)"""
     one_warp: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n mov.b32 $0, $1;", "=r,r",
+                              [gl.full([32], 0, gl.int32, layout=one_warp)], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _fence_proxy_async_global():
+    """``fence.proxy.async.global``: what this thread's generic loads saw (the turn's acquire) is
+    ordered before its next TMA read of global memory."""
+    one_warp: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    gl.inline_asm_elementwise("fence.proxy.async.global;\n mov.b32 $0, $1;", "=r,r",
                               [gl.full([32], 0, gl.int32, layout=one_warp)], dtype=gl.int32,
                               is_pure=False, pack=1)
 
@@ -177,11 +211,31 @@ def _wait_for_turn(sem, turn, stuck_ns):
 
 
 @gluon.jit
+def _finish_dq(dq_smem, acc_smem, dq_out, acc_bar, it, add):
+    """The consumers' last partial of a dQ block (in ``dq_smem``) plus, if ``add``, the sum of
+    the earlier ones (``acc_smem``, by TMA from the accumulator), in q's dtype into ``dq_out``
+    (``dq_smem``'s first half). Through shared memory in a plain layout, not from the wgmma
+    registers: a second store path from those (fp32 and q's dtype) cost the Hd 64 step 2-3
+    reloaded spills at every step (sm_90 SASS)."""
+    HEAD_D: gl.constexpr = dq_smem.type.shape[1]
+    # 16-byte reads, a row of Hd fp32 across HEAD_D // 4 lanes, 8 warps down the rows
+    rows: gl.constexpr = gl.BlockedLayout([1, 4], [128 // HEAD_D, HEAD_D // 4], [8, 1], [1, 0])
+    gl.thread_barrier()  # both warpgroups' rows are in dq_smem
+    dq = dq_smem.load(rows)
+    if add:
+        mbarrier.wait(acc_bar, it & 1)
+        dq = acc_smem.load(rows) + dq  # the order the TMA add would have taken: the bits it made
+    gl.thread_barrier()  # every row read before the narrower copy overwrites dq_smem
+    dq_out.store(dq.to(dq_out.dtype))
+
+
+@gluon.jit
 def _bwd_producer(a, WALK: gl.constexpr):
     """One warp: K and V once, then Q and dO of every step through the ring."""
-    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem,
-     ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, dq_full,
-     dq_empty, LSE, DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_i, i_hi, qk_scale, sm_scale) = a
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, dqo_desc, q_smem, do_smem, k_smem,
+     v_smem, ds_smem, dq_smem, acc_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty,
+     dq_full, dq_empty, acc_bar, LSE, DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_i, i_hi, qk_scale,
+     sm_scale) = a
     NSTAGE: gl.constexpr = q_smem.type.shape[0]
     BM: gl.constexpr = q_smem.type.shape[3]
     BN: gl.constexpr = k_smem.type.shape[2]
@@ -213,11 +267,14 @@ def _bwd_producer(a, WALK: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_consumer(a, CAUSAL: gl.constexpr, WALK: gl.constexpr):
-    """Two warpgroups (8 warps): keys j·128 … +127 against every query block of the group."""
-    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem,
-     ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, dq_full,
-     dq_empty, LSE, DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_i, i_hi, qk_scale, sm_scale) = a
+def _bwd_consumer(a, CAUSAL: gl.constexpr, FINISH_DQ: gl.constexpr, WALK: gl.constexpr):
+    """Two warpgroups (8 warps): keys j·128 … +127 against every query block of the group. With
+    ``FINISH_DQ``, where this key block adds last into a dQ block, the sum so far comes from the
+    writer (``acc_smem``) and the finished block goes out in q's dtype."""
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, dqo_desc, q_smem, do_smem, k_smem,
+     v_smem, ds_smem, dq_smem, acc_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty,
+     dq_full, dq_empty, acc_bar, LSE, DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_i, i_hi, qk_scale,
+     sm_scale) = a
     NSTAGE: gl.constexpr = q_smem.type.shape[0]
     BM: gl.constexpr = q_smem.type.shape[3]
     HEAD_D: gl.constexpr = q_smem.type.shape[4]
@@ -246,6 +303,8 @@ def _bwd_consumer(a, CAUSAL: gl.constexpr, WALK: gl.constexpr):
     st_zero = gl.zeros([BN, BM], gl.float32, layout=st_layout)
     k_tile = k_smem.reshape([BN, HEAD_D])
     v_tile = v_smem.reshape([BN, HEAD_D])
+    dq_out = dq_smem._reinterpret(dtype, [1, 1, BM, HEAD_D], dqo_desc.layout).reshape([BM, HEAD_D])
+    n_k = gl.cdiv(SQ, BN)
     mbarrier.wait(kv_bar, 0)
     for it in range(GROUP * n_i):
         g, i = _query_block(it, n_i, i_hi, j, WALK)
@@ -283,6 +342,10 @@ def _bwd_consumer(a, CAUSAL: gl.constexpr, WALK: gl.constexpr):
         dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
         mbarrier.wait(dq_empty, (it & 1) ^ 1)
         dq_smem.store(dq)
+        if FINISH_DQ:
+            last_turn = _last_turn(i, n_k, BM, BN, CAUSAL)
+            if _turn(i, j, n_k, BM, BN, WALK) == last_turn:
+                _finish_dq(dq_smem, acc_smem, dq_out, acc_bar, it, last_turn > 0)
         fence_async_shared()
         mbarrier.arrive(dq_full, count=1)
         dk = warpgroup_mma_wait(0, deps=(dk, ))
@@ -297,13 +360,20 @@ def _bwd_consumer(a, CAUSAL: gl.constexpr, WALK: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_dq_writer(a, DETERMINISTIC: gl.constexpr, WALK: gl.constexpr, stuck_ns):
-    """One warp: adds each step's dQ partial (shared memory, fp32) into the accumulator by TMA."""
-    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem,
-     ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty, dq_full,
-     dq_empty, LSE, DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_i, i_hi, qk_scale, sm_scale) = a
+def _bwd_dq_writer(a, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, FINISH_DQ: gl.constexpr,
+                   WALK: gl.constexpr, stuck_ns):
+    """One warp: adds each step's dQ partial (shared memory, fp32) into the accumulator by TMA.
+    With ``FINISH_DQ`` (deterministic), the last adder of a dQ block instead loads the sum of the
+    others for the consumers (``acc_smem``) and stores what they finish from it, in q's dtype,
+    into dq: no pass over the accumulator after the kernel, and its last adds never happen."""
+    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, dqo_desc, q_smem, do_smem, k_smem,
+     v_smem, ds_smem, dq_smem, acc_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty,
+     dq_full, dq_empty, acc_bar, LSE, DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_i, i_hi, qk_scale,
+     sm_scale) = a
     BM: gl.constexpr = q_smem.type.shape[3]
     BN: gl.constexpr = k_smem.type.shape[2]
+    HEAD_D: gl.constexpr = q_smem.type.shape[4]
+    dq_out = dq_smem._reinterpret(dqo_desc.dtype, [1, 1, BM, HEAD_D], dqo_desc.layout)
     n_k = gl.cdiv(SQ, BN)
     for it in range(GROUP * n_i):
         g, i = _query_block(it, n_i, i_hi, j, WALK)
@@ -311,6 +381,7 @@ def _bwd_dq_writer(a, DETERMINISTIC: gl.constexpr, WALK: gl.constexpr, stuck_ns)
         # The first in the fixed order stores instead of adding, so the accumulator need not be
         # zeroed first (a 4·B·H·S·Hd-byte pass, ~4 % of fwd+bwd at S 1024).
         first = False
+        last = False
         if DETERMINISTIC:
             # Wait for this block's turn before the partial is even ready: the poll's latency
             # then hides behind the consumers' step instead of adding to the chain of turns.
@@ -318,8 +389,21 @@ def _bwd_dq_writer(a, DETERMINISTIC: gl.constexpr, WALK: gl.constexpr, stuck_ns)
             turn = _turn(i, j, n_k, BM, BN, WALK)
             _wait_for_turn(sem, turn, stuck_ns)
             first = turn == 0
+        if FINISH_DQ:
+            last = turn == _last_turn(i, n_k, BM, BN, CAUSAL)
+            if last and turn > 0:
+                # acc_smem is free: the consumers read it before the last dq_full this warp took.
+                _fence_proxy_async_global()
+                mbarrier.expect(acc_bar, dq_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(dq_desc, [bh * SQ_PAD + i * BM, 0], acc_bar,
+                                                acc_smem)
+            else:
+                # acc_bar completes a phase every step, so the consumers wait on the step's parity.
+                mbarrier.arrive(acc_bar, count=1)
         mbarrier.wait(dq_full, it & 1)
-        if first:
+        if last:
+            tma.async_copy_shared_to_global(dqo_desc, [b, hk * GROUP + g, i * BM, 0], dq_out)
+        elif first:
             tma.async_copy_shared_to_global(dq_desc, [bh * SQ_PAD + i * BM, 0], dq_smem)
         else:
             _tma_reduce_add(dq_desc, [bh * SQ_PAD + i * BM, 0], dq_smem)
@@ -334,10 +418,11 @@ def _bwd_dq_writer(a, DETERMINISTIC: gl.constexpr, WALK: gl.constexpr, stuck_ns)
 # Launched through cached_launch, so nothing but the constexprs and dtypes may pick the binary.
 @gluon.jit(do_not_specialize=["H", "GROUP", "SQ", "SQ_PAD", "stuck_ns"],
            do_not_specialize_on_alignment=["LSE", "DELTA", "SEM"])
-def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE,
-                            DELTA, SEM, H, GROUP, SQ, SQ_PAD, qk_scale, sm_scale, stuck_ns,
+def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, dqo_desc,
+                            LSE, DELTA, SEM, H, GROUP, SQ, SQ_PAD, qk_scale, sm_scale, stuck_ns,
                             CAUSAL: gl.constexpr,
-                            DETERMINISTIC: gl.constexpr, WALK: gl.constexpr, BLOCK_M: gl.constexpr,
+                            DETERMINISTIC: gl.constexpr, FINISH_DQ: gl.constexpr,
+                            WALK: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     if WALK == WALK_ASCENDING:
@@ -365,6 +450,14 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
     qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    gl.static_assert(DETERMINISTIC or not FINISH_DQ, "only a fixed order knows the last add")
+    if FINISH_DQ:  # the last adders' sums of the others: 32 KB, 226 of the 227 KB with it
+        acc_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_D], dq_desc.layout)
+        acc_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(acc_bar, count=1)
+    else:  # (neither is used)
+        acc_smem = dq_smem
+        acc_bar = dq_full
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(dq_full, count=1)
     mbarrier.init(dq_empty, count=1)
@@ -377,12 +470,13 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
         i_lo = (j * BLOCK_N) // BLOCK_M  # earlier query blocks see none of these keys
     else:
         i_lo = 0
-    a = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem,
-         v_smem, ds_smem, dq_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty,
-         dq_full, dq_empty, LSE, DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_q - i_lo, n_q - 1,
-         qk_scale, sm_scale)
-    gl.warp_specialize([(_bwd_consumer, (a, CAUSAL, WALK)), (_bwd_producer, (a, WALK)),
-                        (_bwd_dq_writer, (a, DETERMINISTIC, WALK, stuck_ns))], [1, 1],
+    a = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, dqo_desc, q_smem, do_smem,
+         k_smem, v_smem, ds_smem, dq_smem, acc_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready,
+         qdo_empty, dq_full, dq_empty, acc_bar, LSE, DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD,
+         n_q - i_lo, n_q - 1, qk_scale, sm_scale)
+    gl.warp_specialize([(_bwd_consumer, (a, CAUSAL, FINISH_DQ, WALK)), (_bwd_producer, (a, WALK)),
+                        (_bwd_dq_writer, (a, CAUSAL, DETERMINISTIC, FINISH_DQ, WALK, stuck_ns))],
+                       [1, 1],
                        [PRODUCER_REGS, PRODUCER_REGS])
 
 
@@ -452,19 +546,22 @@ def hopper_backward(do, q, k, v, lse, delta, sem, dq, dk, dv, causal, scale, sca
                                                              dtype=torch.float32)
     dq_desc = unchecked_descriptor(dq_acc, [block_m, Hd], gluon_layout((block_m, Hd), gl.float32))
     walk = _walk(causal, n_k, q.device)
+    finish_dq = deterministic and S <= FINISH_DQ_TO
     assert walk_possible(walk, causal), (walk, causal)
     args = (_descriptor(q, block_m), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
             _descriptor(do, block_m), _descriptor(dk, BLOCK_N), _descriptor(dv, BLOCK_N), dq_desc,
-            lse, delta, delta if sem is None else sem,  # (SEM is not read unless deterministic)
+            _descriptor(dq, block_m), lse, delta,
+            delta if sem is None else sem,  # (SEM is not read unless deterministic)
             H, H // Hkv, S, s_pad, scale_log2, scale, STUCK_NS)
 
     def launch():
         cached_launch(
             _attn_bwd_hopper_kernel, (n_k, B * Hkv), (q.dtype, do.dtype), *args, CAUSAL=causal,
-            DETERMINISTIC=deterministic, WALK=walk, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD_D=Hd,
-            STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=8,
+            DETERMINISTIC=deterministic, FINISH_DQ=finish_dq, WALK=walk, BLOCK_M=block_m,
+            BLOCK_N=BLOCK_N, HEAD_D=Hd, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=8,
             maxnreg=MAX_NREG)
-        acc = dq_acc.view(B, H, s_pad, Hd)
-        dq.copy_(acc if s_pad == S else acc[:, :, :S])  # (a slice is one more op's host time)
+        if not finish_dq:  # (else the kernel's last adders wrote dq)
+            acc = dq_acc.view(B, H, s_pad, Hd)
+            dq.copy_(acc if s_pad == S else acc[:, :, :S])  # (a slice is one more op's host time)
         return dq, dk, dv
     return launch

@@ -591,11 +591,12 @@ for kind, causal, deterministic, head_d, dtype, walk, seq_len in json.loads(sys.
                      "v_desc": desc(fab.BLOCK_N), "do_desc": desc(block_m),
                      "dk_desc": desc(fab.BLOCK_N), "dv_desc": desc(fab.BLOCK_N),
                      "dq_desc": f"tensordesc<fp32[{block_m},{head_d}],{dq_layout!r}>",
+                     "dqo_desc": desc(block_m),
                      "LSE": "*fp32", "DELTA": "*fp32", "SEM": "*i32", "H": "i32", "GROUP": "i32",
                      "SQ": "i32", "SQ_PAD": "i32", "qk_scale": "fp32", "sm_scale": "fp32",
                      "stuck_ns": "i64"}
-        constexprs = {"CAUSAL": causal, "DETERMINISTIC": deterministic, "WALK": walk,
-                      "BLOCK_M": block_m}
+        constexprs = {"CAUSAL": causal, "DETERMINISTIC": deterministic,
+                      "FINISH_DQ": deterministic, "WALK": walk, "BLOCK_M": block_m}
         constexprs.update({"BLOCK_N": fab.BLOCK_N, "HEAD_D": head_d, "STAGES": fab.STAGES,
                            "CONSUMER_REGS": fab.CONSUMER_REGS,
                            "PRODUCER_REGS": fab.PRODUCER_REGS})
@@ -848,6 +849,43 @@ def test_gpu_hopper_backward_every_walk(walk, B, H, Hkv, S, causal, Hd, monkeypa
     forced = int(getattr(fab, "WALK_" + walk))
     monkeypatch.setattr(fab, "_walk", lambda *a: forced)
     _check_hopper_backward(B, H, Hkv, S, Hd, causal, torch.bfloat16, "BHSD", True, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not _on_sm90(), reason="the Gluon backward is for sm_90")
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("walk,B,H,Hkv,S,causal", [
+    ("DESCENDING", 1, 4, 2, 1000, False), ("CYCLIC", 2, 2, 1, 129, False),
+    ("DESCENDING", 2, 4, 4, 333, True), ("ASCENDING", 1, 4, 2, 1000, True),
+    ("ASCENDING", 1, 2, 2, 1, True), ("CYCLIC", 1, 2, 1, 1500, False),
+])
+@pytest.mark.parametrize("Hd", [64, 128])
+def test_gpu_hopper_backward_writes_every_gradient_row(walk, B, H, Hkv, S, causal, Hd,
+                                                      deterministic, monkeypatch):
+    """dq, dk and dv start as NaN: every row must be written (deterministic, to FINISH_DQ_TO keys,
+    dq's rows by the last adder of each block, from the others' sum; a block it missed, or one
+    finished before all adds were in, would show as NaN or a wrong sum; past it and
+    nondeterministic, by the pass after the kernel), at every walk, odd lengths, GQA and a
+    one-row sequence, against the Triton backward."""
+    forced = int(getattr(fab, "WALK_" + walk))
+    monkeypatch.setattr(fab, "_walk", lambda *a: forced)
+    monkeypatch.setattr(fab, "MIN_SCORES", 0)
+    q, k, v = (_gpu_heads(B, h, S, Hd, torch.bfloat16, "BHSD").requires_grad_() for h in (H, Hkv, Hkv))
+    do = _gpu_heads(B, H, S, Hd, torch.bfloat16, "BHSD")
+    assert fab.hopper_backward_ok(q, k, v, do, causal, None)
+    empty_like = torch.empty_like
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty_like", lambda t, **kw: empty_like(t, **kw).fill_(float("nan")))
+        ours = _out_and_grads(lambda a, b, c: flash_attention(a, b, c, causal, deterministic=deterministic),
+                              q, k, v, do)[1:]
+    with monkeypatch.context() as m:
+        m.setattr(fa, "hopper_backward_ok", lambda *a: False)
+        triton_grads = _out_and_grads(lambda a, b, c: flash_attention(a, b, c, causal), q, k, v, do)[1:]
+    for name, x, y in zip(("dq", "dk", "dv"), ours, triton_grads):
+        assert not x.isnan().any(), f"{name}: rows left unwritten"
+        scale = y.float().abs().max().item()
+        assert (x.float() - y.float()).abs().max().item() <= 1e-2 * scale + ATOL_FLOOR[torch.bfloat16], name
 
 
 _STUCK_TURN = """
