@@ -637,7 +637,7 @@ def hopper_forward_ok(q, k, v, causal, window) -> bool:
 def unchecked_descriptor(t, block_shape, layout):
     """A TMA descriptor of ``t`` built without the dataclass's own checks, 2 of its 3.3 µs of
     host time (H100 host). For the callers' tensors: q, k, v and dO were checked by their
-    ``*_ok`` (alignment by ``tma_ok``, the unit last stride); o, dk and dv are ``empty_like``
+    ``*_ok`` (alignment by ``tma_ok``, the unit last stride); o, dq, dk and dv are ``empty_like``
     them (their strides), and the dQ accumulator is allocated contiguous; none is empty."""
     d = object.__new__(TensorDescriptor)
     d.base, d.shape, d.strides, d.padding = t, list(t.shape), list(t.stride()), "zero"

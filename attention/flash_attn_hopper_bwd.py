@@ -100,11 +100,13 @@ MIN_SCORES = 1 << 27
 # Up to this many keys the deterministic kernel finishes dQ itself (``FINISH_DQ``: the last adder
 # of each block takes the others' sum back and stores the block in q's dtype), instead of a pass
 # over the fp32 accumulator after it (48 µs of a 660 µs fwd+bwd at Hd 128 S 1k causal). The last
-# adder waits for that sum at its step, and it is one CTA a head for most blocks (the walks
-# order the adds by arrival), so the wait grows with the walk: H200, fwd+bwd against the pass,
-# 7 alternating rounds, same bits: S 1k 1.011 / 1.015× (Hd 128 causal / not), 1.061 / 1.023×
-# (Hd 64), and as shipped 1.040 / 1.009×, 1.052 / 1.014×; S 4k 1.005 / 0.975×, 1.018 / 1.003×;
-# S 16k 0.999 / 0.985×, 0.981 / 1.011× (2026-12-03, bench/results/attention.md). A version that
+# adder waits for that sum at its step, and the walks order the adds by arrival, so one CTA a
+# head is the last adder of every block (ASCENDING, DESCENDING) or of the upper half of them
+# (CYCLIC at Hd 128; at Hd 64 CTA i finishes block i): the wait grows with the walk. H200,
+# fwd+bwd against the pass, 7 alternating rounds, same bits, two runs at S 1k: 1.011 and 1.040×
+# (Hd 128 causal), 1.015 and 1.009× (Hd 128), 1.061 and 1.052× (Hd 64 causal), 1.023 and 1.014×
+# (Hd 64); one run at S 4k: 1.005 / 0.975× (Hd 128 causal / not), 1.018 / 1.003× (Hd 64); S 16k:
+# 0.999 / 0.985×, 0.981 / 1.011× (2026-12-03, bench/results/attention.md). A version that
 # finished a step late, to hide the wait, lost more (0.967-0.992× at S 4k-16k) and broke the
 # repeat bits at Hd 64.
 FINISH_DQ_TO = 1024
@@ -224,7 +226,7 @@ def _finish_dq(dq_smem, acc_smem, dq_out, acc_bar, it, add):
     dq = dq_smem.load(rows)
     if add:
         mbarrier.wait(acc_bar, it & 1)
-        dq = acc_smem.load(rows) + dq  # the order the TMA add would have taken: the bits it made
+        dq = acc_smem.load(rows) + dq  # the one fp32 addition the TMA add made: the same bits
     gl.thread_barrier()  # every row read before the narrower copy overwrites dq_smem
     dq_out.store(dq.to(dq_out.dtype))
 
@@ -491,7 +493,7 @@ def hopper_backward_ok(q, k, v, do, causal, window) -> bool:
 @functools.lru_cache(maxsize=None)
 def _walk(causal, n_k, device):
     """The walk for a call (see WALK_*). CYCLIC needs a head's n_k CTAs resident together (one per
-    SM: the kernel takes ~193 KB of shared memory). It is used only where they fit in half the
+    SM: the kernel takes ~193 KB of shared memory, 226 KB with ``FINISH_DQ``). It is used only where they fit in half the
     SMs, leaving room for kernels on other streams (NCCL), and not under an MPS thread limit set
     in this process's environment. A limit set by the MPS daemon, or an SM partition, is not
     visible here: should fewer than n_k SMs be free, the waiting CTAs trap after ``STUCK_NS``
@@ -548,9 +550,11 @@ def hopper_backward(do, q, k, v, lse, delta, sem, dq, dk, dv, causal, scale, sca
     walk = _walk(causal, n_k, q.device)
     finish_dq = deterministic and S <= FINISH_DQ_TO
     assert walk_possible(walk, causal), (walk, causal)
-    args = (_descriptor(q, block_m), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
-            _descriptor(do, block_m), _descriptor(dk, BLOCK_N), _descriptor(dv, BLOCK_N), dq_desc,
-            _descriptor(dq, block_m), lse, delta,
+    q_desc = _descriptor(q, block_m)
+    args = (q_desc, _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(do, block_m),
+            _descriptor(dk, BLOCK_N), _descriptor(dv, BLOCK_N), dq_desc,
+            _descriptor(dq, block_m) if finish_dq else q_desc,  # (dqo_desc: not read without)
+            lse, delta,
             delta if sem is None else sem,  # (SEM is not read unless deterministic)
             H, H // Hkv, S, s_pad, scale_log2, scale, STUCK_NS)
 
@@ -558,8 +562,8 @@ def hopper_backward(do, q, k, v, lse, delta, sem, dq, dk, dv, causal, scale, sca
         cached_launch(
             _attn_bwd_hopper_kernel, (n_k, B * Hkv), (q.dtype, do.dtype), *args, CAUSAL=causal,
             DETERMINISTIC=deterministic, FINISH_DQ=finish_dq, WALK=walk, BLOCK_M=block_m,
-            BLOCK_N=BLOCK_N, HEAD_D=Hd, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=8,
-            maxnreg=MAX_NREG)
+            BLOCK_N=BLOCK_N, HEAD_D=Hd, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS,
+            PRODUCER_REGS=PRODUCER_REGS, num_warps=8, maxnreg=MAX_NREG)
         if not finish_dq:  # (else the kernel's last adders wrote dq)
             acc = dq_acc.view(B, H, s_pad, Hd)
             dq.copy_(acc if s_pad == S else acc[:, :, :S])  # (a slice is one more op's host time)

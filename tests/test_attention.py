@@ -596,7 +596,8 @@ for kind, causal, deterministic, head_d, dtype, walk, seq_len in json.loads(sys.
                      "SQ": "i32", "SQ_PAD": "i32", "qk_scale": "fp32", "sm_scale": "fp32",
                      "stuck_ns": "i64"}
         constexprs = {"CAUSAL": causal, "DETERMINISTIC": deterministic,
-                      "FINISH_DQ": deterministic, "WALK": walk, "BLOCK_M": block_m}
+                      "FINISH_DQ": deterministic and seq_len <= fab.FINISH_DQ_TO, "WALK": walk,
+                      "BLOCK_M": block_m}
         constexprs.update({"BLOCK_N": fab.BLOCK_N, "HEAD_D": head_d, "STAGES": fab.STAGES,
                            "CONSUMER_REGS": fab.CONSUMER_REGS,
                            "PRODUCER_REGS": fab.PRODUCER_REGS})
@@ -661,12 +662,15 @@ def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
              ["fwd", True, False, 64, "bfloat16", None, 1024],
              ["fwd", True, False, 64, "bfloat16", None, fah.WIDE_HD64_FROM],
              ["fwd", False, False, 64, "float16", None, fah.WIDE_HD64_NONCAUSAL_FROM],
-             ["bwd", False, False, 128, "float16", walks[0], None],
-             ["bwd", False, False, 64, "float16", walks[0], None]]
-    # The walks a call can take.
-    cases += [["bwd", causal, True, head_d, "bfloat16", walk, None]
+             ["bwd", False, False, 128, "float16", walks[0], fab.FINISH_DQ_TO],
+             ["bwd", False, False, 64, "float16", walks[0], fab.FINISH_DQ_TO]]
+    # The walks a call can take, deterministic: with the in-kernel dQ finish (to FINISH_DQ_TO
+    # keys) and, at the walk longer calls take, without it.
+    cases += [["bwd", causal, True, head_d, "bfloat16", walk, fab.FINISH_DQ_TO]
               for head_d in fab.HEAD_DIMS for causal in (True, False) for walk in walks
               if fab.walk_possible(walk, causal)]
+    cases += [["bwd", causal, True, head_d, "bfloat16", walks[0], fab.FINISH_DQ_TO + 1]
+              for head_d in fab.HEAD_DIMS for causal in (True, False)]
     run = _run_child(_SM90_RESOURCES, json.dumps(cases), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     for case, (regs, stack, moves, serialized, budget, loops, spills_in_loops,
@@ -863,20 +867,26 @@ def test_gpu_hopper_backward_every_walk(walk, B, H, Hkv, S, causal, Hd, monkeypa
 @pytest.mark.parametrize("Hd", [64, 128])
 def test_gpu_hopper_backward_writes_every_gradient_row(walk, B, H, Hkv, S, causal, Hd,
                                                       deterministic, monkeypatch):
-    """dq, dk and dv start as NaN: every row must be written (deterministic, to FINISH_DQ_TO keys,
-    dq's rows by the last adder of each block, from the others' sum; a block it missed, or one
-    finished before all adds were in, would show as NaN or a wrong sum; past it and
-    nondeterministic, by the pass after the kernel), at every walk, odd lengths, GQA and a
-    one-row sequence, against the Triton backward."""
+    """dq, dk, dv and the fp32 dQ accumulator start as NaN: every row must be written
+    (deterministic, to FINISH_DQ_TO keys, dq's rows by the last adder of each block, from the
+    others' sum: a block it missed, or one it read before the first adder's store, shows as NaN,
+    one read before the other adds were in as a wrong sum; past FINISH_DQ_TO and
+    nondeterministic, by the pass after the kernel, whose dk and dv are checked the same way), at
+    every walk, odd lengths, GQA and a one-row sequence, against the Triton backward."""
     forced = int(getattr(fab, "WALK_" + walk))
     monkeypatch.setattr(fab, "_walk", lambda *a: forced)
     monkeypatch.setattr(fab, "MIN_SCORES", 0)
     q, k, v = (_gpu_heads(B, h, S, Hd, torch.bfloat16, "BHSD").requires_grad_() for h in (H, Hkv, Hkv))
     do = _gpu_heads(B, H, S, Hd, torch.bfloat16, "BHSD")
     assert fab.hopper_backward_ok(q, k, v, do, causal, None)
-    empty_like = torch.empty_like
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan_empty(*shape, dtype=None, **kw):  # the fp32 dQ accumulator; not the int turn counters
+        t = empty(*shape, dtype=dtype, **kw)
+        return t.fill_(float("nan")) if dtype == torch.float32 else t
     with monkeypatch.context() as m:
         m.setattr(torch, "empty_like", lambda t, **kw: empty_like(t, **kw).fill_(float("nan")))
+        m.setattr(torch, "empty", nan_empty)
         ours = _out_and_grads(lambda a, b, c: flash_attention(a, b, c, causal, deterministic=deterministic),
                               q, k, v, do)[1:]
     with monkeypatch.context() as m:
