@@ -93,6 +93,10 @@ class Plan:
     def __post_init__(self):
         if self.q_buffers < 2:  # one buffer: the producer would wait for the output it follows
             raise ValueError(f"Plan.q_buffers must be at least 2, got {self.q_buffers}")
+        if self.peel_first and self.cross_tile:
+            raise ValueError("Plan.peel_first does not combine with Plan.cross_tile: in the stream "
+                             "a tile's first step carries the previous tile's last P·V, so there "
+                             "is no P·V of a zero P to skip")
 
     @property
     def block_m(self) -> int:
@@ -439,7 +443,7 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
     ~130 KB of instructions at Hd 64 with three consumers; causal S 1k then ran at 0.40× cuDNN,
     42 % of its stalls waiting for instructions (ncu, H100). One loop: 69 KB, 0.94×. Two other
     copies exist where they measured faster: the half diagonal step, in consumer 0 only (+416
-    SASS instructions, 6.7 KB), and without the causal mask the tile's first step (``PEEL``,
+    SASS instructions, 6.7 KB), and without the causal mask the tile's first step (``PEEL_FIRST``,
     ``plan`` has the numbers: +1,232 instructions at Hd 64 S 1k).
 
     ``CROSS_TILE`` (the plan's choice) runs the CTA's tiles as one stream of block steps: a
@@ -478,7 +482,6 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
     half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                           instr_shape=[16, ROWS, 16])
     half_zero = gl.zeros([ROWS, ROWS], gl.float32, layout=half_layout)
-    PEEL: gl.constexpr = PEEL_FIRST and not CROSS_TILE
 
     tc = 0
     kv = 0
@@ -509,7 +512,7 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
             if HALF_DIAG:
                 n_full = n_blocks - 1
             j0 = 0
-            if PEEL:
+            if PEEL_FIRST:
                 if n_full > 0:
                     p, m_i, l_i, acc = _kv_step(a, q_tile, p, m_i, l_i, acc, kv, 0, my_m,
                                                 (u, t, tc), True, WG, CAUSAL, CROSS_TILE, s_zero,

@@ -640,6 +640,20 @@ print(json.dumps(out))
 """
 
 
+def test_forward_plan_rejects_tilings_the_kernel_cannot_run():
+    """A Plan the forward kernel would misread fails where it is built, naming the field: one Q
+    buffer (the producer would wait for the output it follows), or the first step peeled in the
+    stream (which has no zero P·V to skip); every tiling ``plan`` picks is buildable."""
+    with pytest.raises(ValueError, match="q_buffers"):
+        fah.Plan(warpgroups=2, q_buffers=1)
+    with pytest.raises(ValueError, match="peel_first"):
+        fah.Plan(warpgroups=2, q_buffers=3, cross_tile=True, peel_first=True)
+    for Hd in fah.HEAD_DIMS:
+        for S in (1, 1024, 2048, 4096, 16384):
+            for causal in (True, False):
+                assert isinstance(fah.plan(Hd, S, causal), fah.Plan)
+
+
 def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
     """The warp-specialized kernels' register plans hold when compiled for sm_90 (no GPU needed:
     Triton's bundled ptxas; a child process, since the interpreter that conftest switches on
