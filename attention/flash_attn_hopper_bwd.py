@@ -101,8 +101,9 @@ MIN_SCORES = 1 << 27
 # of each block takes the others' sum back and stores the block in q's dtype), instead of a pass
 # over the fp32 accumulator after it (48 µs of a 660 µs fwd+bwd at Hd 128 S 1k causal). The last
 # adder waits for that sum at its step, and the walks order the adds by arrival, so one CTA a
-# head is the last adder of every block (ASCENDING, DESCENDING) or of the upper half of them
-# (CYCLIC at Hd 128; at Hd 64 CTA i finishes block i): the wait grows with the walk. H200,
+# head is the last adder of every block (ASCENDING: key block 0; DESCENDING non-causal: n_k − 1)
+# or of the upper half of them (CYCLIC at Hd 128); elsewhere (CYCLIC at Hd 64, DESCENDING causal)
+# each CTA finishes the blocks at the end of its walk: the cost grows with the walk. H200,
 # fwd+bwd against the pass, 7 alternating rounds, same bits, two runs at S 1k: 1.011 and 1.040×
 # (Hd 128 causal), 1.015 and 1.009× (Hd 128), 1.061 and 1.052× (Hd 64 causal), 1.023 and 1.014×
 # (Hd 64); one run at S 4k: 1.005 / 0.975× (Hd 128 causal / not), 1.018 / 1.003× (Hd 64); S 16k:
@@ -493,9 +494,9 @@ def hopper_backward_ok(q, k, v, do, causal, window) -> bool:
 @functools.lru_cache(maxsize=None)
 def _walk(causal, n_k, device):
     """The walk for a call (see WALK_*). CYCLIC needs a head's n_k CTAs resident together (one per
-    SM: the kernel takes ~193 KB of shared memory, 226 KB with ``FINISH_DQ``). It is used only where they fit in half the
-    SMs, leaving room for kernels on other streams (NCCL), and not under an MPS thread limit set
-    in this process's environment. A limit set by the MPS daemon, or an SM partition, is not
+    SM: the kernel takes ~193 KB of shared memory, 226 KB with ``FINISH_DQ``). It is used only
+    where they fit in half the SMs, leaving room for kernels on other streams (NCCL), and not
+    under an MPS thread limit set in this process's environment. A limit set by the MPS daemon, or an SM partition, is not
     visible here: should fewer than n_k SMs be free, the waiting CTAs trap after ``STUCK_NS``
     (an error, not a hang); pass ``deterministic=False`` there. Past that size DESCENDING
     measured as fast. The walk fixes the order of the adds, so dQ's bits depend on it, hence on
