@@ -166,23 +166,27 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
+def _warp_ptx(ptx: gl.constexpr):
+    """The writer warp issues the operand-less PTX statement ``ptx`` (an elementwise asm over one
+    warp's lanes, its dummy result a copy of the input)."""
+    one_warp: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    gl.inline_asm_elementwise(ptx + "\n mov.b32 $0, $1;", "=r,r",
+                              [gl.full([32], 0, gl.int32, layout=one_warp)], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
 def _bulk_wait_all():
     """``cp.async.bulk.wait_group 0``: this thread's bulk copies have completed their writes.
     (``tma.store_wait`` is the ``.read`` form: only the shared-memory source is free.)"""
-    one_warp: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n mov.b32 $0, $1;", "=r,r",
-                              [gl.full([32], 0, gl.int32, layout=one_warp)], dtype=gl.int32,
-                              is_pure=False, pack=1)
+    _warp_ptx("cp.async.bulk.wait_group 0;")
 
 
 @gluon.jit
 def _fence_proxy_async_global():
     """``fence.proxy.async.global``: what this thread's generic loads saw (the turn's acquire) is
     ordered before its next TMA read of global memory."""
-    one_warp: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    gl.inline_asm_elementwise("fence.proxy.async.global;\n mov.b32 $0, $1;", "=r,r",
-                              [gl.full([32], 0, gl.int32, layout=one_warp)], dtype=gl.int32,
-                              is_pure=False, pack=1)
+    _warp_ptx("fence.proxy.async.global;")
 
 
 @gluon.jit
@@ -496,10 +500,10 @@ def _walk(causal, n_k, device):
     """The walk for a call (see WALK_*). CYCLIC needs a head's n_k CTAs resident together (one per
     SM: the kernel takes ~193 KB of shared memory, 226 KB with ``FINISH_DQ``). It is used only
     where they fit in half the SMs, leaving room for kernels on other streams (NCCL), and not
-    under an MPS thread limit set in this process's environment. A limit set by the MPS daemon, or an SM partition, is not
-    visible here: should fewer than n_k SMs be free, the waiting CTAs trap after ``STUCK_NS``
-    (an error, not a hang); pass ``deterministic=False`` there. Past that size DESCENDING
-    measured as fast. The walk fixes the order of the adds, so dQ's bits depend on it, hence on
+    under an MPS thread limit set in this process's environment. A limit set by the MPS daemon,
+    or an SM partition, is not visible here: should fewer than n_k SMs be free, the waiting CTAs
+    trap after ``STUCK_NS`` (an error, not a hang); pass ``deterministic=False`` there. Past that
+    size DESCENDING measured as fast. The walk fixes the order of the adds, so dQ's bits depend on it, hence on
     the device's SM count: repeats on one setup are bit-identical, an H100 SXM and PCIe may
     differ in the last bits. Cached per (causal, n_k, device), the environment read once: its
     8–16 µs of host time sat between the Δ and backward launches (H100 host)."""
