@@ -107,9 +107,10 @@ MIN_SCORES = 1 << 27
 # fwd+bwd against the pass, 7 alternating rounds, same bits, two runs at S 1k: 1.011 and 1.040×
 # (Hd 128 causal), 1.015 and 1.009× (Hd 128), 1.061 and 1.052× (Hd 64 causal), 1.023 and 1.014×
 # (Hd 64); one run at S 4k: 1.005 / 0.975× (Hd 128 causal / not), 1.018 / 1.003× (Hd 64); S 16k:
-# 0.999 / 0.985×, 0.981 / 1.011× (2026-12-03, bench/results/attention.md). A version that
-# finished a step late, to hide the wait, lost more (0.967-0.992× at S 4k-16k) and broke the
-# repeat bits at Hd 64.
+# 0.999 / 0.985×, 0.981 / 1.011× (2026-12-03, bench/results/attention.md); at S 2k 0.998 /
+# 0.998× (Hd 128), 1.020 / 1.004× (Hd 64), A-vs-A 0.994-1.000 (2026-12-04): not a win at every
+# row, so the gate stays at 1k. A version that finished a step late, to hide the wait, lost more
+# (0.967-0.992× at S 4k-16k) and broke the repeat bits at Hd 64.
 FINISH_DQ_TO = 1024
 # A deterministic CTA that waits this long for its turn traps (``_wait_for_turn``): the longest
 # honest wait is a head's backward, milliseconds.
