@@ -71,7 +71,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernel_floor import GLUON_DTYPES, cached_launch, capability, cdiv, gluon_layout, sm_count, tma_ok
+from kernel_floor import (GLUON_DTYPES, cached_launch, capability, cdiv, gluon_layout,
+                          partition_args, sm_count, tma_ok)
 
 WG_M = 64  # query rows per consumer warpgroup: one m64 wgmma row block
 PRODUCER_REGS = 24
@@ -232,44 +233,72 @@ def _tile(u, t, n_m, H, GROUP, SK, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
     return bh // H, h, h // GROUP, bh, start_m, gl.cdiv(hi, BLOCK_N)
 
 
+@partition_args
+class _FwdArgs:
+    """What the partitions of one persistent CTA share."""
+    # global memory: the TMA descriptors (O goes out through Q's slots) and the LSE rows
+    q_desc: tma.tensor_descriptor
+    k_desc: tma.tensor_descriptor
+    v_desc: tma.tensor_descriptor
+    o_desc: tma.tensor_descriptor
+    LSE: gl.tensor
+    # shared memory and its mbarriers
+    q_smem: gl.shared_memory_descriptor
+    k_smem: gl.shared_memory_descriptor
+    v_smem: gl.shared_memory_descriptor
+    q_bars: gl.shared_memory_descriptor
+    q_empty: gl.shared_memory_descriptor
+    k_ready: gl.shared_memory_descriptor
+    v_ready: gl.shared_memory_descriptor
+    k_empty: gl.shared_memory_descriptor
+    v_empty: gl.shared_memory_descriptor
+    # the problem: heads, query heads per K/V head, lengths, query tiles a head (n_m), the
+    # units the CTAs share out
+    H: gl.tensor
+    GROUP: gl.tensor
+    SQ: gl.tensor
+    SK: gl.tensor
+    n_m: gl.tensor
+    n_units: gl.tensor
+    qk_scale: gl.tensor
+
+
 @gluon.jit
 def _producer(a, CAUSAL: gl.constexpr):
     """One warp: for each tile, its Q slots, then every K/V block through the ring. It runs
     ahead into the next tile (Q has two or three buffers) while the consumers finish the current
     one."""
-    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
-     k_empty, v_empty, LSE, H, GROUP, SQ, SK, n_m, n_units, qk_scale) = a
-    NSTAGE: gl.constexpr = k_smem.type.shape[0]
-    NQ: gl.constexpr = q_empty.type.shape[0]
-    NWG: gl.constexpr = q_smem.type.shape[0] // NQ
-    ROWS: gl.constexpr = q_smem.type.shape[3]
-    BN: gl.constexpr = k_smem.type.shape[3]
+    NSTAGE: gl.constexpr = a.k_smem.type.shape[0]
+    NQ: gl.constexpr = a.q_empty.type.shape[0]
+    NWG: gl.constexpr = a.q_smem.type.shape[0] // NQ
+    ROWS: gl.constexpr = a.q_smem.type.shape[3]
+    BN: gl.constexpr = a.k_smem.type.shape[3]
     tc = 0  # tiles done by this CTA: picks the Q buffer and its phase
     kv = 0  # K/V blocks done by this CTA: picks the ring slot and its phase
-    for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
-        for t in range(_unit_tiles(u, n_m, CAUSAL)):
-            b, h, hk, _, start_m, n_blocks = _tile(u, t, n_m, H, GROUP, SK, CAUSAL, NWG * ROWS,
-                                                   BN)
+    for u in range(gl.program_id(0), a.n_units, gl.num_programs(0)):
+        for t in range(_unit_tiles(u, a.n_m, CAUSAL)):
+            b, h, hk, _, start_m, n_blocks = _tile(u, t, a.n_m, a.H, a.GROUP, a.SK, CAUSAL,
+                                                   NWG * ROWS, BN)
             qb = tc % NQ
             # A fresh mbarrier counts as having completed the phase before 0, so the first use
             # of each buffer (and the first pass through the ring) does not wait.
-            mbarrier.wait(q_empty.index(qb), ((tc // NQ) & 1) ^ 1)
+            mbarrier.wait(a.q_empty.index(qb), ((tc // NQ) & 1) ^ 1)
             for w in gl.static_range(NWG):
-                mbarrier.expect(q_bars.index(NWG * qb + w), q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [b, h, start_m + w * ROWS, 0],
-                                                q_bars.index(NWG * qb + w),
-                                                q_smem.index(NWG * qb + w))
+                mbarrier.expect(a.q_bars.index(NWG * qb + w), a.q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a.q_desc, [b, h, start_m + w * ROWS, 0],
+                                                a.q_bars.index(NWG * qb + w),
+                                                a.q_smem.index(NWG * qb + w))
             for j in range(n_blocks):
                 s = (kv + j) % NSTAGE
                 phase = ((kv + j) // NSTAGE) & 1
-                mbarrier.wait(k_empty.index(s), phase ^ 1)
-                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [b, hk, j * BN, 0], k_ready.index(s),
-                                                k_smem.index(s))
-                mbarrier.wait(v_empty.index(s), phase ^ 1)
-                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [b, hk, j * BN, 0], v_ready.index(s),
-                                                v_smem.index(s))
+                mbarrier.wait(a.k_empty.index(s), phase ^ 1)
+                mbarrier.expect(a.k_ready.index(s), a.k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a.k_desc, [b, hk, j * BN, 0], a.k_ready.index(s),
+                                                a.k_smem.index(s))
+                mbarrier.wait(a.v_empty.index(s), phase ^ 1)
+                mbarrier.expect(a.v_ready.index(s), a.v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a.v_desc, [b, hk, j * BN, 0], a.v_ready.index(s),
+                                                a.v_smem.index(s))
             tc += 1
             kv += n_blocks
 
@@ -281,29 +310,27 @@ def _store_tile(a, acc, m_i, l_i, tile, WG: gl.constexpr, CAUSAL: gl.constexpr,
     the CTA's count of tiles before it): O = acc / l out through the tile's Q slot (its Q is no
     longer read) by a TMA store left in flight, and the base-2 LSE by plain stores. The tile's
     head is recomputed here rather than held in registers through the loop."""
-    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
-     k_empty, v_empty, LSE, H, GROUP, SQ, SK, n_m, n_units, qk_scale) = a
     ROWS: gl.constexpr = acc.shape[0]
-    NQ: gl.constexpr = q_empty.type.shape[0]
-    NWG: gl.constexpr = q_smem.type.shape[0] // NQ
+    NQ: gl.constexpr = a.q_empty.type.shape[0]
+    NWG: gl.constexpr = a.q_smem.type.shape[0] // NQ
     u, t, tc = tile
-    b, h, _, bh, start_m, _ = _tile(u, t, n_m, H, GROUP, SK, CAUSAL, NWG * ROWS,
-                                    k_smem.type.shape[3])
+    b, h, _, bh, start_m, _ = _tile(u, t, a.n_m, a.H, a.GROUP, a.SK, CAUSAL, NWG * ROWS,
+                                    a.k_smem.type.shape[3])
     my_m = start_m + WG * ROWS
     slot = NWG * (tc % NQ) + WG
     seen = l_i > 0
     l_safe = gl.where(seen, l_i, 1.0)
-    o_tile = q_smem.index(slot).reshape(acc.shape)
+    o_tile = a.q_smem.index(slot).reshape(acc.shape)
     # One reciprocal a row, not a division an element: with the stream (``_kv_step``) this code
     # sits in the block loop, and the divisions' SASS (64 a thread) made that loop 1,075
     # instructions against 890. With them the stream ran 0.971 / 0.992× main's kernel at Hd 128
     # S 16k (non-causal / causal), without them 0.983 / 0.997× (H200 probes, 2026-12-02).
-    o_tile.store((acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]).to(q_desc.dtype))
+    o_tile.store((acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]).to(a.q_desc.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, h, my_m, 0], q_smem.index(slot))
+    tma.async_copy_shared_to_global(a.o_desc, [b, h, my_m, 0], a.q_smem.index(slot))
     offs_m = my_m + gl.arange(0, ROWS, layout=row_s)
-    gl.store(LSE + bh.to(gl.int64) * SQ + offs_m,
-             gl.where(seen, m_i + gl.log2(l_safe), float("inf")), mask=offs_m < SQ)
+    gl.store(a.LSE + bh.to(gl.int64) * a.SQ + offs_m,
+             gl.where(seen, m_i + gl.log2(l_safe), float("inf")), mask=offs_m < a.SQ)
 
 
 @gluon.jit
@@ -311,15 +338,13 @@ def _finish_tile(a, p, acc, m_i, l_i, it, use_acc, tile, WG: gl.constexpr, CAUSA
                  row_s: gl.constexpr, row_o: gl.constexpr):
     """A tile's last P·V, P of ring block ``it`` (over the first ``p.shape[1]`` keys), on O
     (``use_acc`` false: O starts here), then its rows out (``_store_tile``)."""
-    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
-     k_empty, v_empty, LSE, H, GROUP, SQ, SK, n_m, n_units, qk_scale) = a
-    NSTAGE: gl.constexpr = k_smem.type.shape[0]
+    NSTAGE: gl.constexpr = a.k_smem.type.shape[0]
     last = it % NSTAGE
-    mbarrier.wait(v_ready.index(last), (it // NSTAGE) & 1)
-    v_tile = v_smem.index(last).reshape([v_smem.type.shape[3], v_smem.type.shape[4]])
+    mbarrier.wait(a.v_ready.index(last), (it // NSTAGE) & 1)
+    v_tile = a.v_smem.index(last).reshape([a.v_smem.type.shape[3], a.v_smem.type.shape[4]])
     acc = warpgroup_mma(p, v_tile.slice(0, p.shape[1]), acc, use_acc=use_acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
-    mbarrier.arrive(v_empty.index(last), count=1)
+    mbarrier.arrive(a.v_empty.index(last), count=1)
     _store_tile(a, acc, m_i, l_i, tile, WG, CAUSAL, row_s, row_o)
 
 
@@ -355,18 +380,16 @@ def _kv_step(a, q_tile, p, m_i, l_i, acc, it, j, my_m, prev, pv_acc, WG: gl.cons
     - P leaves converted once the previous P·V is done: carried in fp32 across the loop's back
       edge beside the next S it held 64 more registers a thread, which three consumers' 160
       (Hd 64) cannot spare (ptxas: 3.6 KB of spills; none after)."""
-    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
-     k_empty, v_empty, LSE, H, GROUP, SQ, SK, n_m, n_units, qk_scale) = a
-    NSTAGE: gl.constexpr = k_smem.type.shape[0]
-    HEAD_D: gl.constexpr = k_smem.type.shape[4]
-    BN: gl.constexpr = k_smem.type.shape[3]
+    NSTAGE: gl.constexpr = a.k_smem.type.shape[0]
+    HEAD_D: gl.constexpr = a.k_smem.type.shape[4]
+    BN: gl.constexpr = a.k_smem.type.shape[3]
     KEYS: gl.constexpr = s_zero.shape[1]
     row_in: gl.constexpr = m_i.type.layout
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     s = it % NSTAGE
-    mbarrier.wait(k_ready.index(s), (it // NSTAGE) & 1)
-    k_tile = k_smem.index(s).reshape([BN, HEAD_D]).slice(0, KEYS)
+    mbarrier.wait(a.k_ready.index(s), (it // NSTAGE) & 1)
+    k_tile = a.k_smem.index(s).reshape([BN, HEAD_D]).slice(0, KEYS)
     s_acc = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if FIRST:
         s_acc = warpgroup_mma_wait(0, deps=(s_acc, ))
@@ -376,18 +399,18 @@ def _kv_step(a, q_tile, p, m_i, l_i, acc, it, j, my_m, prev, pv_acc, WG: gl.cons
         else:
             vit = it - (j > 0).to(gl.int32)
         vs = vit % NSTAGE
-        mbarrier.wait(v_ready.index(vs), (vit // NSTAGE) & 1)
-        v_tile = v_smem.index(vs).reshape([BN, HEAD_D])
+        mbarrier.wait(a.v_ready.index(vs), (vit // NSTAGE) & 1)
+        v_tile = a.v_smem.index(vs).reshape([BN, HEAD_D])
         acc = warpgroup_mma(p, v_tile, acc, use_acc=pv_acc, is_async=True)
         s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))
-    mbarrier.arrive(k_empty.index(s), count=1)
+    mbarrier.arrive(a.k_empty.index(s), count=1)
     start_n = j * BN
-    need = start_n + KEYS > SK
+    need = start_n + KEYS > a.SK
     if CAUSAL:
         need = need | (start_n + KEYS - 1 > my_m)
     if need:
         cols = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
-        keep = cols[None, :] < SK
+        keep = cols[None, :] < a.SK
         if CAUSAL:
             rows = my_m + gl.arange(0, s_acc.shape[0], layout=gl.SliceLayout(1, s_layout))
             keep = keep & (rows[:, None] >= cols[None, :])
@@ -398,20 +421,20 @@ def _kv_step(a, q_tile, p, m_i, l_i, acc, it, j, my_m, prev, pv_acc, WG: gl.cons
         m_old_run = gl.where(j > 0, m_old, float("-inf"))  # a new tile's rows have seen nothing
     else:
         m_old_run = m_old  # the caller's fresh -inf at j == 0
-    m_new = gl.maximum(m_old_run, gl.max(s_acc, 1) * qk_scale)
-    p32 = gl.exp2(s_acc * qk_scale - m_new[:, None])
+    m_new = gl.maximum(m_old_run, gl.max(s_acc, 1) * a.qk_scale)
+    p32 = gl.exp2(s_acc * a.qk_scale - m_new[:, None])
     alpha = gl.exp2(m_old_run - m_new)  # 0 at j == 0, where (CROSS_TILE) l_old is the last tile's
     l_new = l_old * alpha + gl.sum(p32, 1)
     if not FIRST:
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         if CROSS_TILE:
-            mbarrier.arrive(v_empty.index(vs), count=1, pred=it > 0)
+            mbarrier.arrive(a.v_empty.index(vs), count=1, pred=it > 0)
             if j == 0:
                 if it > 0:
                     _store_tile(a, acc, m_old, l_old, prev, WG, CAUSAL, row_s, row_o)
         else:
-            mbarrier.arrive(v_empty.index(vs), count=1, pred=j > 0)
-    p = gl.convert_layout(p32.to(q_desc.dtype), p_layout)
+            mbarrier.arrive(a.v_empty.index(vs), count=1, pred=j > 0)
+    p = gl.convert_layout(p32.to(a.q_desc.dtype), p_layout)
     m_new = gl.convert_layout(m_new, row_in)
     l_new = gl.convert_layout(l_new, row_in)
     if not FIRST:  # (FIRST: O is the caller's zeros, as alpha would make it)
@@ -460,14 +483,12 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
     output is bit for bit the full step's for finite inputs (a non-finite V there made consumer
     0's rows NaN before and no longer does). It is not taken with ``CROSS_TILE``, whose next
     step would multiply the half P."""
-    (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready, v_ready,
-     k_empty, v_empty, LSE, H, GROUP, SQ, SK, n_m, n_units, qk_scale) = a
-    NQ: gl.constexpr = q_empty.type.shape[0]
-    NWG: gl.constexpr = q_smem.type.shape[0] // NQ
-    ROWS: gl.constexpr = q_smem.type.shape[3]
-    HEAD_D: gl.constexpr = q_smem.type.shape[4]
-    BN: gl.constexpr = k_smem.type.shape[3]
-    dtype: gl.constexpr = q_desc.dtype
+    NQ: gl.constexpr = a.q_empty.type.shape[0]
+    NWG: gl.constexpr = a.q_smem.type.shape[0] // NQ
+    ROWS: gl.constexpr = a.q_smem.type.shape[3]
+    HEAD_D: gl.constexpr = a.q_smem.type.shape[4]
+    BN: gl.constexpr = a.k_smem.type.shape[3]
+    dtype: gl.constexpr = a.q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BN, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -492,18 +513,18 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
     u_prev = 0  # CROSS_TILE: the previous tile's unit, tile in it and key blocks
     t_prev = 0
     n_prev = 1
-    for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
-        for t in range(_unit_tiles(u, n_m, CAUSAL)):
-            _, _, _, _, start_m, n_blocks = _tile(u, t, n_m, H, GROUP, SK, CAUSAL, NWG * ROWS,
-                                                  BN)
+    for u in range(gl.program_id(0), a.n_units, gl.num_programs(0)):
+        for t in range(_unit_tiles(u, a.n_m, CAUSAL)):
+            _, _, _, _, start_m, n_blocks = _tile(u, t, a.n_m, a.H, a.GROUP, a.SK, CAUSAL,
+                                                  NWG * ROWS, BN)
             slot = NWG * (tc % NQ) + WG
             my_m = start_m + WG * ROWS
-            q_tile = q_smem.index(slot).reshape([ROWS, HEAD_D])
-            mbarrier.wait(q_bars.index(slot), (tc // NQ) & 1)
+            q_tile = a.q_smem.index(slot).reshape([ROWS, HEAD_D])
+            mbarrier.wait(a.q_bars.index(slot), (tc // NQ) & 1)
             if not CROSS_TILE:
                 if tc > 0:
                     # The previous tile's output store ran while this tile's Q was awaited.
-                    _release_q(q_empty, tc - 1)
+                    _release_q(a.q_empty, tc - 1)
                 m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
                 l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
                 acc = gl.zeros([ROWS, HEAD_D], gl.float32, layout=o_layout)
@@ -530,7 +551,7 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
             if CROSS_TILE:
                 if tc > 0:
                     # The previous tile's output was stored in this tile's first step.
-                    _release_q(q_empty, tc - 1)
+                    _release_q(a.q_empty, tc - 1)
             else:
                 if HALF_DIAG:
                     j = n_blocks - 1
@@ -605,8 +626,11 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, SQ, S
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=NWG)  # a slot is free once every consumer is done
         mbarrier.init(v_empty.index(i), count=NWG)
-    a = (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_ready,
-         v_ready, k_empty, v_empty, LSE, H, GROUP, SQ, SK, gl.cdiv(SQ, BLOCK_M), n_units, qk_scale)
+    a = _FwdArgs(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=o_desc, LSE=LSE,
+                 q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, q_bars=q_bars, q_empty=q_empty,
+                 k_ready=k_ready, v_ready=v_ready, k_empty=k_empty, v_empty=v_empty, H=H,
+                 GROUP=GROUP, SQ=SQ, SK=SK, n_m=gl.cdiv(SQ, BLOCK_M), n_units=n_units,
+                 qk_scale=qk_scale)
     if NWG == 2:
         gl.warp_specialize([(_consumer_0, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL, PEEL_FIRST)),
                             (_consumer_1, (a, CAUSAL, CROSS_TILE, HALF_DIAGONAL, PEEL_FIRST)),

@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 
 from attention.flash_attn_hopper import _descriptor, gluon_case, unchecked_descriptor
-from kernel_floor import cached_launch, cdiv, gluon_layout, sm_count
+from kernel_floor import cached_launch, cdiv, gluon_layout, partition_args, sm_count
 
 # The order in which a CTA (one key block j) walks its query blocks, and so the fixed order of the
 # key blocks' adds into each dQ block (``_turn``); ``_walk`` picks one per call.
@@ -237,41 +237,85 @@ def _finish_dq(dq_smem, acc_smem, dq_out, acc_bar, it, add):
     dq_out.store(dq.to(dq_out.dtype))
 
 
+@partition_args
+class _BwdArgs:
+    """What the three partitions of one CTA share."""
+    # global memory: the TMA descriptors, the LSE and Δ rows, the turn counters
+    q_desc: tma.tensor_descriptor
+    k_desc: tma.tensor_descriptor
+    v_desc: tma.tensor_descriptor
+    do_desc: tma.tensor_descriptor
+    dk_desc: tma.tensor_descriptor
+    dv_desc: tma.tensor_descriptor
+    dq_desc: tma.tensor_descriptor  # the fp32 accumulator, rows (b·H + h)·SQ_PAD + query
+    dqo_desc: tma.tensor_descriptor  # dq in q's dtype (FINISH_DQ; otherwise q_desc, unused)
+    LSE: gl.tensor
+    DELTA: gl.tensor
+    SEM: gl.tensor
+    # shared memory and its mbarriers
+    q_smem: gl.shared_memory_descriptor
+    do_smem: gl.shared_memory_descriptor
+    k_smem: gl.shared_memory_descriptor
+    v_smem: gl.shared_memory_descriptor
+    ds_smem: gl.shared_memory_descriptor
+    dq_smem: gl.shared_memory_descriptor
+    acc_smem: gl.shared_memory_descriptor
+    lse_smem: gl.shared_memory_descriptor
+    delta_smem: gl.shared_memory_descriptor
+    kv_bar: gl.shared_memory_descriptor
+    q_ready: gl.shared_memory_descriptor
+    do_ready: gl.shared_memory_descriptor
+    qdo_empty: gl.shared_memory_descriptor
+    dq_full: gl.shared_memory_descriptor
+    dq_empty: gl.shared_memory_descriptor
+    acc_bar: gl.shared_memory_descriptor
+    # the CTA's work: batch, K/V head and key block; n_i query blocks of each of GROUP heads,
+    # the last of them i_hi
+    b: gl.tensor
+    hk: gl.tensor
+    j: gl.tensor
+    H: gl.tensor
+    GROUP: gl.tensor
+    SQ: gl.tensor
+    SQ_PAD: gl.tensor
+    n_i: gl.tensor
+    i_hi: gl.tensor
+    qk_scale: gl.tensor
+    sm_scale: gl.tensor
+
+
 @gluon.jit
 def _bwd_producer(a, WALK: gl.constexpr):
     """One warp: K and V once, then Q and dO of every step through the ring."""
-    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, dqo_desc, q_smem, do_smem, k_smem,
-     v_smem, ds_smem, dq_smem, acc_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty,
-     dq_full, dq_empty, acc_bar, LSE, DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_i, i_hi, qk_scale,
-     sm_scale) = a
-    NSTAGE: gl.constexpr = q_smem.type.shape[0]
-    BM: gl.constexpr = q_smem.type.shape[3]
-    BN: gl.constexpr = k_smem.type.shape[2]
+    NSTAGE: gl.constexpr = a.q_smem.type.shape[0]
+    BM: gl.constexpr = a.q_smem.type.shape[3]
+    BN: gl.constexpr = a.k_smem.type.shape[2]
     row_layout: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [b, hk, j * BN, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [b, hk, j * BN, 0], kv_bar, v_smem)
-    for it in range(GROUP * n_i):
-        g, i = _query_block(it, n_i, i_hi, j, WALK)
-        h = hk * GROUP + g
+    mbarrier.expect(a.kv_bar, a.k_desc.block_type.nbytes + a.v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(a.k_desc, [a.b, a.hk, a.j * BN, 0], a.kv_bar, a.k_smem)
+    tma.async_copy_global_to_shared(a.v_desc, [a.b, a.hk, a.j * BN, 0], a.kv_bar, a.v_smem)
+    for it in range(a.GROUP * a.n_i):
+        g, i = _query_block(it, a.n_i, a.i_hi, a.j, WALK)
+        h = a.hk * a.GROUP + g
         s = it % NSTAGE
         phase = (it // NSTAGE) & 1
         # A fresh mbarrier counts as having completed the phase before 0: no wait on the first lap.
-        mbarrier.wait(qdo_empty.index(s), phase ^ 1)
-        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, i * BM, 0], q_ready.index(s),
-                                        q_smem.index(s))
-        mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [b, h, i * BM, 0], do_ready.index(s),
-                                        do_smem.index(s))
+        mbarrier.wait(a.qdo_empty.index(s), phase ^ 1)
+        mbarrier.expect(a.q_ready.index(s), a.q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a.q_desc, [a.b, h, i * BM, 0], a.q_ready.index(s),
+                                        a.q_smem.index(s))
+        mbarrier.expect(a.do_ready.index(s), a.do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a.do_desc, [a.b, h, i * BM, 0], a.do_ready.index(s),
+                                        a.do_smem.index(s))
         # LSE and Δ of the block's rows go through shared memory too: loaded by the consumers,
         # their latency sat in every step, and their 16 columns per thread cost registers. A row
         # past the end gets LSE +inf, so P = 0 there (its Q and dO rows are TMA zeros).
         rows = i * BM + gl.arange(0, BM, layout=row_layout)
-        bh = (b * H + h).to(gl.int64)
-        lse_smem.index(s).store(gl.load(LSE + bh * SQ + rows, mask=rows < SQ, other=float("inf")))
-        delta_smem.index(s).store(gl.load(DELTA + bh * SQ + rows, mask=rows < SQ, other=0.0))
-        mbarrier.arrive(q_ready.index(s), count=1)
+        bh = (a.b * a.H + h).to(gl.int64)
+        in_q = rows < a.SQ
+        a.lse_smem.index(s).store(gl.load(a.LSE + bh * a.SQ + rows, mask=in_q, other=float("inf")))
+        a.delta_smem.index(s).store(gl.load(a.DELTA + bh * a.SQ + rows, mask=in_q, other=0.0))
+        mbarrier.arrive(a.q_ready.index(s), count=1)
 
 
 @gluon.jit
@@ -279,15 +323,11 @@ def _bwd_consumer(a, CAUSAL: gl.constexpr, FINISH_DQ: gl.constexpr, WALK: gl.con
     """Two warpgroups (8 warps): keys j·128 … +127 against every query block of the group. With
     ``FINISH_DQ``, where this key block adds last into a dQ block, the sum so far comes from the
     writer (``acc_smem``) and the finished block goes out in q's dtype."""
-    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, dqo_desc, q_smem, do_smem, k_smem,
-     v_smem, ds_smem, dq_smem, acc_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty,
-     dq_full, dq_empty, acc_bar, LSE, DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_i, i_hi, qk_scale,
-     sm_scale) = a
-    NSTAGE: gl.constexpr = q_smem.type.shape[0]
-    BM: gl.constexpr = q_smem.type.shape[3]
-    HEAD_D: gl.constexpr = q_smem.type.shape[4]
-    BN: gl.constexpr = k_smem.type.shape[2]
-    dtype: gl.constexpr = q_desc.dtype
+    NSTAGE: gl.constexpr = a.q_smem.type.shape[0]
+    BM: gl.constexpr = a.q_smem.type.shape[3]
+    HEAD_D: gl.constexpr = a.q_smem.type.shape[4]
+    BN: gl.constexpr = a.k_smem.type.shape[2]
+    dtype: gl.constexpr = a.q_desc.dtype
     # Sᵀ and dPᵀ (BN × BM): each warpgroup owns 64 keys. dK and dV (BN × Hd) likewise.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                         instr_shape=[16, BM, 16])
@@ -303,39 +343,40 @@ def _bwd_consumer(a, CAUSAL: gl.constexpr, FINISH_DQ: gl.constexpr, WALK: gl.con
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     per_query: gl.constexpr = gl.SliceLayout(0, st_layout)
 
-    start_n = j * BN
+    start_n = a.j * BN
     keys = start_n + gl.arange(0, BN, layout=gl.SliceLayout(1, st_layout))
     dk = gl.zeros([BN, HEAD_D], gl.float32, layout=kv_layout)
     dv = gl.zeros([BN, HEAD_D], gl.float32, layout=kv_layout)
     dq_zero = gl.zeros([BM, HEAD_D], gl.float32, layout=dq_layout)
     st_zero = gl.zeros([BN, BM], gl.float32, layout=st_layout)
-    k_tile = k_smem.reshape([BN, HEAD_D])
-    v_tile = v_smem.reshape([BN, HEAD_D])
-    dq_out = dq_smem._reinterpret(dtype, [1, 1, BM, HEAD_D], dqo_desc.layout).reshape([BM, HEAD_D])
-    n_k = gl.cdiv(SQ, BN)
-    mbarrier.wait(kv_bar, 0)
-    for it in range(GROUP * n_i):
-        g, i = _query_block(it, n_i, i_hi, j, WALK)
+    k_tile = a.k_smem.reshape([BN, HEAD_D])
+    v_tile = a.v_smem.reshape([BN, HEAD_D])
+    dq_out = a.dq_smem._reinterpret(dtype, [1, 1, BM, HEAD_D], a.dqo_desc.layout)
+    dq_out = dq_out.reshape([BM, HEAD_D])
+    n_k = gl.cdiv(a.SQ, BN)
+    mbarrier.wait(a.kv_bar, 0)
+    for it in range(a.GROUP * a.n_i):
+        g, i = _query_block(it, a.n_i, a.i_hi, a.j, WALK)
         start_m = i * BM
         s = it % NSTAGE
         phase = (it // NSTAGE) & 1
         cols = start_m + gl.arange(0, BM, layout=per_query)
-        mbarrier.wait(q_ready.index(s), phase)
-        q_tile = q_smem.index(s).reshape([BM, HEAD_D])
+        mbarrier.wait(a.q_ready.index(s), phase)
+        q_tile = a.q_smem.index(s).reshape([BM, HEAD_D])
         st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        mbarrier.wait(do_ready.index(s), phase)
-        do_tile = do_smem.index(s).reshape([BM, HEAD_D])
+        mbarrier.wait(a.do_ready.index(s), phase)
+        do_tile = a.do_smem.index(s).reshape([BM, HEAD_D])
         dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(1, deps=(st, ))  # dPᵀ may still run
-        pt = gl.exp2(st * qk_scale - lse_smem.index(s).load(per_query)[None, :])
+        pt = gl.exp2(st * a.qk_scale - a.lse_smem.index(s).load(per_query)[None, :])
         if CAUSAL:
             if start_m < start_n + BN - 1:  # the block crosses the diagonal
                 pt = gl.where(cols[None, :] >= keys[:, None], pt, 0.0)
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_tile, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # dV += Pᵀ·dO may still run
         # dSᵀ = Pᵀ ∘ (dPᵀ − Δ), with the softmax scale folded in for both dK and dQ.
-        ds = (pt * (dpt - delta_smem.index(s).load(per_query)[None, :]) * sm_scale).to(dtype)
-        ds_buf = ds_smem.index(it % 2)
+        ds = (pt * (dpt - a.delta_smem.index(s).load(per_query)[None, :]) * a.sm_scale).to(dtype)
+        ds_buf = a.ds_smem.index(it % 2)
         ds_buf.store(ds)
         fence_async_shared()
         # Both warpgroups' keys are in dSᵀ before either reads all of it. The buffer written here
@@ -348,22 +389,22 @@ def _bwd_consumer(a, CAUSAL: gl.constexpr, FINISH_DQ: gl.constexpr, WALK: gl.con
         # is waited for within its step: one still running across the loop's back edge made
         # ptxas serialize all of them (C7515: 454 TFLOP/s at S 4096, each HGMMA waited on).
         dq, dv = warpgroup_mma_wait(1, deps=(dq, dv))
-        mbarrier.wait(dq_empty, (it & 1) ^ 1)
-        dq_smem.store(dq)
+        mbarrier.wait(a.dq_empty, (it & 1) ^ 1)
+        a.dq_smem.store(dq)
         if FINISH_DQ:
             last_turn = _last_turn(i, n_k, BM, BN, CAUSAL)
-            if _turn(i, j, n_k, BM, BN, WALK) == last_turn:
-                _finish_dq(dq_smem, acc_smem, dq_out, acc_bar, it, last_turn > 0)
+            if _turn(i, a.j, n_k, BM, BN, WALK) == last_turn:
+                _finish_dq(a.dq_smem, a.acc_smem, dq_out, a.acc_bar, it, last_turn > 0)
         fence_async_shared()
-        mbarrier.arrive(dq_full, count=1)
+        mbarrier.arrive(a.dq_full, count=1)
         dk = warpgroup_mma_wait(0, deps=(dk, ))
-        mbarrier.arrive(qdo_empty.index(s), count=1)
+        mbarrier.arrive(a.qdo_empty.index(s), count=1)
 
     k_tile.store(dk.to(dtype))
     v_tile.store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [b, hk, start_n, 0], k_smem)
-    tma.async_copy_shared_to_global(dv_desc, [b, hk, start_n, 0], v_smem)
+    tma.async_copy_shared_to_global(a.dk_desc, [a.b, a.hk, start_n, 0], a.k_smem)
+    tma.async_copy_shared_to_global(a.dv_desc, [a.b, a.hk, start_n, 0], a.v_smem)
     tma.store_wait(0)
 
 
@@ -374,18 +415,14 @@ def _bwd_dq_writer(a, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, FINISH_
     With ``FINISH_DQ`` (deterministic), the last adder of a dQ block instead loads the sum of the
     others for the consumers (``acc_smem``) and stores what they finish from it, in q's dtype,
     into dq: no pass over the accumulator after the kernel, and its last adds never happen."""
-    (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, dqo_desc, q_smem, do_smem, k_smem,
-     v_smem, ds_smem, dq_smem, acc_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready, qdo_empty,
-     dq_full, dq_empty, acc_bar, LSE, DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD, n_i, i_hi, qk_scale,
-     sm_scale) = a
-    BM: gl.constexpr = q_smem.type.shape[3]
-    BN: gl.constexpr = k_smem.type.shape[2]
-    HEAD_D: gl.constexpr = q_smem.type.shape[4]
-    dq_out = dq_smem._reinterpret(dqo_desc.dtype, [1, 1, BM, HEAD_D], dqo_desc.layout)
-    n_k = gl.cdiv(SQ, BN)
-    for it in range(GROUP * n_i):
-        g, i = _query_block(it, n_i, i_hi, j, WALK)
-        bh = b * H + hk * GROUP + g
+    BM: gl.constexpr = a.q_smem.type.shape[3]
+    BN: gl.constexpr = a.k_smem.type.shape[2]
+    HEAD_D: gl.constexpr = a.q_smem.type.shape[4]
+    dq_out = a.dq_smem._reinterpret(a.dqo_desc.dtype, [1, 1, BM, HEAD_D], a.dqo_desc.layout)
+    n_k = gl.cdiv(a.SQ, BN)
+    for it in range(a.GROUP * a.n_i):
+        g, i = _query_block(it, a.n_i, a.i_hi, a.j, WALK)
+        bh = a.b * a.H + a.hk * a.GROUP + g
         # The first in the fixed order stores instead of adding, so the accumulator need not be
         # zeroed first (a 4·B·H·S·Hd-byte pass, ~4 % of fwd+bwd at S 1024).
         first = False
@@ -393,8 +430,8 @@ def _bwd_dq_writer(a, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, FINISH_
         if DETERMINISTIC:
             # Wait for this block's turn before the partial is even ready: the poll's latency
             # then hides behind the consumers' step instead of adding to the chain of turns.
-            sem = SEM + bh * (i_hi + 1) + i
-            turn = _turn(i, j, n_k, BM, BN, WALK)
+            sem = a.SEM + bh * (a.i_hi + 1) + i
+            turn = _turn(i, a.j, n_k, BM, BN, WALK)
             _wait_for_turn(sem, turn, stuck_ns)
             first = turn == 0
         if FINISH_DQ:
@@ -402,21 +439,22 @@ def _bwd_dq_writer(a, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, FINISH_
             if last and turn > 0:
                 # acc_smem is free: the consumers read it before the last dq_full this warp took.
                 _fence_proxy_async_global()
-                mbarrier.expect(acc_bar, dq_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(dq_desc, [bh * SQ_PAD + i * BM, 0], acc_bar,
-                                                acc_smem)
+                mbarrier.expect(a.acc_bar, a.dq_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a.dq_desc, [bh * a.SQ_PAD + i * BM, 0], a.acc_bar,
+                                                a.acc_smem)
             else:
                 # acc_bar completes a phase every step, so the consumers wait on the step's parity.
-                mbarrier.arrive(acc_bar, count=1)
-        mbarrier.wait(dq_full, it & 1)
+                mbarrier.arrive(a.acc_bar, count=1)
+        mbarrier.wait(a.dq_full, it & 1)
         if last:
-            tma.async_copy_shared_to_global(dqo_desc, [b, hk * GROUP + g, i * BM, 0], dq_out)
+            tma.async_copy_shared_to_global(a.dqo_desc, [a.b, a.hk * a.GROUP + g, i * BM, 0],
+                                            dq_out)
         elif first:
-            tma.async_copy_shared_to_global(dq_desc, [bh * SQ_PAD + i * BM, 0], dq_smem)
+            tma.async_copy_shared_to_global(a.dq_desc, [bh * a.SQ_PAD + i * BM, 0], a.dq_smem)
         else:
-            _tma_reduce_add(dq_desc, [bh * SQ_PAD + i * BM, 0], dq_smem)
+            _tma_reduce_add(a.dq_desc, [bh * a.SQ_PAD + i * BM, 0], a.dq_smem)
         tma.store_wait(0)  # the partial has left shared memory: the consumers may write the next
-        mbarrier.arrive(dq_empty, count=1)
+        mbarrier.arrive(a.dq_empty, count=1)
         if DETERMINISTIC:
             _bulk_wait_all()  # the adds have landed in L2, not only been read
             gl.thread_barrier()
@@ -478,10 +516,14 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
         i_lo = (j * BLOCK_N) // BLOCK_M  # earlier query blocks see none of these keys
     else:
         i_lo = 0
-    a = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, dqo_desc, q_smem, do_smem,
-         k_smem, v_smem, ds_smem, dq_smem, acc_smem, lse_smem, delta_smem, kv_bar, q_ready, do_ready,
-         qdo_empty, dq_full, dq_empty, acc_bar, LSE, DELTA, SEM, b, hk, j, H, GROUP, SQ, SQ_PAD,
-         n_q - i_lo, n_q - 1, qk_scale, sm_scale)
+    a = _BwdArgs(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, do_desc=do_desc, dk_desc=dk_desc,
+                 dv_desc=dv_desc, dq_desc=dq_desc, dqo_desc=dqo_desc, LSE=LSE, DELTA=DELTA, SEM=SEM,
+                 q_smem=q_smem, do_smem=do_smem, k_smem=k_smem, v_smem=v_smem, ds_smem=ds_smem,
+                 dq_smem=dq_smem, acc_smem=acc_smem, lse_smem=lse_smem, delta_smem=delta_smem,
+                 kv_bar=kv_bar, q_ready=q_ready, do_ready=do_ready, qdo_empty=qdo_empty,
+                 dq_full=dq_full, dq_empty=dq_empty, acc_bar=acc_bar, b=b, hk=hk, j=j, H=H,
+                 GROUP=GROUP, SQ=SQ, SQ_PAD=SQ_PAD, n_i=n_q - i_lo, i_hi=n_q - 1,
+                 qk_scale=qk_scale, sm_scale=sm_scale)
     gl.warp_specialize([(_bwd_consumer, (a, CAUSAL, FINISH_DQ, WALK)), (_bwd_producer, (a, WALK)),
                         (_bwd_dq_writer, (a, CAUSAL, DETERMINISTIC, FINISH_DQ, WALK, stuck_ns))],
                        [1, 1],

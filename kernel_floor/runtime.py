@@ -1,8 +1,9 @@
 """What every Triton kernel of the project needs at launch time, written once: the interpreter
 flag, the backend switch, the SM count and compute capability, tensor-descriptor eligibility
 and scratch, 16-byte alignment, the fixed-config switch, the tile swizzle, element types, the
-input checks that several launchers share, and a launch that skips the JIT's per-call work
-(``cached_launch``).
+input checks that several launchers share, a launch that skips the JIT's per-call work
+(``cached_launch``), and the named bundle a warp-specialized Gluon kernel hands its partitions
+(``partition_args``).
 
 ``moe/kernels``, ``parallel`` and ``attention`` import these by their public names from
 :mod:`kernel_floor`; none of them keeps a private copy.
@@ -16,6 +17,8 @@ import triton
 import triton.language as tl
 from triton import knobs
 from triton.experimental.gluon import language as gl
+from triton.language.core import _aggregate
+from triton.runtime.jit import constexpr_function
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 """Triton's interpreter runs the kernels (CPU tests): small tiles, one config per kernel."""
@@ -49,6 +52,30 @@ def cdiv(x: int, y: int) -> int:
     a call, 3–5 µs against 0.2 (CPU, timeit), and an attention fwd+bwd on Hopper called the two
     six times."""
     return (x + y - 1) // y
+
+
+SCALAR = (gl.tensor, gl.constexpr)
+"""A ``partition_args`` field's type for an int kernel argument, or a value computed from one: the
+JIT hands an int argument equal to 1 over as a constexpr unless it is in ``do_not_specialize``."""
+
+
+def _set_fields(self, **fields):
+    for name, value in fields.items():
+        # constexpr_function hands constexprs over unwrapped; an unannotated name, or a value of
+        # another type than its field's, raises here
+        setattr(self, name, value if isinstance(value, tl.core.base_value) else tl.constexpr(value))
+
+
+def partition_args(cls):
+    """A class of annotated fields made a Gluon aggregate built by keyword, ``Args(name=value,
+    ...)``: what a warp-specialized kernel hands each of its partitions as one value, which they
+    read by name (``a.q_smem``) instead of each unpacking one long tuple in the same order.
+    ``gl.warp_specialize`` flattens the fields into the partitions' arguments in their declared
+    order, as it does a tuple's, so the binary does not change (sm_90 SASS compared on CPU for
+    every attention and grouped-GEMM kernel when the tuples went). Triton's aggregate checks
+    that the constructor set every field, with a value of its type."""
+    cls.__init__ = constexpr_function(_set_fields)
+    return _aggregate(cls)
 
 
 def next_power_of_2(n: int) -> int:

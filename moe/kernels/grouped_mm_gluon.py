@@ -49,7 +49,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernel_floor import GLUON_DTYPES, aligned16, band_swizzle, capability, cdiv, gluon_layout, sm_count
+from kernel_floor import (SCALAR, GLUON_DTYPES, aligned16, band_swizzle, capability, cdiv, gluon_layout,
+                          partition_args, sm_count)
 from moe.kernels.grouped_mm_tma import TILE_M, TILE_N, _GROUP_M, segment_tiles
 
 BLOCK_K = 64
@@ -101,32 +102,51 @@ def _tiles(tile_end_ptr, S, capacity):
     return gl.minimum(gl.load(tile_end_ptr + S - 1), capacity)
 
 
+@partition_args
+class _Args:
+    """What the producer and the two consumers share."""
+    a_desc: tma.tensor_descriptor
+    b_desc: tma.tensor_descriptor
+    y_desc: tma.tensor_descriptor
+    y_ptr: gl.tensor
+    table_ptr: gl.tensor
+    tile_end_ptr: gl.tensor
+    S: SCALAR
+    capacity: SCALAR
+    N: SCALAR
+    K: SCALAR
+    stride_ym: SCALAR
+    a_smem: gl.shared_memory_descriptor
+    b_smem: gl.shared_memory_descriptor
+    c_smem: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+
+
 @gluon.jit
 def _producer(a, B_TRANS: gl.constexpr):
-    (a_desc, b_desc, y_desc, y_ptr, table_ptr, tile_end_ptr, S, capacity, N, K, stride_ym,
-     a_smem, b_smem, c_smem, ready, empty) = a
-    NSTAGE: gl.constexpr = a_smem.type.shape[0]
-    BK: gl.constexpr = a_smem.type.shape[2]
-    BN: gl.constexpr = y_desc.block_type.shape[1]
-    k_tiles = gl.cdiv(K, BK)
+    NSTAGE: gl.constexpr = a.a_smem.type.shape[0]
+    BK: gl.constexpr = a.a_smem.type.shape[2]
+    BN: gl.constexpr = a.y_desc.block_type.shape[1]
+    k_tiles = gl.cdiv(a.K, BK)
     it = 0  # chunks loaded by this CTA: picks the slot and its phase
-    for t in range(gl.program_id(0), _tiles(tile_end_ptr, S, capacity), gl.num_programs(0)):
-        m0 = gl.load(table_ptr + 4 * t)
-        n0 = gl.load(table_ptr + 4 * t + 1) * BN
-        g = gl.load(table_ptr + 4 * t + 2)
+    for t in range(gl.program_id(0), _tiles(a.tile_end_ptr, a.S, a.capacity), gl.num_programs(0)):
+        m0 = gl.load(a.table_ptr + 4 * t)
+        n0 = gl.load(a.table_ptr + 4 * t + 1) * BN
+        g = gl.load(a.table_ptr + 4 * t + 2)
         for kt in range(k_tiles):
             s = it % NSTAGE
             # A fresh mbarrier counts as having completed the phase before 0: the first pass
             # through the ring does not wait.
-            mbarrier.wait(empty.index(s), ((it // NSTAGE) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [m0, kt * BK], ready.index(s), a_smem.index(s))
+            mbarrier.wait(a.empty.index(s), ((it // NSTAGE) & 1) ^ 1)
+            mbarrier.expect(a.ready.index(s), a.a_desc.block_type.nbytes + a.b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a.a_desc, [m0, kt * BK], a.ready.index(s), a.a_smem.index(s))
             if B_TRANS:
-                tma.async_copy_global_to_shared(b_desc, [g, n0, kt * BK], ready.index(s),
-                                                b_smem.index(s))
+                tma.async_copy_global_to_shared(a.b_desc, [g, n0, kt * BK], a.ready.index(s),
+                                                a.b_smem.index(s))
             else:
-                tma.async_copy_global_to_shared(b_desc, [g, kt * BK, n0], ready.index(s),
-                                                b_smem.index(s))
+                tma.async_copy_global_to_shared(a.b_desc, [g, kt * BK, n0], a.ready.index(s),
+                                                a.b_smem.index(s))
             it += 1
 
 
@@ -134,46 +154,44 @@ def _producer(a, B_TRANS: gl.constexpr):
 def _consumer(a, WG: gl.constexpr, B_TRANS: gl.constexpr):
     """Rows m0 + 64·WG ... + 63 of each tile. Rows past the segment's end (the next segment's)
     are multiplied and not stored, as in the Triton kernel."""
-    (a_desc, b_desc, y_desc, y_ptr, table_ptr, tile_end_ptr, S, capacity, N, K, stride_ym,
-     a_smem, b_smem, c_smem, ready, empty) = a
-    NSTAGE: gl.constexpr = a_smem.type.shape[0]
-    BK: gl.constexpr = a_smem.type.shape[2]
-    ROWS: gl.constexpr = y_desc.block_type.shape[0]
-    BN: gl.constexpr = y_desc.block_type.shape[1]
-    dtype: gl.constexpr = y_desc.dtype
+    NSTAGE: gl.constexpr = a.a_smem.type.shape[0]
+    BK: gl.constexpr = a.a_smem.type.shape[2]
+    ROWS: gl.constexpr = a.y_desc.block_type.shape[0]
+    BN: gl.constexpr = a.y_desc.block_type.shape[1]
+    dtype: gl.constexpr = a.y_desc.dtype
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
     # The masked tail's layout: a warp covers a row, 8 elements (16 bytes) a thread.
     tail_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     # Alignment the compiler can see (gluon_ok: N and the row stride are multiples of 8), so the
     # tail's stores are 16 bytes wide wherever N is not a multiple of 16 too.
-    N = N // 8 * 8
-    stride_ym = stride_ym // 8 * 8
-    k_tiles = gl.cdiv(K, BK)
-    buf = c_smem.index(WG)
+    N = a.N // 8 * 8
+    stride_ym = a.stride_ym // 8 * 8
+    k_tiles = gl.cdiv(a.K, BK)
+    buf = a.c_smem.index(WG)
     offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, tail_layout))
     offs_c = gl.arange(0, BN, layout=gl.SliceLayout(0, tail_layout))
     it = 0
-    for t in range(gl.program_id(0), _tiles(tile_end_ptr, S, capacity), gl.num_programs(0)):
-        m0 = gl.load(table_ptr + 4 * t) + WG * ROWS
-        n0 = gl.load(table_ptr + 4 * t + 1) * BN
-        left = gl.load(table_ptr + 4 * t + 3) - WG * ROWS
+    for t in range(gl.program_id(0), _tiles(a.tile_end_ptr, a.S, a.capacity), gl.num_programs(0)):
+        m0 = gl.load(a.table_ptr + 4 * t) + WG * ROWS
+        n0 = gl.load(a.table_ptr + 4 * t + 1) * BN
+        left = gl.load(a.table_ptr + 4 * t + 3) - WG * ROWS
         acc = gl.zeros([ROWS, BN], gl.float32, layout=acc_layout)
         for kt in range(k_tiles):
             s = it % NSTAGE
-            mbarrier.wait(ready.index(s), (it // NSTAGE) & 1)
-            a_tile = a_smem.index(s).slice(WG * ROWS, ROWS)
+            mbarrier.wait(a.ready.index(s), (it // NSTAGE) & 1)
+            a_tile = a.a_smem.index(s).slice(WG * ROWS, ROWS)
             if B_TRANS:
-                b_tile = b_smem.index(s).reshape([BN, BK]).permute((1, 0))
+                b_tile = a.b_smem.index(s).reshape([BN, BK]).permute((1, 0))
             else:
-                b_tile = b_smem.index(s).reshape([BK, BN])
+                b_tile = a.b_smem.index(s).reshape([BK, BN])
             acc = warpgroup_mma(a_tile, b_tile, acc, is_async=True)
             # The previous chunk's wgmma is done once at most this one is in flight: free its slot.
             acc = warpgroup_mma_wait(1, deps=(acc, ))
-            mbarrier.arrive(empty.index((it + NSTAGE - 1) % NSTAGE), count=1, pred=kt > 0)
+            mbarrier.arrive(a.empty.index((it + NSTAGE - 1) % NSTAGE), count=1, pred=kt > 0)
             it += 1
         acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(empty.index((it + NSTAGE - 1) % NSTAGE), count=1)
+        mbarrier.arrive(a.empty.index((it + NSTAGE - 1) % NSTAGE), count=1)
 
         # The previous tile's store from this buffer is done (each thread waits for the copies
         # it issued; the barrier makes that every thread's knowledge) before the buffer is
@@ -183,14 +201,14 @@ def _consumer(a, WG: gl.constexpr, B_TRANS: gl.constexpr):
         if left >= ROWS:
             buf.store(acc.to(dtype))
             fence_async_shared()
-            tma.async_copy_shared_to_global(y_desc, [m0, n0], buf)
+            tma.async_copy_shared_to_global(a.y_desc, [m0, n0], buf)
         elif left > 0:
             buf.store(acc.to(dtype))
             gl.thread_barrier()
             out = buf.load(tail_layout)
             rows = m0 + offs_r
             cols = n0 + offs_c
-            ptrs = y_ptr + rows.to(gl.int64)[:, None] * stride_ym + cols[None, :]
+            ptrs = a.y_ptr + rows.to(gl.int64)[:, None] * stride_ym + cols[None, :]
             gl.store(ptrs, out, mask=(offs_r < left)[:, None] & (cols < N)[None, :])
     tma.store_wait(0)
 
@@ -228,8 +246,9 @@ def _grouped_mm_gluon_kernel(a_desc, b_desc, y_desc, y_ptr, table_ptr, tile_end_
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # a slot is free once both consumers are done
-    a = (a_desc, b_desc, y_desc, y_ptr, table_ptr, tile_end_ptr, S, capacity, N, K, stride_ym,
-         a_smem, b_smem, c_smem, ready, empty)
+    a = _Args(a_desc=a_desc, b_desc=b_desc, y_desc=y_desc, y_ptr=y_ptr, table_ptr=table_ptr,
+              tile_end_ptr=tile_end_ptr, S=S, capacity=capacity, N=N, K=K, stride_ym=stride_ym,
+              a_smem=a_smem, b_smem=b_smem, c_smem=c_smem, ready=ready, empty=empty)
     gl.warp_specialize([(_consumer_0, (a, B_TRANS)), (_consumer_1, (a, B_TRANS)),
                         (_producer, (a, B_TRANS))], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 

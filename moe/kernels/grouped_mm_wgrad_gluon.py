@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.tools.ragged_tma import create_ragged_descriptor
 
-from kernel_floor import GLUON_DTYPES, band_swizzle, capability, cdiv, gluon_layout, sm_count
+from kernel_floor import SCALAR, GLUON_DTYPES, band_swizzle, capability, cdiv, gluon_layout, partition_args, sm_count
 from moe.kernels import grouped_mm_gluon
 from moe.kernels.grouped_mm_gluon import CONSUMER_REGS, MAX_NREG, PRODUCER_REGS, WG_M, descriptor
 
@@ -70,17 +70,36 @@ def _tile(t, offsets_ptr, tiles_per_group, k_tiles, n_tiles):
     return g, tile_k, tile_n, row_start, gl.load(offsets_ptr + g).to(gl.int32) - row_start
 
 
+@partition_args
+class _Args:
+    """What the producer and the two consumers share."""
+    x_desc: tma.tensor_descriptor
+    dy_desc: tma.tensor_descriptor
+    dw_desc: (tma.tensor_descriptor, gl.constexpr)  # None (a constexpr) for the fp32 epilogues
+    dw_ptr: gl.tensor
+    offsets_ptr: gl.tensor
+    K: SCALAR
+    N: SCALAR
+    n_tiles_total: SCALAR
+    tiles_per_group: SCALAR
+    k_tiles: SCALAR
+    n_tiles: SCALAR
+    x_smem: gl.shared_memory_descriptor
+    dy_smem: gl.shared_memory_descriptor
+    c_smem: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+
+
 @gluon.jit
 def _producer(a):
-    (x_desc, dy_desc, dw_desc, dw_ptr, offsets_ptr, K, N, n_tiles_total, tiles_per_group, k_tiles, n_tiles,
-     x_smem, dy_smem, c_smem, ready, empty) = a
-    NSTAGE: gl.constexpr = dy_smem.type.shape[0]
-    ROWS: gl.constexpr = x_smem.type.shape[3]
-    HALF: gl.constexpr = x_smem.type.shape[4]
-    BN: gl.constexpr = dy_smem.type.shape[4]
+    NSTAGE: gl.constexpr = a.dy_smem.type.shape[0]
+    ROWS: gl.constexpr = a.x_smem.type.shape[3]
+    HALF: gl.constexpr = a.x_smem.type.shape[4]
+    BN: gl.constexpr = a.dy_smem.type.shape[4]
     it = 0
-    for t in range(gl.program_id(0), n_tiles_total, gl.num_programs(0)):
-        g, tile_k, tile_n, row_start, rows = _tile(t, offsets_ptr, tiles_per_group, k_tiles, n_tiles)
+    for t in range(gl.program_id(0), a.n_tiles_total, gl.num_programs(0)):
+        g, tile_k, tile_n, row_start, rows = _tile(t, a.offsets_ptr, a.tiles_per_group, a.k_tiles, a.n_tiles)
         # ragged coordinates (triton.tools.ragged_tma.to_ragged_indices): the group's end, then
         # its row r as RAGGED_ROWS - rows + r, out of bounds (zeros) from r = rows on
         end = row_start + rows
@@ -88,15 +107,15 @@ def _producer(a):
         k0 = tile_k * 2 * HALF
         for mt in range(gl.cdiv(rows, ROWS)):
             s = it % NSTAGE
-            mbarrier.wait(empty.index(s), ((it // NSTAGE) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), 2 * x_desc.block_type.nbytes + dy_desc.block_type.nbytes)
+            mbarrier.wait(a.empty.index(s), ((it // NSTAGE) & 1) ^ 1)
+            mbarrier.expect(a.ready.index(s), 2 * a.x_desc.block_type.nbytes + a.dy_desc.block_type.nbytes)
             row = first + mt * ROWS
-            tma.async_copy_global_to_shared(x_desc, [_RAGGED, end, row, k0], ready.index(s),
-                                            x_smem.index(2 * s))
-            tma.async_copy_global_to_shared(x_desc, [_RAGGED, end, row, k0 + HALF], ready.index(s),
-                                            x_smem.index(2 * s + 1))
-            tma.async_copy_global_to_shared(dy_desc, [_RAGGED, end, row, tile_n * BN], ready.index(s),
-                                            dy_smem.index(s))
+            tma.async_copy_global_to_shared(a.x_desc, [_RAGGED, end, row, k0], a.ready.index(s),
+                                            a.x_smem.index(2 * s))
+            tma.async_copy_global_to_shared(a.x_desc, [_RAGGED, end, row, k0 + HALF], a.ready.index(s),
+                                            a.x_smem.index(2 * s + 1))
+            tma.async_copy_global_to_shared(a.dy_desc, [_RAGGED, end, row, tile_n * BN], a.ready.index(s),
+                                            a.dy_smem.index(s))
             it += 1
 
 
@@ -157,56 +176,54 @@ def _store_fp32_part(dw_g, part, row0, col0, K, N, ADD: gl.constexpr):
 
 @gluon.jit
 def _consumer(a, WG: gl.constexpr, EPILOGUE: gl.constexpr):
-    (x_desc, dy_desc, dw_desc, dw_ptr, offsets_ptr, K, N, n_tiles_total, tiles_per_group, k_tiles, n_tiles,
-     x_smem, dy_smem, c_smem, ready, empty) = a
-    NSTAGE: gl.constexpr = dy_smem.type.shape[0]
-    ROWS: gl.constexpr = x_smem.type.shape[3]
-    HALF: gl.constexpr = x_smem.type.shape[4]
-    BN: gl.constexpr = dy_smem.type.shape[4]
+    NSTAGE: gl.constexpr = a.dy_smem.type.shape[0]
+    ROWS: gl.constexpr = a.x_smem.type.shape[3]
+    HALF: gl.constexpr = a.x_smem.type.shape[4]
+    BN: gl.constexpr = a.dy_smem.type.shape[4]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
-    buf = c_smem.index(WG)  # (the 16-bit epilogue's)
+    buf = a.c_smem.index(WG)  # (the 16-bit epilogue's)
     it = 0
     # (tile program_id exists: the host launches at most one CTA a tile)
-    g, tile_k, tile_n, _, rows = _tile(gl.program_id(0), offsets_ptr, tiles_per_group, k_tiles, n_tiles)
-    for t in range(gl.program_id(0), n_tiles_total, gl.num_programs(0)):
+    g, tile_k, tile_n, _, rows = _tile(gl.program_id(0), a.offsets_ptr, a.tiles_per_group, a.k_tiles, a.n_tiles)
+    for t in range(gl.program_id(0), a.n_tiles_total, gl.num_programs(0)):
         acc = gl.zeros([HALF, BN], gl.float32, layout=acc_layout)
         full = rows // ROWS
         for mt in range(full):
             s = it % NSTAGE
-            mbarrier.wait(ready.index(s), (it // NSTAGE) & 1)
-            acc = warpgroup_mma(x_smem.index(2 * s + WG).reshape([ROWS, HALF]).permute((1, 0)),
-                                dy_smem.index(s).reshape([ROWS, BN]), acc, is_async=True)
+            mbarrier.wait(a.ready.index(s), (it // NSTAGE) & 1)
+            acc = warpgroup_mma(a.x_smem.index(2 * s + WG).reshape([ROWS, HALF]).permute((1, 0)),
+                                a.dy_smem.index(s).reshape([ROWS, BN]), acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc, ))
-            mbarrier.arrive(empty.index((it + NSTAGE - 1) % NSTAGE), count=1, pred=mt > 0)
+            mbarrier.arrive(a.empty.index((it + NSTAGE - 1) % NSTAGE), count=1, pred=mt > 0)
             it += 1
         acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(empty.index((it + NSTAGE - 1) % NSTAGE), count=1, pred=full > 0)
+        mbarrier.arrive(a.empty.index((it + NSTAGE - 1) % NSTAGE), count=1, pred=full > 0)
         if rows > full * ROWS:
             s = it % NSTAGE
-            mbarrier.wait(ready.index(s), (it // NSTAGE) & 1)
-            acc = _last_chunk_mma(x_smem.index(2 * s + WG).reshape([ROWS, HALF]),
-                                  dy_smem.index(s).reshape([ROWS, BN]), acc, rows - full * ROWS)
-            mbarrier.arrive(empty.index(s), count=1)
+            mbarrier.wait(a.ready.index(s), (it // NSTAGE) & 1)
+            acc = _last_chunk_mma(a.x_smem.index(2 * s + WG).reshape([ROWS, HALF]),
+                                  a.dy_smem.index(s).reshape([ROWS, BN]), acc, rows - full * ROWS)
+            mbarrier.arrive(a.empty.index(s), count=1)
             it += 1
         # The next tile's coordinates (the last tile's again after the last), loaded before this
         # tile's epilogue: their dependent global loads then wait behind it, not between the
         # next tile's start and its first wgmma, which a short group's tile (~4 chunks on
         # DeepSeek-V3) would feel.
-        t_next = gl.minimum(t + gl.num_programs(0), n_tiles_total - 1)
-        g_next, tile_k_next, tile_n_next, _, rows_next = _tile(t_next, offsets_ptr, tiles_per_group,
-                                                               k_tiles, n_tiles)
+        t_next = gl.minimum(t + gl.num_programs(0), a.n_tiles_total - 1)
+        g_next, tile_k_next, tile_n_next, _, rows_next = _tile(t_next, a.offsets_ptr, a.tiles_per_group,
+                                                               a.k_tiles, a.n_tiles)
         row0 = tile_k * 2 * HALF + WG * HALF
         if EPILOGUE == 0:
             # The previous tile's store from this buffer is done before it is written again (each
             # thread waits for its own copies; the barrier makes that every thread's knowledge).
             tma.store_wait(0)
             gl.thread_barrier()
-            buf.reshape([HALF, BN]).store(acc.to(dw_desc.dtype))
+            buf.reshape([HALF, BN]).store(acc.to(a.dw_desc.dtype))
             fence_async_shared()
-            tma.async_copy_shared_to_global(dw_desc, [g, row0, tile_n * BN], buf)
+            tma.async_copy_shared_to_global(a.dw_desc, [g, row0, tile_n * BN], buf)
         else:
-            _store_fp32(dw_ptr + g.to(gl.int64) * K * N, acc, row0, tile_n * BN, K, N, EPILOGUE == 2)
+            _store_fp32(a.dw_ptr + g.to(gl.int64) * a.K * a.N, acc, row0, tile_n * BN, a.K, a.N, EPILOGUE == 2)
         g, tile_k, tile_n, rows = g_next, tile_k_next, tile_n_next, rows_next
     if EPILOGUE == 0:
         tma.store_wait(0)
@@ -248,8 +265,9 @@ def _grouped_mm_wgrad_gluon_kernel(x_desc, dy_desc, dw_desc, dw_ptr, offsets_ptr
         mbarrier.init(empty.index(i), count=2)  # a slot is free once both consumers are done
     k_tiles = gl.cdiv(K, BLOCK_K)
     n_tiles = gl.cdiv(N, BLOCK_N)
-    a = (x_desc, dy_desc, dw_desc, dw_ptr, offsets_ptr, K, N, G * k_tiles * n_tiles, k_tiles * n_tiles, k_tiles,
-         n_tiles, x_smem, dy_smem, c_smem, ready, empty)
+    a = _Args(x_desc=x_desc, dy_desc=dy_desc, dw_desc=dw_desc, dw_ptr=dw_ptr, offsets_ptr=offsets_ptr, K=K, N=N,
+              n_tiles_total=G * k_tiles * n_tiles, tiles_per_group=k_tiles * n_tiles, k_tiles=k_tiles,
+              n_tiles=n_tiles, x_smem=x_smem, dy_smem=dy_smem, c_smem=c_smem, ready=ready, empty=empty)
     gl.warp_specialize([(_consumer_0, (a, EPILOGUE)), (_consumer_1, (a, EPILOGUE)), (_producer, (a, ))], [4, 1],
                        [CONSUMER_REGS, PRODUCER_REGS])
 
