@@ -539,17 +539,23 @@ def hopper_backward_ok(q, k, v, do, causal, window) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _walk(causal, n_k, device):
+def _walk(causal, n_k, device, head_d):
     """The walk for a call (see WALK_*). CYCLIC needs a head's n_k CTAs resident together (one per
     SM: the kernel takes ~193 KB of shared memory, 226 KB with ``FINISH_DQ``). It is used only
     where they fit in half the SMs, leaving room for kernels on other streams (NCCL), and not
     under an MPS thread limit set in this process's environment. A limit set by the MPS daemon,
     or an SM partition, is not visible here: should fewer than n_k SMs be free, the waiting CTAs
     trap after ``STUCK_NS`` (an error, not a hang); pass ``deterministic=False`` there. Past that
-    size DESCENDING measured as fast. The walk fixes the order of the adds, so dQ's bits depend on it, hence on
-    the device's SM count: repeats on one setup are bit-identical, an H100 SXM and PCIe may
-    differ in the last bits. Cached per (causal, n_k, device), the environment read once: its
-    8–16 µs of host time sat between the Δ and backward launches (H100 host)."""
+    size DESCENDING measured as fast, but for the causal Hd 64 kernel: ASCENDING, which waits only
+    for CTAs launched before it and so needs none resident together, ran 1.076 / 1.072 / 1.050×
+    DESCENDING at S 12k / 16k / 32k (A-vs-A 0.995-1.001; H200, fwd+bwd, 7 alternating rounds,
+    2026-12-04, bench/results/attention.md); at Hd 128 1.017× at 12k and 0.989× at 16k. The walk
+    fixes the order of the adds, so dQ's bits depend on it, hence on the device's SM count:
+    repeats on one setup are bit-identical, an H100 SXM and PCIe may differ in the last bits.
+    Cached per (causal, n_k, device, head dim), the environment read once: its 8–16 µs of host
+    time sat between the Δ and backward launches (H100 host)."""
+    if causal and head_d == 64:
+        return int(WALK_ASCENDING)
     if n_k > sm_count(device) // 2:
         return int(WALK_DESCENDING)
     if causal:
@@ -595,7 +601,7 @@ def hopper_backward(do, q, k, v, lse, delta, sem, dq, dk, dv, causal, scale, sca
     dq_acc = (torch.empty if deterministic else torch.zeros)(B * H * s_pad, Hd, device=q.device,
                                                              dtype=torch.float32)
     dq_desc = unchecked_descriptor(dq_acc, [block_m, Hd], gluon_layout((block_m, Hd), gl.float32))
-    walk = _walk(causal, n_k, q.device)
+    walk = _walk(causal, n_k, q.device, Hd)
     finish_dq = deterministic and S <= FINISH_DQ_TO
     assert walk_possible(walk, causal), (walk, causal)
     q_desc = _descriptor(q, block_m)

@@ -654,6 +654,23 @@ def test_forward_plan_rejects_tilings_the_kernel_cannot_run():
                 assert isinstance(fah.plan(Hd, S, causal), fah.Plan)
 
 
+def test_backward_walk_follows_the_measured_rule(monkeypatch):
+    """``_walk``: causal Hd 64 ascends at every length (measured faster than DESCENDING past half
+    the SMs); otherwise ASCENDING (causal) or CYCLIC up to half the SMs' key blocks, DESCENDING
+    past them; each a walk the kernel can take for that causality."""
+    monkeypatch.setattr(fab, "sm_count", lambda device: 132)
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
+    walk = fab._walk.__wrapped__  # uncached: sm_count is patched
+    asc, cyc, desc = int(fab.WALK_ASCENDING), int(fab.WALK_CYCLIC), int(fab.WALK_DESCENDING)
+    for causal, head_d, n_k, expected in [(True, 64, 1, asc), (True, 64, 66, asc), (True, 64, 67, asc),
+                                          (True, 64, 512, asc), (True, 128, 66, asc),
+                                          (True, 128, 67, desc), (False, 64, 66, cyc),
+                                          (False, 64, 67, desc), (False, 128, 1, cyc),
+                                          (False, 128, 512, desc)]:
+        got = walk(causal, n_k, "device", head_d)
+        assert got == expected and fab.walk_possible(got, causal), (causal, head_d, n_k, got)
+
+
 def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
     """The warp-specialized kernels' register plans hold when compiled for sm_90 (no GPU needed:
     Triton's bundled ptxas; a child process, since the interpreter that conftest switches on
@@ -860,6 +877,7 @@ def test_gpu_hopper_backward(B, H, Hkv, S, causal, dtype, layout, deterministic,
     ("DESCENDING", 1, 8, 2, 4097, False), ("CYCLIC", 1, 8, 2, 4097, False),
     ("DESCENDING", 3, 4, 1, 1000, True), ("ASCENDING", 3, 4, 1, 1000, True),
     ("ASCENDING", 2, 4, 4, 4096, True), ("CYCLIC", 2, 4, 4, 129, False),
+    ("ASCENDING", 1, 4, 2, 9000, True),  # 142 CTAs of 71 key blocks: more than the SMs hold
 ])
 @pytest.mark.parametrize("Hd", [64, 128])
 def test_gpu_hopper_backward_every_walk(walk, B, H, Hkv, S, causal, Hd, monkeypatch):
