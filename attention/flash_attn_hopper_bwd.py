@@ -70,7 +70,8 @@ from kernel_floor import cached_launch, cdiv, gluon_layout, partition_args, sm_c
 #   before it, like DESCENDING.
 # H100, fwd+bwd against cuDNN, deterministic, B·S 16k, H 16 (a probe, 5 alternating do_bench rounds):
 # S 4096 0.916 → 0.975 non-causal, 0.893 → 0.974 causal; the non-deterministic mode gave
-# 0.973 / 0.988 in the same run. At S 16384 (n_k 128) DESCENDING was as fast (1.016 / 0.984).
+# 0.973 / 0.988 in the same run. At S 16384 (n_k 128) DESCENDING was as fast (1.016 / 0.984; Hd
+# 128, before the Hd 64 kernel took 128-row steps); causal Hd 64 ascends at every length (``_walk``).
 WALK_DESCENDING = gl.constexpr(0)
 WALK_CYCLIC = gl.constexpr(1)
 WALK_ASCENDING = gl.constexpr(2)
@@ -550,8 +551,9 @@ def _walk(causal, n_k, device, head_d):
     for CTAs launched before it and so needs none resident together, ran 1.076 / 1.072 / 1.050×
     DESCENDING at S 12k / 16k / 32k (A-vs-A 0.995-1.001; H200, fwd+bwd, 7 alternating rounds,
     2026-12-04, bench/results/attention.md); at Hd 128 1.017× at 12k and 0.989× at 16k. The walk
-    fixes the order of the adds, so dQ's bits depend on it, hence on the device's SM count:
-    repeats on one setup are bit-identical, an H100 SXM and PCIe may differ in the last bits.
+    fixes the order of the adds, so dQ's bits depend on it, hence (but for causal Hd 64) on the
+    device's SM count: repeats on one setup are bit-identical, an H100 SXM and PCIe may differ in
+    the last bits.
     Cached per (causal, n_k, device, head dim), the environment read once: its 8–16 µs of host
     time sat between the Δ and backward launches (H100 host)."""
     if causal and head_d == 64:

@@ -10,6 +10,7 @@ input checks that several launchers share, a launch that skips the JIT's per-cal
 """
 
 import functools
+import hashlib
 import os
 
 import torch
@@ -70,11 +71,20 @@ def partition_args(cls):
     """A class of annotated fields made a Gluon aggregate built by keyword, ``Args(name=value,
     ...)``: what a warp-specialized kernel hands each of its partitions as one value, which they
     read by name (``a.q_smem``) instead of each unpacking one long tuple in the same order.
-    ``gl.warp_specialize`` flattens the fields into the partitions' arguments in their declared
-    order, as it does a tuple's, so the binary does not change (sm_90 SASS compared on CPU for
-    every attention and grouped-GEMM kernel when the tuples went). Triton's aggregate checks
-    that the constructor set every field, with a value of its type."""
-    cls.__init__ = constexpr_function(_set_fields)
+    ``gl.warp_specialize`` flattens the fields into the partitions' arguments as it did the
+    tuple's: when the tuples went, the sm_90 SASS of every attention and grouped-GEMM binary
+    compared equal (CPU), but where an int argument was specialized to 1 (a grouped GEMM of one
+    segment): there the field stays a constexpr where the tuple captured it as an i32, one
+    argument fewer. Triton's aggregate checks that the constructor set every field, with a value
+    of its type.
+
+    The fields join the cache key of every kernel that uses the class: Triton's aggregate hashes
+    only its methods, here the one shared ``_set_fields``, so a field reordered or retyped would
+    otherwise be served the binary cached before."""
+    init = constexpr_function(_set_fields)
+    fields = repr(list(cls.__annotations__.items()))
+    init.hash = hashlib.sha256((init.cache_key + fields).encode()).hexdigest()
+    cls.__init__ = init
     return _aggregate(cls)
 
 

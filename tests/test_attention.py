@@ -695,13 +695,12 @@ def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
              ["fwd", False, False, 64, "float16", None, fah.WIDE_HD64_NONCAUSAL_FROM],
              ["bwd", False, False, 128, "float16", walks[0], fab.FINISH_DQ_TO],
              ["bwd", False, False, 64, "float16", walks[0], fab.FINISH_DQ_TO]]
-    # The walks a call can take, deterministic: with the in-kernel dQ finish (to FINISH_DQ_TO
-    # keys) and, at the walk longer calls take, without it.
-    cases += [["bwd", causal, True, head_d, "bfloat16", walk, fab.FINISH_DQ_TO]
+    # Every walk a call can take, deterministic, with the in-kernel dQ finish (to FINISH_DQ_TO
+    # keys) and without it (longer calls).
+    cases += [["bwd", causal, True, head_d, "bfloat16", walk, seq_len]
+              for seq_len in (fab.FINISH_DQ_TO, fab.FINISH_DQ_TO + 1)
               for head_d in fab.HEAD_DIMS for causal in (True, False) for walk in walks
               if fab.walk_possible(walk, causal)]
-    cases += [["bwd", causal, True, head_d, "bfloat16", walks[0], fab.FINISH_DQ_TO + 1]
-              for head_d in fab.HEAD_DIMS for causal in (True, False)]
     run = _run_child(_SM90_RESOURCES, json.dumps(cases), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     for case, (regs, stack, moves, serialized, budget, loops, spills_in_loops,

@@ -8,7 +8,8 @@ against PyTorch, and count that only the first launch per constexpr set compiles
 specializes is refused before it runs (on CPU too, in the interpreter). A GPU test checks the
 later launches' kept TMA maps (by address, shape and strides) and their fallback to Triton's
 runner while a launch hook is set. The host-side grid arithmetic (``cdiv``, ``next_power_of_2``)
-is checked against Triton's functions, which it replaces on every launch path.
+is checked against Triton's functions, which it replaces on every launch path. So is
+``partition_args``' share of the cache key: a bundle's fields.
 """
 
 import pytest
@@ -142,3 +143,15 @@ def test_host_grid_arithmetic_equals_tritons():
             assert cdiv(n, y) == triton.cdiv(n, y), (n, y)
     assert [next_power_of_2(n) for n in (0, 1, 2, 3, 5, 129)] == [0, 1, 2, 4, 8, 256]
     assert cdiv(1024, 64) == 16 and cdiv(1025, 64) == 17 and cdiv(0, 64) == 0
+
+
+def test_partition_args_fields_join_the_cache_key():
+    """Bundles whose fields differ in order or type hash apart, and the same fields alike: Triton's
+    aggregate hashes only its methods, here one constructor every bundle shares, so without the
+    fields a kernel whose bundle was reordered would be served the binary cached for the old order."""
+    from triton.experimental.gluon import language as gl
+
+    def key(**fields):
+        return runtime.partition_args(type("Args", (), {"__annotations__": fields})).hash_attrs[0].cache_key
+    keys = [key(x=gl.tensor, y=gl.tensor), key(y=gl.tensor, x=gl.tensor), key(x=gl.tensor, y=gl.constexpr)]
+    assert len(set(keys)) == 3 and key(x=gl.tensor, y=gl.tensor) == keys[0]
