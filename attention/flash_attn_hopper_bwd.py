@@ -550,11 +550,12 @@ def _walk(causal, n_k, device, head_d):
     size DESCENDING measured as fast, but for the causal Hd 64 kernel: ASCENDING, which waits only
     for CTAs launched before it and so needs none resident together, ran 1.076 / 1.072 / 1.050×
     DESCENDING at S 12k / 16k / 32k (A-vs-A 0.995-1.001; H200, fwd+bwd, 7 alternating rounds,
-    2026-12-04, bench/results/attention.md); at Hd 128 1.017× at 12k and 0.989× at 16k. The walk
-    fixes the order of the adds, so dQ's bits depend on it, hence (but for causal Hd 64) on the
-    device's SM count: repeats on one setup are bit-identical, an H100 SXM and PCIe may differ in
-    the last bits.
-    Cached per (causal, n_k, device, head dim), the environment read once: its 8–16 µs of host
+    2026-12-04, bench/results/attention.md); at Hd 128 1.017× at 12k and 0.989× at 16k. With
+    ``deterministic=False`` (no turns) ASCENDING ran 0.983 / 1.000× DESCENDING at S 16k / 32k: short
+    of the loss at both lengths that a rule per mode needed, so both modes ascend. The walk fixes
+    the order of the adds, so dQ's bits depend on it, hence (but for causal Hd 64) on the device's
+    SM count: repeats on one setup are bit-identical, an H100 SXM and PCIe may differ in the last
+    bits. Cached per (causal, n_k, device, head dim), the environment read once: its 8–16 µs of host
     time sat between the Δ and backward launches (H100 host)."""
     if causal and head_d == 64:
         return int(WALK_ASCENDING)
