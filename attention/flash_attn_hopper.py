@@ -208,29 +208,32 @@ def _unit_tiles(u, n_m, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _tile(u, t, n_m, H, GROUP, SK, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-          BLOCK_N: gl.constexpr):
+def _tile(a, u, t, CAUSAL: gl.constexpr):
     """Tile ``t`` of unit ``u``: (batch, head, K/V head, batch·head, first row, key blocks). The
     units of one head are consecutive, so the CTAs at work together share its K/V in L2."""
+    # A tile: a Q buffer's rows, one slot per consumer. A key block: a K ring slot's rows.
+    NWG: gl.constexpr = a.q_smem.type.shape[0] // a.q_empty.type.shape[0]
+    BLOCK_M: gl.constexpr = NWG * a.q_smem.type.shape[3]
+    BLOCK_N: gl.constexpr = a.k_smem.type.shape[3]
     if CAUSAL:
-        n_pairs = (n_m + 1) // 2
+        n_pairs = (a.n_m + 1) // 2
         bh = u // n_pairs
         p = u - bh * n_pairs
         if t == 0:
-            m = n_m - 1 - p  # the long tile first
+            m = a.n_m - 1 - p  # the long tile first
         else:
             m = p
     else:
-        bh = u // n_m
-        m = u - bh * n_m
-    h = bh % H
+        bh = u // a.n_m
+        m = u - bh * a.n_m
+    h = bh % a.H
     start_m = m * BLOCK_M
     if CAUSAL:
-        hi = gl.minimum(start_m + BLOCK_M, SK)
+        hi = gl.minimum(start_m + BLOCK_M, a.SK)
     else:
-        hi = SK
+        hi = a.SK
     # Every consumer walks the same blocks (the ring's slots are released by all of them).
-    return bh // H, h, h // GROUP, bh, start_m, gl.cdiv(hi, BLOCK_N)
+    return bh // a.H, h, h // a.GROUP, bh, start_m, gl.cdiv(hi, BLOCK_N)
 
 
 @partition_args
@@ -277,8 +280,7 @@ def _producer(a, CAUSAL: gl.constexpr):
     kv = 0  # K/V blocks done by this CTA: picks the ring slot and its phase
     for u in range(gl.program_id(0), a.n_units, gl.num_programs(0)):
         for t in range(_unit_tiles(u, a.n_m, CAUSAL)):
-            b, h, hk, _, start_m, n_blocks = _tile(u, t, a.n_m, a.H, a.GROUP, a.SK, CAUSAL,
-                                                   NWG * ROWS, BN)
+            b, h, hk, _, start_m, n_blocks = _tile(a, u, t, CAUSAL)
             qb = tc % NQ
             # A fresh mbarrier counts as having completed the phase before 0, so the first use
             # of each buffer (and the first pass through the ring) does not wait.
@@ -314,8 +316,7 @@ def _store_tile(a, acc, m_i, l_i, tile, WG: gl.constexpr, CAUSAL: gl.constexpr,
     NQ: gl.constexpr = a.q_empty.type.shape[0]
     NWG: gl.constexpr = a.q_smem.type.shape[0] // NQ
     u, t, tc = tile
-    b, h, _, bh, start_m, _ = _tile(u, t, a.n_m, a.H, a.GROUP, a.SK, CAUSAL, NWG * ROWS,
-                                    a.k_smem.type.shape[3])
+    b, h, _, bh, start_m, _ = _tile(a, u, t, CAUSAL)
     my_m = start_m + WG * ROWS
     slot = NWG * (tc % NQ) + WG
     seen = l_i > 0
@@ -515,8 +516,7 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
     n_prev = 1
     for u in range(gl.program_id(0), a.n_units, gl.num_programs(0)):
         for t in range(_unit_tiles(u, a.n_m, CAUSAL)):
-            _, _, _, _, start_m, n_blocks = _tile(u, t, a.n_m, a.H, a.GROUP, a.SK, CAUSAL,
-                                                  NWG * ROWS, BN)
+            _, _, _, _, start_m, n_blocks = _tile(a, u, t, CAUSAL)
             slot = NWG * (tc % NQ) + WG
             my_m = start_m + WG * ROWS
             q_tile = a.q_smem.index(slot).reshape([ROWS, HEAD_D])

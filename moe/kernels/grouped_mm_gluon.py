@@ -97,9 +97,9 @@ def _tile_table_kernel(tile_end_ptr, offsets_ptr, table_ptr, S, G, n_tiles, capa
 
 
 @gluon.jit
-def _tiles(tile_end_ptr, S, capacity):
+def _tiles(a):
     """How many tiles this call has (read on the device; never past the table's rows)."""
-    return gl.minimum(gl.load(tile_end_ptr + S - 1), capacity)
+    return gl.minimum(gl.load(a.tile_end_ptr + a.S - 1), a.capacity)
 
 
 @partition_args
@@ -130,7 +130,7 @@ def _producer(a, B_TRANS: gl.constexpr):
     BN: gl.constexpr = a.y_desc.block_type.shape[1]
     k_tiles = gl.cdiv(a.K, BK)
     it = 0  # chunks loaded by this CTA: picks the slot and its phase
-    for t in range(gl.program_id(0), _tiles(a.tile_end_ptr, a.S, a.capacity), gl.num_programs(0)):
+    for t in range(gl.program_id(0), _tiles(a), gl.num_programs(0)):
         m0 = gl.load(a.table_ptr + 4 * t)
         n0 = gl.load(a.table_ptr + 4 * t + 1) * BN
         g = gl.load(a.table_ptr + 4 * t + 2)
@@ -172,7 +172,7 @@ def _consumer(a, WG: gl.constexpr, B_TRANS: gl.constexpr):
     offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, tail_layout))
     offs_c = gl.arange(0, BN, layout=gl.SliceLayout(0, tail_layout))
     it = 0
-    for t in range(gl.program_id(0), _tiles(a.tile_end_ptr, a.S, a.capacity), gl.num_programs(0)):
+    for t in range(gl.program_id(0), _tiles(a), gl.num_programs(0)):
         m0 = gl.load(a.table_ptr + 4 * t) + WG * ROWS
         n0 = gl.load(a.table_ptr + 4 * t + 1) * BN
         left = gl.load(a.table_ptr + 4 * t + 3) - WG * ROWS

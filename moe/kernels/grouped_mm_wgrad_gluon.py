@@ -61,13 +61,13 @@ _RAGGED = gl.constexpr(RAGGED_ROWS)
 
 
 @gluon.jit
-def _tile(t, offsets_ptr, tiles_per_group, k_tiles, n_tiles):
+def _tile(a, t):
     """Tile ``t``: its group, row tile of dw[g], column tile, and the group's first row and
     row count."""
-    g = t // tiles_per_group
-    tile_k, tile_n = band_swizzle(t - g * tiles_per_group, k_tiles, n_tiles, GROUP_K)
-    row_start = gl.load(offsets_ptr + g - 1, mask=g > 0, other=0).to(gl.int32)
-    return g, tile_k, tile_n, row_start, gl.load(offsets_ptr + g).to(gl.int32) - row_start
+    g = t // a.tiles_per_group
+    tile_k, tile_n = band_swizzle(t - g * a.tiles_per_group, a.k_tiles, a.n_tiles, GROUP_K)
+    row_start = gl.load(a.offsets_ptr + g - 1, mask=g > 0, other=0).to(gl.int32)
+    return g, tile_k, tile_n, row_start, gl.load(a.offsets_ptr + g).to(gl.int32) - row_start
 
 
 @partition_args
@@ -99,7 +99,7 @@ def _producer(a):
     BN: gl.constexpr = a.dy_smem.type.shape[4]
     it = 0
     for t in range(gl.program_id(0), a.n_tiles_total, gl.num_programs(0)):
-        g, tile_k, tile_n, row_start, rows = _tile(t, a.offsets_ptr, a.tiles_per_group, a.k_tiles, a.n_tiles)
+        g, tile_k, tile_n, row_start, rows = _tile(a, t)
         # ragged coordinates (triton.tools.ragged_tma.to_ragged_indices): the group's end, then
         # its row r as RAGGED_ROWS - rows + r, out of bounds (zeros) from r = rows on
         end = row_start + rows
@@ -185,7 +185,7 @@ def _consumer(a, WG: gl.constexpr, EPILOGUE: gl.constexpr):
     buf = a.c_smem.index(WG)  # (the 16-bit epilogue's)
     it = 0
     # (tile program_id exists: the host launches at most one CTA a tile)
-    g, tile_k, tile_n, _, rows = _tile(gl.program_id(0), a.offsets_ptr, a.tiles_per_group, a.k_tiles, a.n_tiles)
+    g, tile_k, tile_n, _, rows = _tile(a, gl.program_id(0))
     for t in range(gl.program_id(0), a.n_tiles_total, gl.num_programs(0)):
         acc = gl.zeros([HALF, BN], gl.float32, layout=acc_layout)
         full = rows // ROWS
@@ -211,8 +211,7 @@ def _consumer(a, WG: gl.constexpr, EPILOGUE: gl.constexpr):
         # next tile's start and its first wgmma, which a short group's tile (~4 chunks on
         # DeepSeek-V3) would feel.
         t_next = gl.minimum(t + gl.num_programs(0), a.n_tiles_total - 1)
-        g_next, tile_k_next, tile_n_next, _, rows_next = _tile(t_next, a.offsets_ptr, a.tiles_per_group,
-                                                               a.k_tiles, a.n_tiles)
+        g_next, tile_k_next, tile_n_next, _, rows_next = _tile(a, t_next)
         row0 = tile_k * 2 * HALF + WG * HALF
         if EPILOGUE == 0:
             # The previous tile's store from this buffer is done before it is written again (each
