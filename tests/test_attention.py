@@ -560,8 +560,9 @@ def _run_child(script, *argv, timeout):
 
 
 _SM90_RESOURCES = """
-import json, re, subprocess, sys, tempfile
+import contextlib, io, json, multiprocessing, os, re, subprocess, sys, tempfile
 import torch, triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -570,8 +571,11 @@ import attention.flash_attn_hopper_bwd as fab
 from kernel_floor import GLUON_DTYPES, gluon_layout
 
 bin_dir = triton.__file__.rsplit("/", 1)[0] + "/backends/nvidia/bin/"
-out = []
-for kind, causal, deterministic, head_d, dtype, walk, seq_len in json.loads(sys.argv[1]):
+knobs.nvidia.dump_ptxas_log = True  # Triton prints the ptxas -v log of each compile
+
+
+def resources(case):
+    kind, causal, deterministic, head_d, dtype, walk, seq_len = case
     name = "bf16" if dtype == "bfloat16" else "fp16"
 
     def desc(rows):
@@ -603,18 +607,23 @@ for kind, causal, deterministic, head_d, dtype, walk, seq_len in json.loads(sys.
                            "PRODUCER_REGS": fab.PRODUCER_REGS})
         fn, warps, max_nreg = fab._attn_bwd_hopper_kernel, 8, fab.MAX_NREG
     signature.update({name: "constexpr" for name in constexprs})
-    kernel = triton.compile(GluonASTSource(fn, signature, constexprs),
-                            target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps, "maxnreg": max_nreg})
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        kernel = triton.compile(GluonASTSource(fn, signature, constexprs),
+                                target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": warps, "maxnreg": max_nreg})
+    ptxas_log = log.getvalue()
     with tempfile.TemporaryDirectory() as tmp:
         with open(tmp + "/k.cubin", "wb") as f:
             f.write(kernel.asm["cubin"])
-        with open(tmp + "/k.ptx", "w") as f:
-            f.write(kernel.asm["ptx"])
+        if "ptxas info" not in ptxas_log:  # a cached binary: ptxas again, for its log
+            with open(tmp + "/k.ptx", "w") as f:
+                f.write(kernel.asm["ptx"])
+            ptxas = subprocess.run([bin_dir + "ptxas", "-arch=sm_90a", "-v", tmp + "/k.ptx", "-o",
+                                    tmp + "/again.cubin"], capture_output=True, text=True, check=True)
+            ptxas_log = ptxas.stdout + ptxas.stderr
         usage = subprocess.run([bin_dir + "cuobjdump", "--dump-resource-usage", tmp + "/k.cubin"],
                                capture_output=True, text=True, check=True).stdout
-        ptxas = subprocess.run([bin_dir + "ptxas", "-arch=sm_90a", "-v", tmp + "/k.ptx", "-o",
-                                tmp + "/again.cubin"], capture_output=True, text=True, check=True)
         sass = subprocess.run([bin_dir + "cuobjdump", "-sass", tmp + "/k.cubin"],
                               capture_output=True, text=True, check=True).stdout
     # The block loops: conditional backward branches (the loops' closing tests; the out-of-line
@@ -632,11 +641,15 @@ for kind, causal, deterministic, head_d, dtype, walk, seq_len in json.loads(sys.
     # cannot keep an accumulator in place across an asynchronous wgmma (no C7515 is printed then)
     warpgroup_ops = max((sum(1 for a, t in code if lo <= a <= hi and t.startswith("WARPGROUP"))
                          for lo, hi in hot), default=0)
-    out.append([int(re.search(r"REG:(\\d+)", usage).group(1)),
-                int(re.search(r"STACK:(\\d+)", usage).group(1)),
-                "setmaxnreg" in kernel.asm["ptx"], "C7515" in ptxas.stdout + ptxas.stderr,
-                max_nreg, len(hot), spills_in_loops, warpgroup_ops])
-print(json.dumps(out))
+    return [int(re.search(r"REG:(\\d+)", usage).group(1)),
+            int(re.search(r"STACK:(\\d+)", usage).group(1)),
+            "setmaxnreg" in kernel.asm["ptx"], "C7515" in ptxas_log,
+            max_nreg, len(hot), spills_in_loops, warpgroup_ops]
+
+
+# the compiles side by side on the cores (each is one Python thread and ptxas)
+with multiprocessing.get_context("fork").Pool(min(2, os.cpu_count())) as pool:
+    print(json.dumps(pool.map(resources, json.loads(sys.argv[1]), chunksize=1)))
 """
 
 
