@@ -560,18 +560,14 @@ def _run_child(script, *argv, timeout):
 
 
 _SM90_RESOURCES = """
-import contextlib, io, json, multiprocessing, os, re, subprocess, sys, tempfile
-import torch, triton
-from triton import knobs
-from triton.backends.compiler import GPUTarget
+import json, re, sys
+import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 import attention.flash_attn_hopper as fah
 import attention.flash_attn_hopper_bwd as fab
 from kernel_floor import GLUON_DTYPES, gluon_layout
-
-bin_dir = triton.__file__.rsplit("/", 1)[0] + "/backends/nvidia/bin/"
-knobs.nvidia.dump_ptxas_log = True  # Triton prints the ptxas -v log of each compile
+from tests.sm90 import compile_sm90, cuobjdump, map_cases, ptxas_log
 
 
 def resources(case):
@@ -607,25 +603,9 @@ def resources(case):
                            "PRODUCER_REGS": fab.PRODUCER_REGS})
         fn, warps, max_nreg = fab._attn_bwd_hopper_kernel, 8, fab.MAX_NREG
     signature.update({name: "constexpr" for name in constexprs})
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log):
-        kernel = triton.compile(GluonASTSource(fn, signature, constexprs),
-                                target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": warps, "maxnreg": max_nreg})
-    ptxas_log = log.getvalue()
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(tmp + "/k.cubin", "wb") as f:
-            f.write(kernel.asm["cubin"])
-        if "ptxas info" not in ptxas_log:  # a cached binary: ptxas again, for its log
-            with open(tmp + "/k.ptx", "w") as f:
-                f.write(kernel.asm["ptx"])
-            ptxas = subprocess.run([bin_dir + "ptxas", "-arch=sm_90a", "-v", tmp + "/k.ptx", "-o",
-                                    tmp + "/again.cubin"], capture_output=True, text=True, check=True)
-            ptxas_log = ptxas.stdout + ptxas.stderr
-        usage = subprocess.run([bin_dir + "cuobjdump", "--dump-resource-usage", tmp + "/k.cubin"],
-                               capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([bin_dir + "cuobjdump", "-sass", tmp + "/k.cubin"],
-                              capture_output=True, text=True, check=True).stdout
+    kernel, log = compile_sm90(GluonASTSource(fn, signature, constexprs),
+                               {"num_warps": warps, "maxnreg": max_nreg})
+    usage, sass = cuobjdump(kernel, "--dump-resource-usage"), cuobjdump(kernel, "-sass")
     # The block loops: conditional backward branches (the loops' closing tests; the out-of-line
     # mbarrier retries jump back unconditionally) whose body issues wgmma and holds no such loop.
     code = [(int(a, 16), t) for a, t in re.findall(r"/\\*([0-9a-f]{4,})\\*/\\s+([^;]*);", sass)]
@@ -643,13 +623,11 @@ def resources(case):
                          for lo, hi in hot), default=0)
     return [int(re.search(r"REG:(\\d+)", usage).group(1)),
             int(re.search(r"STACK:(\\d+)", usage).group(1)),
-            "setmaxnreg" in kernel.asm["ptx"], "C7515" in ptxas_log,
+            "setmaxnreg" in kernel.asm["ptx"], "C7515" in ptxas_log(kernel, log),
             max_nreg, len(hot), spills_in_loops, warpgroup_ops]
 
 
-# the compiles side by side on the cores (each is one Python thread and ptxas)
-with multiprocessing.get_context("fork").Pool(min(2, os.cpu_count())) as pool:
-    print(json.dumps(pool.map(resources, json.loads(sys.argv[1]), chunksize=1)))
+print(json.dumps(map_cases(resources, json.loads(sys.argv[1]))))
 """
 
 

@@ -496,17 +496,16 @@ def test_gpu_gluon_equals_tma_kernel(sizes, padding, I, N, b_trans, dtype, progr
 
 
 _GLUON_SM90 = """
-import json, re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
+import json, re, sys
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 import moe.kernels.grouped_mm_gluon as g
 import moe.kernels.grouped_mm_wgrad_gluon as w
+from tests.sm90 import compile_sm90, cuobjdump, map_cases
 
-bin_dir = triton.__file__.rsplit("/", 1)[0] + "/backends/nvidia/bin/"
-out = []
-for kind, b_trans, name in json.loads(sys.argv[1]):
+
+def resources(case):
+    kind, b_trans, name = case
     short = "bf16" if name == "bfloat16" else "fp16"
 
     def desc(block):
@@ -532,20 +531,17 @@ for kind, b_trans, name in json.loads(sys.argv[1]):
     signature.update({k: "constexpr" for k in constexprs})
     # the pointers as the JIT sees torch's allocations: 16-byte aligned (and the wgrad's sizes)
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}
-    kernel = triton.compile(GluonASTSource(fn, signature, constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 4, "maxnreg": g.MAX_NREG})
+    kernel, _ = compile_sm90(GluonASTSource(fn, signature, constexprs, attrs=attrs),
+                             {"num_warps": 4, "maxnreg": g.MAX_NREG})
     ptx = kernel.asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(tmp + "/k.cubin", "wb") as f:
-            f.write(kernel.asm["cubin"])
-        usage = subprocess.run([bin_dir + "cuobjdump", "--dump-resource-usage", tmp + "/k.cubin"],
-                               capture_output=True, text=True, check=True).stdout
-    out.append([int(re.search(r"STACK:(\\d+)", usage).group(1)), "setmaxnreg" in ptx,
-                ptx.count("st.global.v4"), ptx.count("st.global.b16"), kernel.metadata.shared,
-                ptx.count("tensormap.cp_fenceproxy"), kernel.metadata.global_scratch_size,
-                ptx.count("st.global.v2.b32"), ptx.count("ld.global.v2.b32")])
-print(json.dumps(out))
+    usage = cuobjdump(kernel, "--dump-resource-usage")
+    return [int(re.search(r"STACK:(\\d+)", usage).group(1)), "setmaxnreg" in ptx,
+            ptx.count("st.global.v4"), ptx.count("st.global.b16"), kernel.metadata.shared,
+            ptx.count("tensormap.cp_fenceproxy"), kernel.metadata.global_scratch_size,
+            ptx.count("st.global.v2.b32"), ptx.count("ld.global.v2.b32")]
+
+
+print(json.dumps(map_cases(resources, json.loads(sys.argv[1]))))
 """
 
 
