@@ -73,10 +73,10 @@ def partition_args(cls):
     read by name (``a.q_smem``) instead of each unpacking one long tuple in the same order.
     ``gl.warp_specialize`` flattens the fields into the partitions' arguments as it did the
     tuple's: when the tuples went, the sm_90 SASS of every attention and grouped-GEMM binary
-    compared equal (CPU), but where an int argument was specialized to 1 (a grouped GEMM of one
-    segment): there the field stays a constexpr where the tuple captured it as an i32, one
-    argument fewer. Triton's aggregate checks that the constructor set every field, with a value
-    of its type.
+    compared equal (CPU), except where an int argument was specialized to 1 (a grouped GEMM of one
+    segment): there the field stays a constexpr, where the tuple had captured it as an i32, so
+    that binary takes one argument fewer. Triton's aggregate checks that the constructor set
+    every field, with a value of its type.
 
     The fields join the cache key of every kernel that uses the class: Triton's aggregate hashes
     only its methods, here the one shared ``_set_fields``, so a field reordered or retyped would

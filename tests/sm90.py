@@ -1,19 +1,35 @@
 """What the sm_90 compile checks share: tests/test_attention.py and tests/test_grouped_mm.py run
-them in a child process, which compiles for real (no TRITON_INTERPRET, no GPU needed), with
-Triton's bundled ptxas and cuobjdump."""
+them in a child process (``run_child``), which compiles for real (no TRITON_INTERPRET, no GPU
+needed), with Triton's bundled ptxas and cuobjdump."""
 
 import contextlib
 import io
 import multiprocessing
 import os
 import subprocess
+import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 
 import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 
 BIN_DIR = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_child(script: str, *argv: str, timeout: float) -> subprocess.CompletedProcess:
+    """``python -c script argv…`` from the repository root, compiling for real: without the
+    TRITON_INTERPRET that tests/conftest.py sets on a machine with no GPU. A child still running
+    after ``timeout`` seconds fails the test with what it wrote to stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    try:
+        return subprocess.run([sys.executable, "-c", script, *argv], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:  # (its stderr is bytes, text=True or not)
+        stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+        raise AssertionError(f"the child ran past {timeout} s; its stderr ends:\n{stderr[-3000:]}") from None
 
 
 def _tool(name, *args) -> subprocess.CompletedProcess:
@@ -55,6 +71,8 @@ def cuobjdump(kernel, flag: str) -> str:
 def map_cases(fn, cases: list) -> list:
     """``[fn(case) for case in cases]``, the cases side by side on up to two processes: each compile
     is one Python thread and then ptxas, and the tests' CI machine has two cores (the attention
-    kernels' 25 binaries: 94 s one after the other with a cold Triton cache, 42 s on two)."""
-    with multiprocessing.get_context("fork").Pool(min(2, os.cpu_count() or 1)) as pool:
-        return pool.map(fn, cases, chunksize=1)
+    kernels' 25 binaries: 94 s one after the other with a cold Triton cache, 42 s on two). A worker
+    that dies (an abort in LLVM) raises at once, where ``multiprocessing.Pool.map`` would wait for
+    it until the child's timeout."""
+    with ProcessPoolExecutor(min(2, os.cpu_count() or 1), mp_context=multiprocessing.get_context("fork")) as pool:
+        return list(pool.map(fn, cases))

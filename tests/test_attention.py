@@ -21,6 +21,7 @@ import attention.flash_attn_hopper_bwd as fab
 from attention.flash_attn import attention_forward
 from attention.reference import visible_keys
 from attention.rope import apply_rope, rope_cos_sin
+from tests.sm90 import run_child
 
 ATOL_FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}
 DEVICE_GPU = "cuda"
@@ -546,19 +547,6 @@ def test_gpu_module_matches_reference(sliding_window):
 
 # ---- The Hopper (Gluon) forward ----------------------------------------------------------------
 
-def _run_child(script, *argv, timeout):
-    """``python -c script argv…`` from the repository root, compiling for real: without the
-    TRITON_INTERPRET that conftest sets on a machine with no GPU."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run([sys.executable, "-c", script, *argv], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=timeout)
-
-
 _SM90_RESOURCES = """
 import json, re, sys
 import torch
@@ -692,10 +680,10 @@ def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
               for seq_len in (fab.FINISH_DQ_TO, fab.FINISH_DQ_TO + 1)
               for head_d in fab.HEAD_DIMS for causal in (True, False) for walk in walks
               if fab.walk_possible(walk, causal)]
-    run = _run_child(_SM90_RESOURCES, json.dumps(cases), timeout=600)
+    run = run_child(_SM90_RESOURCES, json.dumps(cases), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     for case, (regs, stack, moves, serialized, budget, loops, spills_in_loops,
-               warpgroup_ops) in zip(cases, json.loads(run.stdout.splitlines()[-1])):
+               warpgroup_ops) in zip(cases, json.loads(run.stdout.splitlines()[-1]), strict=True):
         # The Hd 64 backward's 128-row steps leave up to 6 scalars on the stack, one reloaded
         # per step (measured worth it: fab.BLOCK_M); anything more is a changed register plan.
         stack_bytes, reloads = (24, 1) if case[0] == "bwd" and case[3] == 64 else (0, 0)
@@ -730,7 +718,7 @@ def test_delta_kernel_loads_16_bytes_when_aligned():
     """The Δ kernel leaves its pointers and strides unspecialized (cached_launch reuses one
     binary), so its ALIGNED flag must restore the 16-byte loads Triton's own specialization gave
     (sm_90 PTX, compiled on CPU): without it every bf16 element is a separate 2-byte load."""
-    run = _run_child(_DELTA_LOADS, timeout=300)
+    run = run_child(_DELTA_LOADS, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     aligned, unaligned = run.stdout.splitlines()[-2:]
     assert aligned == "True ['ld.global.v4.b32']", aligned
@@ -946,7 +934,7 @@ def test_gpu_hopper_backward_stuck_turn_fails_instead_of_hanging():
     """A deterministic CTA whose turn never comes (here: counters that start past every turn;
     in use: CYCLIC with fewer SMs free than it needs) traps after STUCK_NS: the process gets a
     CUDA error, not a hung GPU. Run in a child, since the trap ends its CUDA context."""
-    run = _run_child(_STUCK_TURN, timeout=240)
+    run = run_child(_STUCK_TURN, timeout=240)
     assert "control ok" in run.stdout and "no trap" not in run.stdout, run.stdout + run.stderr
     assert run.returncode != 0 and "CUDA" in run.stderr, run.stderr[-2000:]
 

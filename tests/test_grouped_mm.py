@@ -650,21 +650,17 @@ def test_gluon_kernel_compiles_for_sm90_without_spills():
     within Hopper's 227 KB: the forward for its b and the dgrad's, and the weight gradient with
     each epilogue (16-bit TMA store, fp32 store, fp32 add: the master gradient's)."""
     import json
-    import os
-    import subprocess
-    import sys
+
+    from tests.sm90 import run_child
 
     if torch.cuda.is_available():
         pytest.skip("compiles for sm_90 on CPU; on a GPU the GPU tests run the kernel")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cases = [["fwd", False, "bfloat16"], ["fwd", True, "float16"], ["wgrad", 0, "bfloat16"], ["wgrad", 0, "float16"],
              ["wgrad", 1, "bfloat16"], ["wgrad", 2, "bfloat16"]]
-    run = subprocess.run([sys.executable, "-c", _GLUON_SM90, json.dumps(cases)], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=300)
+    run = run_child(_GLUON_SM90, json.dumps(cases), timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     for case, (stack, setmaxnreg, wide, narrow, smem, builds, scratch, st_f32, ld_f32) in zip(
-            cases, json.loads(run.stdout.splitlines()[-1])):
+            cases, json.loads(run.stdout.splitlines()[-1]), strict=True):
         # the forward's tail stores; the weight gradient's 16-bit stores are all TMA, its fp32
         # ones each consumer's 64 pairs of columns a thread, 8 bytes each (and as many loads to
         # add to): the JIT's K, N divisible by 16 make them pairs, not 256 4-byte stores
