@@ -339,7 +339,7 @@ def _row_calls():
     sum_combine(y, pair_R, T, K, backend="triton").float().sum().backward()
     gather_rows(torch.randn(T, D), torch.randperm(T * K), K, torch.bfloat16, backend="triton")
 
-    G, M = 3, 8
+    M = 8
     x = torch.randn(T, D, dtype=torch.bfloat16)
     table = torch.tensor([[0, -1], [3, 1], [-1, -1], [7, 2], [5, 6]])
     table_TG = torch.tensor([[1, -1, 0], [-1, 2, -1], [3, -1, -1], [-1, -1, 4], [0, 1, 2]])
@@ -374,7 +374,7 @@ def _p2p_calls():
         return [torch.zeros(1, dtype=torch.int64) for _ in range(G)]
 
     G, E, K, D, tokens = 2, 4, 2, 24, (3, 2)
-    P_cap, L = max(tokens) * K, E // G
+    P_cap = max(tokens) * K
     R_cap = G * P_cap
     gen = torch.Generator().manual_seed(0)
     counts = [torch.zeros((G, E), dtype=torch.int64) for _ in range(G)]

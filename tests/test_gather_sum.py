@@ -424,8 +424,6 @@ def test_p2p_push_rows_matches_its_reference(T, K, D, dtype):
     rows, me, P_cap = T * K + 3, 1, T * K + 2
     row, dest = _random_pairs(T, K, rows)
     x = torch.randn(T, D, device=DEVICE).to(dtype)
-    own = torch.randn(rows, D, device=DEVICE).to(dtype)
-    ret = torch.randn(P_cap, D, device=DEVICE).to(dtype)
     tol = P2P_TOL[dtype]
 
     bufs = [torch.zeros(rows, D, device=DEVICE, dtype=dtype) for _ in range(G)]
