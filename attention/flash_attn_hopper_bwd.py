@@ -550,8 +550,12 @@ def _walk(causal, n_k, device, head_d):
     size DESCENDING measured as fast, but for the causal Hd 64 kernel: ASCENDING, which waits only
     for CTAs launched before it and so needs none resident together, ran 1.076 / 1.072 / 1.050×
     DESCENDING at S 12k / 16k / 32k (A-vs-A 0.995-1.001; H200, fwd+bwd, 7 alternating rounds,
-    2026-12-04, bench/results/attention.md); at Hd 128 1.017× at 12k and 0.989× at 16k. With
-    ``deterministic=False`` (no turns) ASCENDING ran 0.983 / 1.000× DESCENDING at S 16k / 32k: short
+    2026-12-04, bench/results/attention.md); at Hd 128 1.017× at 12k and 0.989× at 16k, and
+    0.997 / 0.993× at 16k / 32k in a later run: its turns cost nothing there (nondet / det
+    1.001-1.002) but its schedule 2-3 % (nondet ASCENDING / DESCENDING 0.971 / 0.980; a host model
+    of the launch order, a head's longest CTA last, puts that in the tail), as much as
+    DESCENDING's turns (1.4-2.8 %). At Hd 64 with ``deterministic=False`` (no turns) ASCENDING ran
+    0.983 / 1.000× DESCENDING at S 16k / 32k: short
     of the loss at both lengths that a rule per mode needed, so both modes ascend. The walk fixes
     the order of the adds, so dQ's bits depend on it, hence (but for causal Hd 64) on the device's
     SM count: repeats on one setup are bit-identical, an H100 SXM and PCIe may differ in the last
