@@ -160,13 +160,13 @@ def bench_row(dispatcher, dims, D, E, K, T, rounds, device, dtype, measure, back
     link_send_MD, link_recv_RD = send_MD[:sum(link_send)], recv_RD[:sum(link_recv)]
     link_back_MD = back_MD[:sum(link_send)]
 
-    def raw_link():
-        for _ in range(2 if backward else 1):
-            dist.all_to_all_single(link_recv_RD, link_send_MD, link_recv, link_send, group=dims.ep_group)
-            dist.all_to_all_single(link_back_MD, link_recv_RD, link_send, link_recv, group=dims.ep_group)
-
     if nccl is not None:
         raw_link = _layer_call(nccl, D, E, K, T, device, dtype, 1000 + dist.get_rank(), backward)[3]
+    else:
+        def raw_link():
+            for _ in range(2 if backward else 1):
+                dist.all_to_all_single(link_recv_RD, link_send_MD, link_recv, link_send, group=dims.ep_group)
+                dist.all_to_all_single(link_back_MD, link_recv_RD, link_send, link_recv, group=dims.ep_group)
 
     elem = torch.finfo(dtype).bits // 8
     passes = 4 if backward else 2
