@@ -3,7 +3,7 @@
 Why. The Triton backward makes dK/dV in one kernel (per key block: S = QKᵀ, dP = dO·Vᵀ, dV, dK)
 and dQ in a second (per query block: S and dP again, then dQ): seven matmuls where five suffice.
 At Hd 128 on an H100 its matmuls already ran at cuDNN's rate, so the two extra ones were the gap
-(2.34 + 1.21 ms against cuDNN's 2.48 ms at S 4096). This kernel follows FlashAttention-3's
+(2.34 + 1.21 ms against cuDNN's 2.48 ms at S 4096; a profile not kept in bench/results). This kernel follows FlashAttention-3's
 backward (Shah et al. 2024, appendix), written in Gluon:
 
 - **One CTA per (128-key block, K/V head).** K and V stay in shared memory. A producer warp
@@ -29,14 +29,16 @@ backward (Shah et al. 2024, appendix), written in Gluon:
   round trip at every block. The writer frees the shared-memory partial as soon as the TMA has
   read it, and waits for the add's completion only to release the turn.
 
-Measured (H100, bench/results/attention.md, fwd+bwd against cuDNN through SDPA, Hd 128):
-0.98× / 0.98× non-causal at S 4k / 16k, 0.99× / 0.98× causal, deterministic; with
-``deterministic=False`` 0.98 / 0.98 / 0.99 / 1.01×. With one walk for all (DESCENDING) the turns
-cost 4–12 % (0.93 / 0.96 / 0.89 / 0.99×): a CTA trailed its predecessor by an add's round trip
-at every block. What did not work or mattered: a wgmma left running across the loop's
-back edge made ptxas serialize every wgmma of the kernel (C7515; 454 TFLOP/s instead of about
-520 at S 4096), now checked by tests/test_attention.py; LSE and Δ loaded by the consumers from
-global memory cost spills (they come through shared memory now).
+Measured, fwd+bwd against cuDNN through SDPA, Hd 128, deterministic (bench/results/attention.md):
+H200, the 2026-12-04 table, 1.034 / 1.017 / 1.021 / 0.997 / 0.998× non-causal at S 1k–16k and
+1.086 / 1.023 / 1.036 / 1.022 / 1.006× causal (``deterministic=False`` 0.98–1.05×); H100,
+2026-11-25, 0.99–1.02× non-causal and 0.99–1.06× causal. Probes on an H100 whose tables were not
+kept: with one walk for all (DESCENDING) the turns cost 4–12 % (0.93 / 0.96 / 0.89 / 0.99× at S
+4k / 16k, non-causal then causal): a CTA trailed its predecessor by an add's round trip at every
+block. A wgmma left running across the loop's back edge made ptxas serialize every wgmma of the
+kernel (C7515; 454 TFLOP/s instead of about 520 at S 4096), now checked by
+tests/test_attention.py; LSE and Δ loaded by the consumers from global memory cost spills (they
+come through shared memory now).
 
 Scope as the forward: Sq == Sk, no window, Hd 64 or 128, fp16/bf16, sm_90, TMA strides, ≥ 2^27
 visible scores (``hopper_backward_ok``); the rest takes the Triton kernels.

@@ -30,11 +30,11 @@ a TMA store is waited for where it is issued). Gluon says it directly:
   the Triton kernel's flattened pipeline hides during the previous tile, and a warp-specialized
   consumer would not: 9 dependent loads at DeepSeek-V3's 256 segments).
 
-Measured (H200, bf16, 5 alternating rounds, bench/results/grouped_gemm_gluon.md), over the TMA
-kernel on each expert projection of the four bench shapes: forward 1.021–1.135×, dgrad
-1.015–1.084×; against ``torch._grouped_mm`` 1.011–1.182×. A first version in which each consumer
-searched the segments for every tile lost 8–15 % on DeepSeek-V3 (256 segments); the table made
-that 2–5 % gained.
+Measured (H200, bf16, 5 alternating rounds, bench/results/grouped_gemm_gluon.md, 2026-12-02),
+over the TMA kernel on each expert projection of the four bench shapes: forward 1.007–1.131×,
+dgrad 1.012–1.091×; against ``torch._grouped_mm`` 1.010–1.179×. A first version in which each
+consumer searched the segments for every tile lost 8–15 % on DeepSeek-V3 (256 segments); the
+table made that 1–5 % gained.
 
 Scope (``gluon_ok``): sm_90, bf16/fp16, no activation (the SwiGLU layer's four GEMMs are
 activation-free: its SwiGLU is a separate pass), TMA-addressable operands and output.
