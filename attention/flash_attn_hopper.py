@@ -1,11 +1,11 @@
 """The attention forward on Hopper (sm_90) in Gluon: warp-specialized, FlashAttention-3's scheme.
 
-Why a second forward. The Triton forward (``flash_attn._attn_fwd_kernel``) reached 0.80× cuDNN
-at Hd 128 on an H100 (a probe whose table was not kept; below): every warp both waits for its loads and runs
-the softmax between its two matmuls, so the tensor cores idle while the exponentials run. Triton
-3.6's automatic warp specialization (``tl.range(warp_specialize=True)``) compiles but changes
-nothing on Hopper (same registers and spills, no ``setmaxnreg``), and tensor-descriptor loads gave
-3 %. Gluon lets the kernel say what FlashAttention-3 does (Shah et al. 2024, §3.1–3.2):
+Why a second forward. The Triton forward (``flash_attn._attn_fwd_kernel``) reached 0.80× cuDNN at
+Hd 128 on an H100 (a probe whose table was not kept; below): every warp both waits for its loads
+and runs the softmax between its two matmuls, so the tensor cores idle while the exponentials run.
+Triton 3.6's automatic warp specialization (``tl.range(warp_specialize=True)``) compiles but
+changes nothing on Hopper (same registers and spills, no ``setmaxnreg``), and tensor-descriptor
+loads gave 3 %. Gluon lets the kernel say what FlashAttention-3 does (Shah et al. 2024, §3.1–3.2):
 
 - **Warp specialization.** One producer warp only issues TMA loads: the Q tile as 64-row slots,
   then the K/V blocks through a ``STAGES``-deep ring of shared-memory slots with ready/empty
@@ -32,29 +32,30 @@ nothing on Hopper (same registers and spills, no ``setmaxnreg``), and tensor-des
   cuDNN: S 1024 0.93 → 1.00–1.02× non-causal, 0.89 → 0.98× causal; S 2048 0.95 → 0.98–1.01×,
   0.94 → 1.04–1.06×; S 4096 0.97 → 0.99–1.03×, 0.98 → 1.07–1.08×.
 
-Measured: every row of bench/results/attention.md's table (H200, 2026-12-04, bf16, Hd 64 and
-128, S 1k–16k, causal and not) 1.005–1.141× cuDNN. Before that, on an H100 (bf16, B·S = 16k, H 16
-at Hd 128 and 32 at Hd 64; 3 alternating rounds of do_bench, probe run 2026-11-24), ms against cuDNN through SDPA: Hd 128 S 4096 0.956 vs 0.925
-(0.97×), causal 0.542 vs 0.530 (0.98×), S 16384 3.73 vs 3.72 (1.00×); S 1024 causal 0.86×. The
-Triton forward in the same run: 0.80, 0.80, 0.85, 0.69×. A scheduling barrier that makes the two
-warpgroups take turns at the tensor cores (FA3's ping-pong) measured within 2 % either way and is
-left out; so were 64-wide key blocks (5–15 % slower) and three stages (within 2 %). The single
-loop (a later change) then moved Hd 128 causal S 1k from 0.95 to 1.00× cuDNN and S 4k from 1.10
-to 1.05×, the rest within 1 %; it is what made three consumers pay at Hd 64, where the Triton
-forward had been 0.85–0.96× (probe, 5 rounds, 2026-11-24; its table was not kept). A quarter of the softmax's exp2 on the FMA pipe (a cubic polynomial and an exponent
-shift, FlashAttention-4's Blackwell trick; at Hd 64 the MUFU's exp2 time equals the matmuls')
-took the Hd 64 loop's MUFU ops from 66 to 50 and ran 0.91–0.97× the MUFU-only kernel at every
-row, Hd 128 too (H200, 5 alternating rounds, probe 2026-12-02). Not profiled; the likely cost is
-its 114 added instructions a block step. Also slower in that probe: 256-key blocks at Hd 64 with
-two consumers (0.78–0.80×; ptxas spills 48 bytes), a third Q buffer for the loop per tile at Hd
-128 non-causal (0.990–0.993× at S 4k and 8k); key blocks of 160 (FlashAttention-3 takes 176 at
-Hd 128 non-causal) do not compile, since Gluon's tensors take power-of-two shapes only. At Hd 64 S
-1k–2k causal, two CTAs an SM (one 64-row consumer each, or two with 64-key blocks; the register
-file split between them) ran 0.89–0.95× the plan, and a three-deep K/V ring 0.98–0.99× (H200, 5
+Measured: every row of bench/results/attention.md's table (H200, 2026-12-04, bf16, Hd 64 and 128, S
+1k–16k, causal and not) 1.005–1.141× cuDNN. Before that, on an H100 (bf16, B·S = 16k, H 16 at Hd
+128 and 32 at Hd 64; 3 alternating rounds of do_bench, probe run 2026-11-24), ms against cuDNN
+through SDPA: Hd 128 S 4096 0.956 vs 0.925 (0.97×), causal 0.542 vs 0.530 (0.98×), S 16384 3.73 vs
+3.72 (1.00×); S 1024 causal 0.86×. The Triton forward in the same run: 0.80, 0.80, 0.85, 0.69×. A
+scheduling barrier that makes the two warpgroups take turns at the tensor cores (FA3's ping-pong)
+measured within 2 % either way and is left out; so were 64-wide key blocks (5–15 % slower) and
+three stages (within 2 %). The single loop (a later change) then moved Hd 128 causal S 1k from 0.95
+to 1.00× cuDNN and S 4k from 1.10 to 1.05×, the rest within 1 %; it is what made three consumers
+pay at Hd 64, where the Triton forward had been 0.85–0.96× (probe, 5 rounds, 2026-11-24; its table
+was not kept). A quarter of the softmax's exp2 on the FMA pipe (a cubic polynomial and an exponent
+shift, FlashAttention-4's Blackwell trick; at Hd 64 the MUFU's exp2 time equals the matmuls') took
+the Hd 64 loop's MUFU ops from 66 to 50 and ran 0.91–0.97× the MUFU-only kernel at every row, Hd
+128 too (H200, 5 alternating rounds, probe 2026-12-02). Not profiled; the likely cost is its 114
+added instructions a block step. Also slower in that probe: 256-key blocks at Hd 64 with two
+consumers (0.78–0.80×; ptxas spills 48 bytes), a third Q buffer for the loop per tile at Hd 128
+non-causal (0.990–0.993× at S 4k and 8k); key blocks of 160 (FlashAttention-3 takes 176 at Hd 128
+non-causal) do not compile, since Gluon's tensors take power-of-two shapes only. At Hd 64 S 1k–2k
+causal, two CTAs an SM (one 64-row consumer each, or two with 64-key blocks; the register file
+split between them) ran 0.89–0.95× the plan, and a three-deep K/V ring 0.98–0.99× (H200, 5
 alternating rounds, probe 2026-12-02). Dealing the causal launch's last heads tile by tile, longest
 first, so that the CTAs the pairs left a unit short take them, measured 1.002× at S 1k causal
-(A-vs-A 0.997; a host model of the idle round had expected 1.019×), 0.997–1.024× at S 2k–16k
-(H200, 7 rounds, probe 2026-12-03): not taken.
+(A-vs-A 0.997; a host model of the idle round had expected 1.019×), 0.997–1.024× at S 2k–16k (H200,
+7 rounds, probe 2026-12-03): not taken.
 
 Scope: the plain case only (Sq == Sk, no window), Hd 64 and 128, fp16/bf16, an sm_90 GPU and
 TMA-compatible strides (``hopper_forward_ok``), and a positive softmax scale (the caller's check:

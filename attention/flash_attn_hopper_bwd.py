@@ -1,10 +1,10 @@
 """The attention backward on Hopper (sm_90) in Gluon: five matmuls, dQ summed across key blocks.
 
-Why. The Triton backward makes dK/dV in one kernel (per key block: S = QKᵀ, dP = dO·Vᵀ, dV, dK)
-and dQ in a second (per query block: S and dP again, then dQ): seven matmuls where five suffice.
-At Hd 128 on an H100 its matmuls already ran at cuDNN's rate, so the two extra ones were the gap
-(2.34 + 1.21 ms against cuDNN's 2.48 ms at S 4096; a profile not kept in bench/results). This kernel follows FlashAttention-3's
-backward (Shah et al. 2024, appendix), written in Gluon:
+Why. The Triton backward makes dK/dV in one kernel (per key block: S = QKᵀ, dP = dO·Vᵀ, dV, dK) and
+dQ in a second (per query block: S and dP again, then dQ): seven matmuls where five suffice. At Hd
+128 on an H100 its matmuls already ran at cuDNN's rate, so the two extra ones were the gap (2.34 +
+1.21 ms against cuDNN's 2.48 ms at S 4096; a profile not kept in bench/results). This kernel
+follows FlashAttention-3's backward (Shah et al. 2024, appendix), written in Gluon:
 
 - **One CTA per (128-key block, K/V head).** K and V stay in shared memory. A producer warp
   streams the Q and dO blocks (64 rows at Hd 128, 128 at Hd 64: ``BLOCK_M``) and their LSE and
@@ -70,10 +70,11 @@ from kernel_floor import cached_launch, cdiv, gluon_layout, partition_args, sm_c
 #   i's order is the nearest key block first, which reached it BLOCK_N / BLOCK_M steps earlier (CTA
 #   j+1 starts that many blocks higher: two at Hd 128, one at Hd 64). Waits only for CTAs launched
 #   before it, like DESCENDING.
-# H100, fwd+bwd against cuDNN, deterministic, B·S 16k, H 16 (a probe, 5 alternating do_bench rounds):
-# S 4096 0.916 → 0.975 non-causal, 0.893 → 0.974 causal; the non-deterministic mode gave
+# H100, fwd+bwd against cuDNN, deterministic, B·S 16k, H 16 (a probe, 5 alternating do_bench
+# rounds): S 4096 0.916 → 0.975 non-causal, 0.893 → 0.974 causal; the non-deterministic mode gave
 # 0.973 / 0.988 in the same run. At S 16384 (n_k 128) DESCENDING was as fast (1.016 / 0.984; Hd
-# 128, before the Hd 64 kernel took 128-row steps); causal Hd 64 ascends at every length (``_walk``).
+# 128, before the Hd 64 kernel took 128-row steps); causal Hd 64 ascends at every length
+# (``_walk``).
 WALK_DESCENDING = gl.constexpr(0)
 WALK_CYCLIC = gl.constexpr(1)
 WALK_ASCENDING = gl.constexpr(2)

@@ -697,10 +697,10 @@ def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
 
 
 _DELTA_LOADS = """
-import re, triton
-from triton.backends.compiler import GPUTarget
+import re
 from triton.compiler import ASTSource
 import attention.flash_attn as fa
+from tests.sm90 import compile_sm90
 strides = ["stride_ob", "stride_oh", "stride_os", "stride_dob", "stride_doh", "stride_dos"]
 for aligned in (True, False):
     constexprs = {"ZERO_SEM": True, "ALIGNED": aligned, "HEAD_DIM": 128, "BLOCK_D": 128,
@@ -708,8 +708,7 @@ for aligned in (True, False):
     signature = {"O": "*bf16", "DO": "*bf16", "DELTA": "*fp32", "SEM": "*i32",
                  **{n: "i64" for n in strides}, "H": "i32", "SQ": "i32",
                  **{n: "constexpr" for n in constexprs}}
-    ptx = triton.compile(ASTSource(fa._attn_bwd_delta_kernel, signature, constexprs),
-                         target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    ptx = compile_sm90(ASTSource(fa._attn_bwd_delta_kernel, signature, constexprs), {})[0].asm["ptx"]
     print(aligned, sorted(set(re.findall(r"ld\\.global\\.[\\w.]+", ptx))))
 """
 
@@ -855,7 +854,7 @@ def test_gpu_hopper_backward(B, H, Hkv, S, causal, dtype, layout, deterministic,
     ("DESCENDING", 1, 8, 2, 4097, False), ("CYCLIC", 1, 8, 2, 4097, False),
     ("DESCENDING", 3, 4, 1, 1000, True), ("ASCENDING", 3, 4, 1, 1000, True),
     ("ASCENDING", 2, 4, 4, 4096, True), ("CYCLIC", 2, 4, 4, 129, False),
-    ("ASCENDING", 1, 4, 2, 9000, True),  # 142 CTAs of 71 key blocks: more than the SMs hold
+    ("ASCENDING", 1, 4, 2, 9000, True),  # 142 CTAs, more than the SMs hold (a head's 71 fit)
 ])
 @pytest.mark.parametrize("Hd", [64, 128])
 def test_gpu_hopper_backward_every_walk(walk, B, H, Hkv, S, causal, Hd, monkeypatch):
