@@ -70,13 +70,6 @@ from kernel_floor import cached_launch, cdiv, gluon_layout, partition_args, sm_c
 #   i's order is the nearest key block first, which reached it BLOCK_N / BLOCK_M steps earlier (CTA
 #   j+1 starts that many blocks higher: two at Hd 128, one at Hd 64). Waits only for CTAs launched
 #   before it, like DESCENDING.
-# - ASCENDING_BUT_LAST (causal): ASCENDING, but for the launch's last (batch, K/V head), which
-#   walks and orders its adds as DESCENDING and launches low j first. ASCENDING launches a head's
-#   longest CTA (key block 0, every query block) last, so the last head's leaves a tail that the
-#   other heads' CTAs cannot fill; DESCENDING's order starts it first. A host model of the launch
-#   order (CTAs dealt to free SMs, a CTA's time its query blocks) put the makespan within 0.5 % of
-#   DESCENDING's, where ASCENDING's sat 4-10 % over an even spread. The last head's dQ bits then
-#   depend on which head launches last, so on the batch size.
 # H100, fwd+bwd against cuDNN, deterministic, B·S 16k, H 16 (a probe, 5 alternating do_bench
 # rounds): S 4096 0.916 → 0.975 non-causal, 0.893 → 0.974 causal; the non-deterministic mode gave
 # 0.973 / 0.988 in the same run. At S 16384 (n_k 128) DESCENDING was as fast (1.016 / 0.984; Hd
@@ -85,7 +78,6 @@ from kernel_floor import cached_launch, cdiv, gluon_layout, partition_args, sm_c
 WALK_DESCENDING = gl.constexpr(0)
 WALK_CYCLIC = gl.constexpr(1)
 WALK_ASCENDING = gl.constexpr(2)
-WALK_ASCENDING_BUT_LAST = gl.constexpr(3)
 # Query rows per step, by head dim. At Hd 64, dK and dV take 32 registers a thread each, which
 # leaves room for 128-column Sᵀ and dPᵀ tiles: half the steps per key block, so half the barriers
 # and dQ hand-overs. H100, fwd+bwd against cuDNN (a probe, 5 alternating rounds, S 1k–16k, causal
@@ -130,22 +122,12 @@ STUCK_NS = 10 * 10**9
 
 
 @gluon.jit
-def _last_launched():
-    """Whether this CTA is of the grid's last (batch, K/V head): ASCENDING_BUT_LAST's descending
-    head. From the grid, not an argument: the other walks' binaries stay as they were."""
-    return gl.program_id(1) == gl.num_programs(1) - 1
-
-
-@gluon.jit
 def _query_block(a, it, WALK: gl.constexpr):
     """Step ``it`` of the CTA's walk: (head within the group, query block)."""
     g = it // a.n_i
     r = it - g * a.n_i
-    if WALK == WALK_ASCENDING or WALK == WALK_ASCENDING_BUT_LAST:
+    if WALK == WALK_ASCENDING:
         i = a.i_hi - a.n_i + 1 + r
-        if WALK == WALK_ASCENDING_BUT_LAST:
-            if _last_launched():
-                i = a.i_hi - r
     elif WALK == WALK_CYCLIC:
         i = (a.i_hi - r + a.j) % a.n_i
     else:
@@ -156,11 +138,8 @@ def _query_block(a, it, WALK: gl.constexpr):
 @gluon.jit
 def _turn(i, j, n_k, BM: gl.constexpr, BN: gl.constexpr, WALK: gl.constexpr):
     """Key block j's place in the fixed order of adds into query block i (see the walks)."""
-    if WALK == WALK_ASCENDING or WALK == WALK_ASCENDING_BUT_LAST:
+    if WALK == WALK_ASCENDING:
         t = gl.minimum((i * BM + BM - 1) // BN, n_k - 1) - j
-        if WALK == WALK_ASCENDING_BUT_LAST:
-            if _last_launched():
-                t = j
     elif WALK == WALK_CYCLIC:
         # The CTAs past block i reached it after wrapping round, so they add first.
         if j > i:
@@ -496,11 +475,8 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
                             WALK: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    if WALK == WALK_ASCENDING or WALK == WALK_ASCENDING_BUT_LAST:
+    if WALK == WALK_ASCENDING:
         j = gl.cdiv(SQ, BLOCK_N) - 1 - gl.program_id(0)
-        if WALK == WALK_ASCENDING_BUT_LAST:
-            if _last_launched():
-                j = gl.program_id(0)
     else:
         j = gl.program_id(0)  # key block; the fastest grid axis, so a head's CTAs start together
     bhk = gl.program_id(1)
@@ -581,7 +557,9 @@ def _walk(causal, n_k, device, head_d):
     0.997 / 0.993× at 16k / 32k in a later run: its turns cost nothing there (nondet / det
     1.001-1.002) but its schedule 2-3 % (nondet ASCENDING / DESCENDING 0.971 / 0.980; a host model
     of the launch order, a head's longest CTA last, puts that in the tail), as much as
-    DESCENDING's turns (1.4-2.8 %). At Hd 64 with ``deterministic=False`` (no turns) ASCENDING ran
+    DESCENDING's turns (1.4-2.8 %). ASCENDING with the launch's last head descending (its longest
+    CTA first) ran 0.98-1.03× the shipped walks, about 1 % faster from 4k keys: not kept (its last
+    head's bits would depend on the batch; 047533b, bench/results/attention.md). At Hd 64 with ``deterministic=False`` (no turns) ASCENDING ran
     0.983 / 1.000× DESCENDING at S 16k / 32k: short
     of the loss at both lengths that a rule per mode needed, so both modes ascend. The walk fixes
     the order of the adds, so dQ's bits depend on it, hence (but for causal Hd 64) on the device's
@@ -601,10 +579,10 @@ def _walk(causal, n_k, device, head_d):
 
 def walk_possible(walk, causal) -> bool:
     """Whether ``_walk`` can pick ``walk`` for this causality: DESCENDING either way, ASCENDING
-    and ASCENDING_BUT_LAST causal only (they start at the diagonal), CYCLIC non-causal only (it
-    starts at block 0), as ``_turn``'s orders assume."""
-    others = (WALK_ASCENDING, WALK_ASCENDING_BUT_LAST) if causal else (WALK_CYCLIC, )
-    return walk in (WALK_DESCENDING.value, *(w.value for w in others))
+    causal only (it starts at the diagonal), CYCLIC non-causal only (it starts at block 0), as
+    ``_turn``'s orders assume."""
+    other = WALK_ASCENDING if causal else WALK_CYCLIC
+    return walk in (WALK_DESCENDING.value, other.value)
 
 
 def hopper_turn_counters(q):
