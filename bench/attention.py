@@ -260,7 +260,8 @@ def to_markdown(rows, args):
         "consumer 0 takes half of a causal diagonal block, 'peeled' where a tile's first key block "
         "skips the P·V of the zero P) and the 5-matmul backward "
         "(attention/flash_attn_hopper_bwd.py; every row here: 64-row query steps at Hd 128, "
-        "128-row at Hd 64), deterministic by default",
+        "128-row at Hd 64), deterministic by default; tiling 'Triton': a head dim the Gluon "
+        "kernels do not take, where the Triton forward and its dK/dV + dQ backward run",
         "nondet: the backward's opt-in deterministic=False mode (dQ parts added in arrival "
         "order); its ratio to cuDNN in the last column",
     ) + [
