@@ -95,10 +95,10 @@ def _tune(space, wide_space, interpreter_point):
 # same winner in all four): fwd 128x64 w8 s2 (4.31 ms at S 16k; 128x32 w8 s3 4.67, and the list
 # before's best 128x32 w8 s2 6.67), dK/dV 64x64 w8 s2 (14.9 ms; 32x32 w4 s3 19.0, before 32x64 w8
 # s2 22.0), dQ 64x32 w4 s3 (6.85 ms; 128x32 w8 s2 7.57, before 32x32 w4 s2 15.1); a second space
-# around them kept them (bench/results/attention_hd256.md). Each 256-wide
-# list ends in a small block kept from the list before, for fp32, whose tiles take twice the
-# shared memory (the autotuner skips a config that does not fit; tests/test_attention.py runs
-# fp32 at Hd 256 on the GPU).
+# around them kept them (bench/results/attention_hd256.md). Each 256-wide list ends in a small
+# block kept from the list before, for fp32, whose tiles take twice the shared memory (the
+# autotuner skips a config that does not fit; tests/test_attention.py runs fp32 at Hd 256 on the
+# GPU).
 # (narrow, wide) lists; the interpreter's tests force each listed block shape in turn.
 FWD_SPACE = ([(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3)],
              [(128, 64, 8, 2), (128, 32, 8, 3), (32, 32, 4, 2)])

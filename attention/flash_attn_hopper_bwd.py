@@ -561,11 +561,11 @@ def _walk(causal, n_k, device, head_d):
     CTA first) ran 0.98-1.03× the shipped walks, about 1 % faster from 4k keys: not kept (its last
     head's bits would depend on the batch; 047533b, bench/results/attention.md). At Hd 64 with
     ``deterministic=False`` (no turns) ASCENDING ran 0.983 / 1.000× DESCENDING at S 16k / 32k:
-    short of the loss at both lengths that a rule per mode needed, so both modes ascend. The walk fixes
-    the order of the adds, so dQ's bits depend on it, hence (but for causal Hd 64) on the device's
-    SM count: repeats on one setup are bit-identical, an H100 SXM and PCIe may differ in the last
-    bits. Cached per (causal, n_k, device, head dim), the environment read once: its 8–16 µs of host
-    time sat between the Δ and backward launches (H100 host)."""
+    short of the loss at both lengths that a rule per mode needed, so both modes ascend. The walk
+    fixes the order of the adds, so dQ's bits depend on it, hence (but for causal Hd 64) on the
+    device's SM count: repeats on one setup are bit-identical, an H100 SXM and PCIe may differ in
+    the last bits. Cached per (causal, n_k, device, head dim), the environment read once: its
+    8–16 µs of host time sat between the Δ and backward launches (H100 host)."""
     if causal and head_d == 64:
         return int(WALK_ASCENDING)
     if n_k > sm_count(device) // 2:

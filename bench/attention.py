@@ -1,13 +1,13 @@
 """Benchmark: Triton FlashAttention vs scaled_dot_product_attention (FLASH and cuDNN backends).
 
-bf16, MHA, B·S = 16k tokens per row, H·Hd = 2048 (H 32 at Hd 64, 16 at 128, 8 at 256). FLOPs counted as
-4·B·H·S²·Hd for the forward (half when causal) and 3.5× that for forward+backward.
+bf16, MHA, B·S = 16k tokens per row, H·Hd = 2048 (H 32 at Hd 64, 16 at 128, 8 at 256). FLOPs
+counted as 4·B·H·S²·Hd for the forward (half when causal) and 3.5× that for forward+backward.
 Protocol: per row, ``rounds`` rounds; each round times ours, then each anchor, with
 triton.testing.do_bench (median); the claim is the median over rounds of anchor_time / our_time
 (> 1: ours faster). The A-vs-A rows time ours against itself to show the noise.
 
     python bench/attention.py [--quick] [--sass] [--out bench/results/attention.md]
-    python bench/attention.py --head-dims 256 --out bench/results/attention_hd256.md  # Triton kernels
+    python bench/attention.py --head-dims 256 --out bench/results/attention_hd256.md  # Triton
     python bench/attention.py --tune --head-dims 256   # time the WIDE config spaces and exit
     python bench/attention.py --host   # host vs GPU-kernel time of a fwd+bwd call at S 1k, and
                                        # where the host time of our backward goes
@@ -217,10 +217,10 @@ WIDE_256 = {
 }
 
 
-def tune_report(cases):
+def tune_report(cases, spaces):
+    """Time every config of ``spaces`` (WIDE or WIDE_256: one tile width) on ``cases``."""
     from attention import flash_attn as fa
-    space_of = WIDE_256 if cases[0][0] > 128 else WIDE
-    for name, space in space_of.items():
+    for name, space in spaces.items():
         # the list is of one tile width already; the library's width filter would match the
         # wide configs by value against its own lists
         getattr(fa, name).early_config_prune = None
@@ -280,8 +280,8 @@ def to_markdown(rows, args):
         vs_fl = f"{q['sdpa_flash']:.2f}" if "sdpa_flash" in q else "n/a"
         vs_cu = f"{q['sdpa_cudnn']:.3f}" if "sdpa_cudnn" in q else "n/a"
         out.append(f"| {r['Hd']} | {r['S']} | {r['B']}×{r['H']} | {'yes' if r['causal'] else 'no'}"
-                   f" | {r['mode']} | {t['ours']:.0f} | {fl} | {cu} | {vs_fl} | {vs_cu} | {aa} | {nd} |"
-                   f" {_tiling(r['Hd'], r['S'], r['causal'])} |")
+                   f" | {r['mode']} | {t['ours']:.0f} | {fl} | {cu} | {vs_fl} | {vs_cu} | {aa} |"
+                   f" {nd} | {_tiling(r['Hd'], r['S'], r['causal'])} |")
     return "\n".join(out) + "\n"
 
 
@@ -305,10 +305,10 @@ def main():
     if args.tune:
         if args.head_dims[0] > 128:
             tune_report([(args.head_dims[0], S, causal) for S in (4096, 16384)
-                         for causal in (False, True)])
+                         for causal in (False, True)], WIDE_256)
         else:
             tune_report([(128, 16384, False), (128, 16384, True), (128, 4096, True),
-                         (64, 16384, True)])
+                         (64, 16384, True)], WIDE)
         return
     if args.host:
         print("| Hd | causal | ours event | ours kernels | ours host | cuDNN event | "

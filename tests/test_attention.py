@@ -468,9 +468,9 @@ def test_gpu_head_dims_bf16(S, Hd, causal):
 def test_gpu_head_dim_256_fp32(causal):
     """fp32 at Hd 256, forward and backward: its tiles take twice bf16's shared memory, and the
     small block at the end of each 256-wide list is there for it (the autotuner skips a config
-    that does not fit: one must). The
-    dots run in tf32 on a GPU (10 mantissa bits, as fp16), so the bound is fp16's order of error
-    against the fp32 reference, not the accuracy rule's fp32 floor; a wrong block is off by O(1)."""
+    that does not fit: one must). The dots run in tf32 on a GPU (10 mantissa bits, as fp16), so
+    the bound is fp16's order of error against the fp32 reference, not the accuracy rule's fp32
+    floor; a wrong block is off by O(1)."""
     q, k, v, do = _inputs(1, 4, 2, 300, 256, torch.float32, DEVICE_GPU)
     ours = _ours(q, k, v, do, causal, None)
     exact = _out_and_grads(lambda a, b, c: attention_reference(a, b, c, causal), q, k, v, do)
