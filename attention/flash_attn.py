@@ -6,9 +6,10 @@ H / Hkv query heads), Sq query length, Sk key/value length, Hd head dim.
 - ``_attn_fwd_kernel``: one program per (query block, b, h); streams key/value blocks through an
   online softmax, writes O and the per-row log-sum-exp (fp32, base 2, of the scaled scores).
   The Sq×Sk score matrix never exists in memory. On an H100/H200, the plain case (Sq == Sk, no
-  window, Hd 64 or 128, fp16/bf16, a nonzero scale, at least 2^19 visible scores) runs the
-  warp-specialized Gluon forward of ``flash_attn_hopper`` instead (bench/results/attention.md:
-  1.00–1.12× cuDNN at Hd 128, S 1k–16k, where this kernel gave 0.80–0.92×).
+  window, Hd 64 or 128, or 65-127 from 1k keys, fp16/bf16, a nonzero scale, at least 2^19
+  visible scores) runs the warp-specialized Gluon forward of ``flash_attn_hopper`` instead
+  (bench/results/attention.md: 1.00–1.12× cuDNN at Hd 128, S 1k–16k, where this kernel gave
+  0.80–0.92×).
 - ``_attn_bwd_delta_kernel``: delta = rowsum(dO ∘ O) in fp32 (and the Gluon backward's turn
   counters zeroed).
 - ``_attn_bwd_dkdv_kernel``: one program per (key block, b, hkv); recomputes the scores of every
@@ -17,7 +18,7 @@ H / Hkv query heads), Sq query length, Sk key/value length, Hd head dim.
 - ``_attn_bwd_dq_kernel``: one program per (query block, b, h); recomputes the scores against
   every key block and accumulates dQ in registers. No atomics anywhere: repeated backward passes
   are bit-identical.
-- On an H100/H200 the plain Hd 64 or 128 case at >= 2^27 visible scores takes the Gluon backward
+- On an H100/H200 the plain case (as above) at >= 2^27 visible scores takes the Gluon backward
   of ``flash_attn_hopper_bwd`` instead of the last two: one kernel, five matmuls instead of seven
   (bench/results/attention.md: fwd+bwd 0.98–1.07× cuDNN at S 2k–16k where these gave 0.75–0.98×;
   S 1k is bound by host time on some hosts), with dQ summed by TMA reduce-add in a fixed order
@@ -41,8 +42,10 @@ of the band or at the sequence end, which pay for a mask. Blocks outside every w
 
 Head dims: any multiple of 8 up to 256. The tiles are BLOCK_D = next power of two (>= 16) wide;
 loads and stores mask the columns past Hd (zeros, which add nothing to the dot products), so
-Hd 96 runs on 128-wide tiles and powers of two from 16 pay no mask. The kernels take arbitrary strides
-(last dim contiguous), so (B, S, H, Hd) tensors viewed as (B, H, S, Hd) need no copy.
+Hd 96 runs on 128-wide tiles and powers of two from 16 pay no mask (the Gluon kernels' 128-wide
+tiles take Hd 65-127 the same way, by TMA's zero fill: ``flash_attn_hopper.WIDE_TILE_FROM``). The
+kernels take arbitrary strides (last dim contiguous), so (B, S, H, Hd) tensors viewed as
+(B, H, S, Hd) need no copy.
 """
 
 import math

@@ -57,7 +57,8 @@ first, so that the CTAs the pairs left a unit short take them, measured 1.002× 
 (A-vs-A 0.997; a host model of the idle round had expected 1.019×), 0.997–1.024× at S 2k–16k (H200,
 7 rounds, probe 2026-12-03): not taken.
 
-Scope: the plain case only (Sq == Sk, no window), Hd 64 and 128, fp16/bf16, an sm_90 GPU and
+Scope: the plain case only (Sq == Sk, no window), Hd 64 and 128 (and 65-127 on 128-wide tiles from
+``WIDE_TILE_FROM`` keys), fp16/bf16, an sm_90 GPU and
 TMA-compatible strides (``hopper_forward_ok``), and a positive softmax scale (the caller's check:
 the mask sets scores to -inf before they are scaled); everything else takes the Triton kernels. The
 output matches the Triton forward's contract (O in q's dtype and strides, base-2 LSE of the scaled
@@ -645,15 +646,39 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, SQ, S
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
+# Head dims 65-127 (the multiples of 8 between: Phi-3's 96, ...) run the Hd 128 kernels on the
+# caller's tensors. Their TMA descriptors keep the tensors' Hd columns but move 128-wide blocks:
+# a load fills the columns past Hd with zeros, which add nothing to any dot product, and a store
+# drops them (TMA clips a box at the tensor's bounds, as it does the rows past S). Exact, with no
+# padded copy and the same binaries as Hd 128. From 1k keys, the shortest length measured: Hd 96
+# fwd+bwd 1.29-1.42x the Triton kernels (on 128-wide masked tiles) at S 1k-32k, causal and not,
+# and 0.996-1.093x cuDNN; Hd 72 and 120 at S 4k 2.14-2.36x (H200, bf16, B·S 16k, H 32, 5
+# alternating rounds, 2026-12-04, bench/results/attention_wide_tiles.md). The rule set before
+# that run: the shortest length from which the route is >= 1.05x the Triton path at every length.
+WIDE_TILE_FROM = 1024
+
+
+def kernel_head_dim(head_d: int, seq_len: int, head_dims) -> int | None:
+    """The head dim (tile width) the Gluon kernels run a call at: ``head_d`` itself if it is in
+    ``head_dims``, 128 for a head dim between 64 and 128 from ``WIDE_TILE_FROM`` keys, else None
+    (the Triton kernels)."""
+    if head_d in head_dims:
+        return head_d
+    if 64 < head_d < 128 and 128 in head_dims and seq_len >= WIDE_TILE_FROM:
+        return 128
+    return None
+
+
 def gluon_case(q, k, causal, window, min_scores, head_dims, *tensors) -> bool:
     """The case the Gluon kernels serve: an sm_90 GPU, Sq == Sk, no window, at least
-    ``min_scores`` visible scores, a head dim in ``head_dims``, fp16/bf16, and ``tensors`` with a
-    unit last stride and TMA-compatible alignment."""
-    B, H, S, _ = q.shape
+    ``min_scores`` visible scores, a head dim ``kernel_head_dim`` maps into ``head_dims``,
+    fp16/bf16, and ``tensors`` with a unit last stride and TMA-compatible alignment."""
+    B, H, S, Hd = q.shape
     return (q.is_cuda and capability(q.device) == (9, 0)
             and window is None and k.shape[2] == S and S > 0
             and B * H * S * S // (2 if causal else 1) >= min_scores
-            and q.shape[3] in head_dims and q.dtype in GLUON_DTYPES
+            and kernel_head_dim(Hd, S, head_dims) is not None
+            and q.dtype in GLUON_DTYPES
             and all(t.stride(-1) == 1 for t in tensors) and tma_ok(*tensors))
 
 
@@ -673,10 +698,11 @@ def unchecked_descriptor(t, block_shape, layout):
     return d
 
 
-def _descriptor(t, rows):
-    """The TMA descriptor of ``t`` (B, heads, S, Hd) in (1, 1, rows, Hd) blocks."""
-    Hd = t.shape[3]
-    return unchecked_descriptor(t, [1, 1, rows, Hd], gluon_layout((1, 1, rows, Hd), GLUON_DTYPES[t.dtype]))
+def tma_descriptor(t, rows, width):
+    """The TMA descriptor of ``t`` (B, heads, S, Hd) in (1, 1, rows, width) blocks, width >= Hd:
+    the columns past Hd load as zeros and are not stored (``WIDE_TILE_FROM``)."""
+    return unchecked_descriptor(t, [1, 1, rows, width],
+                                gluon_layout((1, 1, rows, width), GLUON_DTYPES[t.dtype]))
 
 
 def hopper_forward(q, k, v, o, lse, causal, scale_log2):
@@ -684,12 +710,14 @@ def hopper_forward(q, k, v, o, lse, causal, scale_log2):
     scale · log2(e). Fills ``o`` and ``lse`` as ``flash_attn.attention_forward`` allocates them
     and returns them."""
     B, H, S, Hd = q.shape
-    tiling = plan(Hd, S, causal)
+    head_d = kernel_head_dim(Hd, S, HEAD_DIMS)
+    tiling = plan(head_d, S, causal)
     n_m = cdiv(S, tiling.block_m)
     n_units = B * H * ((n_m + 1) // 2 if causal else n_m)
     cached_launch(
         _attn_fwd_hopper_kernel, (min(n_units, sm_count(q.device)), ), q.dtype,
-        _descriptor(q, WG_M), _descriptor(k, tiling.block_n), _descriptor(v, tiling.block_n),
-        _descriptor(o, WG_M), lse, H, H // k.shape[1], S, S, n_units, scale_log2,
-        **tiling.constexprs(Hd, causal), num_warps=4, maxnreg=tiling.max_nreg)
+        tma_descriptor(q, WG_M, head_d), tma_descriptor(k, tiling.block_n, head_d),
+        tma_descriptor(v, tiling.block_n, head_d), tma_descriptor(o, WG_M, head_d), lse, H,
+        H // k.shape[1], S, S, n_units, scale_log2, **tiling.constexprs(head_d, causal),
+        num_warps=4, maxnreg=tiling.max_nreg)
     return o, lse

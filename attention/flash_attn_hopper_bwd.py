@@ -40,8 +40,9 @@ kernel (C7515; 454 TFLOP/s instead of about 520 at S 4096), now checked by
 tests/test_attention.py; LSE and Δ loaded by the consumers from global memory cost spills (they
 come through shared memory now).
 
-Scope as the forward: Sq == Sk, no window, Hd 64 or 128, fp16/bf16, sm_90, TMA strides, ≥ 2^27
-visible scores (``hopper_backward_ok``); the rest takes the Triton kernels.
+Scope as the forward: Sq == Sk, no window, Hd 64 or 128 (65-127 on 128-wide tiles from
+``flash_attn_hopper.WIDE_TILE_FROM`` keys), fp16/bf16, sm_90, TMA strides, ≥ 2^27 visible scores
+(``hopper_backward_ok``); the rest takes the Triton kernels.
 """
 
 import functools
@@ -55,7 +56,8 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from attention.flash_attn_hopper import _descriptor, gluon_case, unchecked_descriptor
+from attention.flash_attn_hopper import (gluon_case, kernel_head_dim, tma_descriptor,
+                                         unchecked_descriptor)
 from kernel_floor import cached_launch, cdiv, gluon_layout, partition_args, sm_count
 
 # The order in which a CTA (one key block j) walks its query blocks, and so the fixed order of the
@@ -605,21 +607,26 @@ def hopper_backward(do, q, k, v, lse, delta, sem, dq, dk, dv, causal, scale, sca
     the host; 1.00× where it did not)."""
     B, H, S, Hd = q.shape
     Hkv = k.shape[1]
-    block_m = BLOCK_M[Hd]
+    head_d = kernel_head_dim(Hd, S, HEAD_DIMS)  # the tile width: >= Hd
+    block_m = BLOCK_M[head_d]
     n_k = cdiv(S, BLOCK_N)
     s_pad = cdiv(S, block_m) * block_m  # no TMA block spills into the next head's rows
     deterministic = sem is not None
     # Deterministic: each block's first adder stores, so every row (the padding too) is written.
+    # Hd columns: on a wider tile the TMA stores and adds drop the columns past Hd.
     dq_acc = (torch.empty if deterministic else torch.zeros)(B * H * s_pad, Hd, device=q.device,
                                                              dtype=torch.float32)
-    dq_desc = unchecked_descriptor(dq_acc, [block_m, Hd], gluon_layout((block_m, Hd), gl.float32))
-    walk = _walk(causal, n_k, q.device, Hd)
+    dq_desc = unchecked_descriptor(dq_acc, [block_m, head_d],
+                                   gluon_layout((block_m, head_d), gl.float32))
+    walk = _walk(causal, n_k, q.device, head_d)
     finish_dq = deterministic and S <= FINISH_DQ_TO
     assert walk_possible(walk, causal), (walk, causal)
-    q_desc = _descriptor(q, block_m)
-    args = (q_desc, _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(do, block_m),
-            _descriptor(dk, BLOCK_N), _descriptor(dv, BLOCK_N), dq_desc,
-            _descriptor(dq, block_m) if finish_dq else q_desc,  # (dqo_desc: not read without)
+    q_desc = tma_descriptor(q, block_m, head_d)
+    args = (q_desc, *(tma_descriptor(t, BLOCK_N, head_d) for t in (k, v)),
+            tma_descriptor(do, block_m, head_d),
+            *(tma_descriptor(t, BLOCK_N, head_d) for t in (dk, dv)), dq_desc,
+            # dqo_desc, not read without FINISH_DQ
+            tma_descriptor(dq, block_m, head_d) if finish_dq else q_desc,
             lse, delta,
             delta if sem is None else sem,  # (SEM is not read unless deterministic)
             H, H // Hkv, S, s_pad, scale_log2, scale, STUCK_NS)
@@ -628,7 +635,7 @@ def hopper_backward(do, q, k, v, lse, delta, sem, dq, dk, dv, causal, scale, sca
         cached_launch(
             _attn_bwd_hopper_kernel, (n_k, B * Hkv), (q.dtype, do.dtype), *args, CAUSAL=causal,
             DETERMINISTIC=deterministic, FINISH_DQ=finish_dq, WALK=walk, BLOCK_M=block_m,
-            BLOCK_N=BLOCK_N, HEAD_D=Hd, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS,
+            BLOCK_N=BLOCK_N, HEAD_D=head_d, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS,
             PRODUCER_REGS=PRODUCER_REGS, num_warps=8, maxnreg=MAX_NREG)
         if not finish_dq:  # (else the kernel's last adders wrote dq)
             acc = dq_acc.view(B, H, s_pad, Hd)

@@ -242,9 +242,10 @@ def tune_report(cases, spaces):
 def _tiling(Hd, S, causal):
     """The Gluon forward's plan for a row, as the table names it ("Triton" at the head dims the
     Gluon kernels do not take)."""
-    if Hd not in fah.HEAD_DIMS:
+    head_d = fah.kernel_head_dim(Hd, S, fah.HEAD_DIMS)
+    if head_d is None:
         return "Triton"
-    plan = fah.plan(Hd, S, causal)
+    plan = fah.plan(head_d, S, causal)
     return ", ".join([f"{plan.warpgroups} WG"] + ["stream"] * plan.cross_tile
                      + ["half diagonal"] * plan.half_diagonal + ["peeled"] * plan.peel_first)
 

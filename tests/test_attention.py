@@ -667,6 +667,22 @@ def test_backward_walk_follows_the_measured_rule(monkeypatch):
         assert got == expected and fab.walk_possible(got, causal), (causal, head_d, n_k, got)
 
 
+def test_wide_tiles_follow_the_measured_rule():
+    """Hd 65-127 run the Hd 128 Gluon kernels (TMA zero-fills the columns past Hd) from
+    ``WIDE_TILE_FROM`` keys, 1k, the shortest length measured (1.29-1.42x the Triton path at Hd
+    96); Hd 64 and 128 at any length; no other head dim ever."""
+    assert fah.WIDE_TILE_FROM == 1024
+    for head_dims in (fah.HEAD_DIMS, fab.HEAD_DIMS):
+        for head_d in (72, 96, 120):
+            assert fah.kernel_head_dim(head_d, 1024, head_dims) == 128
+            assert fah.kernel_head_dim(head_d, 1 << 15, head_dims) == 128
+            assert fah.kernel_head_dim(head_d, 1023, head_dims) is None
+        for head_d in (64, 128):
+            assert fah.kernel_head_dim(head_d, 1, head_dims) == head_d
+        for head_d in (8, 56, 136, 256):
+            assert fah.kernel_head_dim(head_d, 1 << 15, head_dims) is None
+
+
 def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
     """The warp-specialized kernels' register plans hold when compiled for sm_90 (no GPU needed:
     Triton's bundled ptxas; a child process, since the interpreter that conftest switches on
@@ -794,6 +810,11 @@ def _on_sm90():
     (2, 4, 2, 384, 64, True, torch.float16, "BHSD"),
     (1, 4, 4, 1050, 64, True, torch.bfloat16, "BHSD"),  # the end cuts a diagonal's first half
     (1, 1, 1, 1, 64, True, torch.bfloat16, "BHSD"),
+    # Hd 65-127 on the Hd 128 kernels' tiles: the columns past Hd load as zeros, stores drop them
+    (2, 8, 2, 1000, 96, True, torch.bfloat16, "BSHD"),
+    (1, 4, 4, 4097, 96, False, torch.bfloat16, "BHSD"),
+    (2, 4, 2, 129, 72, True, torch.float16, "BHSD"),
+    (1, 2, 1, 1, 120, True, torch.bfloat16, "BSHD"),
 ])
 @pytest.mark.parametrize("tiling", ["planned", "other"])
 def test_gpu_hopper_forward_matches_triton_forward(B, H, Hkv, S, Hd, causal, dtype, layout,
@@ -802,17 +823,20 @@ def test_gpu_hopper_forward_matches_triton_forward(B, H, Hkv, S, Hd, causal, dty
     long and odd lengths, GQA, both layouts. The backward consumes either one's LSE.
     ``tiling="other"`` runs each case in the tiling its length and mask do not get: at Hd 64 two
     consumers where the plan takes three (192-row tiles) and three where it takes two; at Hd 128 a
-    loop per tile where the plan streams the CTA's tiles, and the stream where it does not."""
+    loop per tile where the plan streams the CTA's tiles, and the stream where it does not (Hd
+    65-127 as Hd 128)."""
+    monkeypatch.setattr(fah, "WIDE_TILE_FROM", 0)  # Hd 65-127 at any length
+    head_d = fah.kernel_head_dim(Hd, S, fah.HEAD_DIMS)
     if tiling == "other":
-        if Hd == 64:
-            wide = fah.plan(Hd, S, causal).warpgroups == 3
+        if head_d == 64:
+            wide = fah.plan(head_d, S, causal).warpgroups == 3
             for name in ("WIDE_HD64_FROM", "WIDE_HD64_NONCAUSAL_FROM"):
                 monkeypatch.setattr(fah, name, 1 << 30 if wide else 0)
-            assert (fah.plan(Hd, S, causal).warpgroups == 3) != wide
+            assert (fah.plan(head_d, S, causal).warpgroups == 3) != wide
         else:
-            streamed = fah.plan(Hd, S, causal).cross_tile
+            streamed = fah.plan(head_d, S, causal).cross_tile
             monkeypatch.setattr(fah, "CROSS_TILE_HD128_TO", 0 if streamed else 1 << 30)
-            assert fah.plan(Hd, S, causal).cross_tile != streamed
+            assert fah.plan(head_d, S, causal).cross_tile != streamed
 
     q, k, v = (_gpu_heads(B, h, S, Hd, dtype, layout) for h in (H, Hkv, Hkv))
     monkeypatch.setattr(fah, "MIN_SCORES", 0)  # small cases too: the kernel, not the dispatch
@@ -855,12 +879,13 @@ def test_gpu_non_positive_scale(scale, Hd, monkeypatch):
     (4, 2, 2, 64, True, torch.float16, "BSHD"),
     (1, 1, 1, 1, True, torch.bfloat16, "BHSD"),
 ])
-@pytest.mark.parametrize("Hd", [64, 128])
+@pytest.mark.parametrize("Hd", [64, 128, 96])
 def test_gpu_hopper_backward(B, H, Hkv, S, causal, dtype, layout, deterministic, Hd, monkeypatch):
     """The Gluon backward against the Triton backward (forced) on the same forward: long and odd
-    lengths, GQA, both layouts, one-row and partial blocks; against the fp32 reference by the
-    accuracy rule where that fits in memory; and bit-identical on repeat when deterministic.
-    Each case takes the walk ``_walk`` picks for it (the next test forces the others)."""
+    lengths, GQA, both layouts, one-row and partial blocks, Hd 96 on 128-wide tiles; against the
+    fp32 reference by the accuracy rule where that fits in memory; and bit-identical on repeat
+    when deterministic. Each case takes the walk ``_walk`` picks for it (the next test forces
+    the others)."""
     _check_hopper_backward(B, H, Hkv, S, Hd, causal, dtype, layout, deterministic, monkeypatch)
 
 
@@ -890,7 +915,7 @@ def test_gpu_hopper_backward_every_walk(walk, B, H, Hkv, S, causal, Hd, monkeypa
     ("DESCENDING", 2, 4, 4, 333, True), ("ASCENDING", 1, 4, 2, 1000, True),
     ("ASCENDING", 1, 2, 2, 1, True), ("CYCLIC", 1, 2, 1, 1500, False),
 ])
-@pytest.mark.parametrize("Hd", [64, 128])
+@pytest.mark.parametrize("Hd", [64, 128, 72])
 def test_gpu_hopper_backward_writes_every_gradient_row(walk, B, H, Hkv, S, causal, Hd,
                                                       deterministic, monkeypatch):
     """dq, dk, dv and the fp32 dQ accumulator start as NaN: every row must be written
@@ -898,10 +923,12 @@ def test_gpu_hopper_backward_writes_every_gradient_row(walk, B, H, Hkv, S, causa
     others' sum: a block it missed, or one it read before the first adder's store, shows as NaN,
     one read before the other adds were in as a wrong sum; past FINISH_DQ_TO and
     nondeterministic, by the pass after the kernel, whose dk and dv are checked the same way), at
-    every walk, odd lengths, GQA and a one-row sequence, against the Triton backward."""
+    every walk, odd lengths, GQA, a one-row sequence and Hd 72 on 128-wide tiles, against the
+    Triton backward."""
     forced = int(getattr(fab, "WALK_" + walk))
     monkeypatch.setattr(fab, "_walk", lambda *a: forced)
     monkeypatch.setattr(fab, "MIN_SCORES", 0)
+    monkeypatch.setattr(fah, "WIDE_TILE_FROM", 0)  # Hd 72 at any length
     q, k, v = (_gpu_heads(B, h, S, Hd, torch.bfloat16, "BHSD").requires_grad_() for h in (H, Hkv, Hkv))
     do = _gpu_heads(B, H, S, Hd, torch.bfloat16, "BHSD")
     assert fab.hopper_backward_ok(q, k, v, do, causal, None)
@@ -920,6 +947,28 @@ def test_gpu_hopper_backward_writes_every_gradient_row(walk, B, H, Hkv, S, causa
         triton_grads = _out_and_grads(lambda a, b, c: flash_attention(a, b, c, causal), q, k, v, do)[1:]
     for name, x, y in zip(("dq", "dk", "dv"), ours, triton_grads):
         assert not x.isnan().any(), f"{name}: rows left unwritten"
+        scale = y.float().abs().max().item()
+        assert (x.float() - y.float()).abs().max().item() <= 1e-2 * scale + ATOL_FLOOR[torch.bfloat16], name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _on_sm90(), reason="the Gluon kernels are for sm_90")
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_head_dim_96_takes_the_gluon_kernels_from_its_length(causal, monkeypatch):
+    """Unpatched, Hd 96 reaches both Gluon kernels at ``WIDE_TILE_FROM`` keys and the forward
+    not one key shorter; there o, dq, dk and dv match the Triton kernels' (forced)."""
+    q, k, v, do = _inputs(16, 32, 32, fah.WIDE_TILE_FROM, 96, torch.bfloat16, DEVICE_GPU)
+    assert fah.hopper_forward_ok(q, k, v, causal, None)
+    assert fab.hopper_backward_ok(q, k, v, do, causal, None)
+    short = q.detach()[:, :, 1:]
+    assert not fah.hopper_forward_ok(short, short, short, causal, None)
+    ours = _out_and_grads(lambda a, b, c: flash_attention(a, b, c, causal), q, k, v, do)
+    with monkeypatch.context() as m:
+        m.setattr(fa, "hopper_forward_ok", lambda *a: False)
+        m.setattr(fa, "hopper_backward_ok", lambda *a: False)
+        triton_run = _out_and_grads(lambda a, b, c: flash_attention(a, b, c, causal), q, k, v, do)
+    for name, x, y in zip(("o", "dq", "dk", "dv"), ours, triton_run):
+        assert x.shape == y.shape and x.stride() == y.stride(), name
         scale = y.float().abs().max().item()
         assert (x.float() - y.float()).abs().max().item() <= 1e-2 * scale + ATOL_FLOOR[torch.bfloat16], name
 
@@ -959,6 +1008,7 @@ def _check_hopper_backward(B, H, Hkv, S, Hd, causal, dtype, layout, deterministi
     q, k, v = (_gpu_heads(B, h, S, Hd, dtype, layout).requires_grad_() for h in (H, Hkv, Hkv))
     do = _gpu_heads(B, H, S, Hd, dtype, layout)
     monkeypatch.setattr(fab, "MIN_SCORES", 0)  # small cases too: the kernel, not the dispatch
+    monkeypatch.setattr(fah, "WIDE_TILE_FROM", 0)  # and Hd 65-127's
     assert fab.hopper_backward_ok(q, k, v, do, causal, None)
 
     def run():
