@@ -6,7 +6,7 @@ H / Hkv query heads), Sq query length, Sk key/value length, Hd head dim.
 - ``_attn_fwd_kernel``: one program per (query block, b, h); streams key/value blocks through an
   online softmax, writes O and the per-row log-sum-exp (fp32, base 2, of the scaled scores).
   The Sq×Sk score matrix never exists in memory. On an H100/H200, the plain case (Sq == Sk, no
-  window, Hd 64 or 128, or 65-127 from 1k keys, fp16/bf16, a nonzero scale, at least 2^19
+  window, Hd 64 or 128, or 33-127 from 1k keys, fp16/bf16, a nonzero scale, at least 2^19
   visible scores) runs the warp-specialized Gluon forward of ``flash_attn_hopper`` instead
   (bench/results/attention.md: 1.00–1.12× cuDNN at Hd 128, S 1k–16k, where this kernel gave
   0.80–0.92×).
@@ -41,11 +41,11 @@ into an interior that every row sees whole (no mask: the fast path) and the bloc
 of the band or at the sequence end, which pay for a mask. Blocks outside every window cost nothing.
 
 Head dims: any multiple of 8 up to 256. The tiles are BLOCK_D = next power of two (>= 16) wide;
-loads and stores mask the columns past Hd (zeros, which add nothing to the dot products), so
-Hd 96 runs on 128-wide tiles and powers of two from 16 pay no mask (the Gluon kernels' 128-wide
-tiles take Hd 65-127 the same way, by TMA's zero fill: ``flash_attn_hopper.WIDE_TILE_FROM``). The
-kernels take arbitrary strides (last dim contiguous), so (B, S, H, Hd) tensors viewed as
-(B, H, S, Hd) need no copy.
+loads and stores mask the columns past Hd (zeros, which add nothing to the dot products), so Hd 96
+runs on 128-wide tiles and powers of two from 16 pay no mask (the Gluon kernels' 64- and 128-wide
+tiles take Hd 33-127 the same way, by TMA's zero fill: ``flash_attn_hopper.WIDE_TILE_FROM``). The
+kernels take arbitrary strides (last dim contiguous), so (B, S, H, Hd) tensors viewed as (B, H, S,
+Hd) need no copy.
 """
 
 import math

@@ -57,8 +57,8 @@ first, so that the CTAs the pairs left a unit short take them, measured 1.002× 
 (A-vs-A 0.997; a host model of the idle round had expected 1.019×), 0.997–1.024× at S 2k–16k (H200,
 7 rounds, probe 2026-12-03): not taken.
 
-Scope: the plain case only (Sq == Sk, no window), Hd 64 and 128 (and 65-127 on 128-wide tiles from
-``WIDE_TILE_FROM`` keys), fp16/bf16, an sm_90 GPU and
+Scope: the plain case only (Sq == Sk, no window), Hd 64 and 128 (and 33-63, 65-127 on those tiles
+from ``WIDE_TILE_FROM`` keys), fp16/bf16, an sm_90 GPU and
 TMA-compatible strides (``hopper_forward_ok``), and a positive softmax scale (the caller's check:
 the mask sets scores to -inf before they are scaled); everything else takes the Triton kernels. The
 output matches the Triton forward's contract (O in q's dtype and strides, base-2 LSE of the scaled
@@ -74,7 +74,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernel_floor import (GLUON_DTYPES, cached_launch, capability, cdiv, gluon_layout,
-                          partition_args, sm_count, tma_ok)
+                          next_power_of_2, partition_args, sm_count, tma_ok)
 
 WG_M = 64  # query rows per consumer warpgroup: one m64 wgmma row block
 PRODUCER_REGS = 24
@@ -646,26 +646,29 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, SQ, S
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
-# Head dims 65-127 (the multiples of 8 between: Phi-3's 96, ...) run the Hd 128 kernels on the
-# caller's tensors. Their TMA descriptors keep the tensors' Hd columns but move 128-wide blocks:
-# a load fills the columns past Hd with zeros, which add nothing to any dot product, and a store
-# drops them (TMA clips a box at the tensor's bounds, as it does the rows past S). Exact, with no
-# padded copy and the same binaries as Hd 128. From 1k keys, the shortest length measured: Hd 96
-# fwd+bwd 1.29-1.42x the Triton kernels (on 128-wide masked tiles) at S 1k-32k, causal and not,
-# and 0.996-1.093x cuDNN; Hd 72 and 120 at S 4k 2.14-2.36x (H200, bf16, B·S 16k, H 32, 5
-# alternating rounds, 2026-12-04, bench/results/attention_wide_tiles.md). The rule set before
-# that run: the shortest length from which the route is >= 1.05x the Triton path at every length.
+# A head dim above half a tile width the kernels take (33-63, 65-127: Phi-3's 96, ...) runs them
+# on the caller's tensors: the TMA descriptors keep the tensors' Hd columns but move blocks of the
+# tile's width, so a load fills the columns past Hd with zeros, which add nothing to any dot
+# product, and a store drops them (TMA clips a box at the tensor's bounds, as it does the rows past
+# S). Exact, with no padded copy and the tile's own binaries. From 1k keys, the shortest length
+# measured (H200, bf16, B·S 16k, H 32, 5 alternating rounds, 2026-12-04,
+# bench/results/attention_wide_tiles.md), fwd+bwd: Hd 96 1.29-1.42x the Triton kernels (on
+# 128-wide masked tiles) at S 1k-32k, causal and not, and 0.996-1.093x cuDNN; Hd 48 1.19-1.32x
+# and 1.03-1.09x at S 1k-16k; Hd 40, 56, 72 and 120 at S 4k 1.99-2.36x the Triton kernels. The rule
+# set before those runs: the shortest length from which the route is >= 1.05x the Triton path at
+# every length, per tile width.
 WIDE_TILE_FROM = 1024
 
 
 def kernel_head_dim(head_d: int, seq_len: int, head_dims) -> int | None:
     """The head dim (tile width) the Gluon kernels run a call at: ``head_d`` itself if it is in
-    ``head_dims``, 128 for a head dim between 64 and 128 from ``WIDE_TILE_FROM`` keys, else None
-    (the Triton kernels)."""
+    ``head_dims``; the next power of two if that is in ``head_dims``, ``head_d`` is above its half
+    and the call has ``WIDE_TILE_FROM`` keys or more; else None (the Triton kernels)."""
     if head_d in head_dims:
         return head_d
-    if 64 < head_d < 128 and 128 in head_dims and seq_len >= WIDE_TILE_FROM:
-        return 128
+    tile = next_power_of_2(head_d)
+    if tile in head_dims and 2 * head_d > tile and seq_len >= WIDE_TILE_FROM:
+        return tile
     return None
 
 

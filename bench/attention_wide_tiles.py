@@ -1,15 +1,16 @@
-"""Benchmark: head dims 65-127 on the Gluon Hd 128 kernels' tiles, against the Triton path and cuDNN.
+"""Benchmark: Hd 33-63 and 65-127 on the Gluon kernels' wider tiles, vs the Triton path and cuDNN.
 
 Hd 96 (Phi-3's) and the other multiples of 8 between 64 and 128 run the Gluon Hd 128 kernels from
-``flash_attn_hopper.WIDE_TILE_FROM`` keys: the TMA descriptors keep the tensors' Hd columns and move
-128-wide blocks, so loads zero-fill the rest and stores drop it. Below those lengths, and on other
-GPUs, the Triton kernels run Hd 96 on 128-wide tiles (masked). Each row times, alternating: ours
-with the route forced on (``wide``), ours with it forced off (``triton``), cuDNN through SDPA, and
-``wide`` again (the A-vs-A column); at the lengths the route starts from, ``wide`` is what
-``flash_attention`` runs by default.
+``flash_attn_hopper.WIDE_TILE_FROM`` keys, and 33-63 the Hd 64 kernels: the TMA descriptors keep the
+tensors' Hd columns and move the tile's full-width blocks, so loads zero-fill the rest and stores
+drop it. Elsewhere, and on other GPUs, the Triton kernels run them on power-of-two tiles (masked).
+Each row times, alternating: ours with the route forced on (``wide``), ours with it forced off
+(``triton``), cuDNN through SDPA, and ``wide`` again (the A-vs-A column); ``default`` names what
+``flash_attention`` runs for the row.
 
-The rule that set ``WIDE_TILE_FROM``, applied to this table's fwd+bwd rows: the shortest length
-at which wide is >= 1.05x triton there and at every longer length measured, both masks.
+The rule that set ``WIDE_TILE_FROM`` (per tile width; both came out 1024), applied to this table's
+fwd+bwd rows: the shortest length at which wide is >= 1.05x triton there and at every longer length
+measured, both masks.
 
 bf16, MHA, B·S 16k (B 1 from 16k), H 32; FLOPs as bench/attention.py's, at the tensors' Hd.
 
@@ -89,7 +90,7 @@ def main():
     torch.manual_seed(0)
     shipped = fah.WIDE_TILE_FROM
     md = header(
-        "Head dims 65-127 on the Gluon Hd 128 kernels' tiles vs the Triton path and cuDNN",
+        "Head dims below a Gluon tile width on those kernels vs the Triton path and cuDNN",
         "bench/attention_wide_tiles.py",
         f"bf16, MHA, B·S = {TOKENS} tokens, H {H}; {args.rounds} rounds of do_bench(warmup=100, "
         "rep=200) median, alternating wide, triton, cuDNN (SDPA), wide again",

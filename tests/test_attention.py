@@ -668,18 +668,18 @@ def test_backward_walk_follows_the_measured_rule(monkeypatch):
 
 
 def test_wide_tiles_follow_the_measured_rule():
-    """Hd 65-127 run the Hd 128 Gluon kernels (TMA zero-fills the columns past Hd) from
-    ``WIDE_TILE_FROM`` keys, 1k, the shortest length measured (1.29-1.42x the Triton path at Hd
-    96); Hd 64 and 128 at any length; no other head dim ever."""
+    """Hd 33-63 and 65-127 run the Hd 64 and 128 Gluon kernels (TMA zero-fills the columns past
+    Hd) from ``WIDE_TILE_FROM`` keys, 1k, the shortest length measured (1.19-1.42x the Triton
+    path at Hd 48 and 96); Hd 64 and 128 at any length; no other head dim ever."""
     assert fah.WIDE_TILE_FROM == 1024
     for head_dims in (fah.HEAD_DIMS, fab.HEAD_DIMS):
-        for head_d in (72, 96, 120):
-            assert fah.kernel_head_dim(head_d, 1024, head_dims) == 128
-            assert fah.kernel_head_dim(head_d, 1 << 15, head_dims) == 128
+        for head_d, tile in ((40, 64), (48, 64), (56, 64), (72, 128), (96, 128), (120, 128)):
+            assert fah.kernel_head_dim(head_d, 1024, head_dims) == tile
+            assert fah.kernel_head_dim(head_d, 1 << 15, head_dims) == tile
             assert fah.kernel_head_dim(head_d, 1023, head_dims) is None
         for head_d in (64, 128):
             assert fah.kernel_head_dim(head_d, 1, head_dims) == head_d
-        for head_d in (8, 56, 136, 256):
+        for head_d in (8, 16, 24, 32, 136, 256):
             assert fah.kernel_head_dim(head_d, 1 << 15, head_dims) is None
 
 
@@ -815,6 +815,10 @@ def _on_sm90():
     (1, 4, 4, 4097, 96, False, torch.bfloat16, "BHSD"),
     (2, 4, 2, 129, 72, True, torch.float16, "BHSD"),
     (1, 2, 1, 1, 120, True, torch.bfloat16, "BSHD"),
+    # Hd 33-63 on the Hd 64 kernels' tiles, the same way
+    (2, 8, 2, 1000, 48, True, torch.bfloat16, "BSHD"),
+    (1, 4, 4, 2049, 56, False, torch.float16, "BHSD"),
+    (2, 4, 2, 193, 40, True, torch.bfloat16, "BHSD"),
 ])
 @pytest.mark.parametrize("tiling", ["planned", "other"])
 def test_gpu_hopper_forward_matches_triton_forward(B, H, Hkv, S, Hd, causal, dtype, layout,
@@ -824,8 +828,8 @@ def test_gpu_hopper_forward_matches_triton_forward(B, H, Hkv, S, Hd, causal, dty
     ``tiling="other"`` runs each case in the tiling its length and mask do not get: at Hd 64 two
     consumers where the plan takes three (192-row tiles) and three where it takes two; at Hd 128 a
     loop per tile where the plan streams the CTA's tiles, and the stream where it does not (Hd
-    65-127 as Hd 128)."""
-    monkeypatch.setattr(fah, "WIDE_TILE_FROM", 0)  # Hd 65-127 at any length
+    33-63 as Hd 64, 65-127 as Hd 128)."""
+    monkeypatch.setattr(fah, "WIDE_TILE_FROM", 0)  # Hd 33-127 at any length
     head_d = fah.kernel_head_dim(Hd, S, fah.HEAD_DIMS)
     if tiling == "other":
         if head_d == 64:
@@ -879,10 +883,10 @@ def test_gpu_non_positive_scale(scale, Hd, monkeypatch):
     (4, 2, 2, 64, True, torch.float16, "BSHD"),
     (1, 1, 1, 1, True, torch.bfloat16, "BHSD"),
 ])
-@pytest.mark.parametrize("Hd", [64, 128, 96])
+@pytest.mark.parametrize("Hd", [64, 128, 96, 48])
 def test_gpu_hopper_backward(B, H, Hkv, S, causal, dtype, layout, deterministic, Hd, monkeypatch):
     """The Gluon backward against the Triton backward (forced) on the same forward: long and odd
-    lengths, GQA, both layouts, one-row and partial blocks, Hd 96 on 128-wide tiles; against the
+    lengths, GQA, both layouts, one-row and partial blocks, Hd 96 and 48 on wider tiles; against the
     fp32 reference by the accuracy rule where that fits in memory; and bit-identical on repeat
     when deterministic. Each case takes the walk ``_walk`` picks for it (the next test forces
     the others)."""
@@ -915,7 +919,7 @@ def test_gpu_hopper_backward_every_walk(walk, B, H, Hkv, S, causal, Hd, monkeypa
     ("DESCENDING", 2, 4, 4, 333, True), ("ASCENDING", 1, 4, 2, 1000, True),
     ("ASCENDING", 1, 2, 2, 1, True), ("CYCLIC", 1, 2, 1, 1500, False),
 ])
-@pytest.mark.parametrize("Hd", [64, 128, 72])
+@pytest.mark.parametrize("Hd", [64, 128, 72, 40])
 def test_gpu_hopper_backward_writes_every_gradient_row(walk, B, H, Hkv, S, causal, Hd,
                                                       deterministic, monkeypatch):
     """dq, dk, dv and the fp32 dQ accumulator start as NaN: every row must be written
@@ -923,12 +927,12 @@ def test_gpu_hopper_backward_writes_every_gradient_row(walk, B, H, Hkv, S, causa
     others' sum: a block it missed, or one it read before the first adder's store, shows as NaN,
     one read before the other adds were in as a wrong sum; past FINISH_DQ_TO and
     nondeterministic, by the pass after the kernel, whose dk and dv are checked the same way), at
-    every walk, odd lengths, GQA, a one-row sequence and Hd 72 on 128-wide tiles, against the
+    every walk, odd lengths, GQA, a one-row sequence and Hd 72 and 40 on wider tiles, against the
     Triton backward."""
     forced = int(getattr(fab, "WALK_" + walk))
     monkeypatch.setattr(fab, "_walk", lambda *a: forced)
     monkeypatch.setattr(fab, "MIN_SCORES", 0)
-    monkeypatch.setattr(fah, "WIDE_TILE_FROM", 0)  # Hd 72 at any length
+    monkeypatch.setattr(fah, "WIDE_TILE_FROM", 0)  # Hd 72 and 40 at any length
     q, k, v = (_gpu_heads(B, h, S, Hd, torch.bfloat16, "BHSD").requires_grad_() for h in (H, Hkv, Hkv))
     do = _gpu_heads(B, H, S, Hd, torch.bfloat16, "BHSD")
     assert fab.hopper_backward_ok(q, k, v, do, causal, None)
@@ -1008,7 +1012,7 @@ def _check_hopper_backward(B, H, Hkv, S, Hd, causal, dtype, layout, deterministi
     q, k, v = (_gpu_heads(B, h, S, Hd, dtype, layout).requires_grad_() for h in (H, Hkv, Hkv))
     do = _gpu_heads(B, H, S, Hd, dtype, layout)
     monkeypatch.setattr(fab, "MIN_SCORES", 0)  # small cases too: the kernel, not the dispatch
-    monkeypatch.setattr(fah, "WIDE_TILE_FROM", 0)  # and Hd 65-127's
+    monkeypatch.setattr(fah, "WIDE_TILE_FROM", 0)  # and Hd 33-127's
     assert fab.hopper_backward_ok(q, k, v, do, causal, None)
 
     def run():
