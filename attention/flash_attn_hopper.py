@@ -58,11 +58,11 @@ first, so that the CTAs the pairs left a unit short take them, measured 1.002× 
 7 rounds, probe 2026-12-03): not taken.
 
 Scope: the plain case only (Sq == Sk, no window), Hd 64 and 128 (and 33-63, 65-127 on those tiles
-from ``WIDE_TILE_FROM`` keys), fp16/bf16, an sm_90 GPU and
-TMA-compatible strides (``hopper_forward_ok``), and a positive softmax scale (the caller's check:
-the mask sets scores to -inf before they are scaled); everything else takes the Triton kernels. The
-output matches the Triton forward's contract (O in q's dtype and strides, base-2 LSE of the scaled
-scores), so the Triton backward consumes it unchanged.
+from ``WIDE_TILE_FROM`` keys), fp16/bf16, an sm_90 GPU and TMA-compatible strides
+(``hopper_forward_ok``), and a positive softmax scale (the caller's check: the mask sets scores to
+-inf before they are scaled); everything else takes the Triton kernels. The output matches the
+Triton forward's contract (O in q's dtype and strides, base-2 LSE of the scaled scores), so the
+Triton backward consumes it unchanged.
 """
 
 from dataclasses import dataclass
@@ -646,28 +646,28 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, SQ, S
                            [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
-# A head dim above half a tile width the kernels take (33-63, 65-127: Phi-3's 96, ...) runs them
-# on the caller's tensors: the TMA descriptors keep the tensors' Hd columns but move blocks of the
-# tile's width, so a load fills the columns past Hd with zeros, which add nothing to any dot
-# product, and a store drops them (TMA clips a box at the tensor's bounds, as it does the rows past
-# S). Exact, with no padded copy and the tile's own binaries. From 1k keys, the shortest length
-# measured (H200, bf16, B·S 16k, H 32, 5 alternating rounds, 2026-12-04,
+# A head dim between two tile widths the kernels take (33-63, 65-127: Phi-3's 96, ...) runs the
+# wider one's kernels on the caller's tensors: the TMA descriptors keep the tensors' Hd columns but
+# move blocks of the tile's width, so a load fills the columns past Hd with zeros, which add
+# nothing to any dot product, and a store drops them (TMA clips a box at the tensor's bounds, as
+# it does the rows past S). Exact, with no padded copy and the tile's own binaries. From 1k keys,
+# the shortest length measured (H200, bf16, B·S 16k, H 32, 5 alternating rounds, 2026-12-04,
 # bench/results/attention_wide_tiles.md), fwd+bwd: Hd 96 1.29-1.42x the Triton kernels (on
-# 128-wide masked tiles) at S 1k-32k, causal and not, and 0.996-1.093x cuDNN; Hd 48 1.19-1.32x
-# and 1.03-1.09x at S 1k-16k; Hd 40, 56, 72 and 120 at S 4k 1.99-2.36x the Triton kernels. The rule
-# set before those runs: the shortest length from which the route is >= 1.05x the Triton path at
-# every length, per tile width.
+# 128-wide masked tiles) at S 1k-32k, causal and not, and 0.996-1.093x cuDNN; Hd 48 1.19-1.32x and
+# 1.03-1.09x at S 1k-16k. The rule set before those runs: per tile width, the shortest length from
+# which the route is >= 1.05x the Triton path at every length. The other head dims rest on those
+# two: Hd 40, 56, 72 and 120 were timed at S 4k only (1.99-2.36x the Triton kernels).
 WIDE_TILE_FROM = 1024
 
 
 def kernel_head_dim(head_d: int, seq_len: int, head_dims) -> int | None:
     """The head dim (tile width) the Gluon kernels run a call at: ``head_d`` itself if it is in
-    ``head_dims``; the next power of two if that is in ``head_dims``, ``head_d`` is above its half
-    and the call has ``WIDE_TILE_FROM`` keys or more; else None (the Triton kernels)."""
+    ``head_dims``; the next power of two if that is in ``head_dims`` and the call has
+    ``WIDE_TILE_FROM`` keys or more; else None (the Triton kernels)."""
     if head_d in head_dims:
         return head_d
     tile = next_power_of_2(head_d)
-    if tile in head_dims and 2 * head_d > tile and seq_len >= WIDE_TILE_FROM:
+    if tile in head_dims and seq_len >= WIDE_TILE_FROM:
         return tile
     return None
 

@@ -22,29 +22,17 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.append(os.path.dirname(__file__))  # after the repo root: bench/attention.py must not shadow the package
 import attention.flash_attn_hopper as fah  # noqa: E402
 from attention import flash_attention  # noqa: E402
-from common import alternate, header, median_ratio, write_results  # noqa: E402
+from common import (alternate, attention_flops, attention_runner, header, median_ratio,  # noqa: E402
+                    sdpa, write_results)
 
 TOKENS = 16384
-
-
-def _flops(B, H, S, Hd, causal, mode):
-    f = 4 * B * H * S * S * Hd / (2 if causal else 1)
-    return f * (3.5 if mode == "fwd+bwd" else 1.0)
-
-
-def _sdpa(backend):
-    def fn(q, k, v, causal):
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return fn
 
 
 IMPLS = {
@@ -52,15 +40,9 @@ IMPLS = {
     # The backward's opt-in mode: dQ parts added in arrival order, not bit-reproducible.
     "ours_nondet": lambda q, k, v, causal: flash_attention(q, k, v, causal=causal,
                                                            deterministic=False),
-    "sdpa_flash": _sdpa(SDPBackend.FLASH_ATTENTION),
-    "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
+    "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
+    "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
 }
-
-
-def _runner(impl, q, k, v, do, causal, mode):
-    if mode == "fwd":
-        return lambda: impl(q, k, v, causal)
-    return lambda: torch.autograd.grad(impl(q, k, v, causal), (q, k, v), do)
 
 
 def _inputs(Hd, S):
@@ -75,7 +57,7 @@ def _inputs(Hd, S):
 def _serves(name, q, k, v, do, causal, mode):
     """Whether SDPA backend ``name`` runs this row (cuDNN's head-dim limits differ by mode)."""
     try:
-        _runner(IMPLS[name], q, k, v, do, causal, mode)()
+        attention_runner(IMPLS[name], q, k, v, do, causal, mode)()
         return True
     except RuntimeError:
         return False
@@ -91,10 +73,10 @@ def bench_row(Hd, S, causal, mode, rounds, warmup, rep, a_vs_a):
     names = [n for n in IMPLS if (mode == "fwd+bwd" or n != "ours_nondet")
              and (not n.startswith("sdpa") or n in anchors)]
     names += ["ours_again"] if a_vs_a else []
-    fns = {n: _runner(IMPLS["ours" if n == "ours_again" else n], q, k, v, do, causal, mode)
+    fns = {n: attention_runner(IMPLS["ours" if n == "ours_again" else n], q, k, v, do, causal, mode)
            for n in names}
     times = alternate(fns, rounds, warmup, rep)
-    flops = _flops(B, H, S, Hd, causal, mode)
+    flops = attention_flops(B, H, S, Hd, causal, mode)
     tflops = {n: flops / statistics.median(t) / 1e9 for n, t in times.items()}
     ratios = {n: median_ratio(times[n], times["ours"]) for n in names if n != "ours"}
     if "ours_nondet" in times and "sdpa_cudnn" in times:
@@ -112,7 +94,7 @@ def host_split(Hd, S, causal, calls=30):
     _, _, q, k, v, do = _inputs(Hd, S)
     out = {}
     for name in ("ours", "sdpa_cudnn"):
-        fn = _runner(IMPLS[name], q, k, v, do, causal, "fwd+bwd")
+        fn = attention_runner(IMPLS[name], q, k, v, do, causal, "fwd+bwd")
         event = triton.testing.do_bench(fn, warmup=100, rep=200, return_mode="median")
         torch.cuda.synchronize()
         start = time.perf_counter()

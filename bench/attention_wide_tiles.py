@@ -23,14 +23,15 @@ import statistics
 import sys
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.append(os.path.dirname(__file__))  # after the repo root: bench/attention.py must not shadow the package
+# after the repo root: bench/attention.py must not shadow the package
+sys.path.append(os.path.dirname(__file__))
 import attention.flash_attn_hopper as fah  # noqa: E402
 from attention import flash_attention  # noqa: E402
-from common import alternate, header, median_ratio, write_results  # noqa: E402
+from common import (alternate, attention_flops, attention_runner, header,  # noqa: E402
+                    median_ratio, sdpa, write_results)
 
 TOKENS, H = 16384, 32
 ON, OFF = 0, 1 << 40
@@ -43,15 +44,9 @@ def _ours(route):
     return fn
 
 
-def _cudnn(q, k, v, causal):
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-
-def _runner(fn, q, k, v, do, causal, mode):
-    if mode == "fwd":
-        return lambda: fn(q, k, v, causal)
-    return lambda: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), do)
+def _out_and_grads(fn, q, k, v, do, causal):
+    o = fn(q, k, v, causal)
+    return (o, *torch.autograd.grad(o, (q, k, v), do))
 
 
 def _max_rel_diff(a, b):
@@ -63,19 +58,21 @@ def row(Hd, S, causal, mode, rounds, shipped):
     B = max(1, TOKENS // S)
     q, k, v, do = (torch.randn(B, H, S, Hd, device="cuda", dtype=torch.bfloat16,
                                requires_grad=i < 3) for i in range(4))
-    impls = {"wide": _ours(ON), "triton": _ours(OFF), "cudnn": _cudnn}
-    fns = {n: _runner(f, q, k, v, do, causal, mode) for n, f in impls.items()}
-    grads = {n: _runner(impls[n], q, k, v, do, causal, "fwd+bwd")() for n in ("wide", "triton")}
-    err = _max_rel_diff(grads["wide"], grads["triton"])
+    impls = {"wide": _ours(ON), "triton": _ours(OFF), "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
+    fns = {n: attention_runner(f, q, k, v, do, causal, mode) for n, f in impls.items()}
+    err = _max_rel_diff(*(_out_and_grads(impls[n], q, k, v, do, causal)
+                          for n in ("wide", "triton")))
     fns["wide_again"] = fns["wide"]
     t = alternate(fns, rounds)
     fah.WIDE_TILE_FROM = shipped
-    flop = 4 * B * H * S * S * Hd / (2 if causal else 1) * (3.5 if mode == "fwd+bwd" else 1.0)
+    flop = attention_flops(B, H, S, Hd, causal, mode)
     tf = {n: flop / statistics.median(t[n]) / 1e9 for n in t}
     default = "wide" if fah.kernel_head_dim(Hd, S, fah.HEAD_DIMS) else "triton"
     return (f"| {Hd} | {S} | {B}×{H} | {'yes' if causal else 'no'} | {mode} | {tf['wide']:.0f} | "
-            f"{tf['triton']:.0f} | {tf['cudnn']:.0f} | **{median_ratio(t['triton'], t['wide']):.3f}** | "
-            f"{median_ratio(t['cudnn'], t['wide']):.3f} | {median_ratio(t['cudnn'], t['triton']):.3f} | "
+            f"{tf['triton']:.0f} | {tf['cudnn']:.0f} | "
+            f"**{median_ratio(t['triton'], t['wide']):.3f}** | "
+            f"{median_ratio(t['cudnn'], t['wide']):.3f} | "
+            f"{median_ratio(t['cudnn'], t['triton']):.3f} | "
             f"{median_ratio(t['wide'], t['wide_again']):.3f} | {default} | {err:.1e} |")
 
 
@@ -87,6 +84,10 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default="bench/results/attention_wide_tiles.md")
     args = p.parse_args()
+    for Hd in args.head_dims:
+        if fah.HEAD_DIMS[0] // 2 >= Hd or Hd > fah.HEAD_DIMS[-1] or Hd in fah.HEAD_DIMS or Hd % 8:
+            p.error(f"--head-dims: {Hd} is not a multiple of 8 in 33-63 or 65-127, where a "
+                    "wider tile serves it")
     torch.manual_seed(0)
     shipped = fah.WIDE_TILE_FROM
     md = header(
@@ -94,13 +95,13 @@ def main():
         "bench/attention_wide_tiles.py",
         f"bf16, MHA, B·S = {TOKENS} tokens, H {H}; {args.rounds} rounds of do_bench(warmup=100, "
         "rep=200) median, alternating wide, triton, cuDNN (SDPA), wide again",
-        "wide: ours with the 128-wide Gluon route forced on; triton: forced off (the Triton "
-        "kernels on 128-wide masked tiles); default: what flash_attention runs for the row "
-        f"(WIDE_TILE_FROM = {shipped})",
+        "wide: ours with the Gluon kernels of the next tile width (64 or 128) forced on; triton: "
+        "forced off (the Triton kernels on power-of-two masked tiles); default: what "
+        f"flash_attention runs for the row (WIDE_TILE_FROM = {shipped})",
         "ratios: median over rounds of the second named's time over the first's, > 1: the first "
         "named faster; "
-        "A-vs-A: wide against wide again; max rel diff: wide against triton over o, dq, dk, dv "
-        "(fwd+bwd), relative to the largest value",
+        "A-vs-A: wide against wide again; max rel diff: wide against triton over o, dq, dk, dv, "
+        "relative to the largest value",
     ) + ["| Hd | S | B×H | causal | mode | wide TFLOP/s | triton | cuDNN | wide / triton | "
          "wide vs cuDNN | triton vs cuDNN | A-vs-A | default | max rel diff |",
          "|---:|---:|---:|:---:|:---|---:|---:|---:|---:|---:|---:|---:|:---|---:|"]

@@ -20,7 +20,9 @@ import tempfile
 import time
 
 import torch
+import torch.nn.functional as F
 import triton
+from torch.nn.attention import sdpa_kernel
 
 
 def header(title: str, script: str, *notes: str) -> list[str]:
@@ -55,6 +57,27 @@ def median_ratio(anchor_ms: list[float], ours_ms: list[float]) -> float:
 def round_to_round(times: list[float]) -> list[float]:
     """The A-vs-A ratios of one variant's rounds: each round's time over the round before."""
     return [x / y for x, y in zip(times[1:], times[:-1])]
+
+
+def attention_flops(B, H, S, Hd, causal, mode):
+    """An attention row's FLOPs: 4·B·H·S²·Hd forward (half when causal), 3.5× that fwd+bwd."""
+    f = 4 * B * H * S * S * Hd / (2 if causal else 1)
+    return f * (3.5 if mode == "fwd+bwd" else 1.0)
+
+
+def sdpa(backend):
+    """``F.scaled_dot_product_attention`` held to one backend, as an attention implementation."""
+    def fn(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return fn
+
+
+def attention_runner(impl, q, k, v, do, causal, mode):
+    """The call an attention row times: ``impl``'s forward, or forward and the q, k, v gradients."""
+    if mode == "fwd":
+        return lambda: impl(q, k, v, causal)
+    return lambda: torch.autograd.grad(impl(q, k, v, causal), (q, k, v), do)
 
 
 def write_results(path: str, md: str) -> None:
