@@ -4,8 +4,9 @@ The Hd 256 forward runs the Triton kernel at 0.68-0.85x cuDNN (bench/results/att
 The first probe of the Gluon forward there (hd256_gluon_fwd.py of 509ad9c) found two Q/output
 buffers per consumer (128 KB) leave room for 32-key blocks only: 1.02-1.12x the Triton forward,
 short of its 1.05x rule at two rows, and 0.78-0.87x cuDNN. The patch lets a plan take one Q buffer:
-a tile's output leaves it before the next tile's Q comes (that load's latency shows, about 1 % of
-a 128-row tile at 4k keys by a host estimate). Then 64-key blocks in a two-stage ring fit: 197 KB,
+a tile's output leaves it before the next tile's Q comes; the producer loads the tile's first ring
+blocks meanwhile, so Q's latency shows, about 1 % of a 128-row tile at 4k keys by a host estimate,
+more for the short tiles of a causal pair at 1k. Then 64-key blocks in a two-stage ring fit: 197 KB,
 no spill (sm_90 compile on CPU, 2026-12-04; 128-key blocks in one stage spill 328-416 bytes).
 
 Decision rule, set before the run: "2wg-n64-q1" ships as the Hd 256 forward (the Triton backward
@@ -88,11 +89,8 @@ def main():
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     ok = {}
-    for name in PLANS:
-        try:
-            ok[name] = check(name)
-        except Exception as e:  # a tiling that fails to launch is reported, not fatal
-            ok[name] = repr(e)[:200]
+    for name in PLANS:  # (a failure ends the run: a CUDA fault leaves no context to time in)
+        ok[name] = check(name)
         print(name, ok[name], flush=True)
     rows = []
     for causal in (False, True):
@@ -100,7 +98,7 @@ def main():
             B = TOKENS // S
             q, k, v = (torch.randn(B, H, S, HD, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             fns = {"triton": forward(None)}
-            fns.update({n: forward(n) for n in PLANS if isinstance(ok[n], tuple)})
+            fns.update({n: forward(n) for n in PLANS})
             fns["cudnn"] = cudnn
             fns["triton_again"] = fns["triton"]
             t = alternate({n: (lambda f=f: f(q, k, v, causal)) for n, f in fns.items()}, 5)
@@ -112,7 +110,7 @@ def main():
                    + " | ".join(ratios) + f" | {median_ratio(t['triton'], t['triton_again']):.3f} |")
             rows.append(row)
             print(row, flush=True)
-    names = [n for n in PLANS if isinstance(ok[n], tuple)]
+    names = list(PLANS)
     print("| S | causal | triton TFLOP/s | " + " | ".join(names) + " | cuDNN | "
           + " | ".join(f"{n} / triton" for n in names) + " | cuDNN / triton | A-vs-A |")
     print("\n".join(rows))
