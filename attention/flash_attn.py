@@ -6,7 +6,7 @@ H / Hkv query heads), Sq query length, Sk key/value length, Hd head dim.
 - ``_attn_fwd_kernel``: one program per (query block, b, h); streams key/value blocks through an
   online softmax, writes O and the per-row log-sum-exp (fp32, base 2, of the scaled scores).
   The Sq×Sk score matrix never exists in memory. On an H100/H200, the plain case (Sq == Sk, no
-  window, Hd 64 or 128, or 33-127 from 1k keys, fp16/bf16, a nonzero scale, at least 2^19
+  window, Hd 64 or 128, or 33-127 from 256 keys, fp16/bf16, a nonzero scale, at least 2^19
   visible scores) runs the warp-specialized Gluon forward of ``flash_attn_hopper`` instead
   (bench/results/attention.md: 1.00–1.12× cuDNN at Hd 128, S 1k–16k, where this kernel gave
   0.80–0.92×).
@@ -18,7 +18,7 @@ H / Hkv query heads), Sq query length, Sk key/value length, Hd head dim.
 - ``_attn_bwd_dq_kernel``: one program per (query block, b, h); recomputes the scores against
   every key block and accumulates dQ in registers. No atomics anywhere: repeated backward passes
   are bit-identical.
-- On an H100/H200 the case Sq == Sk, no window, Hd 64 or 128 (or 33-127 from 1k keys), fp16/bf16,
+- On an H100/H200 the case Sq == Sk, no window, Hd 64 or 128 (or 33-127 from 256 keys), fp16/bf16,
   any scale, at >= 2^27 visible scores takes the Gluon backward of ``flash_attn_hopper_bwd``
   instead of the last two: one kernel, five matmuls instead of seven (bench/results/attention.md:
   fwd+bwd 0.98–1.07× cuDNN at S 2k–16k where these gave 0.75–0.98×; S 1k is bound by host time on
@@ -64,8 +64,9 @@ HEAD_DIM_MULTIPLE = 8
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 # The autotune key. S_BUCKET is passed to the kernels for it alone; CAUSAL and BAND also pick
-# the code path at compile time (see _visible).
-_TUNE_KEY = ["HEAD_DIM", "CAUSAL", "BAND", "S_BUCKET"]
+# the code path at compile time (see _visible); ALIGN decides whether the tiles pipeline at all
+# (``_aligned``), so each value tunes on its own.
+_TUNE_KEY = ["HEAD_DIM", "CAUSAL", "BAND", "S_BUCKET", "ALIGN"]
 
 
 def _tune(space, wide_space, interpreter_point):
@@ -207,6 +208,17 @@ def _row_mask(rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexp
 
 
 @triton.jit
+def _aligned(stride_b, stride_h, stride_s, ALIGN: tl.constexpr):
+    """A tensor's strides from the host's stride // ALIGN (``_strides_in``): the product with the
+    constant tells Triton each is a multiple of ALIGN elements (16 bytes). Its launcher marks an
+    int only when the int is a multiple of 16, so Hd 72's row stride of 72 (any Hd ≡ 8 mod 16,
+    contiguous) got 2-byte loads and stores and no cp.async pipeline (``tl.multiple_of`` on the
+    stride changed nothing); with ALIGN 8, 16-byte cp.async as at Hd 96 (sm_90 PTX of the forward,
+    tests/test_attention.py)."""
+    return stride_b * ALIGN, stride_h * ALIGN, stride_s * ALIGN
+
+
+@triton.jit
 def _load_pair(A, B, rows, stride_a, stride_b, offs_d, n_rows, ROW_MASK: tl.constexpr,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ALIGNED: tl.constexpr = False):
     """(rows, BLOCK_D) tiles of A and B at the same rows (k and v, or q and dO), zeros where
@@ -268,9 +280,13 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
                      stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                      stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
                      H, GROUP, SQ, SK, DIAG_LO, DIAG_HI, S_BUCKET, qk_scale,
-                     CAUSAL: tl.constexpr, BAND: tl.constexpr,
+                     CAUSAL: tl.constexpr, BAND: tl.constexpr, ALIGN: tl.constexpr,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    stride_qb, stride_qh, stride_qs = _aligned(stride_qb, stride_qh, stride_qs, ALIGN)
+    stride_kb, stride_kh, stride_ks = _aligned(stride_kb, stride_kh, stride_ks, ALIGN)
+    stride_vb, stride_vh, stride_vs = _aligned(stride_vb, stride_vh, stride_vs, ALIGN)
+    stride_ob, stride_oh, stride_os = _aligned(stride_ob, stride_oh, stride_os, ALIGN)
     start_m, bh, b, h, hk = _query_block(SQ, H, GROUP, BLOCK_M)
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + hk * stride_kh
@@ -369,9 +385,15 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                           stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
                           stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
                           H, GROUP, SQ, SK, DIAG_LO, DIAG_HI, S_BUCKET, qk_scale, sm_scale,
-                          CAUSAL: tl.constexpr, BAND: tl.constexpr,
+                          CAUSAL: tl.constexpr, BAND: tl.constexpr, ALIGN: tl.constexpr,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    stride_qb, stride_qh, stride_qs = _aligned(stride_qb, stride_qh, stride_qs, ALIGN)
+    stride_kb, stride_kh, stride_ks = _aligned(stride_kb, stride_kh, stride_ks, ALIGN)
+    stride_vb, stride_vh, stride_vs = _aligned(stride_vb, stride_vh, stride_vs, ALIGN)
+    stride_dob, stride_doh, stride_dos = _aligned(stride_dob, stride_doh, stride_dos, ALIGN)
+    stride_dkb, stride_dkh, stride_dks = _aligned(stride_dkb, stride_dkh, stride_dks, ALIGN)
+    stride_dvb, stride_dvh, stride_dvs = _aligned(stride_dvb, stride_dvh, stride_dvs, ALIGN)
     start_n = tl.program_id(0) * BLOCK_N
     bhk = tl.program_id(1)
     H_KV = H // GROUP
@@ -445,9 +467,14 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                         stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
                         stride_dqb, stride_dqh, stride_dqs,
                         H, GROUP, SQ, SK, DIAG_LO, DIAG_HI, S_BUCKET, qk_scale, sm_scale,
-                        CAUSAL: tl.constexpr, BAND: tl.constexpr,
+                        CAUSAL: tl.constexpr, BAND: tl.constexpr, ALIGN: tl.constexpr,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    stride_qb, stride_qh, stride_qs = _aligned(stride_qb, stride_qh, stride_qs, ALIGN)
+    stride_kb, stride_kh, stride_ks = _aligned(stride_kb, stride_kh, stride_ks, ALIGN)
+    stride_vb, stride_vh, stride_vs = _aligned(stride_vb, stride_vh, stride_vs, ALIGN)
+    stride_dob, stride_doh, stride_dos = _aligned(stride_dob, stride_doh, stride_dos, ALIGN)
+    stride_dqb, stride_dqh, stride_dqs = _aligned(stride_dqb, stride_dqh, stride_dqs, ALIGN)
     start_m, bh, b, h, hk = _query_block(SQ, H, GROUP, BLOCK_M)
     K += b * stride_kb + hk * stride_kh
     V += b * stride_vb + hk * stride_vh
@@ -546,6 +573,23 @@ def _head_dim_args(Hd):
     return {"HEAD_DIM": Hd, "BLOCK_D": max(16, next_power_of_2(Hd))}
 
 
+def _align(*tensors):
+    """The kernels' ALIGN: the elements in 16 bytes if every tensor's base is 16-byte aligned and
+    its batch, head and row strides are multiples of them (``_aligned``), else 1. Also 1 with a
+    stride of 2^31 or more: the launcher types that one int64, but its quotient could pass as
+    int32 and overflow once multiplied back."""
+    align = 16 // tensors[0].element_size()
+    if all(t.data_ptr() % 16 == 0 and all(s % align == 0 and s < 2**31 for s in _strides(t))
+           for t in tensors):
+        return align
+    return 1
+
+
+def _strides_in(t, align):
+    """``_strides`` in units of ``align`` elements, as the kernels' ``_aligned`` takes them."""
+    return tuple(s // align for s in _strides(t))
+
+
 def attention_forward(q, k, v, causal=True, scale=None, window=None):
     """Launch the forward kernel.
 
@@ -571,10 +615,11 @@ def attention_forward(q, k, v, causal=True, scale=None, window=None):
     if scale > 0 and hopper_forward_ok(q, k, v, causal, window):
         return hopper_forward(q, k, v, o, lse, causal, scale * _LOG2E)
     grid = lambda meta: (cdiv(Sq, meta["BLOCK_M"]), B * H)  # noqa: E731
+    align = _align(q, k, v, o)
     _attn_fwd_kernel[grid](
-        q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+        q, k, v, o, lse, *(s for t in (q, k, v, o) for s in _strides_in(t, align)),
         H, H // k.shape[1], *_launch_args(q, k, causal, window), scale * _LOG2E,
-        **_path_args(q, k, causal, window), **_head_dim_args(Hd),
+        **_path_args(q, k, causal, window), ALIGN=align, **_head_dim_args(Hd),
     )
     return o, lse
 
@@ -614,15 +659,17 @@ def attention_backward(do, q, k, v, o, lse, causal=True, scale=None, window=None
         return launch()
     _delta(o, do, delta, None)
     common = (H, H // Hkv, *_launch_args(q, k, causal, window), scale * _LOG2E, scale)
-    constexprs = {**_path_args(q, k, causal, window), **_head_dim_args(Hd)}
+    align = _align(q, k, v, do, dq, dk, dv)
+    constexprs = {**_path_args(q, k, causal, window), "ALIGN": align, **_head_dim_args(Hd)}
     if Sk > 0:
         _attn_bwd_dkdv_kernel[lambda meta: (cdiv(Sk, meta["BLOCK_N"]), B * Hkv)](
-            q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v),
-            *_strides(do), *_strides(dk), *_strides(dv), *common, **constexprs,
+            q, k, v, do, lse, delta, dk, dv,
+            *(s for t in (q, k, v, do, dk, dv) for s in _strides_in(t, align)), *common,
+            **constexprs,
         )
     _attn_bwd_dq_kernel[lambda meta: (cdiv(Sq, meta["BLOCK_M"]), B * H)](
-        q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
-        *_strides(dq), *common, **constexprs,
+        q, k, v, do, lse, delta, dq, *(s for t in (q, k, v, do, dq) for s in _strides_in(t, align)),
+        *common, **constexprs,
     )
     return dq, dk, dv
 

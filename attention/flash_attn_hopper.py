@@ -650,14 +650,15 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, SQ, S
 # wider one's kernels on the caller's tensors: the TMA descriptors keep the tensors' Hd columns but
 # move blocks of the tile's width, so a load fills the columns past Hd with zeros, which add
 # nothing to any dot product, and a store drops them (TMA clips a box at the tensor's bounds, as
-# it does the rows past S). Exact, with no padded copy and the tile's own binaries. From 1k keys,
-# the shortest length measured (H200, bf16, B·S 16k, H 32, 5 alternating rounds, 2026-12-04,
-# bench/results/attention_wide_tiles.md), fwd+bwd: Hd 96 1.29-1.42x the Triton kernels (on
-# 128-wide masked tiles) at S 1k-32k, causal and not, and 0.996-1.093x cuDNN; Hd 48 1.19-1.32x and
-# 1.03-1.09x at S 1k-16k. The rule set before those runs: per tile width, the shortest length from
-# which the route is >= 1.05x the Triton path at every length. The other head dims rest on those
-# two: Hd 40, 56, 72 and 120 were timed at S 4k only (1.99-2.36x the Triton kernels).
-WIDE_TILE_FROM = 1024
+# it does the rows past S). Exact, with no padded copy and the tile's own binaries. From 256 keys
+# (H200, bf16, B·S 16k, H 32, 5 alternating rounds, 2026-12-04, bench/results/attention_wide_tiles.md),
+# fwd+bwd against the Triton kernels (on power-of-two masked tiles): Hd 96 1.16-1.62x at S 256-32k,
+# causal and not, Hd 48 1.12-1.56x at S 256-16k; Hd 72, 120, 40 and 56 1.12-1.56x at S 256-4k
+# against the Triton kernels with their rows aligned (``flash_attn._aligned``). At 128 keys Hd 96
+# causal read 0.999x. The rule set before those runs: the shortest length from which the route is
+# >= 1.05x the Triton path at every length, both masks. Against cuDNN: 0.996-1.093x at Hd 96 from
+# 1k keys, but 0.55-0.86x causal at 256, where both our paths lose to it.
+WIDE_TILE_FROM = 256
 
 
 def kernel_head_dim(head_d: int, seq_len: int, head_dims) -> int | None:

@@ -8,9 +8,9 @@ Each row times, alternating: ours with the route forced on (``wide``), ours with
 (``triton``), cuDNN through SDPA, and ``wide`` again (the A-vs-A column); ``default`` names what
 ``flash_attention`` runs for the row.
 
-The rule that set ``WIDE_TILE_FROM`` (per tile width; both came out 1024), applied to this table's
-fwd+bwd rows: the shortest length at which wide is >= 1.05x triton there and at every longer length
-measured, both masks.
+The rule that set ``WIDE_TILE_FROM`` (1024 from the 1k-32k rows, then 256 from rows at 128-512),
+applied to this table's fwd+bwd rows: the shortest length at which wide is >= 1.05x triton there
+and at every longer length measured, both masks.
 
 bf16, MHA, B·S 16k (B 1 from 16k), H 32; FLOPs as bench/attention.py's, at the tensors' Hd.
 

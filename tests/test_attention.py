@@ -669,14 +669,15 @@ def test_backward_walk_follows_the_measured_rule(monkeypatch):
 
 def test_wide_tiles_follow_the_measured_rule():
     """Hd 33-63 and 65-127 run the Hd 64 and 128 Gluon kernels (TMA zero-fills the columns past
-    Hd) from ``WIDE_TILE_FROM`` keys, 1k, the shortest length measured (1.19-1.42x the Triton
-    path at Hd 48 and 96); Hd 64 and 128 at any length; no other head dim ever."""
-    assert fah.WIDE_TILE_FROM == 1024
+    Hd) from ``WIDE_TILE_FROM`` keys, 256, the shortest length at which every timed head dim ran
+    >= 1.05x the Triton path (at 128 keys Hd 96 causal read 0.999x); Hd 64 and 128 at any length;
+    no other head dim ever."""
+    assert fah.WIDE_TILE_FROM == 256
     for head_dims in (fah.HEAD_DIMS, fab.HEAD_DIMS):
         for head_d, tile in ((40, 64), (48, 64), (56, 64), (72, 128), (96, 128), (120, 128)):
-            assert fah.kernel_head_dim(head_d, 1024, head_dims) == tile
+            assert fah.kernel_head_dim(head_d, 256, head_dims) == tile
             assert fah.kernel_head_dim(head_d, 1 << 15, head_dims) == tile
-            assert fah.kernel_head_dim(head_d, 1023, head_dims) is None
+            assert fah.kernel_head_dim(head_d, 255, head_dims) is None
         for head_d in (64, 128):
             assert fah.kernel_head_dim(head_d, 1, head_dims) == head_d
         for head_d in (8, 16, 24, 32, 136, 256):
@@ -755,6 +756,68 @@ def test_delta_kernel_loads_16_bytes_when_aligned():
     aligned, unaligned = run.stdout.splitlines()[-2:]
     assert aligned == "True ['ld.global.v4.b32']", aligned
     assert unaligned == "False ['ld.global.b16']", unaligned
+
+
+_TRITON_LOADS = """
+import re
+from triton.compiler import ASTSource
+import attention.flash_attn as fa
+from tests.sm90 import compile_sm90
+for kernel in (fa._attn_fwd_kernel, fa._attn_bwd_dkdv_kernel, fa._attn_bwd_dq_kernel):
+    fn = kernel.fn  # under the autotuner
+    constexprs = {"CAUSAL": False, "BAND": False, "HEAD_DIM": 72, "BLOCK_D": 128, "BLOCK_M": 64,
+                  "BLOCK_N": 64}
+    for align in (8, 1):
+        # pointers 16-byte aligned, as the launcher marks them; the ints unmarked, as it leaves
+        # Hd 72's (their quotients by ALIGN: the row stride 72 // 8 = 9)
+        signature = {n: "constexpr" if n in constexprs or n == "ALIGN"
+                     else "*fp32" if n in ("LSE", "DELTA")
+                     else "*bf16" if n in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")
+                     else "fp32" if n.endswith("scale") else "i32" for n in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if signature[n].startswith("*")}
+        source = ASTSource(fn, signature, {**constexprs, "ALIGN": align}, attrs)
+        ptx = compile_sm90(source, {"num_warps": 4, "num_stages": 2})[0].asm["ptx"]
+        narrow = sorted(set(re.findall(r"(?:ld|st)\\.global\\.b16", ptx)))
+        print(fn.__name__, align, "cp.async.cg.shared.global" in ptx, narrow)
+"""
+
+
+def test_align_marks_strides_only_when_every_one_divides():
+    """``_align``: 16 bytes' worth of elements when every base is 16-byte aligned and every
+    batch, head and row stride a multiple of it (zero strides too) and below 2^31; else 1."""
+    class Fake:  # a tensor's address and strides without its memory
+        def __init__(self, ptr, strides, size=2):
+            self.ptr, self.strides, self.size = ptr, strides, size
+
+        def data_ptr(self):
+            return self.ptr
+
+        def stride(self, dim=None):
+            return self.strides if dim is None else self.strides[dim]
+
+        def element_size(self):
+            return self.size
+    q = torch.empty(2, 4, 33, 72, dtype=torch.bfloat16)
+    assert fa._align(q, q.transpose(1, 2).contiguous().transpose(1, 2)) == 8
+    assert fa._align(q[:, :1].expand(2, 4, 33, 72)) == 8  # a zero head stride
+    assert fa._align(q.float()) == 4
+    assert fa._align(Fake(16, (72 * 33 * 4, 72 * 33, 72, 1))) == 8
+    assert fa._align(Fake(8, (72 * 33 * 4, 72 * 33, 72, 1))) == 1  # the base
+    assert fa._align(q, Fake(16, (72 * 33 * 4, 72 * 33, 76, 1))) == 1  # one row stride of another
+    assert fa._align(Fake(16, (2**31, 72 * 33, 72, 1))) == 1  # past int32
+
+
+def test_triton_kernels_load_16_bytes_at_head_dims_off_16():
+    """Hd 72 (any Hd ≡ 8 mod 16): with the host's ALIGN the forward and both backward kernels
+    pipeline their tiles through 16-byte cp.async and store no 2-byte element alone; without it
+    (Triton's own marks) 2-byte loads and stores, no cp.async (sm_90 PTX, compiled on CPU)."""
+    run = run_child(_TRITON_LOADS, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()[-6:]
+    for name, aligned, unaligned in zip(("fwd", "dkdv", "dq"), lines[0::2], lines[1::2]):
+        assert aligned.endswith(" 8 True []"), (name, aligned)
+        assert unaligned.endswith(" 1 False ['ld.global.b16', 'st.global.b16']"), (name, unaligned)
 
 
 @interpreter_only
@@ -967,8 +1030,9 @@ def test_gpu_hopper_backward_writes_every_gradient_row(walk, B, H, Hkv, S, causa
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_head_dim_96_takes_the_gluon_kernels_from_its_length(causal, monkeypatch):
     """Unpatched, Hd 96 reaches both Gluon kernels at ``WIDE_TILE_FROM`` keys and the forward
-    not one key shorter; there o, dq, dk and dv match the Triton kernels' (forced)."""
-    q, k, v, do = _inputs(16, 32, 32, fah.WIDE_TILE_FROM, 96, torch.bfloat16, DEVICE_GPU)
+    not one key shorter; there o, dq, dk and dv match the Triton kernels' (forced). B·H 4096, so
+    the causal backward's 2^27 visible scores (``fab.MIN_SCORES``) are there at 256 keys."""
+    q, k, v, do = _inputs(128, 32, 32, fah.WIDE_TILE_FROM, 96, torch.bfloat16, DEVICE_GPU)
     assert fah.hopper_forward_ok(q, k, v, causal, None)
     assert fab.hopper_backward_ok(q, k, v, do, causal, None)
     short = q.detach()[:, :, 1:]
