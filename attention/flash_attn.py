@@ -6,10 +6,10 @@ H / Hkv query heads), Sq query length, Sk key/value length, Hd head dim.
 - ``_attn_fwd_kernel``: one program per (query block, b, h); streams key/value blocks through an
   online softmax, writes O and the per-row log-sum-exp (fp32, base 2, of the scaled scores).
   The Sq×Sk score matrix never exists in memory. On an H100/H200, the plain case (Sq == Sk, no
-  window, Hd 64 or 128, or 33-127 from 256 keys, fp16/bf16, a nonzero scale, at least 2^19
+  window, Hd 64, 128 or 256, or 33-127 from 256 keys, fp16/bf16, a nonzero scale, at least 2^19
   visible scores) runs the warp-specialized Gluon forward of ``flash_attn_hopper`` instead
   (bench/results/attention.md: 1.00–1.12× cuDNN at Hd 128, S 1k–16k, where this kernel gave
-  0.80–0.92×).
+  0.80–0.92×; at Hd 256 1.25–1.48× this kernel, bench/results/attention_hd256.md).
 - ``_attn_bwd_delta_kernel``: delta = rowsum(dO ∘ O) in fp32 (and the Gluon backward's turn
   counters zeroed).
 - ``_attn_bwd_dkdv_kernel``: one program per (key block, b, hkv); recomputes the scores of every

@@ -57,8 +57,8 @@ first, so that the CTAs the pairs left a unit short take them, measured 1.002× 
 (A-vs-A 0.997; a host model of the idle round had expected 1.019×), 0.997–1.024× at S 2k–16k (H200,
 7 rounds, probe 2026-12-03): not taken.
 
-Scope: the plain case only (Sq == Sk, no window), Hd 64 and 128 (and 33-63, 65-127 on those tiles
-from ``WIDE_TILE_FROM`` keys), fp16/bf16, an sm_90 GPU and TMA-compatible strides
+Scope: the plain case only (Sq == Sk, no window), Hd 64, 128 and 256 (and 33-63, 65-127 on the
+first two's tiles from ``WIDE_TILE_FROM`` keys), fp16/bf16, an sm_90 GPU and TMA-compatible strides
 (``hopper_forward_ok``), and a positive softmax scale (the caller's check: the mask sets scores to
 -inf before they are scaled); everything else takes the Triton kernels. The output matches the
 Triton forward's contract (O in q's dtype and strides, base-2 LSE of the scaled scores), so the
@@ -94,8 +94,10 @@ class Plan:
     peel_first: bool = False  # a tile's first step without the P·V of a zero P (_consumer)
 
     def __post_init__(self):
-        if self.q_buffers < 2:  # one buffer: the producer would wait for the output it follows
-            raise ValueError(f"Plan.q_buffers must be at least 2, got {self.q_buffers}")
+        if self.q_buffers < 1 or (self.cross_tile and self.q_buffers < 2):
+            # the stream holds a tile's buffer until the next tile's first step has stored it
+            raise ValueError(f"Plan.q_buffers must be at least 1, and 2 with cross_tile, got "
+                             f"{self.q_buffers}")
         if self.peel_first and self.cross_tile:
             raise ValueError("Plan.peel_first does not combine with Plan.cross_tile: in the stream "
                              "a tile's first step carries the previous tile's last P·V, so there "
@@ -127,7 +129,7 @@ class Plan:
                     PEEL_FIRST=self.peel_first)
 
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 # Two consumers (240 registers each) by default. At Hd 64 a 64×128×64 product takes half the
 # tensor-core time of Hd 128's against the same 64×128 softmax, so two warpgroups leave the
 # exponentials exposed; a third (FlashAttention-3's 192-row tiles, 160 registers each) hides them
@@ -174,8 +176,19 @@ CROSS_TILE_HD128_TO = 2048
 # the CTA's first.
 
 
+# Hd 256: one Q buffer per consumer (a tile's output leaves it before the next tile's Q comes), so
+# 64-key blocks fit in a two-stage ring (197 KB); two buffers (128 KB) leave room for 32-key
+# blocks only. Forward against the Triton kernel, H200, bf16, B·S 16k, H 8, 5 alternating rounds,
+# 2026-12-04 (bench/results/attention_hd256.md): non-causal S 1k / 4k / 16k 1.387 / 1.292 /
+# 1.298×, causal 1.484 / 1.361 / 1.253× (cuDNN 0.986-1.054× of it); two buffers and 32-key blocks
+# 1.038-1.305×. The backward stays on the Triton kernels, which read this forward's LSE.
+HD256 = Plan(warpgroups=2, block_n=64, stages=2, q_buffers=1)
+
+
 def plan(head_dim: int, seq_len: int, causal: bool) -> Plan:
     """The tiling ``hopper_forward`` launches for this head dim, length and mask."""
+    if head_dim == 256:
+        return HD256
     if head_dim == 128:
         if seq_len <= CROSS_TILE_HD128_TO:
             return Plan(warpgroups=2, q_buffers=3, cross_tile=True)
@@ -277,13 +290,19 @@ def _producer(a, CAUSAL: gl.constexpr):
     NQ: gl.constexpr = a.q_empty.type.shape[0]
     NWG: gl.constexpr = a.q_smem.type.shape[0] // NQ
     ROWS: gl.constexpr = a.q_smem.type.shape[3]
-    BN: gl.constexpr = a.k_smem.type.shape[3]
     tc = 0  # tiles done by this CTA: picks the Q buffer and its phase
     kv = 0  # K/V blocks done by this CTA: picks the ring slot and its phase
     for u in range(gl.program_id(0), a.n_units, gl.num_programs(0)):
         for t in range(_unit_tiles(u, a.n_m, CAUSAL)):
             b, h, hk, _, start_m, n_blocks = _tile(a, u, t, CAUSAL)
             qb = tc % NQ
+            j0 = 0
+            if NQ == 1:
+                # The one Q buffer returns only once the previous tile's output has left it: the
+                # ring's first blocks of this tile load meanwhile, so only Q's latency shows.
+                j0 = gl.minimum(n_blocks, NSTAGE)
+                for j in range(j0):
+                    _load_kv(a, b, hk, kv, j)
             # A fresh mbarrier counts as having completed the phase before 0, so the first use
             # of each buffer (and the first pass through the ring) does not wait.
             mbarrier.wait(a.q_empty.index(qb), ((tc // NQ) & 1) ^ 1)
@@ -292,19 +311,27 @@ def _producer(a, CAUSAL: gl.constexpr):
                 tma.async_copy_global_to_shared(a.q_desc, [b, h, start_m + w * ROWS, 0],
                                                 a.q_bars.index(NWG * qb + w),
                                                 a.q_smem.index(NWG * qb + w))
-            for j in range(n_blocks):
-                s = (kv + j) % NSTAGE
-                phase = ((kv + j) // NSTAGE) & 1
-                mbarrier.wait(a.k_empty.index(s), phase ^ 1)
-                mbarrier.expect(a.k_ready.index(s), a.k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(a.k_desc, [b, hk, j * BN, 0], a.k_ready.index(s),
-                                                a.k_smem.index(s))
-                mbarrier.wait(a.v_empty.index(s), phase ^ 1)
-                mbarrier.expect(a.v_ready.index(s), a.v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(a.v_desc, [b, hk, j * BN, 0], a.v_ready.index(s),
-                                                a.v_smem.index(s))
+            for j in range(j0, n_blocks):
+                _load_kv(a, b, hk, kv, j)
             tc += 1
             kv += n_blocks
+
+
+@gluon.jit
+def _load_kv(a, b, hk, kv, j):
+    """The producer's loads of key block ``j`` of the tile, ``kv + j`` of the CTA's ring."""
+    NSTAGE: gl.constexpr = a.k_smem.type.shape[0]
+    BN: gl.constexpr = a.k_smem.type.shape[3]
+    s = (kv + j) % NSTAGE
+    phase = ((kv + j) // NSTAGE) & 1
+    mbarrier.wait(a.k_empty.index(s), phase ^ 1)
+    mbarrier.expect(a.k_ready.index(s), a.k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(a.k_desc, [b, hk, j * BN, 0], a.k_ready.index(s),
+                                    a.k_smem.index(s))
+    mbarrier.wait(a.v_empty.index(s), phase ^ 1)
+    mbarrier.expect(a.v_ready.index(s), a.v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(a.v_desc, [b, hk, j * BN, 0], a.v_ready.index(s),
+                                    a.v_smem.index(s))
 
 
 @gluon.jit
@@ -522,9 +549,14 @@ def _consumer(a, WG: gl.constexpr, CAUSAL: gl.constexpr, CROSS_TILE: gl.constexp
             slot = NWG * (tc % NQ) + WG
             my_m = start_m + WG * ROWS
             q_tile = a.q_smem.index(slot).reshape([ROWS, HEAD_D])
+            if NQ == 1:
+                # One buffer (Hd 256, where two do not fit beside the ring): the previous tile's
+                # output leaves it before this tile's Q can come, so the load's latency shows.
+                if tc > 0:
+                    _release_q(a.q_empty, tc - 1)
             mbarrier.wait(a.q_bars.index(slot), (tc // NQ) & 1)
             if not CROSS_TILE:
-                if tc > 0:
+                if NQ > 1 and tc > 0:
                     # The previous tile's output store ran while this tile's Q was awaited.
                     _release_q(a.q_empty, tc - 1)
                 m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_s)
@@ -659,16 +691,18 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, SQ, S
 # >= 1.05x the Triton path at every length, both masks. Against cuDNN: 0.996-1.093x at Hd 96 from
 # 1k keys, but 0.55-0.86x causal at 256, where both our paths lose to it.
 WIDE_TILE_FROM = 256
+# The tile widths the route was measured on; Hd 129-255 on the Hd 256 forward is not measured.
+WIDE_TILES = (64, 128)
 
 
 def kernel_head_dim(head_d: int, seq_len: int, head_dims) -> int | None:
     """The head dim (tile width) the Gluon kernels run a call at: ``head_d`` itself if it is in
-    ``head_dims``; the next power of two if that is in ``head_dims`` and the call has
-    ``WIDE_TILE_FROM`` keys or more; else None (the Triton kernels)."""
+    ``head_dims``; the next power of two if that is in ``head_dims`` and ``WIDE_TILES`` and the
+    call has ``WIDE_TILE_FROM`` keys or more; else None (the Triton kernels)."""
     if head_d in head_dims:
         return head_d
     tile = next_power_of_2(head_d)
-    if tile in head_dims and seq_len >= WIDE_TILE_FROM:
+    if tile in head_dims and tile in WIDE_TILES and seq_len >= WIDE_TILE_FROM:
         return tile
     return None
 

@@ -228,7 +228,8 @@ def _tiling(Hd, S, causal):
     if head_d is None:
         return "Triton"
     plan = fah.plan(head_d, S, causal)
-    return ", ".join([f"{plan.warpgroups} WG"] + ["stream"] * plan.cross_tile
+    return ", ".join([f"{plan.warpgroups} WG"] + ["one Q buffer"] * (plan.q_buffers == 1)
+                     + ["stream"] * plan.cross_tile
                      + ["half diagonal"] * plan.half_diagonal + ["peeled"] * plan.peel_first)
 
 

@@ -637,11 +637,14 @@ print(json.dumps(map_cases(resources, json.loads(sys.argv[1]))))
 
 
 def test_forward_plan_rejects_tilings_the_kernel_cannot_run():
-    """A Plan the forward kernel would misread fails where it is built, naming the field: one Q
-    buffer (the producer would wait for the output it follows), or the first step peeled in the
-    stream (which has no zero P·V to skip); every tiling ``plan`` picks is buildable."""
-    with pytest.raises(ValueError, match="q_buffers"):
-        fah.Plan(warpgroups=2, q_buffers=1)
+    """A Plan the forward kernel would misread fails where it is built, naming the field: no Q
+    buffer, one in the stream (which holds a tile's buffer until the next tile's first step has
+    stored it), or the first step peeled in the stream (which has no zero P·V to skip); every
+    tiling ``plan`` picks is buildable."""
+    for q_buffers, cross_tile in ((0, False), (1, True)):
+        with pytest.raises(ValueError, match="q_buffers"):
+            fah.Plan(warpgroups=2, q_buffers=q_buffers, cross_tile=cross_tile)
+    fah.Plan(warpgroups=2, q_buffers=1)
     with pytest.raises(ValueError, match="peel_first"):
         fah.Plan(warpgroups=2, q_buffers=3, cross_tile=True, peel_first=True)
     for Hd in fah.HEAD_DIMS:
@@ -670,8 +673,9 @@ def test_backward_walk_follows_the_measured_rule(monkeypatch):
 def test_wide_tiles_follow_the_measured_rule():
     """Hd 33-63 and 65-127 run the Hd 64 and 128 Gluon kernels (TMA zero-fills the columns past
     Hd) from ``WIDE_TILE_FROM`` keys, 256, the shortest length at which every timed head dim ran
-    >= 1.05x the Triton path (at 128 keys Hd 96 causal read 0.999x); Hd 64 and 128 at any length;
-    no other head dim ever."""
+    >= 1.05x the Triton path (at 128 keys Hd 96 causal read 0.999x); Hd 64 and 128 at any length,
+    and Hd 256 in the forward; no other head dim ever (Hd 129-255 on the Hd 256 tiles is not
+    measured)."""
     assert fah.WIDE_TILE_FROM == 256
     for head_dims in (fah.HEAD_DIMS, fab.HEAD_DIMS):
         for head_d, tile in ((40, 64), (48, 64), (56, 64), (72, 128), (96, 128), (120, 128)):
@@ -680,8 +684,11 @@ def test_wide_tiles_follow_the_measured_rule():
             assert fah.kernel_head_dim(head_d, 255, head_dims) is None
         for head_d in (64, 128):
             assert fah.kernel_head_dim(head_d, 1, head_dims) == head_d
-        for head_d in (8, 16, 24, 32, 136, 256):
+        for head_d in (8, 16, 24, 32, 136, 192, 248):
             assert fah.kernel_head_dim(head_d, 1 << 15, head_dims) is None
+    # Hd 256: the forward's own tiles at any length; the backward is the Triton kernels'
+    assert fah.kernel_head_dim(256, 1, fah.HEAD_DIMS) == 256
+    assert fah.kernel_head_dim(256, 1 << 15, fab.HEAD_DIMS) is None
 
 
 def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
@@ -706,6 +713,9 @@ def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
              ["fwd", True, False, 64, "bfloat16", None, 1024],
              ["fwd", True, False, 64, "bfloat16", None, fah.WIDE_HD64_FROM],
              ["fwd", False, False, 64, "float16", None, fah.WIDE_HD64_NONCAUSAL_FROM],
+             # one Q buffer, at Hd 256 beside a two-stage ring of 64-key blocks
+             ["fwd", True, False, 256, "bfloat16", None, 4096],
+             ["fwd", False, False, 256, "float16", None, 4096],
              ["bwd", False, False, 128, "float16", walks[0], fab.FINISH_DQ_TO],
              ["bwd", False, False, 64, "float16", walks[0], fab.FINISH_DQ_TO]]
     # Every walk a call can take, deterministic, with the in-kernel dQ finish (to FINISH_DQ_TO
@@ -892,6 +902,13 @@ def _on_sm90():
     (2, 8, 2, 1000, 48, True, torch.bfloat16, "BSHD"),
     (1, 4, 4, 2049, 56, False, torch.float16, "BHSD"),
     (2, 4, 2, 193, 40, True, torch.bfloat16, "BHSD"),
+    # Hd 256: one Q buffer, handed on between a CTA's tiles (8·32 causal 512-row heads: about
+    # eight tiles a CTA), odd lengths, GQA; one tiling, so no "other"
+    (8, 32, 8, 512, 256, True, torch.bfloat16, "BHSD"),
+    (2, 4, 2, 1000, 256, True, torch.bfloat16, "BSHD"),
+    (1, 8, 2, 4097, 256, False, torch.float16, "BHSD"),
+    (3, 2, 1, 129, 256, False, torch.bfloat16, "BHSD"),
+    (1, 1, 1, 1, 256, True, torch.bfloat16, "BSHD"),
 ])
 @pytest.mark.parametrize("tiling", ["planned", "other"])
 def test_gpu_hopper_forward_matches_triton_forward(B, H, Hkv, S, Hd, causal, dtype, layout,
@@ -901,10 +918,12 @@ def test_gpu_hopper_forward_matches_triton_forward(B, H, Hkv, S, Hd, causal, dty
     ``tiling="other"`` runs each case in the tiling its length and mask do not get: at Hd 64 two
     consumers where the plan takes three (192-row tiles) and three where it takes two; at Hd 128 a
     loop per tile where the plan streams the CTA's tiles, and the stream where it does not (Hd
-    33-63 as Hd 64, 65-127 as Hd 128)."""
+    33-63 as Hd 64, 65-127 as Hd 128; Hd 256 has one tiling)."""
     monkeypatch.setattr(fah, "WIDE_TILE_FROM", 0)  # Hd 33-127 at any length
     head_d = fah.kernel_head_dim(Hd, S, fah.HEAD_DIMS)
     if tiling == "other":
+        if head_d == 256:
+            pytest.skip("Hd 256 has one tiling")
         if head_d == 64:
             wide = fah.plan(head_d, S, causal).warpgroups == 3
             for name in ("WIDE_HD64_FROM", "WIDE_HD64_NONCAUSAL_FROM"):
