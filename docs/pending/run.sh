@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The pending GPU work of docs/pending/README.md in two device calls of under 10 minutes each:
-#   bash docs/pending/run.sh 1   # hd256_one_q, window_fwd (its GPU test, then the probe)
-#   bash docs/pending/run.sh 2   # triton_align, wide tiles below 1k keys, the shared test helper
+#   bash docs/pending/run.sh 1   # the GPU tests of what shipped untested in its final form; Hd 256 fwd+bwd
+#   bash docs/pending/run.sh 2   # window-fwd.patch: its GPU tests, then the probe
 # Each patch is applied, run and reverted (git apply works outside a repository too); the logs go
 # to $OUT (or /tmp) as <step>.log, and a failing step does not stop the next.
 set -u
@@ -19,17 +19,15 @@ step() {  # name, patch ('' for none), command
 }
 case ${1:-} in
 1)
-    step hd256_one_q fwd-one-q-buffer.patch timeout 200 python docs/pending/hd256_one_q.py
-    step window_test window-fwd.patch timeout 200 python -m pytest -q -p no:cacheprovider \
-        tests/test_attention.py -k hopper_forward_window
-    step window_fwd window-fwd.patch timeout 150 python docs/pending/window_fwd.py
+    step shipped_tests '' timeout 300 python -m pytest -q -p no:cacheprovider tests/test_attention.py \
+        -k "(hopper_forward_matches and 256) or head_dims_bf16 or head_dim_96_takes"
+    step hd256_fwd_bwd '' timeout 250 python bench/attention.py --head-dims 256 --quick --rounds 5 \
+        --out "$out/attention_hd256.md"
     ;;
 2)
-    step triton_align triton-align.patch timeout 150 python docs/pending/triton_align.py
-    step wide_below_1k '' timeout 100 python bench/attention_wide_tiles.py --head-dims 96 48 \
-        --lengths 256 512 --modes fwd+bwd --out "$out/wide_below_1k.md"
-    step helper_tests '' timeout 280 python -m pytest -q -p no:cacheprovider tests/test_attention.py \
-        -k "head_dim_96 or (writes_every and 72)"
+    step window_test window-fwd.patch timeout 240 python -m pytest -q -p no:cacheprovider \
+        tests/test_attention.py -k "hopper_forward_window or causal_window"
+    step window_fwd window-fwd.patch timeout 300 python docs/pending/window_fwd.py
     ;;
 *)
     echo "usage: bash docs/pending/run.sh 1|2" >&2
