@@ -27,7 +27,7 @@ case ${1:-} in
 2)
     step window_test window-fwd.patch timeout 240 python -m pytest -q -p no:cacheprovider \
         tests/test_attention.py -k "hopper_forward_window or causal_window"
-    step window_fwd window-fwd.patch timeout 300 python docs/pending/window_fwd.py
+    step window_fwd window-fwd.patch timeout 330 python docs/pending/window_fwd.py
     ;;
 *)
     echo "usage: bash docs/pending/run.sh 1|2" >&2

@@ -18,12 +18,19 @@ the causal kernel (a window reaching every key), so the windows here are shorter
 
 Decision rule, set before the run: the patch lands if its GPU test passes
 (``pytest tests/test_attention.py -k "hopper_forward_window or causal_window"``), the windowed
-Gluon forward is >= 1.05x the Triton forward at every forward row, and both fwd+bwd rows are
->= 1.0x (only the forward differs); otherwise it is dropped.
+Gluon forward is >= 1.05x the Triton forward at every Hd 128 forward row, and both fwd+bwd rows
+are >= 1.0x (only the forward differs); otherwise it is dropped.
+
+A lead at Hd 64, timed in the same run but not part of that decision: the first run's Hd 64 rows
+ran three consumers (192-row tiles, the plan from 4k keys). The "Hd 64, 2 WG" rows force two
+(128-row tiles, ``WIDE_HD64_FROM`` past every length) and the dispatch to take Hd 64 windows.
+Rule for the lead: if those rows are all >= 1.05x the Triton forward, a later change sends Hd 64
+windows to the Gluon forward in two consumers; otherwise Hd 64 windows stay on Triton.
 
 What: bf16, MHA, Hd 128, B·S 16k, H 16; forward at S 2k (left 511, 1023), 4k (511, 2047), 16k
-(511, 4095); fwd+bwd at S 4k left 511 and S 16k left 4095; 5 alternating rounds of
-do_bench(100, 200): Gluon, Triton, Gluon again.
+(511, 4095); fwd+bwd at S 4k left 511 and S 16k left 4095; Hd 64 (H 32) forward in two consumers
+at S 4k (511, 2047) and 16k (511, 4095); 5 alternating rounds of do_bench(100, 200): Gluon,
+Triton, Gluon again.
 
     git apply docs/pending/window-fwd.patch
     PYTHONPATH=. timeout 400 pytest -q tests/test_attention.py -k "hopper_forward_window or causal_window"
@@ -37,6 +44,7 @@ import torch
 import triton
 
 import attention.flash_attn as fa
+import attention.flash_attn_hopper as fah
 from attention import flash_attention
 
 sys.path.append("bench")
@@ -57,8 +65,12 @@ def main():
     cases = [(128, S, left, "fwd") for S, lefts in ((2048, (511, 1023)), (4096, (511, 2047)),
                                                    (16384, (511, 4095))) for left in lefts]
     cases += [(128, 4096, 511, "fwd+bwd"), (128, 16384, 4095, "fwd+bwd")]
+    cases += [(64, S, left, "fwd") for S, lefts in ((4096, (511, 2047)), (16384, (511, 4095)))
+              for left in lefts]
     rows = []
     for Hd, S, left, mode in cases:
+        if Hd == 64:  # the lead: two consumers, and the dispatch taking Hd 64 windows
+            fah.WIDE_HD64_FROM, fah.WINDOW_HEAD_DIMS = 1 << 30, (128, 64)
         B, H = TOKENS // S, 2048 // Hd
         q, k, v, do = (torch.randn(B, H, S, Hd, device="cuda", dtype=torch.bfloat16,
                                    requires_grad=i < 3) for i in range(4))
@@ -71,7 +83,7 @@ def main():
         t = alternate(fns, 5)
         visible = S * (left + 1) - left * (left + 1) / 2  # keys seen, summed over the queries
         flop = 4 * B * H * visible * Hd * (3.5 if mode == "fwd+bwd" else 1.0)
-        row = (f"| {Hd} | {S} | {left} | {mode} | {flop / statistics.median(t['gluon']) / 1e9:.0f} | "
+        row = (f"| {Hd}{', 2 WG' if Hd == 64 else ''} | {S} | {left} | {mode} | {flop / statistics.median(t['gluon']) / 1e9:.0f} | "
                f"{flop / statistics.median(t['triton']) / 1e9:.0f} | "
                f"**{median_ratio(t['triton'], t['gluon']):.3f}** | "
                f"{median_ratio(t['gluon'], t['gluon_again']):.3f} | {err:.1e} |")
