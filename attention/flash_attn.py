@@ -643,7 +643,9 @@ def attention_backward(do, q, k, v, o, lse, causal=True, scale=None, window=None
     unless ``deterministic=False``, which lets the Hopper kernel add the key blocks' dQ parts in
     arrival order (the Triton kernels are deterministic either way).
     """
-    do = _last_dim_contiguous(do)
+    # Autograd saved the caller's q, k, v: the kernels take them, as the forward did, with a
+    # unit last stride.
+    q, k, v, do = (_last_dim_contiguous(t) for t in (q, k, v, do))
     B, H, Sq, Hd = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(Hd) if scale is None else float(scale)

@@ -168,6 +168,22 @@ def test_interpreter_strided_inputs_match_contiguous():
 
 
 @interpreter_only
+@pytest.mark.parametrize("strided", ["q", "kv", "qkv"])
+def test_interpreter_backward_takes_a_strided_last_dim(strided):
+    """q, k or v whose last dim is not contiguous (a transposed (B, H, Hd, S) buffer): the forward
+    made its own contiguous copies, and the backward once read the tensors autograd saved, the
+    caller's, as if their last stride were 1 (dq off by ~1e19, dk and dv by ~7)."""
+    q, k, v, do = _inputs(1, 2, 2, 24, 40, torch.float32, "cpu")
+    views = {}
+    for name, t in zip("qkv", (q, k, v)):
+        views[name] = (t.detach().transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_()
+                       if name in strided else t)
+        assert (views[name].stride(-1) != 1) == (name in strided)
+    q, k, v = views["q"], views["k"], views["v"]
+    _assert_accurate(_ours(q, k, v, do, True, None), q, k, v, do, True, None, torch.float32)
+
+
+@interpreter_only
 @pytest.mark.parametrize("scale", [0.7, 0.0, -0.7])
 @pytest.mark.parametrize("causal", [True, False])
 def test_interpreter_scale_argument(scale, causal):
