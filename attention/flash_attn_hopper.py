@@ -180,8 +180,10 @@ CROSS_TILE_HD128_TO = 2048
 # 64-key blocks fit in a two-stage ring (197 KB); two buffers (128 KB) leave room for 32-key
 # blocks only. Forward against the Triton kernel, H200, bf16, B·S 16k, H 8, 5 alternating rounds,
 # 2026-12-04 (bench/results/attention_hd256.md): non-causal S 1k / 4k / 16k 1.387 / 1.292 /
-# 1.298×, causal 1.484 / 1.361 / 1.253× (cuDNN 0.986-1.054× of it); two buffers and 32-key blocks
-# 1.038-1.305×. The backward stays on the Triton kernels, which read this forward's LSE.
+# 1.298×, causal 1.484 / 1.361 / 1.253× (0.986-1.054× cuDNN by median TFLOP/s); two buffers and
+# 32-key blocks 1.038-1.305×. The backward stays on the Triton kernels, which read this forward's
+# LSE. The smallest call timed had 2^27 visible scores: below that MIN_SCORES, set at Hd 128, rules
+# Hd 256 unmeasured.
 HD256 = Plan(warpgroups=2, block_n=64, stages=2, q_buffers=1)
 
 
@@ -689,7 +691,8 @@ def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, H, GROUP, SQ, S
 # against the Triton kernels with their rows aligned (``flash_attn._aligned``). At 128 keys Hd 96
 # causal read 0.999x. The rule set before those runs: the shortest length from which the route is
 # >= 1.05x the Triton path at every length, both masks. Against cuDNN: 0.996-1.093x at Hd 96 from
-# 1k keys, but 0.55-0.86x causal at 256, where both our paths lose to it.
+# 1k keys, but 0.55-0.86x causal at 256, where both our paths lose to it. Every row was fwd+bwd:
+# the forward alone on the route (what an inference call runs) is timed only from 1k keys.
 WIDE_TILE_FROM = 256
 # The tile widths the route was measured on; Hd 129-255 on the Hd 256 forward is not measured.
 WIDE_TILES = (64, 128)

@@ -40,9 +40,9 @@ kernel (C7515; 454 TFLOP/s instead of about 520 at S 4096), now checked by
 tests/test_attention.py; LSE and Δ loaded by the consumers from global memory cost spills (they
 come through shared memory now).
 
-Scope as the forward: Sq == Sk, no window, Hd 64 or 128 (33-63, 65-127 on those tiles from
-``flash_attn_hopper.WIDE_TILE_FROM`` keys), fp16/bf16, sm_90, TMA strides, ≥ 2^27 visible scores
-(``hopper_backward_ok``); the rest takes the Triton kernels.
+Scope as the forward's but Hd 256 (the forward's alone): Sq == Sk, no window, Hd 64 or 128 (33-63,
+65-127 on those tiles from ``flash_attn_hopper.WIDE_TILE_FROM`` keys), fp16/bf16, sm_90, TMA
+strides, ≥ 2^27 visible scores (``hopper_backward_ok``); the rest takes the Triton kernels.
 """
 
 import functools
