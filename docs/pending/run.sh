@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# The pending GPU work of docs/pending/README.md in two device calls of under 10 minutes each:
+# The pending GPU work of docs/pending/README.md in three device calls of under 10 minutes each:
 #   bash docs/pending/run.sh 1   # the GPU tests of what shipped untested in its final form; Hd 256 fwd+bwd
 #   bash docs/pending/run.sh 2   # window-fwd.patch: its GPU tests, then the probe
-# Each patch is applied, run and reverted (git apply works outside a repository too); the logs go
-# to $OUT (or /tmp) as <step>.log, and a failing step does not stop the next.
+#   bash docs/pending/run.sh 3   # window-bwd.patch (on top of window-fwd.patch): its tests, the probe
+# Each step's patches are applied, run and reverted (git apply works outside a repository too); the
+# logs go to $OUT (or /tmp) as <step>.log, and a failing step does not stop the next.
 set -u
 out=${OUT:-/tmp}
 cd "$(dirname "$0")/../.."
-step() {  # name, patch ('' for none), command
-    local name=$1 patch=$2
+step() {  # name, patches (space-separated, in order; '' for none), command
+    local name=$1 patches=$2 p
     shift 2
-    [ -n "$patch" ] && git apply "docs/pending/$patch"
+    for p in $patches; do git apply "docs/pending/$p"; done
     echo "== $name" | tee "$out/$name.log"
     PYTHONPATH=. "$@" >> "$out/$name.log" 2>&1
     echo "rc=$?" >> "$out/$name.log"
-    [ -n "$patch" ] && git apply -R "docs/pending/$patch"
+    for p in $(echo "$patches" | tr ' ' '\n' | tac); do git apply -R "docs/pending/$p"; done
     tail -25 "$out/$name.log"
 }
 case ${1:-} in
@@ -29,8 +30,14 @@ case ${1:-} in
         tests/test_attention.py -k "hopper_forward_window or causal_window"
     step window_fwd window-fwd.patch timeout 330 python docs/pending/window_fwd.py
     ;;
+3)
+    both="window-fwd.patch window-bwd.patch"
+    step window_bwd_test "$both" timeout 300 python -m pytest -q -p no:cacheprovider \
+        tests/test_attention.py -k "hopper_backward_window or compile_for_sm90"
+    step window_bwd "$both" timeout 280 python docs/pending/window_bwd.py
+    ;;
 *)
-    echo "usage: bash docs/pending/run.sh 1|2" >&2
+    echo "usage: bash docs/pending/run.sh 1|2|3" >&2
     exit 2
     ;;
 esac
