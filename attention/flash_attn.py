@@ -585,9 +585,10 @@ def _align(*tensors):
     return 1
 
 
-def _strides_in(t, align):
-    """``_strides`` in units of ``align`` elements, as the kernels' ``_aligned`` takes them."""
-    return tuple(s // align for s in _strides(t))
+def _strides_in(align, *tensors):
+    """The tensors' ``_strides`` one after another, in units of ``align`` elements, as the
+    kernels' ``_aligned`` takes them."""
+    return tuple(s // align for t in tensors for s in _strides(t))
 
 
 def attention_forward(q, k, v, causal=True, scale=None, window=None):
@@ -617,7 +618,7 @@ def attention_forward(q, k, v, causal=True, scale=None, window=None):
     grid = lambda meta: (cdiv(Sq, meta["BLOCK_M"]), B * H)  # noqa: E731
     align = _align(q, k, v, o)
     _attn_fwd_kernel[grid](
-        q, k, v, o, lse, *(s for t in (q, k, v, o) for s in _strides_in(t, align)),
+        q, k, v, o, lse, *_strides_in(align, q, k, v, o),
         H, H // k.shape[1], *_launch_args(q, k, causal, window), scale * _LOG2E,
         **_path_args(q, k, causal, window), ALIGN=align, **_head_dim_args(Hd),
     )
@@ -665,13 +666,11 @@ def attention_backward(do, q, k, v, o, lse, causal=True, scale=None, window=None
     constexprs = {**_path_args(q, k, causal, window), "ALIGN": align, **_head_dim_args(Hd)}
     if Sk > 0:
         _attn_bwd_dkdv_kernel[lambda meta: (cdiv(Sk, meta["BLOCK_N"]), B * Hkv)](
-            q, k, v, do, lse, delta, dk, dv,
-            *(s for t in (q, k, v, do, dk, dv) for s in _strides_in(t, align)), *common,
+            q, k, v, do, lse, delta, dk, dv, *_strides_in(align, q, k, v, do, dk, dv), *common,
             **constexprs,
         )
     _attn_bwd_dq_kernel[lambda meta: (cdiv(Sq, meta["BLOCK_M"]), B * H)](
-        q, k, v, do, lse, delta, dq, *(s for t in (q, k, v, do, dq) for s in _strides_in(t, align)),
-        *common, **constexprs,
+        q, k, v, do, lse, delta, dq, *_strides_in(align, q, k, v, do, dq), *common, **constexprs,
     )
     return dq, dk, dv
 
