@@ -33,9 +33,9 @@ case ${1:-} in
     ;;
 3)
     both="window-fwd.patch window-bwd.patch"
-    step window_bwd_test "$both" timeout 240 python -m pytest -q -p no:cacheprovider \
+    step window_bwd_test "$both" timeout 270 python -m pytest -q -p no:cacheprovider \
         tests/test_attention.py -k hopper_backward_window
-    step window_bwd "$both" timeout 330 python docs/pending/window_bwd.py
+    step window_bwd "$both" timeout 300 python docs/pending/window_bwd.py
     ;;
 4)
     step hd256_bwd_test bwd-hd256.patch timeout 360 python -m pytest -q -p no:cacheprovider \
