@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# The pending GPU work of docs/pending/README.md in four device calls of under 10 minutes each:
-#   bash docs/pending/run.sh 1   # the GPU tests of what shipped untested in its final form; Hd 256 fwd+bwd
+# The pending GPU work of docs/pending/README.md in three device calls of under 10 minutes each:
 #   bash docs/pending/run.sh 2   # window-fwd.patch: its GPU tests, then the probe
 #   bash docs/pending/run.sh 3   # window-bwd.patch (on top of window-fwd.patch): its tests, the probe
 #   bash docs/pending/run.sh 4   # bwd-hd256.patch (on main alone): its GPU tests, then the probe
@@ -20,12 +19,6 @@ step() {  # name, patches (space-separated, in order; '' for none), command
     tail -25 "$out/$name.log"
 }
 case ${1:-} in
-1)
-    step shipped_tests '' timeout 300 python -m pytest -q -p no:cacheprovider tests/test_attention.py \
-        -k "(hopper_forward_matches and 256) or head_dims_bf16 or head_dim_96_takes"
-    step hd256_fwd_bwd '' timeout 250 python bench/attention.py --head-dims 256 --quick --rounds 5 \
-        --out "$out/attention_hd256.md"
-    ;;
 2)
     step window_test window-fwd.patch timeout 240 python -m pytest -q -p no:cacheprovider \
         tests/test_attention.py -k "hopper_forward_window or causal_window"
@@ -43,7 +36,7 @@ case ${1:-} in
     step hd256_bwd bwd-hd256.patch timeout 220 python docs/pending/hd256_bwd.py
     ;;
 *)
-    echo "usage: bash docs/pending/run.sh 1|2|3|4" >&2
+    echo "usage: bash docs/pending/run.sh 2|3|4" >&2
     exit 2
     ;;
 esac
