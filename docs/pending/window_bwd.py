@@ -21,10 +21,10 @@ test pass and its rows clear the same bar (>= 1.05x at every Hd 64 row). The non
 rows are for the record.
 
 What: bf16, MHA, Hd 128 then 64, B·S 32k (at 16k the left-511 rows have 1.2-1.3e8 visible
-scores, under the Gluon gate's 2^27 = 1.34e8), H 16, causal windows: S 2k (left 511, 1023), 4k (511, 2047),
-16k (511, 4095); 5 alternating rounds of do_bench(100, 200): Gluon backward (deterministic),
-Triton backward, Gluon backward again, Gluon non-deterministic (Hd 128 only); the forward is the
-same in all.
+scores, under the Gluon gate's 2^27 = 1.34e8), H 16, causal windows: S 2k (left 511, 1023),
+4k (511, 2047), 16k (511, 4095); 5 alternating rounds of do_bench(100, 200): Gluon backward
+(deterministic), Triton backward, Gluon backward again, Gluon non-deterministic (Hd 128 only); the
+forward is the same in all.
 
     git apply docs/pending/window-fwd.patch && git apply docs/pending/window-bwd.patch
     PYTHONPATH=. timeout 270 pytest -q tests/test_attention.py -k hopper_backward_window
@@ -66,7 +66,8 @@ def main():
                 print(rows[-1], flush=True)
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     print("| Hd | S | left | Gluon bwd det fwd+bwd TFLOP/s | Triton bwd | Gluon nondet | "
-          "det / Triton | nondet / Triton | A-vs-A | max rel diff dq dk dv | det repeats bit-equal |")
+          "det / Triton | nondet / Triton | A-vs-A | max rel diff dq dk dv | "
+          "det repeats bit-equal |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|")
     print("\n".join(rows))
 
