@@ -18,11 +18,13 @@ H / Hkv query heads), Sq query length, Sk key/value length, Hd head dim.
 - ``_attn_bwd_dq_kernel``: one program per (query block, b, h); recomputes the scores against
   every key block and accumulates dQ in registers. No atomics anywhere: repeated backward passes
   are bit-identical.
-- On an H100/H200 the case Sq == Sk, no window, Hd 64 or 128 (or 33-127 from 256 keys), fp16/bf16,
-  any scale, at >= 2^27 visible scores takes the Gluon backward of ``flash_attn_hopper_bwd``
-  instead of the last two: one kernel, five matmuls instead of seven (bench/results/attention.md:
-  fwd+bwd 0.98–1.07× cuDNN at S 2k–16k where these gave 0.75–0.98×; S 1k is bound by host time on
-  some hosts), with dQ summed by TMA reduce-add in a fixed order unless ``deterministic=False``.
+- On an H100/H200 the case Sq == Sk, no window, Hd 64, 128 or 256 (or 33-127 from 256 keys),
+  fp16/bf16, any scale, at >= 2^27 visible scores takes the Gluon backward of
+  ``flash_attn_hopper_bwd`` instead of the last two: one kernel, five matmuls instead of seven
+  (bench/results/attention.md: fwd+bwd 0.98–1.07× cuDNN at S 2k–16k where these gave 0.75–0.98×;
+  S 1k is bound by host time on some hosts; at Hd 256 1.14–1.22× these, bench/results/
+  attention_hd256.md), with dQ summed by TMA reduce-add in a fixed order unless
+  ``deterministic=False``.
 
 Which keys a query sees. Queries and keys are aligned bottom-right (FlashAttention >= 2.1,
 ``torch.nn.attention.bias.causal_lower_right``): query i sits at key position i' = i + Sk − Sq, so

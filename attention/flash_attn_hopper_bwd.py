@@ -13,6 +13,10 @@ follows FlashAttention-3's backward (Shah et al. 2024, appendix), written in Glu
   (128×Hd fp32 each) in registers.
 - **Transposed products.** Each step computes Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (keys × queries), so
   Pᵀ and dSᵀ sit in registers as wgmma wants its A operand for dV += Pᵀ·dO and dK += dSᵀ·Q.
+- **Hd 256: 64 keys a CTA, the head dim split.** 128×256 fp32 dK and dV do not fit in registers;
+  with 64 keys each warpgroup holds half the head dim of them, computes Sᵀ and dPᵀ for half the
+  query rows, and both write Pᵀ and dSᵀ to shared memory, from which every product's A operand
+  then comes (FlashAttention-3's Hd 256 tiling); one Q/dO stage (``BLOCK_N``, ``STAGES``).
 - **dQ in the same kernel.** dSᵀ goes to shared memory once (double-buffered, one barrier per
   step); dQ_i = dS·K is the fifth matmul. A writer warp adds its BLOCK_M×Hd fp32 partial into
   an fp32 accumulator by TMA reduce-add (L2-resident: the CTAs of one head run together).
@@ -40,9 +44,9 @@ kernel (C7515; 454 TFLOP/s instead of about 520 at S 4096), now checked by
 tests/test_attention.py; LSE and Δ loaded by the consumers from global memory cost spills (they
 come through shared memory now).
 
-Scope as the forward's but Hd 256 (the forward's alone): Sq == Sk, no window, Hd 64 or 128 (33-63,
-65-127 on those tiles from ``flash_attn_hopper.WIDE_TILE_FROM`` keys), fp16/bf16, sm_90, TMA
-strides, ≥ 2^27 visible scores (``hopper_backward_ok``); the rest takes the Triton kernels.
+Scope as the forward's: Sq == Sk, no window, Hd 64, 128 or 256 (33-63, 65-127 on the first two's
+tiles from ``flash_attn_hopper.WIDE_TILE_FROM`` keys), fp16/bf16, sm_90, TMA strides, ≥ 2^27
+visible scores (``hopper_backward_ok``); the rest takes the Triton kernels.
 """
 
 import functools
@@ -70,8 +74,8 @@ from kernel_floor import cached_launch, cdiv, gluon_layout, partition_args, sm_c
 #   resident at once.
 # - ASCENDING (causal): CTA j walks up from its diagonal and the grid launches high j first; block
 #   i's order is the nearest key block first, which reached it BLOCK_N / BLOCK_M steps earlier (CTA
-#   j+1 starts that many blocks higher: two at Hd 128, one at Hd 64). Waits only for CTAs launched
-#   before it, like DESCENDING.
+#   j+1 starts that many blocks higher: two at Hd 128, one at Hd 64 and 256). Waits only for CTAs
+#   launched before it, like DESCENDING.
 # H100, fwd+bwd against cuDNN, deterministic, B·S 16k, H 16 (a probe, 5 alternating do_bench
 # rounds): S 4096 0.916 → 0.975 non-causal, 0.893 → 0.974 causal; the non-deterministic mode gave
 # 0.973 / 0.988 in the same run. At S 16384 (n_k 128) DESCENDING was as fast (1.016 / 0.984; Hd
@@ -86,13 +90,18 @@ WALK_ASCENDING = gl.constexpr(2)
 # and not): 0.96–1.08× with 128 rows against 0.91–1.03× with 64 (and 0.90–0.98× for the Triton
 # backward). Its cost: ptxas keeps up to 6 scalars on the stack, one reloaded per step, beside the
 # wgmmas. At Hd 128 the 64-column tiles already fill the consumers' 240 registers.
-BLOCK_M = {64: 128, 128: 64}
+BLOCK_M = {64: 128, 128: 64, 256: 64}
 HEAD_DIMS = tuple(BLOCK_M)
 # One turn counter per TURN_ROWS query rows, the finest block: the Δ kernel zeroes them all, and a
 # kernel with coarser blocks uses the first B·H·⌈S / BLOCK_M⌉ (``hopper_turn_counters``).
 TURN_ROWS = min(BLOCK_M.values())
-BLOCK_N = 128  # keys per CTA: two warpgroups × 64
-STAGES = 2
+# Keys per CTA: two warpgroups × 64, each holding its keys' rows of dK and dV. At Hd 256 those rows
+# would take 256 registers a thread, so a CTA takes 64 keys and the warpgroups split the head dim
+# instead (``_bwd_consumer``: FlashAttention-3's Hd 256 tiling, 64 × 64 with one Q/dO stage). Its
+# shared memory, 224 KB: Q, dO, K, V 32 KB each, Pᵀ and dSᵀ double-buffered 16 KB each, the fp32
+# dQ partial 64 KB; no room for a second stage or ``FINISH_DQ``'s 64 KB.
+BLOCK_N = {64: 128, 128: 128, 256: 64}
+STAGES = {64: 2, 128: 2, 256: 1}
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 MAX_NREG = 168  # 12 warps (8 consumers, the producer's warpgroup) × 168 = the 64K register file
@@ -118,6 +127,12 @@ MIN_SCORES = 1 << 27
 # row, so the gate stays at 1k. A version that finished a step late, to hide the wait, lost more
 # (0.967-0.992× at S 4k-16k) and broke the repeat bits at Hd 64.
 FINISH_DQ_TO = 1024
+
+
+def finishes_dq(deterministic: bool, seq_len: int, head_d: int) -> bool:
+    """Whether the kernel finishes dQ itself (``FINISH_DQ``): deterministic, to ``FINISH_DQ_TO``
+    keys, and where its 64-row sum of the others fits beside the rest (not Hd 256's tiling)."""
+    return deterministic and seq_len <= FINISH_DQ_TO and BLOCK_N[head_d] == 128
 # A deterministic CTA that waits this long for its turn traps (``_wait_for_turn``): the longest
 # honest wait is a head's backward, milliseconds.
 STUCK_NS = 10 * 10**9
@@ -264,6 +279,7 @@ class _BwdArgs:
     k_smem: gl.shared_memory_descriptor
     v_smem: gl.shared_memory_descriptor
     ds_smem: gl.shared_memory_descriptor
+    pt_smem: gl.shared_memory_descriptor  # Pᵀ where the warpgroups split the head dim
     dq_smem: gl.shared_memory_descriptor
     acc_smem: gl.shared_memory_descriptor
     lse_smem: gl.shared_memory_descriptor
@@ -326,7 +342,7 @@ def _bwd_producer(a, WALK: gl.constexpr):
 
 @gluon.jit
 def _bwd_consumer(a, CAUSAL: gl.constexpr, FINISH_DQ: gl.constexpr, WALK: gl.constexpr):
-    """Two warpgroups (8 warps): keys j·128 … +127 against every query block of the group. With
+    """Two warpgroups (8 warps): keys j·BN … against every query block of the group. With
     ``FINISH_DQ``, where this key block adds last into a dQ block, the sum so far comes from the
     writer (``acc_smem``) and the finished block goes out in q's dtype."""
     NSTAGE: gl.constexpr = a.q_smem.type.shape[0]
@@ -334,11 +350,21 @@ def _bwd_consumer(a, CAUSAL: gl.constexpr, FINISH_DQ: gl.constexpr, WALK: gl.con
     HEAD_D: gl.constexpr = a.q_smem.type.shape[4]
     BN: gl.constexpr = a.k_smem.type.shape[2]
     dtype: gl.constexpr = a.q_desc.dtype
-    # Sᵀ and dPᵀ (BN × BM): each warpgroup owns 64 keys. dK and dV (BN × Hd) likewise.
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                        instr_shape=[16, BM, 16])
-    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                        instr_shape=[16, HEAD_D, 16])
+    # 128 keys: Sᵀ and dPᵀ (BN × BM), each warpgroup owning 64 keys; dK and dV (BN × Hd) likewise,
+    # Pᵀ and dSᵀ their A operands from registers. 64 keys (Hd 256): each warpgroup owns half the
+    # queries of Sᵀ and dPᵀ and half the head dim of dK and dV, whose A operands (all the keys'
+    # and queries' Pᵀ and dSᵀ) then come from shared memory.
+    SPLIT_HEAD: gl.constexpr = BN == 64
+    if SPLIT_HEAD:
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                            instr_shape=[16, BM // 2, 16])
+        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                            instr_shape=[16, HEAD_D // 2, 16])
+    else:
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                            instr_shape=[16, BM, 16])
+        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                            instr_shape=[16, HEAD_D, 16])
     # dQ (BM × Hd): one 64-row tile has the warpgroups split Hd; 128 rows, the rows.
     if BM == 64:
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -378,19 +404,30 @@ def _bwd_consumer(a, CAUSAL: gl.constexpr, FINISH_DQ: gl.constexpr, WALK: gl.con
         if CAUSAL:
             if start_m < start_n + BN - 1:  # the block crosses the diagonal
                 pt = gl.where(cols[None, :] >= keys[:, None], pt, 0.0)
-        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_tile, dv, is_async=True)
-        dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # dV += Pᵀ·dO may still run
+        if SPLIT_HEAD:
+            pt_buf = a.pt_smem.index(it % 2)
+            pt_buf.store(pt.to(dtype))
+            dpt = warpgroup_mma_wait(0, deps=(dpt, ))
+        else:
+            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_tile, dv,
+                               is_async=True)
+            dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # dV += Pᵀ·dO may still run
         # dSᵀ = Pᵀ ∘ (dPᵀ − Δ), with the softmax scale folded in for both dK and dQ.
         ds = (pt * (dpt - a.delta_smem.index(s).load(per_query)[None, :]) * a.sm_scale).to(dtype)
         ds_buf = a.ds_smem.index(it % 2)
         ds_buf.store(ds)
         fence_async_shared()
-        # Both warpgroups' keys are in dSᵀ before either reads all of it. The buffer written here
-        # was last read by the dQ product two steps ago, which both warpgroups waited for in the
-        # previous step, before its barrier.
+        # Both warpgroups' keys (or queries) are in dSᵀ (and Pᵀ) before either reads all of it.
+        # The buffers written here were last read by the products two steps ago, which both
+        # warpgroups waited for in the previous step, before its barrier.
         gl.thread_barrier()
+        if SPLIT_HEAD:
+            dv = warpgroup_mma(pt_buf, do_tile, dv, is_async=True)
         dq = warpgroup_mma(ds_buf.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
-        dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_tile, dk, is_async=True)
+        if SPLIT_HEAD:
+            dk = warpgroup_mma(ds_buf, q_tile, dk, is_async=True)
+        else:
+            dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_tile, dk, is_async=True)
         # dQ goes before dK, so its hand-over to the writer overlaps the dK product. Every wgmma
         # is waited for within its step: one still running across the loop's back edge made
         # ptxas serialize all of them (C7515: 454 TFLOP/s at S 4096, each HGMMA waited on).
@@ -492,6 +529,10 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
     v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_D], v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    if BLOCK_N == 64:  # the warpgroups split the head dim: Pᵀ goes through shared memory too
+        pt_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    else:  # (not used)
+        pt_smem = ds_smem
     dq_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_D], dq_desc.layout)
     row_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_smem)
@@ -503,6 +544,7 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
     dq_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     gl.static_assert(DETERMINISTIC or not FINISH_DQ, "only a fixed order knows the last add")
+    gl.static_assert(BLOCK_N == 128 or not FINISH_DQ, "no room for the sum at 64 keys")
     if FINISH_DQ:  # the last adders' sums of the others: 32 KB, 226 of the 227 KB with it
         acc_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_D], dq_desc.layout)
         acc_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -525,8 +567,9 @@ def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, d
     a = _BwdArgs(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, do_desc=do_desc, dk_desc=dk_desc,
                  dv_desc=dv_desc, dq_desc=dq_desc, dqo_desc=dqo_desc, LSE=LSE, DELTA=DELTA, SEM=SEM,
                  q_smem=q_smem, do_smem=do_smem, k_smem=k_smem, v_smem=v_smem, ds_smem=ds_smem,
-                 dq_smem=dq_smem, acc_smem=acc_smem, lse_smem=lse_smem, delta_smem=delta_smem,
-                 kv_bar=kv_bar, q_ready=q_ready, do_ready=do_ready, qdo_empty=qdo_empty,
+                 pt_smem=pt_smem, dq_smem=dq_smem, acc_smem=acc_smem, lse_smem=lse_smem,
+                 delta_smem=delta_smem, kv_bar=kv_bar, q_ready=q_ready, do_ready=do_ready,
+                 qdo_empty=qdo_empty,
                  dq_full=dq_full, dq_empty=dq_empty, acc_bar=acc_bar, b=b, hk=hk, j=j, H=H,
                  GROUP=GROUP, SQ=SQ, SQ_PAD=SQ_PAD, n_i=n_q - i_lo, i_hi=n_q - 1,
                  qk_scale=qk_scale, sm_scale=sm_scale)
@@ -547,7 +590,8 @@ def hopper_backward_ok(q, k, v, do, causal, window) -> bool:
 @functools.lru_cache(maxsize=None)
 def _walk(causal, n_k, device, head_d):
     """The walk for a call (see WALK_*). CYCLIC needs a head's n_k CTAs resident together (one per
-    SM: the kernel takes ~193 KB of shared memory, 226 KB with ``FINISH_DQ``). It is used only
+    SM: the kernel takes 198 KB of shared memory at Hd 128, 226 KB with ``FINISH_DQ``, 225 KB at
+    Hd 256, whose 64-key CTAs make n_k twice as large for a length). It is used only
     where they fit in half the SMs, leaving room for kernels on other streams (NCCL), and not
     under an MPS thread limit set in this process's environment. A limit set by the MPS daemon,
     or an SM partition, is not visible here: should fewer than n_k SMs be free, the waiting CTAs
@@ -608,8 +652,8 @@ def hopper_backward(do, q, k, v, lse, delta, sem, dq, dk, dv, causal, scale, sca
     B, H, S, Hd = q.shape
     Hkv = k.shape[1]
     head_d = kernel_head_dim(Hd, S, HEAD_DIMS)  # the tile width: >= Hd
-    block_m = BLOCK_M[head_d]
-    n_k = cdiv(S, BLOCK_N)
+    block_m, block_n = BLOCK_M[head_d], BLOCK_N[head_d]
+    n_k = cdiv(S, block_n)
     s_pad = cdiv(S, block_m) * block_m  # no TMA block spills into the next head's rows
     deterministic = sem is not None
     # Deterministic: each block's first adder stores, so every row (the padding too) is written.
@@ -619,12 +663,12 @@ def hopper_backward(do, q, k, v, lse, delta, sem, dq, dk, dv, causal, scale, sca
     dq_desc = unchecked_descriptor(dq_acc, [block_m, head_d],
                                    gluon_layout((block_m, head_d), gl.float32))
     walk = _walk(causal, n_k, q.device, head_d)
-    finish_dq = deterministic and S <= FINISH_DQ_TO
+    finish_dq = finishes_dq(deterministic, S, head_d)
     assert walk_possible(walk, causal), (walk, causal)
     q_desc = tma_descriptor(q, block_m, head_d)
-    args = (q_desc, *(tma_descriptor(t, BLOCK_N, head_d) for t in (k, v)),
+    args = (q_desc, *(tma_descriptor(t, block_n, head_d) for t in (k, v)),
             tma_descriptor(do, block_m, head_d),
-            *(tma_descriptor(t, BLOCK_N, head_d) for t in (dk, dv)), dq_desc,
+            *(tma_descriptor(t, block_n, head_d) for t in (dk, dv)), dq_desc,
             # dqo_desc, not read without FINISH_DQ
             tma_descriptor(dq, block_m, head_d) if finish_dq else q_desc,
             lse, delta,
@@ -635,7 +679,7 @@ def hopper_backward(do, q, k, v, lse, delta, sem, dq, dk, dv, causal, scale, sca
         cached_launch(
             _attn_bwd_hopper_kernel, (n_k, B * Hkv), (q.dtype, do.dtype), *args, CAUSAL=causal,
             DETERMINISTIC=deterministic, FINISH_DQ=finish_dq, WALK=walk, BLOCK_M=block_m,
-            BLOCK_N=BLOCK_N, HEAD_D=head_d, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS,
+            BLOCK_N=block_n, HEAD_D=head_d, STAGES=STAGES[head_d], CONSUMER_REGS=CONSUMER_REGS,
             PRODUCER_REGS=PRODUCER_REGS, num_warps=8, maxnreg=MAX_NREG)
         if not finish_dq:  # (else the kernel's last adders wrote dq)
             acc = dq_acc.view(B, H, s_pad, Hd)

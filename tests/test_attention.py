@@ -608,18 +608,19 @@ def resources(case):
     else:
         block_m = fab.BLOCK_M[head_d]
         dq_layout = gl.NVMMASharedLayout.get_default_for([block_m, head_d], gl.float32)
-        signature = {"q_desc": desc(block_m), "k_desc": desc(fab.BLOCK_N),
-                     "v_desc": desc(fab.BLOCK_N), "do_desc": desc(block_m),
-                     "dk_desc": desc(fab.BLOCK_N), "dv_desc": desc(fab.BLOCK_N),
+        block_n = fab.BLOCK_N[head_d]
+        signature = {"q_desc": desc(block_m), "k_desc": desc(block_n),
+                     "v_desc": desc(block_n), "do_desc": desc(block_m),
+                     "dk_desc": desc(block_n), "dv_desc": desc(block_n),
                      "dq_desc": f"tensordesc<fp32[{block_m},{head_d}],{dq_layout!r}>",
                      "dqo_desc": desc(block_m),
                      "LSE": "*fp32", "DELTA": "*fp32", "SEM": "*i32", "H": "i32", "GROUP": "i32",
                      "SQ": "i32", "SQ_PAD": "i32", "qk_scale": "fp32", "sm_scale": "fp32",
                      "stuck_ns": "i64"}
         constexprs = {"CAUSAL": causal, "DETERMINISTIC": deterministic,
-                      "FINISH_DQ": deterministic and seq_len <= fab.FINISH_DQ_TO, "WALK": walk,
+                      "FINISH_DQ": fab.finishes_dq(deterministic, seq_len, head_d), "WALK": walk,
                       "BLOCK_M": block_m}
-        constexprs.update({"BLOCK_N": fab.BLOCK_N, "HEAD_D": head_d, "STAGES": fab.STAGES,
+        constexprs.update({"BLOCK_N": block_n, "HEAD_D": head_d, "STAGES": fab.STAGES[head_d],
                            "CONSUMER_REGS": fab.CONSUMER_REGS,
                            "PRODUCER_REGS": fab.PRODUCER_REGS})
         fn, warps, max_nreg = fab._attn_bwd_hopper_kernel, 8, fab.MAX_NREG
@@ -689,9 +690,8 @@ def test_backward_walk_follows_the_measured_rule(monkeypatch):
 def test_wide_tiles_follow_the_measured_rule():
     """Hd 33-63 and 65-127 run the Hd 64 and 128 Gluon kernels (TMA zero-fills the columns past
     Hd) from ``WIDE_TILE_FROM`` keys, 256, the shortest length at which every timed head dim ran
-    >= 1.05x the Triton path (at 128 keys Hd 96 causal read 0.999x); Hd 64 and 128 at any length,
-    and Hd 256 in the forward; no other head dim ever (Hd 129-255 on the Hd 256 tiles is not
-    measured)."""
+    >= 1.05x the Triton path (at 128 keys Hd 96 causal read 0.999x); Hd 64, 128 and 256 at any
+    length; no other head dim ever (Hd 129-255 on the Hd 256 tiles is not measured)."""
     assert fah.WIDE_TILE_FROM == 256
     for head_dims in (fah.HEAD_DIMS, fab.HEAD_DIMS):
         for head_d, tile in ((40, 64), (48, 64), (56, 64), (72, 128), (96, 128), (120, 128)):
@@ -702,9 +702,9 @@ def test_wide_tiles_follow_the_measured_rule():
             assert fah.kernel_head_dim(head_d, 1, head_dims) == head_d
         for head_d in (8, 16, 24, 32, 136, 192, 248):
             assert fah.kernel_head_dim(head_d, 1 << 15, head_dims) is None
-    # Hd 256: the forward's own tiles at any length; the backward is the Triton kernels'
-    assert fah.kernel_head_dim(256, 1, fah.HEAD_DIMS) == 256
-    assert fah.kernel_head_dim(256, 1 << 15, fab.HEAD_DIMS) is None
+    # Hd 256: its own tiles at any length, the forward's and the backward's (64 keys a CTA)
+    for head_dims in (fah.HEAD_DIMS, fab.HEAD_DIMS):
+        assert fah.kernel_head_dim(256, 1, head_dims) == 256
 
 
 def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
@@ -733,7 +733,8 @@ def test_hopper_kernels_compile_for_sm90_without_spills_or_serialized_wgmma():
              ["fwd", True, False, 256, "bfloat16", None, 4096],
              ["fwd", False, False, 256, "float16", None, 4096],
              ["bwd", False, False, 128, "float16", walks[0], fab.FINISH_DQ_TO],
-             ["bwd", False, False, 64, "float16", walks[0], fab.FINISH_DQ_TO]]
+             ["bwd", False, False, 64, "float16", walks[0], fab.FINISH_DQ_TO],
+             ["bwd", True, False, 256, "float16", int(fab.WALK_ASCENDING), 4096]]
     # Every walk a call can take, deterministic, with the in-kernel dQ finish (to FINISH_DQ_TO
     # keys) and without it (longer calls).
     cases += [["bwd", causal, True, head_d, "bfloat16", walk, seq_len]
@@ -993,7 +994,7 @@ def test_gpu_non_positive_scale(scale, Hd, monkeypatch):
     (4, 2, 2, 64, True, torch.float16, "BSHD"),
     (1, 1, 1, 1, True, torch.bfloat16, "BHSD"),
 ])
-@pytest.mark.parametrize("Hd", [64, 128, 96, 48])
+@pytest.mark.parametrize("Hd", [64, 128, 96, 48, 256])
 def test_gpu_hopper_backward(B, H, Hkv, S, causal, dtype, layout, deterministic, Hd, monkeypatch):
     """The Gluon backward against the Triton backward (forced) on the same forward: long and odd
     lengths, GQA, both layouts, one-row and partial blocks, Hd 96 and 48 on wider tiles; against the
@@ -1010,9 +1011,11 @@ def test_gpu_hopper_backward(B, H, Hkv, S, causal, dtype, layout, deterministic,
     ("DESCENDING", 1, 8, 2, 4097, False), ("CYCLIC", 1, 8, 2, 4097, False),
     ("DESCENDING", 3, 4, 1, 1000, True), ("ASCENDING", 3, 4, 1, 1000, True),
     ("ASCENDING", 2, 4, 4, 4096, True), ("CYCLIC", 2, 4, 4, 129, False),
-    ("ASCENDING", 1, 4, 2, 9000, True),  # 142 CTAs, more than the SMs hold (a head's 71 fit)
+    # 142 CTAs (282 at Hd 256), more than the SMs hold (a head's 71 fit; at Hd 256 its 141 do not:
+    # ASCENDING needs none resident together)
+    ("ASCENDING", 1, 4, 2, 9000, True),
 ])
-@pytest.mark.parametrize("Hd", [64, 128])
+@pytest.mark.parametrize("Hd", [64, 128, 256])
 def test_gpu_hopper_backward_every_walk(walk, B, H, Hkv, S, causal, Hd, monkeypatch):
     """Every order of the deterministic adds (``WALK_*``), whichever ``_walk`` would pick here."""
     forced = int(getattr(fab, "WALK_" + walk))
@@ -1029,7 +1032,7 @@ def test_gpu_hopper_backward_every_walk(walk, B, H, Hkv, S, causal, Hd, monkeypa
     ("DESCENDING", 2, 4, 4, 333, True), ("ASCENDING", 1, 4, 2, 1000, True),
     ("ASCENDING", 1, 2, 2, 1, True), ("CYCLIC", 1, 2, 1, 1500, False),
 ])
-@pytest.mark.parametrize("Hd", [64, 128, 72, 40])
+@pytest.mark.parametrize("Hd", [64, 128, 72, 40, 256])
 def test_gpu_hopper_backward_writes_every_gradient_row(walk, B, H, Hkv, S, causal, Hd,
                                                       deterministic, monkeypatch):
     """dq, dk, dv and the fp32 dQ accumulator start as NaN: every row must be written
