@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# The pending GPU work of docs/pending/README.md in three device calls of under 10 minutes each:
+# The pending GPU work of docs/pending/README.md in two device calls of under 10 minutes each:
 #   bash docs/pending/run.sh 2   # window-fwd.patch: its GPU tests, then the probe
 #   bash docs/pending/run.sh 3   # window-bwd.patch (on top of window-fwd.patch): its tests, the probe
-#   bash docs/pending/run.sh 4   # bwd-hd256.patch (on main alone): its GPU tests, then the probe
 # Each step's patches are applied, run and reverted (git apply works outside a repository too); the
 # logs go to $OUT (or /tmp) as <step>.log, and a failing step does not stop the next.
 set -u
@@ -30,13 +29,8 @@ case ${1:-} in
         tests/test_attention.py -k hopper_backward_window
     step window_bwd "$both" timeout 300 python docs/pending/window_bwd.py
     ;;
-4)
-    step hd256_bwd_test bwd-hd256.patch timeout 360 python -m pytest -q -p no:cacheprovider \
-        tests/test_attention.py -k "hopper_backward and 256"
-    step hd256_bwd bwd-hd256.patch timeout 220 python docs/pending/hd256_bwd.py
-    ;;
 *)
-    echo "usage: bash docs/pending/run.sh 2|3|4" >&2
+    echo "usage: bash docs/pending/run.sh 2|3" >&2
     exit 2
     ;;
 esac

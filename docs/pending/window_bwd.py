@@ -9,7 +9,7 @@ first, keeps its order of adds as it is), and a step across either edge of the w
 by one unsigned compare, 0 <= query - key <= left (as two masks it spilled at Hd 64: 98 spill
 instructions in the loop; none now, sm_90 compile on CPU). The patch dispatches Hd 128
 (``WINDOW_HEAD_DIMS``); Hd 64 is timed here with the dispatch widened. The unwindowed backward
-binaries' SASS is identical to main's (24; 36 with bwd-hd256.patch). It applies on top of
+binaries' SASS is identical to main's (36, Hd 64/128/256). It applies on top of
 window-fwd.patch (the LSE it reads is the same from either forward; at Hd 64 the forward is
 Triton's).
 
