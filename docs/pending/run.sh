@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The pending GPU work of docs/pending/README.md in two device calls of under 10 minutes each:
+# The pending GPU work of docs/pending/README.md in three device calls of under 10 minutes each:
 #   bash docs/pending/run.sh 2   # window-fwd.patch: its GPU tests, then the probe
 #   bash docs/pending/run.sh 3   # window-bwd.patch (on top of window-fwd.patch): its tests, the probe
+#   bash docs/pending/run.sh 4   # bwd256-release.patch (on main alone): the probe, then its GPU tests
 # Each step's patches are applied, run and reverted (git apply works outside a repository too); the
 # logs go to $OUT (or /tmp) as <step>.log, and a failing step does not stop the next.
 set -u
@@ -29,8 +30,16 @@ case ${1:-} in
         tests/test_attention.py -k hopper_backward_window
     step window_bwd "$both" timeout 300 python docs/pending/window_bwd.py
     ;;
+4)
+    # main's module, the probe's baseline; the probe first: it alone can drop the patch
+    cp attention/flash_attn_hopper_bwd.py /tmp/bwd_main.py
+    step hd256_release bwd256-release.patch timeout 300 python docs/pending/hd256_release.py \
+        /tmp/bwd_main.py
+    step hd256_release_test bwd256-release.patch timeout 280 python -m pytest -q \
+        -p no:cacheprovider tests/test_attention.py -k "hopper_backward and 256"
+    ;;
 *)
-    echo "usage: bash docs/pending/run.sh 2|3" >&2
+    echo "usage: bash docs/pending/run.sh 2|3|4" >&2
     exit 2
     ;;
 esac
