@@ -7,7 +7,7 @@ the next step's Q and dO (64 KB) then start when the step ends, and the next ste
 product waits for them. The patch issues dV, dK, then dQ, frees the stage once dV and dK are done
 (a partition-wide bar.sync precedes every mbarrier arrive in the PTX, so both warpgroups have
 read it) and hands dQ over after, so the loads run under the dQ product and hand-over. Hd 64 and
-128 keep their order (their 24 deterministic binaries' SASS is identical to main's); at Hd 256
+128 keep their order (their 16 deterministic binaries' SASS is identical to main's); at Hd 256
 168 registers, no spill, no C7515, and the sm_90 compile test passes (CPU, 2026-12-08).
 
 Decision rule, set before the run: the patch lands if the Hd 256 GPU tests of the backward pass
@@ -23,8 +23,8 @@ is the module as it was before the patch, copied by run.sh to the path given.
 
     cp attention/flash_attn_hopper_bwd.py /tmp/bwd_main.py
     git apply docs/pending/bwd256-release.patch
-    PYTHONPATH=. timeout 300 pytest -q tests/test_attention.py -k "hopper_backward and 256"
     PYTHONPATH=. python docs/pending/hd256_release.py /tmp/bwd_main.py
+    PYTHONPATH=. timeout 280 pytest -q tests/test_attention.py -k "hopper_backward and 256"
 """
 
 import importlib.util

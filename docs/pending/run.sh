@@ -9,13 +9,20 @@ set -u
 out=${OUT:-/tmp}
 cd "$(dirname "$0")/../.."
 step() {  # name, patches (space-separated, in order; '' for none), command
-    local name=$1 patches=$2 p
+    local name=$1 patches=$2 p applied=""
     shift 2
-    for p in $patches; do git apply "docs/pending/$p"; done
+    for p in $patches; do  # a patch that does not apply stops the step: no probe of main vs main
+        if ! git apply "docs/pending/$p"; then
+            echo "== $name: $p does not apply" | tee "$out/$name.log"
+            for p in $applied; do git apply -R "docs/pending/$p"; done
+            return 1
+        fi
+        applied="$p $applied"
+    done
     echo "== $name" | tee "$out/$name.log"
     PYTHONPATH=. "$@" >> "$out/$name.log" 2>&1
     echo "rc=$?" >> "$out/$name.log"
-    for p in $(echo "$patches" | tr ' ' '\n' | tac); do git apply -R "docs/pending/$p"; done
+    for p in $applied; do git apply -R "docs/pending/$p"; done  # (the last applied first)
     tail -25 "$out/$name.log"
 }
 case ${1:-} in
@@ -31,7 +38,7 @@ case ${1:-} in
     step window_bwd "$both" timeout 300 python docs/pending/window_bwd.py
     ;;
 4)
-    # main's module, the probe's baseline; the probe first: it alone can drop the patch
+    # main's module, the probe's baseline; the probe first, whose rows can drop the patch alone
     cp attention/flash_attn_hopper_bwd.py /tmp/bwd_main.py
     step hd256_release bwd256-release.patch timeout 300 python docs/pending/hd256_release.py \
         /tmp/bwd_main.py
