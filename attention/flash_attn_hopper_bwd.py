@@ -98,8 +98,9 @@ TURN_ROWS = min(BLOCK_M.values())
 # Keys per CTA: two warpgroups × 64, each holding its keys' rows of dK and dV. At Hd 256 those rows
 # would take 256 registers a thread, so a CTA takes 64 keys and the warpgroups split the head dim
 # instead (``_bwd_consumer``: FlashAttention-3's Hd 256 tiling, 64 × 64 with one Q/dO stage). Its
-# shared memory, 224 KB: Q, dO, K, V 32 KB each, Pᵀ and dSᵀ double-buffered 16 KB each, the fp32
-# dQ partial 64 KB; no room for a second stage or ``FINISH_DQ``'s 64 KB.
+# buffers, 224 of the kernel's 225 KB of shared memory: Q, dO, K, V 32 KB each, Pᵀ and dSᵀ
+# double-buffered 16 KB each, the fp32 dQ partial 64 KB; no room for a second stage or
+# ``FINISH_DQ``'s 64 KB.
 BLOCK_N = {64: 128, 128: 128, 256: 64}
 STAGES = {64: 2, 128: 2, 256: 1}
 CONSUMER_REGS = 240
